@@ -1,0 +1,394 @@
+"""`datapipe build`: decode every image once on a Dask cluster and write a verified, sharded cache.
+
+One Dask task per shard and one writer per shard; tasks take paths and return small records, so
+no image bytes ever travel through the task graph. A shard is written under a temporary name and
+renamed when whole; a rerun recognises finished shards (by their inputs hash and the build's
+configuration hash) and skips them, so a killed build resumes and an unchanged rerun is a no-op.
+The manifest is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import manifest as mf
+from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
+from .errors import ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError
+from .sources import Listing, plan_shards, scan
+from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, read_shard_record,
+                      remove_stale_temps, shard_name)
+
+TARGET_SHARD_BYTES = 100 * 2**20
+
+
+def default_shard_size(size: int) -> int:
+    """Samples per shard so that a shard holds about 100 MB (at least 1, at most 4096)."""
+    return int(min(4096, max(1, TARGET_SHARD_BYTES // (size * size * 3))))
+
+
+@dataclass
+class BuildReport:
+    """What a build did: returned by :func:`build` and written to ``report.json``."""
+
+    output: str
+    status: str
+    num_samples: int = 0
+    scanned: int = 0
+    quarantined: list[dict] = field(default_factory=list)
+    ignored: int = 0
+    shards_total: int = 0
+    shards_built: int = 0
+    shards_skipped: int = 0
+    workers: int = 0
+    dashboard: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    images_per_second: float = 0.0
+    bytes_on_disk: int = 0
+    bytes_per_sample: float = 0.0
+    peak_worker_rss_mb: float = 0.0
+    config: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
+        return (f"{self.status}: {self.num_samples:,} samples in {self.shards_total} shards "
+                f"({self.shards_built} built, {self.shards_skipped} already done), "
+                f"{len(self.quarantined)} quarantined, {rate}, "
+                f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str) -> dict:
+    """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file."""
+    import resource
+
+    final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
+    existing = read_shard_record(final)
+    if (existing and existing.get("inputs_hash") == plan["inputs_hash"]
+            and existing.get("config_hash") == config_hash):
+        return {**existing, "skipped": True, "seconds": 0.0}
+    if final.exists():  # a shard of ours from other inputs or a damaged one: replace it
+        stale = final.with_name(f".tmp-stale-{final.name}-{os.getpid()}")
+        os.rename(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    decode_spec = DecodeSpec(**spec)
+    quarantined: list[dict] = []
+    start = time.perf_counter()
+    with ShardWriter(final, size=decode_spec.size) as writer:
+        for path, label in zip(plan["paths"], plan["labels"]):
+            image = _load(Path(root) / path, decode_spec, path, quarantined)
+            if image is not None:
+                writer.add(image, label, path)
+        record = writer.commit({
+            "shard": plan["shard"], "inputs_hash": plan["inputs_hash"], "config_hash": config_hash,
+            "quarantined": quarantined,
+        })
+    record["paths"] = writer.paths
+    record["skipped"] = False
+    record["seconds"] = time.perf_counter() - start
+    record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return record
+
+
+def _load(file: Path, spec: DecodeSpec, path: str, quarantined: list[dict]) -> np.ndarray | None:
+    """Read and decode one file; on failure record why in ``quarantined`` and return None."""
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+        return decode_sample(data, spec)
+    except DecodeError as exc:
+        reason = str(exc)
+    except OSError as exc:
+        reason = f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"
+    except Exception as exc:  # noqa: BLE001 - one bad file must never end the build
+        reason = f"decoder failed: {type(exc).__name__}: {exc}"
+    quarantined.append({"path": path, "reason": reason})
+    return None
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def build(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    size: int = 256,
+    fit: str = "crop",
+    shard_size: int | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_bad_fraction: float = 0.01,
+    workers: int | None = None,
+    scheduler: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    log=None,
+) -> BuildReport:
+    """Decode every image in ``source`` once and write a sharded cache to ``output``.
+
+    Args:
+        source: a folder of class folders (ImageNet layout) or a CSV of ``path,label`` rows.
+        output: the cache folder; created if missing. A rerun resumes or is a no-op.
+        size: side of the square uint8 samples.
+        fit: ``crop`` (shorter side to ``size``, center crop), ``pad`` or ``stretch``.
+        shard_size: samples per shard; default about 100 MB per shard.
+        max_pixels: larger images (by their header) are quarantined before decoding.
+        max_bad_fraction: quarantined files above this share of the source fail the build.
+        workers: worker processes of the LocalCluster (default: one per core).
+        scheduler: address of an existing Dask scheduler (``tcp://host:8786``), or ``"sync"``
+            to build serially in this process without Dask.
+        force: rebuild into an output that holds a build of another configuration.
+        progress: show a progress bar on stderr.
+        log: a callable taking one line of text (default: print to stderr).
+
+    Returns:
+        A :class:`BuildReport`; also written to ``output/report.json``.
+
+    Raises:
+        SourceError: the source is missing or holds no images.
+        OutputError: the output cannot be written, or holds something that is not a datapipe cache.
+        ConfigMismatchError: the output holds a build with another configuration (use ``force``).
+        TooManyBadFilesError: more than ``max_bad_fraction`` of the files were quarantined.
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if not 0.0 <= max_bad_fraction <= 1.0:
+        raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
+    spec = DecodeSpec(size=size, fit=fit, max_pixels=max_pixels)
+    shard_size = shard_size or default_shard_size(size)
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size!r}")
+    t0 = time.perf_counter()
+    listing = scan(source)
+    out = Path(output).expanduser().absolute()
+    config = {**asdict(spec), "shard_size": shard_size, "source_kind": listing.kind}
+    chash = mf.config_hash(config)
+    _prepare_output(out, config, chash, force)
+    plans = plan_shards(listing, shard_size)
+    t_scan = time.perf_counter() - t0
+    log(f"datapipe build: {len(listing):,} files in {len(listing.classes)} classes from {listing.root} "
+        f"-> {len(plans)} shards of up to {shard_size} samples at {size}x{size} ({fit})")
+
+    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec), "config_hash": chash}
+    timing = {"scan": t_scan}
+    t1 = time.perf_counter()
+    records, n_workers, dashboard = _run(plans, kwargs, workers=workers, scheduler=scheduler,
+                                         progress=progress, log=log, timing=timing)
+    timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
+    return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,
+                   workers=n_workers, dashboard=dashboard, t0=t0, log=log)
+
+
+def _prepare_output(out: Path, config: dict, chash: str, force: bool) -> None:
+    lock = out / mf.BUILD_LOCK
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output folder {out}: {exc.strerror or exc}") from None
+    if lock.exists():
+        try:
+            previous = json.loads(lock.read_text())
+        except ValueError:
+            previous = {}
+        if previous.get("config_hash") != chash:
+            if not force:
+                raise ConfigMismatchError(
+                    f"{out} holds a build with another configuration ({_diff(previous.get('config', {}), config)}); "
+                    "choose another output folder, or pass --force to rebuild it")
+            _remove_build(out)
+    elif any(out.iterdir()):
+        raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
+                          "or new folder (datapipe never deletes files it did not create)")
+    try:
+        (out / SHARDS_DIR).mkdir(exist_ok=True)
+        atomic_write_text(lock, json.dumps({"format": mf.FORMAT, "version": mf.VERSION,
+                                            "config": config, "config_hash": chash}, indent=1))
+    except OSError as exc:
+        raise OutputError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
+    removed = remove_stale_temps(out / SHARDS_DIR)
+    if removed:
+        print(f"datapipe build: removed {removed} unfinished shard(s) left by an interrupted build",
+              file=sys.stderr)
+
+
+def _diff(old: dict, new: dict) -> str:
+    parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return ", ".join(parts) or "unknown configuration"
+
+
+def _remove_build(out: Path) -> None:
+    """Remove what an earlier datapipe build wrote here (and nothing else)."""
+    for name in (mf.MANIFEST, mf.REPORT, mf.LABELS, mf.PATHS, mf.BUILD_LOCK):
+        (out / name).unlink(missing_ok=True)
+    shards = out / SHARDS_DIR
+    if shards.is_dir():
+        for entry in shards.iterdir():
+            if entry.name.endswith(".zarr") or entry.name.startswith(".tmp-"):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _warm_up() -> None:
+    import simplejpeg  # noqa: F401
+    import torch  # noqa: F401
+    import zarr  # noqa: F401
+
+
+def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(plans), unit="shard", desc="shards", disable=not progress, file=sys.stderr)
+    if scheduler == "sync":
+        records = []
+        t_start = time.perf_counter()
+        for plan in plans:
+            records.append(build_shard(plan, **kwargs))
+            bar.update()
+        bar.close()
+        timing["shards"] = time.perf_counter() - t_start
+        return records, 1, None
+    from dask.distributed import Client, LocalCluster, as_completed
+
+    cluster = None
+    if scheduler:
+        try:
+            client = Client(scheduler, timeout="20s")
+        except OSError as exc:
+            raise OutputError(f"cannot reach the Dask scheduler at {scheduler}: {exc}") from None
+    else:
+        n = workers or os.cpu_count() or 1
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                               dashboard_address=":8787", silence_logs=40)
+        client = Client(cluster)
+    try:
+        client.run(_warm_up)  # imports on every worker before the clock for shards starts
+        n_workers = len(client.scheduler_info()["workers"])
+        dashboard = _dashboard(client)
+        where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
+        log(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
+        t_start = time.perf_counter()
+        keys = [f"datapipe-shard-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
+        futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
+        records: dict[int, dict] = {}
+        for future in as_completed(futures):
+            rec = future.result()
+            records[rec["shard"]] = rec
+            bar.update()
+        bar.close()
+        timing["shards"] = time.perf_counter() - t_start
+        return [records[p["shard"]] for p in plans], n_workers, dashboard
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _dashboard(client) -> str | None:
+    try:
+        import bokeh  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        return client.dashboard_link
+    except Exception:  # noqa: BLE001 - a scheduler without a dashboard
+        return None
+
+
+def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_fraction, *, seconds,
+            workers, dashboard, t0, log) -> BuildReport:
+    quarantined = list(listing.dropped)
+    for rec in records:
+        quarantined.extend(rec.get("quarantined", []))
+    total = len(listing) + len(listing.dropped)
+    built = [r for r in records if not r.get("skipped")]
+    n_samples = sum(r["count"] for r in records)
+    on_disk = sum(r["nbytes"] for r in records)
+    report = BuildReport(
+        output=str(out), status="ok", num_samples=n_samples, scanned=total, quarantined=quarantined,
+        ignored=len(listing.ignored), shards_total=len(plans), shards_built=len(built),
+        shards_skipped=len(records) - len(built), workers=workers, dashboard=dashboard, config=config,
+        bytes_on_disk=on_disk, bytes_per_sample=on_disk / max(n_samples, 1),
+        peak_worker_rss_mb=max((r.get("peak_rss_mb", 0.0) for r in built), default=0.0),
+    )
+    built_images = sum(r["count"] + len(r["quarantined"]) for r in built)
+    report.images_per_second = built_images / seconds["shards"] if built and seconds["shards"] > 0 else 0.0
+    bad_fraction = len(quarantined) / max(total, 1)
+    if bad_fraction > max_bad_fraction:
+        report.status = "failed"
+        report.seconds = {**seconds, "total": time.perf_counter() - t0}
+        _write_report(out, report)
+        first = "; ".join(f"{q['path']}: {q['reason']}" for q in quarantined[:3])
+        raise TooManyBadFilesError(
+            f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "
+            f"--max-bad-fraction {max_bad_fraction:g}. First: {first}. Every file and its reason "
+            f"is in {out / mf.REPORT}; finished shards are kept, so fixing the files or raising the "
+            "budget and rerunning resumes the build.")
+    t_fin = time.perf_counter()
+    _write_index(out, listing, plans, records, config, chash)
+    seconds["finalize"] = time.perf_counter() - t_fin
+    report.seconds = {**seconds, "total": time.perf_counter() - t0}
+    _write_report(out, report)
+    log("datapipe build: " + report.summary())
+    return report
+
+
+def _write_index(out: Path, listing: Listing, plans, records, config, chash) -> None:
+    labels = np.concatenate([np.asarray(_labels_of(out, r), np.int64) for r in records]) if records else np.empty(0, np.int64)
+    paths = [p for r in records for p in r["paths"]]
+    lab_tmp = out / f".tmp-{mf.LABELS}"
+    with open(lab_tmp, "wb") as f:
+        np.save(f, labels)
+    os.replace(lab_tmp, out / mf.LABELS)
+    atomic_write_text(out / mf.PATHS, json.dumps(paths, ensure_ascii=False))
+    shards, first = [], 0
+    for r in records:
+        shards.append({"name": shard_name(r["shard"]), "count": r["count"], "first": first,
+                       "nbytes": r["nbytes"], "crc32c": r["crc32c"], "inputs_hash": r["inputs_hash"]})
+        first += r["count"]
+    # Shards left from an earlier, larger source are ours and no longer part of the cache.
+    keep = {s["name"] for s in shards}
+    for entry in (out / SHARDS_DIR).iterdir():
+        if entry.name.endswith(".zarr") and entry.name not in keep:
+            shutil.rmtree(entry, ignore_errors=True)
+    manifest = {
+        "format": mf.FORMAT,
+        "version": mf.VERSION,
+        "config": config,
+        "config_hash": chash,
+        "sample": {"shape": [config["size"], config["size"], 3], "dtype": "uint8",
+                   "layout": "zarr-v3-sharded, chunk = one sample, uncompressed (memory-mappable)"},
+        "num_samples": first,
+        "classes": listing.classes,
+        "source": {"root": str(listing.root.absolute()), "kind": listing.kind},
+        "files": {
+            "labels": {"name": mf.LABELS, "crc32c": file_crc32c(out / mf.LABELS)},
+            "paths": {"name": mf.PATHS, "crc32c": file_crc32c(out / mf.PATHS)},
+        },
+        "shards": shards,
+    }
+    mf.write_manifest(out, manifest)
+
+
+def _labels_of(out: Path, record: dict) -> np.ndarray:
+    import zarr
+
+    if record["count"] == 0:
+        return np.empty(0, np.int64)
+    group = zarr.open_group(str(out / SHARDS_DIR / shard_name(record["shard"])), mode="r")
+    return group["labels"][:]
+
+
+def _write_report(out: Path, report: BuildReport) -> None:
+    atomic_write_text(out / mf.REPORT, json.dumps(asdict(report), indent=1, ensure_ascii=False))
+
+
+def report_dict(report: BuildReport) -> dict[str, Any]:
+    return asdict(report)

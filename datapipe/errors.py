@@ -1,0 +1,39 @@
+"""One hierarchy for every error datapipe raises, each with the matching built-in base."""
+
+from __future__ import annotations
+
+
+class DatapipeError(Exception):
+    """Base class of every error raised by datapipe."""
+
+
+class SourceError(DatapipeError, FileNotFoundError):
+    """The source to build from is missing, empty or unreadable."""
+
+
+class OutputError(DatapipeError, OSError):
+    """The output folder cannot be created or written."""
+
+
+class ConfigMismatchError(DatapipeError, ValueError):
+    """An output folder already holds a build made with a different configuration."""
+
+
+class CacheError(DatapipeError, ValueError):
+    """A cache is missing, incomplete, of an unknown format version, or damaged."""
+
+
+class CorruptShardError(CacheError):
+    """A shard's size or checksum does not match the manifest."""
+
+
+class DecodeError(DatapipeError, ValueError):
+    """One input file cannot be turned into a sample; the message is the quarantine reason."""
+
+
+class TooManyBadFilesError(DatapipeError, RuntimeError):
+    """More files were quarantined than ``max_bad_fraction`` allows."""
+
+
+class StateError(DatapipeError, ValueError):
+    """A saved loader state cannot be restored (unknown version, other dataset, other batch size)."""

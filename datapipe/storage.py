@@ -1,0 +1,222 @@
+"""Shards on disk: one Zarr v3 group per shard whose image array is memory-mappable.
+
+A shard is the folder ``shards/NNNNNN.zarr``, a Zarr v3 group holding
+
+* ``images``: uint8 [n, S, S, 3], sharding codec, chunk = one sample, no compression — so the one
+  shard file ``images/c/0/0/0/0`` is the n samples back to back, followed by the shard index
+  (n × (offset, nbytes) little-endian uint64) and the index's crc32c, exactly as the Zarr v3 sharding
+  spec lays it out. zarr-python reads it; the loader memory-maps the first n·S·S·3 bytes instead,
+  which turns a batch into one numpy gather rather than one zarr call per image.
+* ``labels``: int64 [n], one uncompressed chunk.
+* group attributes: the shard's source paths, its plan hash, quarantined files and the data file's
+  crc32c.
+
+A shard is written into a temporary folder beside its final name and renamed into place when
+complete, so a shard folder with the final name is always whole. The writer streams one sample at a
+time to the file: a worker never holds more than one decoded image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CorruptShardError
+
+SHARDS_DIR = "shards"
+TMP_PREFIX = ".tmp-"
+IMAGES_FILE = ("images", "c", "0", "0", "0", "0")
+LABELS_FILE = ("labels", "c", "0")
+GROUP_META = "zarr.json"
+
+
+def shard_name(index: int) -> str:
+    return f"{index:06d}.zarr"
+
+
+def images_path(shard_dir: Path) -> Path:
+    return shard_dir.joinpath(*IMAGES_FILE)
+
+
+def _crc32c(data, value: int = 0) -> int:
+    import google_crc32c
+
+    return google_crc32c.extend(value, data)
+
+
+def expected_file_size(count: int, size: int) -> int:
+    """Bytes of a shard's image file: samples, then the shard index and its crc32c."""
+    return count * size * size * 3 + 16 * count + 4 if count else 0
+
+
+class ShardWriter:
+    """Write one shard into a temporary folder, then rename it into place.
+
+    Use as ``with ShardWriter(final_dir, size=S) as w: w.add(img, label, path); info = w.commit(...)``.
+    Leaving the block without ``commit`` (an exception) removes the temporary folder.
+    """
+
+    def __init__(self, final_dir: Path, *, size: int) -> None:
+        self.final_dir = Path(final_dir)
+        self.size = size
+        self.tmp_dir = self.final_dir.parent / f"{TMP_PREFIX}{self.final_dir.stem}-{uuid.uuid4().hex[:8]}"
+        self.labels: list[int] = []
+        self.paths: list[str] = []
+        self._crc = 0
+        self._file = None
+
+    def __enter__(self) -> "ShardWriter":
+        data = images_path(self.tmp_dir)
+        data.parent.mkdir(parents=True)
+        self._file = open(data, "wb")  # noqa: SIM115 - closed in commit/__exit__
+        return self
+
+    def add(self, image: np.ndarray, label: int, path: str) -> None:
+        if image.shape != (self.size, self.size, 3) or image.dtype != np.uint8:
+            raise ValueError(f"sample {path!r} has shape {image.shape} {image.dtype}, expected "
+                             f"({self.size}, {self.size}, 3) uint8")
+        buf = np.ascontiguousarray(image)
+        self._file.write(buf.data)
+        self._crc = _crc32c(buf, self._crc)
+        self.labels.append(int(label))
+        self.paths.append(path)
+
+    def commit(self, attributes: dict) -> dict:
+        """Finish the files, rename the folder into place and return the shard's record."""
+        n, chunk = len(self.labels), self.size * self.size * 3
+        if n:
+            index = np.empty((n, 2), "<u8")
+            index[:, 0] = np.arange(n, dtype=np.uint64) * chunk
+            index[:, 1] = chunk
+            raw = index.tobytes()
+            tail = raw + _crc32c(raw).to_bytes(4, "little")
+            self._file.write(tail)
+            self._crc = _crc32c(tail, self._crc)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if not n:
+            images_path(self.tmp_dir).unlink()
+        _write_zarr_metadata(self.tmp_dir, n, self.size, np.asarray(self.labels, np.int64))
+        record = {
+            "count": n,
+            "nbytes": expected_file_size(n, self.size),
+            "crc32c": f"{self._crc:08x}",
+            **attributes,
+        }
+        group_meta = self.tmp_dir / GROUP_META
+        meta = json.loads(group_meta.read_text())
+        meta["attributes"] = {"datapipe": {**record, "paths": self.paths}}
+        _atomic_write(group_meta, json.dumps(meta, indent=1, ensure_ascii=False))
+        _fsync_dir(self.tmp_dir)
+        try:
+            os.rename(self.tmp_dir, self.final_dir)
+        except OSError:
+            # Another attempt at the same shard (a re-run task) finished first; both are identical.
+            if not (self.final_dir / GROUP_META).exists():
+                raise
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        _fsync_dir(self.final_dir.parent)
+        return record
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        if self.tmp_dir.exists():
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def _write_zarr_metadata(folder: Path, count: int, size: int, labels: np.ndarray) -> None:
+    """Write the Zarr v3 group/array metadata (and the labels chunk) for a shard's data file."""
+    import zarr
+    from zarr.storage import LocalStore
+
+    store = LocalStore(str(folder))
+    group = zarr.create_group(store=store, zarr_format=3, overwrite=False)
+    group.create_array(
+        "images", shape=(count, size, size, 3), dtype="uint8",
+        chunks=(1, size, size, 3), shards=(max(count, 1), size, size, 3),
+        compressors=None, fill_value=0, write_data=False,
+    )
+    lab = group.create_array("labels", shape=(count,), dtype="int64", chunks=(max(count, 1),),
+                             compressors=None, fill_value=-1)
+    if count:
+        lab[:] = labels
+
+
+def read_shard_record(shard_dir: Path) -> dict | None:
+    """The record a finished shard carries in its group attributes, or None if it is not whole."""
+    try:
+        meta = json.loads((shard_dir / GROUP_META).read_text())
+        record = meta["attributes"]["datapipe"]
+    except (OSError, ValueError, KeyError):
+        return None
+    data = images_path(shard_dir)
+    actual = data.stat().st_size if data.exists() else 0
+    return record if actual == record.get("nbytes") else None
+
+
+def file_crc32c(path: Path, chunk: int = 1 << 24) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = _crc32c(block, crc)
+    return f"{crc:08x}"
+
+
+def open_images(shard_dir: Path, count: int, size: int, *, name: str = "") -> np.ndarray:
+    """Memory-map a shard's samples as uint8 [count, size, size, 3], checking the file's size."""
+    path = images_path(shard_dir)
+    expected = expected_file_size(count, size)
+    if count == 0:
+        return np.empty((0, size, size, 3), np.uint8)
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptShardError(
+            f"shard {name or shard_dir.name}: file {path} is missing; rebuild the cache "
+            f"(datapipe build … rewrites only damaged shards)") from None
+    if actual != expected:
+        raise CorruptShardError(
+            f"shard {name or shard_dir.name}: file {path} has {actual:,} bytes, the manifest says "
+            f"{expected:,} (truncated or altered); run `datapipe verify` and rebuild the cache")
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(count, size, size, 3))
+
+
+def remove_stale_temps(shards_dir: Path) -> int:
+    """Remove temporary shard folders left by a killed build (only names this writer creates)."""
+    removed = 0
+    if shards_dir.is_dir():
+        for entry in shards_dir.iterdir():
+            if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+    return removed
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+atomic_write_text = _atomic_write

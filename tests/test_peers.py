@@ -1,0 +1,324 @@
+"""The reference loaders of ``datapipe.peers``: same data, same output, each sample once an epoch."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from datapipe import peers
+from datapipe.peers import ImageFolderTransform, get_peer, list_image_folder, random_resized_crop_params
+from datapipe.sample import make_sample_dataset
+
+IMAGES = 40
+CLASSES = 4
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_sample_dataset(tmp_path_factory.mktemp("src"), images=IMAGES, classes=CLASSES)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("work")
+
+
+def _source_label_counts(source: Path) -> collections.Counter:
+    # Independent of peers.list_image_folder: class = position of the folder in sorted order.
+    counts = collections.Counter()
+    for index, folder in enumerate(sorted(p for p in source.iterdir() if p.is_dir())):
+        counts[index] = sum(1 for f in folder.iterdir() if f.suffix.lower() == ".jpg")
+    return counts
+
+
+def test_import_is_lazy():
+    code = (
+        "import sys, datapipe.peers\n"
+        "bad = [m for m in ('torch', 'webdataset', 'litdata', 'streaming') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_list_image_folder_matches_imagefolder_order(source):
+    classes, samples = list_image_folder(source)
+    assert classes == [f"class_{c:03d}" for c in range(CLASSES)]
+    assert len(samples) == IMAGES
+    assert [label for _, label in samples] == sorted(label for _, label in samples)
+    for path, label in samples:
+        assert path.parent.name == classes[label]
+    assert [p for p, _ in samples] == sorted(p for p, _ in samples)
+
+
+def test_list_image_folder_rejects_empty(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        list_image_folder(tmp_path)
+
+
+def test_transform_shape_range_and_determinism(source):
+    path = sorted((source / "class_001").iterdir())[0]
+    transform = ImageFolderTransform()
+    torch.manual_seed(123)
+    a = transform(path)
+    torch.manual_seed(123)
+    b = transform(path.read_bytes())  # bytes and paths decode the same
+    assert a.shape == (3, 224, 224)
+    assert a.dtype == torch.float32
+    assert 0.0 <= float(a.min()) and float(a.max()) <= 1.0
+    assert float(a.max()) > 0.2  # a photograph, not a black frame
+    assert torch.equal(a, b)
+    # Explicit generators give the same result too, and another seed gives another crop.
+    c = transform(path, generator=torch.Generator().manual_seed(7))
+    d = transform(path, generator=torch.Generator().manual_seed(7))
+    e = transform(path, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(c, d)
+    assert not torch.equal(c, e)
+    # Pixel values are multiples of 1/255 like ToTensor's.
+    assert torch.allclose(a * 255, (a * 255).round(), atol=1e-3)
+
+
+def test_transform_flip_and_full_crop(source):
+    from PIL import Image
+
+    path = sorted((source / "class_000").iterdir())[0]
+    with Image.open(path) as img:
+        rgb = img.convert("RGB")
+    # scale=(1,1) with an aspect-ratio range containing the image's makes the crop the whole
+    # image (or the centre crop fallback), so flip_p=0 and flip_p=1 must mirror each other.
+    ratio = (rgb.width / rgb.height,) * 2
+    plain = ImageFolderTransform(scale=(1.0, 1.0), ratio=ratio, flip_p=0.0)(rgb)
+    flipped = ImageFolderTransform(scale=(1.0, 1.0), ratio=ratio, flip_p=1.0)(rgb)
+    assert torch.equal(plain.flip(-1), flipped)
+    expected = rgb.resize((224, 224), Image.Resampling.BILINEAR)
+    want = torch.from_numpy(__import__("numpy").array(expected)).permute(2, 0, 1).float() / 255
+    assert torch.allclose(plain, want, atol=1e-6)
+
+
+def test_transform_matches_torchvision(source):
+    # Where torchvision imports (the peers venv), the output must be bit-identical to its
+    # ImageNet training transform for the same torch seed, including the centre-crop fallback.
+    try:
+        from torchvision import transforms as T
+    except Exception as exc:  # not installed, or built for another torch
+        pytest.skip(f"torchvision does not import here: {type(exc).__name__}")
+    from PIL import Image
+
+    reference = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
+    mine = ImageFolderTransform()
+    paths = sorted(source.glob("*/*.jpg"))[:8]
+    with Image.open(paths[0]) as img:
+        strip = img.convert("RGB").resize((900, 60))  # forces the fallback
+    for seed, path in enumerate(paths):
+        with Image.open(path) as img:
+            rgb = img.convert("RGB")
+        for image in (rgb, strip):
+            torch.manual_seed(seed)
+            want = reference(image)
+            torch.manual_seed(seed)
+            assert torch.equal(mine(image), want)
+
+
+def test_resize_box_variant_differs_only_at_the_border(source):
+    path = sorted(source.glob("*/*.jpg"))[3]
+    torch.manual_seed(5)
+    cropped = ImageFolderTransform()(path)
+    torch.manual_seed(5)
+    boxed = ImageFolderTransform(resize_box=True)(path)
+    assert (cropped - boxed)[:, 3:-3, 3:-3].abs().max() <= 1.5 / 255
+
+
+def test_transform_is_picklable():
+    import pickle
+
+    t = ImageFolderTransform(size=128, scale=(0.5, 1.0))
+    u = pickle.loads(pickle.dumps(t))
+    assert (u.size, u.scale, u.ratio, u.flip_p) == (t.size, t.scale, t.ratio, t.flip_p)
+
+
+@pytest.mark.parametrize("width,height", [(423, 354), (354, 423), (1000, 200), (200, 1000), (64, 64)])
+def test_crop_params_respect_bounds(width, height):
+    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
+    gen = torch.Generator().manual_seed(0)
+    area = width * height
+    fallbacks = 0
+    for _ in range(500):
+        i, j, h, w = random_resized_crop_params(width, height, scale, ratio, gen)
+        assert 0 <= i and 0 <= j and 0 < h and 0 < w
+        assert i + h <= height and j + w <= width
+        # The rounding of w and h to integers bends the bounds by up to half a pixel per side.
+        fits = scale[0] * area - 0.5 * (h + w) - 1 <= h * w <= scale[1] * area
+        ratio_ok = (w - 0.5) / (h + 0.5) <= ratio[1] + 1e-9 and (w + 0.5) / (h - 0.5) >= ratio[0] - 1e-9
+        if fits and ratio_ok:
+            continue
+        # Otherwise it must be torchvision's centre-crop fallback.
+        fallbacks += 1
+        assert i == (height - h) // 2 and j == (width - w) // 2
+        assert h == height or w == width
+    if 0.75 <= width / height <= 4 / 3:
+        assert fallbacks == 0
+
+
+def test_crop_params_fallback_is_centre_crop():
+    # A 1000x10 strip: no 3/4..4/3 crop of 8..100% of the area fits, so all 10 tries fail.
+    gen = torch.Generator().manual_seed(0)
+    i, j, h, w = random_resized_crop_params(1000, 10, (0.08, 1.0), (3 / 4, 4 / 3), gen)
+    assert (h, w) == (10, round(10 * 4 / 3))
+    assert (i, j) == (0, (1000 - w) // 2)
+    # Tall strip: clamp to the minimum ratio.
+    i, j, h, w = random_resized_crop_params(10, 1000, (0.08, 1.0), (3 / 4, 4 / 3), gen)
+    assert (h, w) == (round(10 / (3 / 4)), 10)
+    assert (i, j) == ((1000 - h) // 2, 0)
+
+
+def test_crop_params_cover_the_scale_range():
+    gen = torch.Generator().manual_seed(1)
+    crops = [random_resized_crop_params(400, 400, generator=gen) for _ in range(400)]
+    fractions = [h * w / (400 * 400) for _, _, h, w in crops]
+    assert min(fractions) < 0.15 and max(fractions) > 0.85
+
+
+def test_get_peer_and_registry():
+    assert list(peers.PEERS) == ["dataloader", "webdataset", "litdata", "streaming"]
+    for name, peer in peers.PEERS.items():
+        assert get_peer(name) is peer
+        assert peer.name == name
+        assert peer.install.startswith("pip install")
+    with pytest.raises(ValueError) as err:
+        get_peer("nope")
+    message = str(err.value)
+    assert "nope" in message
+    for name in peers.PEERS:
+        assert name in message
+
+
+def _imports(module: str) -> bool:
+    if importlib.util.find_spec(module) is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name,module", [("webdataset", "webdataset"), ("litdata", "litdata"), ("streaming", "streaming")])
+def test_unavailable_iff_library_missing(name, module):
+    reason = get_peer(name).unavailable()
+    if _imports(module):
+        assert reason is None
+    else:
+        assert isinstance(reason, str) and reason
+        assert "Error" in reason  # e.g. "ModuleNotFoundError: No module named 'litdata'"
+        if importlib.util.find_spec(module) is None:
+            assert reason == f"ModuleNotFoundError: No module named '{module}'"
+
+
+def test_unavailable_reports_a_missing_module_and_never_raises():
+    class Ghost(peers.Peer):
+        name = "ghost"
+        install = "pip install ghost"
+        modules = ("torch", "datapipe_no_such_module_xyz")
+
+    assert Ghost().unavailable() == "ModuleNotFoundError: No module named 'datapipe_no_such_module_xyz'"
+    assert get_peer("dataloader").unavailable() is None
+
+
+def _one_epoch(loader, batch_size):
+    counts = collections.Counter()
+    sizes = []
+    for images, labels in loader:
+        assert isinstance(images, torch.Tensor) and isinstance(labels, torch.Tensor)
+        assert images.dtype == torch.float32 and labels.dtype == torch.int64
+        assert images.shape[1:] == (3, 224, 224)
+        assert labels.shape == (images.shape[0],)
+        assert 0 < images.shape[0] <= batch_size
+        assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0
+        sizes.append(images.shape[0])
+        counts.update(labels.tolist())
+    return counts, sizes
+
+
+def _check_peer(name, source, workdir, *, batch_size, workers, epochs=2):
+    peer = get_peer(name)
+    reason = peer.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    first = peer.prepare(source, workdir)
+    assert first >= 0.0
+    assert peer.prepare(source, workdir) == 0.0  # complete shards are not written again
+    want = _source_label_counts(source)
+    loader = peer.loader(source, workdir, batch_size=batch_size, workers=workers, seed=0)
+    for _ in range(epochs):  # re-iterable: each pass is one full epoch
+        counts, sizes = _one_epoch(loader, batch_size)
+        assert sum(sizes) == IMAGES
+        assert counts == want
+        # At most one partial batch per worker.
+        assert sum(1 for s in sizes if s != batch_size) <= max(1, workers)
+    return loader
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_peer_one_epoch(source, workdir, workers):
+    loader = _check_peer("dataloader", source, workdir, batch_size=16, workers=workers)
+    assert [len(b[1]) for b in loader] == [16, 16, 8]
+    assert not (workdir / "dataloader").exists()  # nothing to write for plain files
+
+
+def test_dataloader_peer_shuffles(source, workdir):
+    loader = get_peer("dataloader").loader(source, workdir, batch_size=IMAGES, workers=0, seed=0)
+    labels = next(iter(loader))[1].tolist()
+    assert labels != sorted(labels)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_webdataset_peer_one_epoch(source, workdir, workers):
+    _check_peer("webdataset", source, workdir, batch_size=16, workers=workers)
+    shards = sorted((workdir / "webdataset").glob("shard-*.tar"))
+    assert len(shards) == math.ceil(IMAGES / math.ceil(IMAGES / 16))
+
+
+def test_webdataset_peer_more_workers_than_needed(source, workdir):
+    # Every worker reads a disjoint subset of shards: no duplicates even with many workers.
+    _check_peer("webdataset", source, workdir, batch_size=8, workers=3, epochs=1)
+
+
+def test_prepare_rewrites_incomplete_shards(source, tmp_path):
+    peer = get_peer("webdataset")
+    if peer.unavailable():
+        pytest.skip(peer.unavailable())
+    assert peer.prepare(source, tmp_path) > 0.0
+    (tmp_path / "webdataset" / "_datapipe_peer.json").unlink()  # as if writing was interrupted
+    assert peer.prepare(source, tmp_path) > 0.0
+    assert peer.prepare(source, tmp_path) == 0.0
+
+
+def test_loader_without_prepare_fails_clearly(source, tmp_path):
+    peer = get_peer("webdataset")
+    if peer.unavailable():
+        pytest.skip(peer.unavailable())
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        peer.loader(source, tmp_path, batch_size=4, workers=0)
+
+
+@pytest.mark.parametrize("name", ["litdata", "streaming"])
+def test_streaming_library_peers_one_epoch(name, source, workdir):
+    # Runs where the library imports (the peers venv); skipped with the import error elsewhere.
+    _check_peer(name, source, workdir, batch_size=16, workers=2, epochs=2)
+    # A second loader over the same shards in the same process works too.
+    loader = get_peer(name).loader(source, workdir, batch_size=16, workers=0, seed=1)
+    counts, sizes = _one_epoch(loader, 16)
+    assert counts == _source_label_counts(source) and sum(sizes) == IMAGES
+
+
+def test_measure_reports_one_epoch(source, workdir):
+    result = peers.measure("dataloader", source, workdir, batch_size=16, workers=0, warmup_epochs=0)
+    assert result.name == "dataloader" and result.images == IMAGES
+    assert len(result.epoch_s) == 1 and result.images_per_s > 0
