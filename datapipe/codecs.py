@@ -81,7 +81,7 @@ def decoder_info() -> dict[str, str]:
         turbo = features.check_feature("libjpeg_turbo")
         simd = "post" in PIL.__version__  # Pillow-SIMD versions carry a .postN suffix
         flavour = "Pillow-SIMD" if simd else "Pillow"
-        jpeg = f", libjpeg-turbo {features.version('jpg')}" if turbo else ""
+        jpeg = f", libjpeg-turbo {features.version('libjpeg_turbo')}" if turbo else ""
         info["other"] = f"{flavour} {PIL.__version__}{jpeg}"
     except Exception as exc:  # noqa: BLE001
         info["other"] = f"unavailable: {exc}"

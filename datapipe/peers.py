@@ -544,17 +544,26 @@ class LitDataPeer(Peer):
     chunk_bytes = "64MB"
 
     def _write(self, samples, out):
+        import multiprocessing
+
         import litdata
 
         order = _write_order(len(samples))
         inputs = [(str(samples[i][0]), int(samples[i][1])) for i in order]
-        litdata.optimize(
-            fn=_litdata_record,
-            inputs=inputs,
-            output_dir=str(out.resolve()),
-            chunk_bytes=self.chunk_bytes,
-            num_workers=max(1, min(2, os.cpu_count() or 1)),
-        )
+        # optimize() forces the process-wide multiprocessing start method to 'spawn'; put it back,
+        # or every DataLoader made afterwards in this process (any peer's) would spawn its workers.
+        start_method = multiprocessing.get_start_method(allow_none=True)
+        try:
+            litdata.optimize(
+                fn=_litdata_record,
+                inputs=inputs,
+                output_dir=str(out.resolve()),
+                chunk_bytes=self.chunk_bytes,
+                num_workers=max(1, min(2, os.cpu_count() or 1)),
+                verbose=False,
+            )
+        finally:
+            multiprocessing.set_start_method(start_method, force=True)
 
     def loader(self, source, workdir, *, batch_size, workers, seed=0):
         _check_loader_args(batch_size, workers)

@@ -1,0 +1,178 @@
+"""The ``datapipe`` command: build, info, verify, bench, demo, sample — a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import DatapipeError
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="datapipe", description="Decode images once on Dask; stream them at memory speed.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="decode a folder of images (or a CSV list) into a sharded cache")
+    b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label")
+    b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op)")
+    b.add_argument("--size", type=_positive_int, default=256, help="side of the square samples (default 256)")
+    b.add_argument("--fit", choices=("crop", "pad", "stretch"), default="crop",
+                   help="crop: shorter side to SIZE then center crop (default); pad; stretch")
+    b.add_argument("--shard-size", type=_positive_int, default=None, help="samples per shard (default: ~100 MB shards)")
+    b.add_argument("--workers", type=_positive_int, default=None, help="LocalCluster worker processes (default: one per core)")
+    b.add_argument("--scheduler", default=None,
+                   help="address of an existing Dask scheduler (tcp://host:8786), or 'sync' to build serially")
+    b.add_argument("--max-bad-fraction", type=float, default=0.01,
+                   help="fail when more than this share of files is quarantined (default 0.01)")
+    b.add_argument("--max-pixels", type=_positive_int, default=100_000_000,
+                   help="quarantine images whose header claims more pixels (default 100,000,000)")
+    b.add_argument("--force", action="store_true", help="rebuild an output built with another configuration")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    i = sub.add_parser("info", help="describe a cache, or the environment with --env")
+    i.add_argument("cache", nargs="?", help="cache folder")
+    i.add_argument("--env", action="store_true", help="print the active decoders and library versions")
+
+    v = sub.add_parser("verify", help="check every shard's size and checksum against the manifest")
+    v.add_argument("cache")
+
+    s = sub.add_parser("sample", help="generate an ImageNet-like sample image folder")
+    s.add_argument("output")
+    s.add_argument("--images", type=_positive_int, default=2000)
+    s.add_argument("--classes", type=_positive_int, default=10)
+    s.add_argument("--seed", type=int, default=0)
+
+    d = sub.add_parser("demo", help="generate a sample dataset, build it on a LocalCluster, read it back, bench it")
+    d.add_argument("--dir", default="datapipe-demo", help="working folder (default ./datapipe-demo)")
+    d.add_argument("--images", type=_positive_int, default=2000)
+    d.add_argument("--workers", type=_positive_int, default=None)
+    d.add_argument("--skip-bench", action="store_true", help="stop after reading the cache back")
+
+    k = sub.add_parser("bench", help="measure the loader stage by stage and against other loaders")
+    k.add_argument("cache", help="cache folder written by `datapipe build`")
+    k.add_argument("--source", default=None, help="the source image folder, for the peers that read it")
+    k.add_argument("--against", default="", help="comma-separated peers: dataloader,webdataset,litdata,streaming or 'all'")
+    k.add_argument("--batch-size", type=_positive_int, default=256)
+    k.add_argument("--workers", type=_positive_int, default=2, help="loader workers for every system (default 2)")
+    k.add_argument("--repeats", type=_positive_int, default=3, help="measured repetitions per system (default 3)")
+    k.add_argument("--batches", type=_positive_int, default=None,
+                   help="batches per measurement (default: one epoch, at most 40)")
+    k.add_argument("--crop", type=_positive_int, default=224, help="augmentation output size (default 224)")
+    k.add_argument("--step-ms", type=float, default=0.0,
+                   help="also run a synthetic model step of this many ms and report the share spent waiting")
+    k.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
+    k.add_argument("--work-dir", default=None, help="where peers write their shards (default: CACHE/../bench-work)")
+    k.add_argument("--json", default=None, help="write the results as JSON here")
+    k.add_argument("--plot", default=None, help="write a PNG chart here")
+    k.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except DatapipeError as exc:
+        print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"datapipe {args.command}: interrupted; finished shards are kept, rerun to resume",
+              file=sys.stderr)
+        return 130
+
+
+def _build(args) -> int:
+    from .builder import build
+
+    build(args.source, args.output, size=args.size, fit=args.fit, shard_size=args.shard_size,
+          workers=args.workers, scheduler=args.scheduler, max_bad_fraction=args.max_bad_fraction,
+          max_pixels=args.max_pixels, force=args.force, progress=not args.quiet)
+    return 0
+
+
+def _info(args) -> int:
+    if args.env or not args.cache:
+        print(json.dumps(environment(), indent=1))
+        if not args.cache:
+            return 0
+    from .cache import Cache
+
+    cache = Cache(args.cache)
+    m = cache.manifest
+    size_on_disk = sum(s["nbytes"] for s in m["shards"])
+    print(f"cache      {cache.root}")
+    print(f"format     {m['format']} v{m['version']} (config {m['config_hash']})")
+    print(f"samples    {cache.num_samples:,} of shape {cache.shape} uint8 in {len(cache.counts)} shards")
+    print(f"classes    {len(cache.classes)}: {', '.join(cache.classes[:8])}{' …' if len(cache.classes) > 8 else ''}")
+    print(f"config     {json.dumps(m['config'])}")
+    print(f"source     {m['source']['root']} ({m['source']['kind']})")
+    print(f"on disk    {size_on_disk / 2**20:,.1f} MiB ({size_on_disk / max(cache.num_samples, 1) / 1024:,.1f} KiB/sample)")
+    report = cache.root / "report.json"
+    if report.exists():
+        r = json.loads(report.read_text())
+        print(f"last build {r['status']}: {len(r['quarantined'])} quarantined, {r['images_per_second']:,.0f} img/s "
+              f"on {r['workers']} workers")
+    return 0
+
+
+def environment() -> dict:
+    import platform
+
+    from . import __version__
+    from .codecs import decoder_info
+
+    env = {"datapipe": __version__, "python": platform.python_version(), "platform": platform.platform(),
+           "cpus": __import__("os").cpu_count(), "decoders": decoder_info()}
+    for name in ("numpy", "torch", "kornia", "zarr", "dask", "distributed", "bokeh"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001
+            env[name] = f"unavailable ({type(exc).__name__})"
+    return env
+
+
+def _verify(args) -> int:
+    from .cache import Cache
+
+    cache = Cache(args.cache)
+    problems = cache.verify(progress=True)
+    for line in problems:
+        print(line)
+    print(f"{cache.root}: {len(cache.counts)} shards, {cache.num_samples:,} samples: "
+          f"{'OK' if not problems else f'{len(problems)} problem(s); rerun the build to rewrite damaged shards'}")
+    return 0 if not problems else 1
+
+
+def _sample(args) -> int:
+    from .sample import make_sample_dataset
+
+    root = make_sample_dataset(args.output, images=args.images, classes=args.classes, seed=args.seed)
+    print(f"wrote {args.images} images in {args.classes} classes to {root}")
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.dir, images=args.images, workers=args.workers, bench=not args.skip_bench)
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
+_COMMANDS = {"build": _build, "info": _info, "verify": _verify, "sample": _sample, "demo": _demo, "bench": _bench}
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
