@@ -57,6 +57,7 @@ class StreamingDataset(IterableDataset):
         # [epoch, start]: shared with DataLoader workers (also persistent ones) through shared memory.
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._consumed = 0  # batches the loop received in this epoch (main-process iteration)
+        self._iter_base = 0  # where the current iteration began in the epoch's order
 
     # ----------------------------------------------------------------- epoch, length, plan
     @property
@@ -92,15 +93,21 @@ class StreamingDataset(IterableDataset):
         return self.cache.shape
 
     # ----------------------------------------------------------------- iteration
+    def begin_iteration(self) -> tuple[np.ndarray, np.ndarray]:
+        """Start an iteration of the current epoch in this process: its order and batch bounds.
+
+        A resumed position is used once; the next iteration of the same epoch is whole again.
+        """
+        order, bounds = self.plan()
+        self._iter_base = self.start
+        self._shared[1] = 0
+        self._consumed = 0
+        return order, bounds
+
     def __iter__(self):
         worker, num_workers = detect_worker()
-        order, bounds = self.plan()
         in_worker = torch.utils.data.get_worker_info() is not None
-        if not in_worker:
-            self._consumed = 0
-            base = self.start
-            self._shared[1] = 0  # a later iteration of this epoch is a whole epoch again
-            self._iter_base = base
+        order, bounds = self.plan() if in_worker else self.begin_iteration()
         for j in part.worker_batches(len(bounds), worker=worker, num_workers=num_workers):
             begin, end = bounds[j]
             batch = self._read(order[begin:end], shared=in_worker)
@@ -128,8 +135,7 @@ class StreamingDataset(IterableDataset):
                 pass it when iterating through your own multi-worker DataLoader.
         """
         k = self._consumed if batches_consumed is None else int(batches_consumed)
-        base = getattr(self, "_iter_base", self.start) if batches_consumed is None else self.start
-        position = min(len(self.cache), base + k * self.batch_size * self.world_size)
+        position = min(len(self.cache), self._iter_base + k * self.batch_size * self.world_size)
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,

@@ -1,0 +1,246 @@
+"""Batch augmentation on the device, with per-sample random parameters drawn from a given seed.
+
+``augment.train(size)`` — RandomResizedCrop (torchvision's parameter sampling), horizontal flip and
+optional colour jitter — and ``augment.eval(size)`` — center crop — take a whole uint8 NHWC batch
+and return a normalised float NCHW batch. Parameters are drawn first, from a ``torch.Generator``
+seeded by the caller (the DeviceLoader derives it from (seed, epoch, batch position)), so a
+resumed run augments identically and no two batches share random numbers.
+
+Two ways to apply the same parameters:
+
+* ``kornia`` (the default on CUDA): the batch is converted to float on the device and Kornia crops
+  and resizes all samples in one batched call (``crop_and_resize``); flips and jitter are batched too.
+* ``uint8`` (the default on CPU): each crop is resized on uint8 with torch's antialiased AVX2 kernel
+  and flipped before anything is converted to float — converting a full 256² batch to float first
+  costs more than the whole augmentation on a CPU.
+
+Shape:
+    input: uint8 [B, H, W, 3] (on any device); output: float [B, 3, size, size], normalised.
+
+Example:
+    >>> import torch, datapipe
+    >>> aug = datapipe.augment.train(32)
+    >>> aug(torch.zeros(4, 48, 48, 3, dtype=torch.uint8), seed=0).shape
+    torch.Size([4, 3, 32, 32])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+Path_ = Literal["auto", "uint8", "kornia"]
+
+
+def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = torch.float32,
+                    channels_last: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 NHWC -> normalised float NCHW: one converting copy, then an in-place scale and shift.
+
+    ``out`` (float [>=B, 3, H, W]) is filled when given: on the CPU, writing into memory that is
+    already mapped is several times faster than allocating a fresh 150 MB tensor per batch.
+    """
+    b, h, w, _ = images.shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    if out is None:
+        out = torch.empty((b, 3, h, w), dtype=torch.float32, device=images.device, memory_format=fmt)
+    else:
+        out = out[:b]
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], device=images.device).view(1, 3, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=images.device).view(1, 3, 1, 1)
+    out.copy_(images.permute(0, 3, 1, 2)).mul_(scale).add_(shift)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _normalize_float(x: torch.Tensor, mean, std) -> torch.Tensor:
+    m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    return (x - m) / s
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF)
+    return g
+
+
+def sample_resized_crops(batch: int, height: int, width: int, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                         generator: torch.Generator) -> torch.Tensor:
+    """torchvision's RandomResizedCrop parameters for ``batch`` samples: int64 [B, 4] (top, left, h, w).
+
+    Ten attempts per sample at a random area and log-uniform aspect ratio; the first that fits
+    wins; otherwise a center crop with the aspect ratio clamped to ``ratio``.
+    """
+    tries = 10
+    area = height * width
+    target = area * torch.empty(batch, tries).uniform_(scale[0], scale[1], generator=generator)  # [B, 10]
+    log_r = torch.empty(batch, tries).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=generator)
+    aspect = torch.exp(log_r)
+    w = torch.round(torch.sqrt(target * aspect)).to(torch.int64)  # [B, 10]
+    h = torch.round(torch.sqrt(target / aspect)).to(torch.int64)
+    ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)  # [B, 10]
+    first = torch.argmax(ok.to(torch.int8), dim=1)  # [B]: first attempt that fits
+    found = ok.any(dim=1)
+    rows = torch.arange(batch)
+    h_sel, w_sel = h[rows, first], w[rows, first]  # [B]
+    u = torch.rand(batch, 2, generator=generator)
+    top = torch.floor(u[:, 0] * (height - h_sel + 1).to(torch.float32)).to(torch.int64)
+    left = torch.floor(u[:, 1] * (width - w_sel + 1).to(torch.float32)).to(torch.int64)
+    # Fallback: whole image with the aspect ratio clamped into range, centered.
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        fw, fh = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        fh, fw = height, int(round(height * ratio[1]))
+    else:
+        fw, fh = width, height
+    fb = torch.tensor([(height - fh) // 2, (width - fw) // 2, fh, fw], dtype=torch.int64)
+    params = torch.stack([top, left, h_sel, w_sel], dim=1)  # [B, 4]
+    return torch.where(found[:, None], params, fb[None])
+
+
+class BatchAugment(nn.Module):
+    """Base of the presets: uint8 NHWC in, normalised float NCHW out, parameters from a seed."""
+
+    def __init__(self, size: int, *, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32,
+                 channels_last: bool = False, path: Path_ = "auto") -> None:
+        super().__init__()
+        if size < 1:
+            raise ValueError(f"size must be positive, got {size}")
+        if path not in ("auto", "uint8", "kornia"):
+            raise ValueError(f"path must be 'auto', 'uint8' or 'kornia', got {path!r}")
+        self.size, self.mean, self.std = int(size), tuple(mean), tuple(std)
+        self.dtype, self.channels_last, self.path = dtype, channels_last, path
+
+    def _use_uint8(self, x: torch.Tensor) -> bool:
+        return self.path == "uint8" or (self.path == "auto" and x.device.type == "cpu")
+
+    def _finish(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return x.to(self.dtype).contiguous(memory_format=fmt)
+
+    @staticmethod
+    def _check(images: torch.Tensor) -> None:
+        if images.dim() != 4 or images.shape[-1] != 3 or images.dtype != torch.uint8:
+            raise ValueError(f"expected a uint8 batch [B, H, W, 3], got {tuple(images.shape)} {images.dtype}")
+
+
+class TrainAugment(BatchAugment):
+    """RandomResizedCrop(size) + horizontal flip (+ colour jitter), normalised. See module docs."""
+
+    def __init__(self, size: int, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
+                 color_jitter: tuple[float, float, float, float] | None = None, **kwargs) -> None:
+        super().__init__(size, **kwargs)
+        self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), float(flip)
+        self.color_jitter = tuple(color_jitter) if color_jitter else None
+
+    def sample(self, batch: int, height: int, width: int, seed: int | None) -> dict[str, torch.Tensor]:
+        """Draw every random parameter of a batch (on the CPU, from ``seed``)."""
+        g = _generator(seed)
+        params = {
+            "crops": sample_resized_crops(batch, height, width, scale=self.scale, ratio=self.ratio, generator=g),
+            "flip": torch.rand(batch, generator=g) < self.flip,
+        }
+        if self.color_jitter:
+            b, c, s, h = self.color_jitter
+            params["jitter"] = torch.stack([
+                torch.empty(batch).uniform_(max(0.0, 1 - b), 1 + b, generator=g),
+                torch.empty(batch).uniform_(max(0.0, 1 - c), 1 + c, generator=g),
+                torch.empty(batch).uniform_(max(0.0, 1 - s), 1 + s, generator=g),
+                torch.empty(batch).uniform_(-h, h, generator=g),
+            ], dim=1)  # [B, 4]: brightness, contrast, saturation, hue
+        return params
+
+    def forward(self, images: torch.Tensor, seed: int | None = None,
+                params: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Augment a uint8 [B, H, W, 3] batch; ``out`` optionally receives the result (CPU reuse)."""
+        self._check(images)
+        batch, height, width, _ = images.shape
+        params = params or self.sample(batch, height, width, seed)
+        if batch == 0:
+            return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=images.device)
+        if self._use_uint8(images):
+            crops = self._crop_uint8(images, params["crops"], params["flip"])
+            if "jitter" not in params:
+                return normalize_uint8(crops, self.mean, self.std, dtype=self.dtype,
+                                       channels_last=self.channels_last, out=out)
+            x = crops.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
+        else:
+            x = self._crop_kornia(images, params["crops"], params["flip"])
+        if "jitter" in params:
+            x = _jitter(x, params["jitter"].to(x.device))
+        return self._finish(_normalize_float(x, self.mean, self.std))
+
+    def _crop_uint8(self, images, crops, flip) -> torch.Tensor:
+        """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
+        s = self.size
+        out = torch.empty((images.shape[0], s, s, 3), dtype=torch.uint8, device=images.device)
+        for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
+            src = images[b, top : top + h, left : left + w].permute(2, 0, 1)[None]
+            dst = out[b].permute(2, 0, 1)[None]
+            torch.ops.aten._upsample_bilinear2d_aa.out(src, [s, s], False, None, None, out=dst)
+            if f:
+                out[b] = out[b].flip(1)
+        return out
+
+    def _crop_kornia(self, images, crops, flip) -> torch.Tensor:
+        from kornia.geometry.transform import crop_and_resize
+
+        x = images.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
+        c = crops.to(images.device, torch.float32)
+        top, left, h, w = c[:, 0], c[:, 1], c[:, 2], c[:, 3]
+        x0, y0, x1, y1 = left, top, left + w - 1, top + h - 1
+        boxes = torch.stack([torch.stack([x0, y0], 1), torch.stack([x1, y0], 1),
+                             torch.stack([x1, y1], 1), torch.stack([x0, y1], 1)], dim=1)  # [B, 4, 2]
+        x = crop_and_resize(x, boxes, (self.size, self.size), mode="bilinear", align_corners=True)
+        f = flip.to(images.device)[:, None, None, None]
+        return torch.where(f, x.flip(-1), x)
+
+
+def _jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Brightness, contrast, saturation, hue with per-sample factors [B, 4], on [0, 1] floats."""
+    from kornia.enhance import adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation
+
+    x = adjust_brightness(x, factors[:, 0] - 1.0)
+    x = adjust_contrast(x, factors[:, 1])
+    x = adjust_saturation(x, factors[:, 2])
+    x = adjust_hue(x, factors[:, 3] * math.pi * 2)
+    return x.clamp_(0.0, 1.0)
+
+
+class EvalAugment(BatchAugment):
+    """Center crop to ``size`` (resizing up first if the samples are smaller), normalised."""
+
+    def forward(self, images: torch.Tensor, seed: int | None = None, params=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        self._check(images)
+        _, h, w, _ = images.shape
+        s = self.size
+        if h >= s and w >= s:
+            top, left = (h - s) // 2, (w - s) // 2
+            crop = images[:, top : top + s, left : left + s]
+            return normalize_uint8(crop, self.mean, self.std, dtype=self.dtype,
+                                   channels_last=self.channels_last, out=out)
+        x = images.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
+        x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
+        return self._finish(_normalize_float(x, self.mean, self.std))
+
+
+def train(size: int = 224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
+          color_jitter: tuple[float, float, float, float] | float | None = None, **kwargs) -> TrainAugment:
+    """The ImageNet training preset. ``color_jitter=0.4`` means (0.4, 0.4, 0.4, 0.1)."""
+    if isinstance(color_jitter, (int, float)) and color_jitter:
+        color_jitter = (color_jitter, color_jitter, color_jitter, min(0.1, color_jitter))
+    return TrainAugment(size, scale=scale, ratio=ratio, flip=flip, color_jitter=color_jitter or None, **kwargs)
+
+
+def eval(size: int = 224, **kwargs) -> EvalAugment:  # noqa: A001 - mirrors train()
+    """The ImageNet evaluation preset: center crop (a 256 cache + eval(224) is the usual 0.875 crop)."""
+    return EvalAugment(size, **kwargs)

@@ -1,0 +1,358 @@
+"""DeviceLoader: pinned, prefetched batches on the device, augmented there, with a stall meter.
+
+Reader threads (``num_workers``) gather whole batches from the memory-mapped shards straight into a
+ring of host buffers (pinned when the device is CUDA) — numpy's gathers and torch's kernels release
+the GIL, so threads scale without the extra copy through shared memory that worker processes cost.
+
+* On CUDA, the main thread copies each batch to the device with ``non_blocking=True`` on a side
+  stream and records an event; the consuming stream waits on that event, and a host buffer is only
+  refilled after its event has completed (the reader synchronises on it first). Conversion to
+  float, layout (NCHW or channels_last), normalisation and augmentation all run on the device.
+* On the CPU, each reader thread also augments its batch (one intra-op thread per reader, so the
+  threads do not fight over cores), cropping and flipping on uint8 before converting to float.
+
+Order, resume and exactly-once come from the dataset (see :mod:`datapipe.partition`); the loader
+counts batches handed to the loop, so ``state_dict()`` never counts prefetched batches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .augment import IMAGENET_MEAN, IMAGENET_STD, BatchAugment, _normalize_float, normalize_uint8
+from .dataset import StreamingDataset
+from .stats import StallMeter
+
+
+def _seed_for(seed: int, epoch: int, position: int) -> int:
+    """The augmentation seed of the batch that starts at ``position`` of the epoch's order."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, int(position)]).generate_state(1)[0])
+
+
+@dataclass
+class _Slot:
+    images: torch.Tensor  # uint8 [B, H, W, 3]
+    labels: torch.Tensor  # int64 [B]
+    index: torch.Tensor  # int64 [B]
+    event: object = None  # CUDA event of the last copy out of this buffer
+
+
+class _OutputPool:
+    """CPU output buffers, reused once nothing outside the pool references their memory.
+
+    Allocating a fresh 150 MB float batch costs more than filling it (every page faults in), so
+    on the CPU batches are written into pooled buffers. A buffer is handed out as a new view and
+    reused only when its storage has no other user — a batch the loop still holds (or any view
+    of it) is never overwritten.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.items: list[tuple[torch.Tensor, int]] = []  # (buffer, storage use count when idle)
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _uses(t: torch.Tensor) -> int:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    def get(self, shape: tuple[int, ...], channels_last: bool) -> torch.Tensor | None:
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        try:
+            with self.lock:
+                for buf, idle in self.items:
+                    if buf.shape == shape and buf.is_contiguous(memory_format=fmt) and self._uses(buf) == idle:
+                        return buf[:]
+                if len(self.items) < self.capacity:
+                    buf = torch.empty(shape, dtype=torch.float32, memory_format=fmt)
+                    self.items.append((buf, self._uses(buf)))
+                    return buf[:]
+        except AttributeError:  # pragma: no cover - a torch without storage use counts: no reuse
+            return None
+        return None
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class DeviceLoader:
+    """Iterate a :class:`StreamingDataset` as augmented batches on ``device``.
+
+    Args:
+        dataset: the streaming dataset (its batch size, shuffle, seed and rank are used).
+        device: ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or ``"auto"`` (CUDA when available).
+        num_workers: reader threads (at least 1).
+        prefetch: batches read ahead of the loop, beyond one per reader.
+        augment: ``datapipe.augment.train(224)`` / ``eval(224)``, any ``nn.Module`` taking float
+            [B, 3, H, W] in [0, 1] (its random state is seeded per batch), or None.
+        channels_last: return NCHW tensors in channels_last memory format.
+        dtype: floating dtype of the images (float32, bfloat16 or float16).
+        normalize: subtract ``mean`` and divide by ``std`` (the presets always normalise).
+        output: ``"float"`` (default) or ``"uint8"``: raw [B, H, W, 3] batches (no augment); on the
+            CPU such a batch is a view of a reused buffer, valid until the next batch is requested.
+        log_every: log images/s and the waiting share every N batches (logger ``datapipe``).
+        timeout: seconds to wait for one batch before raising (a stuck reader never hangs the loop).
+
+    Yields:
+        ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64 [B] — or
+        ``(images, labels, indices)`` when the dataset has ``return_index=True``.
+    """
+
+    def __init__(self, dataset: StreamingDataset, /, *, device: str | torch.device = "auto", num_workers: int = 2,
+                 prefetch: int = 2, augment: nn.Module | None = None, channels_last: bool = False,
+                 dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                 output: str = "float", log_every: int = 0, timeout: float = 300.0) -> None:
+        if not isinstance(dataset, StreamingDataset):
+            raise TypeError(f"DeviceLoader reads a datapipe.StreamingDataset, got {type(dataset).__name__}")
+        if num_workers < 1 or prefetch < 0:
+            raise ValueError(f"need num_workers >= 1 and prefetch >= 0, got {num_workers}, {prefetch}")
+        if output not in ("float", "uint8"):
+            raise ValueError(f"output must be 'float' or 'uint8', got {output!r}")
+        if output == "uint8" and augment is not None:
+            raise ValueError("output='uint8' hands out raw batches; pass augment=None with it")
+        self.dataset = dataset
+        self.device = _resolve_device(device)
+        self.cuda = self.device.type == "cuda"
+        self.num_workers, self.prefetch = int(num_workers), int(prefetch)
+        self.augment, self.channels_last, self.dtype = augment, channels_last, dtype
+        self.normalize, self.mean, self.std, self.output = normalize, tuple(mean), tuple(std), output
+        self.timeout = float(timeout)
+        self.meter = StallMeter(log_every=log_every)
+        self._threads: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._results: dict[tuple[int, int], object] = {}
+        self._slots: list[_Slot] = []
+        self._free: list[_Slot] = []
+        self._generation = 0
+        self._inflight = 0
+        self._consumed = 0
+        self._closed = False
+        self._pool = _OutputPool(self.num_workers + self.prefetch + 2)
+        if self.cuda:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+
+    # ----------------------------------------------------------------- public surface
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank)."""
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        """The dataset's state after the batches the loop has received (not the prefetched ones)."""
+        return self.dataset.state_dict(batches_consumed=self._consumed)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state)
+        self._consumed = 0
+
+    def stats(self) -> dict:
+        """images/s, batches, and the share of wall time the loop waited for data."""
+        return self.meter.stats()
+
+    def close(self) -> None:
+        """Stop the reader threads (also done when the loader is garbage-collected)."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ----------------------------------------------------------------- iteration
+    def __iter__(self):
+        if self._closed:
+            raise RuntimeError("this DeviceLoader was closed")
+        self._start_threads()
+        self._drain()
+        self._generation += 1
+        gen = self._generation
+        ds = self.dataset
+        order, bounds = ds.begin_iteration()
+        epoch = ds.epoch
+        self._consumed = 0
+        n = len(bounds)
+        submitted = 0
+        held: _Slot | None = None
+        try:
+            for j in range(n):
+                if held is not None:  # the previous raw uint8 batch is released when the next is asked for
+                    self._release(held)
+                    held = None
+                started = self.meter.begin()
+                while submitted < n and self._free:
+                    begin, end = bounds[submitted]
+                    self._submit(gen, submitted, order[begin:end], self._free.pop(), _seed_for(ds.seed, epoch, begin))
+                    submitted += 1
+                (slot, batch, seed), waited = self._wait(gen, j, started)
+                if self.cuda:
+                    batch = self._on_device(slot, batch, seed)
+                elif self.output == "uint8":
+                    held = slot
+                else:
+                    self._release(slot)
+                self._consumed = j + 1
+                self.meter.record(started, waited, int(batch[1].shape[0]))
+                yield batch
+        finally:
+            if held is not None:
+                self._release(held)
+
+    # ----------------------------------------------------------------- plumbing
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        b, shape = self.dataset.batch_size, self.dataset.sample_shape
+        pin = self.cuda
+        for _ in range(self.num_workers + self.prefetch):
+            slot = _Slot(
+                images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
+                labels=torch.empty(b, dtype=torch.int64, pin_memory=pin),
+                index=torch.empty(b, dtype=torch.int64, pin_memory=pin),
+            )
+            self._slots.append(slot)
+        self._free = list(self._slots)
+        for i in range(self.num_workers):
+            t = threading.Thread(target=self._reader, name=f"datapipe-reader-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _submit(self, gen: int, j: int, indices: np.ndarray, slot: _Slot, seed: int) -> None:
+        with self._cond:
+            self._inflight += 1
+        self._jobs.put((gen, j, indices, slot, seed))
+
+    def _release(self, slot: _Slot) -> None:
+        self._free.append(slot)
+
+    def _wait(self, gen: int, j: int, started: float):
+        deadline = started + self.timeout
+        with self._cond:
+            while (gen, j) not in self._results:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise TimeoutError(f"datapipe: batch {j} of epoch {self.dataset.epoch} did not arrive within "
+                                       f"{self.timeout:.0f} s; a reader thread is stuck (slow storage?)")
+                self._cond.wait(left)
+            result = self._results.pop((gen, j))
+        waited = time.perf_counter() - started
+        if isinstance(result, _Failure):
+            raise result.exc
+        return result, waited
+
+    def _drain(self) -> None:
+        """Wait for jobs of an abandoned iteration, then take back all buffers."""
+        deadline = time.perf_counter() + self.timeout
+        with self._cond:
+            while self._inflight:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise TimeoutError("datapipe: reader threads did not finish the previous iteration")
+                self._cond.wait(left)
+            self._results.clear()
+        self._free = list(self._slots)
+
+    def _reader(self) -> None:
+        if not self.cuda:
+            torch.set_num_threads(1)  # per thread: readers must not fight over the cores
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            gen, j, indices, slot, seed = job
+            try:
+                if slot.event is not None:
+                    slot.event.synchronize()  # the GPU has finished copying this buffer out
+                    slot.event = None
+                n = self.dataset.cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(),
+                                                  slot.index.numpy())
+                batch = (slot.images[:n], slot.labels[:n], slot.index[:n])
+                if not self.cuda:
+                    batch = self._transform(batch, seed)
+                result: object = (slot, batch, seed)
+            except BaseException as exc:  # noqa: BLE001 - delivered to the training loop
+                result = _Failure(exc)
+            with self._cond:
+                self._inflight -= 1
+                if gen == self._generation:
+                    self._results[(gen, j)] = result
+                self._cond.notify_all()
+
+    def _on_device(self, slot: _Slot, batch, seed: int):
+        images, labels, index = batch
+        with torch.cuda.stream(self._copy_stream):
+            images = images.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            index = index.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        slot.event = event  # the reader refilling this buffer waits for the copy first
+        self._release(slot)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in (images, labels, index):
+            t.record_stream(current)  # allocated on the copy stream, used on this one
+        return self._transform((images, labels, index), seed, on_device=True)
+
+    def _out_buffer(self, n: int, h: int, w: int, channels_last: bool) -> torch.Tensor | None:
+        buf = self._pool.get((self.dataset.batch_size, 3, h, w), channels_last)
+        return None if buf is None else buf[:n]
+
+    def _transform(self, batch, seed: int, on_device: bool = False):
+        images, labels, index = batch
+        if self.output == "uint8":
+            out = images
+        elif isinstance(self.augment, BatchAugment):
+            buf = None if on_device else self._out_buffer(images.shape[0], self.augment.size, self.augment.size,
+                                                          self.augment.channels_last)
+            out = self.augment(images, seed=seed, out=buf)
+        elif self.augment is not None:
+            x = images.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                x = self.augment(x)
+            out = _normalize_float(x, self.mean, self.std) if self.normalize else x
+            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            out = out.contiguous(memory_format=fmt)
+        elif self.normalize:
+            _, h, w, _ = images.shape
+            buf = None if on_device else self._out_buffer(images.shape[0], h, w, self.channels_last)
+            out = normalize_uint8(images, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last,
+                                  out=buf)
+        else:
+            x = images.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
+            out = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
+        if out.is_floating_point() and out.dtype != self.dtype:
+            out = out.to(self.dtype)
+        if not on_device and self.output != "uint8":
+            labels = labels.clone()  # the host buffer is reused; the batch the loop holds must not change
+            index = index.clone()
+        return (out, labels, index) if self.dataset.return_index else (out, labels)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r} but CUDA is not available here; use device='cpu' or 'auto'")
+    return dev

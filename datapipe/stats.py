@@ -1,0 +1,69 @@
+"""The data-stall meter: how long the training loop waited for each batch, and images/s."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+log = logging.getLogger("datapipe")
+
+
+class StallMeter:
+    """Counts batches, images and the time the loop spent blocked waiting for data.
+
+    ``wait_share`` is waiting time over wall time since the first batch was asked for: 0 means the
+    loop never waited (the model is the bottleneck), values near 1 mean the loop is starved.
+    """
+
+    def __init__(self, *, log_every: int = 0, window: int = 50) -> None:
+        self.log_every = int(log_every)
+        self.recent: deque[tuple[float, float, int]] = deque(maxlen=window)  # (wait, interval, images)
+        self.reset()
+
+    def reset(self) -> None:
+        self.batches = 0
+        self.images = 0
+        self.wait = 0.0
+        self.first: float | None = None
+        self.last: float | None = None
+        self.recent.clear()
+
+    def begin(self) -> float:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        return now
+
+    def record(self, started: float, waited: float, images: int) -> None:
+        now = time.perf_counter()
+        interval = now - (self.last if self.last is not None else started)
+        self.last = now
+        self.batches += 1
+        self.images += images
+        self.wait += waited
+        self.recent.append((waited, interval, images))
+        if self.log_every and self.batches % self.log_every == 0:
+            s = self.stats()
+            log.info("datapipe: %d batches, %.0f img/s, waiting %.1f%% of the time (last %d: %.0f img/s, %.1f%%)",
+                     s["batches"], s["images_per_s"], 100 * s["wait_share"], s["recent"]["batches"],
+                     s["recent"]["images_per_s"], 100 * s["recent"]["wait_share"])
+
+    def stats(self) -> dict:
+        wall = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+        r_wait = sum(w for w, _, _ in self.recent)
+        r_wall = sum(i for _, i, _ in self.recent)
+        r_img = sum(n for _, _, n in self.recent)
+        return {
+            "batches": self.batches,
+            "images": self.images,
+            "seconds": wall,
+            "images_per_s": self.images / wall if wall > 0 else 0.0,
+            "wait_s": self.wait,
+            "wait_share": min(1.0, self.wait / wall) if wall > 0 else 0.0,
+            "recent": {
+                "batches": len(self.recent),
+                "images_per_s": r_img / r_wall if r_wall > 0 else 0.0,
+                "wait_share": min(1.0, r_wait / r_wall) if r_wall > 0 else 0.0,
+            },
+        }
