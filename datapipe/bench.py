@@ -1,0 +1,438 @@
+"""`datapipe bench`: where the time goes, and how far ahead of today's loaders, on this machine.
+
+Every system reads the same data and produces the same output — float [B, 3, crop, crop] batches
+after RandomResizedCrop and a horizontal flip — with the same number of workers and batch size.
+Warm-up passes are excluded; systems are measured in interleaved rounds so that drift on a shared
+machine hits them alike; each ratio is computed per round, then the median is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SYSTEM = "datapipe"
+
+
+@dataclass
+class Measurement:
+    """Repeated measurements of one system: images/s per round, with median and spread."""
+
+    name: str
+    status: str = "ok"  # "ok" or "skipped"
+    reason: str | None = None
+    install: str | None = None
+    images_per_s: list[float] = field(default_factory=list)
+    median: float = 0.0
+    spread: tuple[float, float] = (0.0, 0.0)  # (min, max) over rounds
+    ratio: float | None = None  # datapipe / this, median of per-round ratios
+    prepare_s: float | None = None  # time to write this system's shards from the source
+    cpu_s_per_image: float | None = None
+    notes: str = ""
+
+    def finish(self) -> None:
+        if self.images_per_s:
+            self.median = statistics.median(self.images_per_s)
+            self.spread = (min(self.images_per_s), max(self.images_per_s))
+
+
+@dataclass
+class BenchResult:
+    machine: dict
+    config: dict
+    stages: dict
+    systems: dict[str, Measurement]
+    attribution: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def describe_machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from .cli import environment
+
+    env = environment()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": env["python"],
+        "platform": env["platform"],
+        "versions": {k: env[k] for k in ("datapipe", "numpy", "torch", "kornia", "zarr", "dask")},
+        "decoders": env["decoders"],
+    }
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _timeit(fn, *, min_time: float = 0.3, max_reps: int = 50) -> float:
+    """Seconds per call of ``fn`` (after one warm-up call)."""
+    fn()
+    reps, start = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or reps >= max_reps:
+            return elapsed / reps
+
+
+def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
+    """Each stage on its own, one thread: read, assemble, decode, copy, augment."""
+    import torch
+
+    from . import augment
+    from .storage import SHARDS_DIR, images_path
+
+    torch.set_num_threads(1)
+    stages: dict[str, dict] = {}
+    per_image = cache.shape[0] * cache.shape[1] * cache.shape[2]
+    # read: sequential bytes of the shard files (page cache or disk)
+    files = [images_path(cache.root / SHARDS_DIR / n) for n, c in zip(cache.shard_names, cache.counts) if c]
+    buf = bytearray(1 << 24)
+    t0, nbytes = time.perf_counter(), 0
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while (k := fh.readinto(buf)) > 0:
+                nbytes += k
+    dt = time.perf_counter() - t0
+    stages["read"] = {"MB_per_s": nbytes / dt / 1e6, "what": "sequential read of every shard file"}
+    # assemble: a shuffled batch gathered from the memory maps into a buffer
+    b = min(batch_size, len(cache))
+    rng = np.random.default_rng(0)
+    out = np.empty((b, *cache.shape), np.uint8)
+    lab = np.empty(b, np.int64)
+    sec = _timeit(lambda: cache.read_batch(rng.choice(len(cache), b, replace=False), out, lab))
+    stages["assemble"] = {"images_per_s": b / sec, "GB_per_s": b * per_image / sec / 1e9,
+                          "what": "gather of a shuffled batch from memory-mapped shards"}
+    stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
+    images = torch.from_numpy(out)
+    if device.type == "cuda":
+        pinned = images.pin_memory()
+        torch.cuda.synchronize()
+
+        def copy():
+            pinned.to(device, non_blocking=True)
+            torch.cuda.synchronize()
+
+        sec = _timeit(copy)
+        stages["h2d"] = {"GB_per_s": pinned.numel() / sec / 1e9, "images_per_s": b / sec,
+                         "what": "pinned host -> device copy"}
+        on_dev = images.to(device)
+    else:
+        stages["h2d"] = {"GB_per_s": None, "what": "skipped: no GPU"}
+        on_dev = images
+    aug = augment.train(crop)
+
+    def run_aug():
+        aug(on_dev, seed=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    sec = _timeit(run_aug)
+    stages["augment"] = {"images_per_s": b / sec, "where": str(device),
+                         "what": f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"}
+    torch.set_num_threads(os.cpu_count() or 1)
+    return stages
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+def _datapipe_loader(cache, *, batch_size, workers, crop, device, seed=0):
+    from . import augment
+    from .dataset import StreamingDataset
+    from .device import DeviceLoader
+
+    ds = StreamingDataset(cache, batch_size=batch_size, shuffle=True, seed=seed)
+    return DeviceLoader(ds, device=device, num_workers=workers, prefetch=2, augment=augment.train(crop))
+
+
+def _pass(loader, batches: int | None, *, step_s: float = 0.0, sync=None) -> tuple[int, float, float]:
+    """Iterate up to ``batches`` batches; returns (images, wall seconds, CPU seconds)."""
+    images = 0
+    cpu0 = _cpu_seconds()
+    t0 = time.perf_counter()
+    for i, batch in enumerate(loader):
+        images += int(batch[0].shape[0])
+        if step_s:
+            time.sleep(step_s)
+        if batches is not None and i + 1 >= batches:
+            break
+    if sync:
+        sync()
+    return images, time.perf_counter() - t0, _cpu_seconds() - cpu0
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process, its live worker processes and its reaped children."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return total + kids.ru_utime + kids.ru_stime
+
+
+def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int = 2, repeats: int = 3,
+        batches: int | None = None, crop: int = 224, step_ms: float = 0.0, device: str = "auto",
+        work_dir=None, progress: bool = True, log=None) -> BenchResult:
+    """Measure datapipe stage by stage and against ``against`` peers on the same data.
+
+    Args:
+        cache: a cache folder written by ``datapipe build``.
+        source: the source image folder (needed by every peer).
+        against: peer names (``dataloader``, ``webdataset``, ``litdata``, ``streaming``) or ``["all"]``.
+        batch_size, workers, crop: the same for every system.
+        repeats: measured rounds; each round runs every system once, interleaved.
+        batches: batches per pass (default: one epoch, at most 40).
+        step_ms: if > 0, also run datapipe with a synthetic model step and report the wait share.
+        device: ``cuda``, ``cpu`` or ``auto``.
+        work_dir: where peers write their shards (default: next to the cache).
+
+    Returns:
+        A :class:`BenchResult` (``.to_dict()`` is what ``--json`` writes).
+    """
+    import torch
+    from tqdm import tqdm
+
+    from . import peers as peer_mod
+    from .cache import Cache
+    from .device import _resolve_device
+    from .errors import SourceError
+
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    cache = Cache(cache)
+    dev = _resolve_device(device)
+    names = list(peer_mod.PEERS) if list(against) == ["all"] else [a for a in against if a]
+    for name in names:
+        peer_mod.get_peer(name)  # raises ValueError naming the choices
+    if names and source is None:
+        raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
+    if source is not None and not Path(source).is_dir():
+        raise SourceError(f"source {source} is not a folder of class folders")
+    work = Path(work_dir) if work_dir else cache.root.parent / f"{cache.root.name}-bench-work"
+    epoch_batches = -(-len(cache) // batch_size)
+    batches = batches or min(epoch_batches, 40)
+    config = {"cache": str(cache.root), "source": str(source) if source else None, "batch_size": batch_size,
+              "workers": workers, "repeats": repeats, "batches_per_pass": batches, "crop": crop,
+              "device": str(dev), "output": f"float32 [B, 3, {crop}, {crop}] after RandomResizedCrop + flip"}
+    log(f"datapipe bench: {len(cache):,} samples, batch {batch_size}, {workers} workers, {repeats} rounds "
+        f"of {batches} batches on {dev}")
+
+    stages = measure_stages(cache, batch_size=batch_size, crop=crop, device=dev)
+    stages["bytes_on_disk_per_image"] = sum(s["nbytes"] for s in cache.manifest["shards"]) / max(len(cache), 1)
+
+    systems: dict[str, Measurement] = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train")}
+    loaders: dict[str, object] = {}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    loaders[SYSTEM] = _datapipe_loader(cache, batch_size=batch_size, workers=workers, crop=crop, device=dev)
+    for name in names:
+        peer = peer_mod.get_peer(name)
+        m = Measurement(name, install=peer.install)
+        systems[name] = m
+        reason = peer.unavailable()
+        if reason is None:
+            try:
+                log(f"datapipe bench: preparing {name} …")
+                m.prepare_s = peer.prepare(Path(source), work)
+                loaders[name] = peer.loader(Path(source), work, batch_size=batch_size, workers=workers)
+            except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+                reason = f"{type(exc).__name__}: {exc}"
+        if reason is not None:
+            m.status, m.reason = "skipped", reason
+            log(f"datapipe bench: {name} skipped: {reason} (install: {peer.install})")
+
+    runnable = list(loaders)
+    bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress, file=sys.stderr)
+    cpu: dict[str, list[float]] = {n: [] for n in runnable}
+    for rnd in range(repeats + 1):  # round 0 is the warm-up
+        for name in runnable:
+            try:
+                n_img, wall, cpu_s = _pass(loaders[name], batches, sync=sync)
+            except Exception as exc:  # noqa: BLE001
+                systems[name].status, systems[name].reason = "skipped", f"failed: {type(exc).__name__}: {exc}"
+                runnable.remove(name)
+                continue
+            if rnd:
+                systems[name].images_per_s.append(n_img / wall)
+                cpu[name].append(cpu_s / max(n_img, 1))
+            bar.update()
+    bar.close()
+    base = systems[SYSTEM]
+    for name, m in systems.items():
+        m.finish()
+        if cpu.get(name):
+            m.cpu_s_per_image = statistics.median(cpu[name])
+        if name != SYSTEM and m.images_per_s and base.images_per_s:
+            m.ratio = statistics.median(a / b for a, b in zip(base.images_per_s, m.images_per_s))
+
+    attribution = _attribution(cache, stages, batch_size=batch_size, crop=crop, device=dev, batches=batches)
+    if step_ms > 0:
+        attribution["model_step"] = _with_step(cache, batch_size=batch_size, workers=workers, crop=crop, device=dev,
+                                               batches=batches, step_ms=step_ms)
+    for loader in loaders.values():
+        close = getattr(loader, "close", None)
+        if close:
+            close()
+    return BenchResult(machine=describe_machine(), config=config, stages=stages, systems=systems,
+                       attribution=attribution)
+
+
+def _attribution(cache, stages, *, batch_size, crop, device, batches) -> dict:
+    """Does the stage breakdown add up? One reader thread end to end vs the sum of the stages."""
+    loader = _datapipe_loader(cache, batch_size=batch_size, workers=1, crop=crop, device=device)
+    sync = None
+    if device.type == "cuda":
+        import torch
+
+        sync = torch.cuda.synchronize
+    _pass(loader, min(batches, 3), sync=sync)
+    n, wall, _ = _pass(loader, batches, sync=sync)
+    loader.close()
+    per_image = {k: 1.0 / stages[k]["images_per_s"] for k in ("assemble", "augment")}
+    if stages["h2d"].get("images_per_s"):
+        per_image["h2d"] = 1.0 / stages["h2d"]["images_per_s"]
+    total = sum(per_image.values())
+    measured = wall / max(n, 1)
+    return {
+        "one_reader_images_per_s": n / wall,
+        "stage_seconds_per_image": per_image,
+        "sum_of_stages_s_per_image": total,
+        "end_to_end_s_per_image": measured,
+        "sum_over_end_to_end": total / measured,
+        "note": "one reader thread, so the stages run back to back and their sum should match end to end",
+    }
+
+
+def _with_step(cache, *, batch_size, workers, crop, device, batches, step_ms) -> dict:
+    loader = _datapipe_loader(cache, batch_size=batch_size, workers=workers, crop=crop, device=device)
+    _pass(loader, min(batches, 2))
+    loader.meter.reset()
+    _pass(loader, batches, step_s=step_ms / 1000.0)
+    s = loader.stats()
+    loader.close()
+    return {"step_ms": step_ms, "images_per_s": s["images_per_s"], "wait_share": s["wait_share"]}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def format_table(result: BenchResult) -> str:
+    lines = []
+    m = result.machine
+    lines.append(f"machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['versions']['torch']}")
+    c = result.config
+    lines.append(f"same output for all: {c['output']}; batch {c['batch_size']}, {c['workers']} workers, "
+                 f"{c['repeats']} rounds of {c['batches_per_pass']} batches")
+    lines.append("")
+    lines.append(f"{'system':<12} {'images/s (median)':>18} {'min..max':>18} {'datapipe ×':>11} {'prep s':>8} {'CPU ms/img':>11}")
+    for s in result.systems.values():
+        if s.status != "ok":
+            lines.append(f"{s.name:<12} skipped: {s.reason} (install: {s.install})")
+            continue
+        ratio = f"{s.ratio:.1f}×" if s.ratio else "—"
+        prep = f"{s.prepare_s:.1f}" if s.prepare_s is not None else "—"
+        cpu = f"{1000 * s.cpu_s_per_image:.2f}" if s.cpu_s_per_image is not None else "—"
+        lines.append(f"{s.name:<12} {s.median:>18,.0f} {f'{s.spread[0]:,.0f}..{s.spread[1]:,.0f}':>18} "
+                     f"{ratio:>11} {prep:>8} {cpu:>11}")
+    lines.append("")
+    st = result.stages
+    lines.append("datapipe stages (one thread each):")
+    lines.append(f"  read      {st['read']['MB_per_s']:,.0f} MB/s ({st['read']['what']})")
+    lines.append(f"  assemble  {st['assemble']['images_per_s']:,.0f} img/s, {st['assemble']['GB_per_s']:.2f} GB/s")
+    lines.append(f"  decode    {st['decode']['what']}")
+    h2d = st["h2d"]
+    h2d_text = f"{h2d['GB_per_s']:.1f} GB/s" if h2d.get("GB_per_s") else h2d["what"]
+    lines.append(f"  h2d       {h2d_text}")
+    lines.append(f"  augment   {st['augment']['images_per_s']:,.0f} img/s on {st['augment']['where']}")
+    lines.append(f"  on disk   {st['bytes_on_disk_per_image'] / 1024:,.0f} KiB per image")
+    a = result.attribution
+    lines.append(f"  one reader end to end {a['one_reader_images_per_s']:,.0f} img/s; sum of stages / end to end = "
+                 f"{a['sum_over_end_to_end']:.2f}")
+    if "model_step" in a:
+        ms = a["model_step"]
+        lines.append(f"  with a {ms['step_ms']:g} ms model step: {ms['images_per_s']:,.0f} img/s, the loop waited "
+                     f"{100 * ms['wait_share']:.1f}% of the time")
+    return "\n".join(lines)
+
+
+def plot(result: BenchResult, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [s for s in result.systems.values() if s.status == "ok"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = [s.name for s in ok]
+    values = [s.median for s in ok]
+    errs = [[s.median - s.spread[0] for s in ok], [s.spread[1] - s.median for s in ok]]
+    colors = ["#2a7ab0" if n == SYSTEM else "#999999" for n in names]
+    ax1.bar(names, values, yerr=errs, color=colors, capsize=4)
+    for i, s in enumerate(ok):
+        label = f"{s.median:,.0f}" + (f"\n({s.ratio:.1f}× slower)" if s.ratio else "")
+        ax1.text(i, s.median, label, ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("images/s (median, min–max)")
+    ax1.set_title(f"Same output, {result.config['workers']} workers, batch {result.config['batch_size']}")
+    st = result.stages
+    stage_names, rates = [], []
+    for key in ("assemble", "h2d", "augment"):
+        if st[key].get("images_per_s"):
+            stage_names.append(key)
+            rates.append(st[key]["images_per_s"])
+    stage_names.append("end to end\n(1 reader)")
+    rates.append(result.attribution["one_reader_images_per_s"])
+    ax2.barh(stage_names, rates, color="#2a7ab0")
+    ax2.set_xlabel("images/s, one thread")
+    ax2.set_title("datapipe stage by stage")
+    fig.suptitle(f"{result.machine['cpu']} · {result.machine['cores']} cores · GPU: {result.machine['gpu'] or 'none'}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """The ``datapipe bench`` command."""
+    against = [a.strip() for a in args.against.split(",") if a.strip()]
+    result = run(args.cache, source=args.source, against=against, batch_size=args.batch_size, workers=args.workers,
+                 repeats=args.repeats, batches=args.batches, crop=args.crop, step_ms=args.step_ms,
+                 device=args.device, work_dir=args.work_dir, progress=not args.quiet)
+    print(format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
