@@ -245,8 +245,12 @@ def _warm_up() -> None:
 def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
     from tqdm import tqdm
 
-    bar = tqdm(total=len(plans), unit="shard", desc="shards", disable=not progress, file=sys.stderr)
+    def progress_bar():
+        return tqdm(total=len(plans), unit="shard", desc="shards", disable=not progress, file=sys.stderr)
+
     if scheduler == "sync":
+        log("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
+        bar = progress_bar()
         records = []
         t_start = time.perf_counter()
         for plan in plans:
@@ -276,6 +280,7 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
         log(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
         t_start = time.perf_counter()
         keys = [f"datapipe-shard-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
+        bar = progress_bar()
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         records: dict[int, dict] = {}
         for future in as_completed(futures):

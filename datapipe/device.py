@@ -215,6 +215,8 @@ class DeviceLoader:
         finally:
             if held is not None:
                 self._release(held)
+            with self._cond:
+                self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
 
     # ----------------------------------------------------------------- plumbing
     def _start_threads(self) -> None:
@@ -278,6 +280,11 @@ class DeviceLoader:
             if job is None:
                 return
             gen, j, indices, slot, seed = job
+            if gen != self._generation:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+                continue
             try:
                 if slot.event is not None:
                     slot.event.synchronize()  # the GPU has finished copying this buffer out

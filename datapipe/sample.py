@@ -73,8 +73,18 @@ def _one_image(photos: list[np.ndarray], grain: np.ndarray, cls: int, rng: np.ra
     return buf.getvalue()
 
 
+def _write_range(root: Path, start: int, stop: int, classes: int, seed: int) -> None:
+    photos = _load_photos()
+    grain = np.random.default_rng([seed, 2**31]).normal(0.0, 9.0, size=(640, 640, 3)).astype(np.float32)
+    for i in range(start, stop):
+        cls = i % classes
+        folder = root / f"class_{cls:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img_{i:06d}.jpg").write_bytes(_one_image(photos, grain, cls, np.random.default_rng([seed, i])))
+
+
 def make_sample_dataset(
-    root: str | os.PathLike, *, images: int = 2000, classes: int = 10, seed: int = 0
+    root: str | os.PathLike, *, images: int = 2000, classes: int = 10, seed: int = 0, workers: int = 1
 ) -> Path:
     """Write ``images`` JPEGs into ``root/<class>/<n>.jpg`` (ImageNet layout).
 
@@ -84,6 +94,7 @@ def make_sample_dataset(
         images: number of images in total, spread evenly over the classes.
         classes: number of class folders.
         seed: the output is a pure function of (images, classes, seed).
+        workers: processes to generate with (the output does not depend on it).
 
     Returns:
         The root folder.
@@ -91,12 +102,16 @@ def make_sample_dataset(
     if images < 1 or classes < 1:
         raise ValueError(f"images and classes must be >= 1, got images={images}, classes={classes}")
     root = Path(root)
-    photos = _load_photos()
-    grain = np.random.default_rng([seed, 2**31]).normal(0.0, 9.0, size=(640, 640, 3)).astype(np.float32)
-    for i in range(images):
-        cls = i % classes
-        rng = np.random.default_rng([seed, i])
-        folder = root / f"class_{cls:03d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"img_{i:06d}.jpg").write_bytes(_one_image(photos, grain, cls, rng))
+    root.mkdir(parents=True, exist_ok=True)
+    if workers <= 1:
+        _write_range(root, 0, images, classes, seed)
+        return root
+    from concurrent.futures import ProcessPoolExecutor
+
+    step = -(-images // (workers * 4))
+    with ProcessPoolExecutor(workers) as pool:
+        jobs = [pool.submit(_write_range, root, a, min(a + step, images), classes, seed)
+                for a in range(0, images, step)]
+        for job in jobs:
+            job.result()
     return root
