@@ -358,7 +358,9 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash) -> 
         shards.append({"name": shard_name(r["shard"]), "count": r["count"], "first": first,
                        "nbytes": r["nbytes"], "crc32c": r["crc32c"], "inputs_hash": r["inputs_hash"]})
         first += r["count"]
-    # Shards left from an earlier, larger source are ours and no longer part of the cache.
+    # Shards left from an earlier, larger source are ours and no longer part of the cache; so are
+    # temporary folders of attempts that died with a lost worker.
+    remove_stale_temps(out / SHARDS_DIR)
     keep = {s["name"] for s in shards}
     for entry in (out / SHARDS_DIR).iterdir():
         if entry.name.endswith(".zarr") and entry.name not in keep:

@@ -350,6 +350,8 @@ class DeviceLoader:
             out = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
         if out.is_floating_point() and out.dtype != self.dtype:
             out = out.to(self.dtype)
+        if self.channels_last and out.is_floating_point():
+            out = out.contiguous(memory_format=torch.channels_last)
         if not on_device and self.output != "uint8":
             labels = labels.clone()  # the host buffer is reused; the batch the loop holds must not change
             index = index.clone()

@@ -1,0 +1,97 @@
+"""Build speed: datapipe's decode path against a plain Pillow loop, and 1 vs 2 Dask workers.
+
+Measured side by side in one run (the machine is shared, so only ratios from the same run count):
+
+* per core: ``datapipe.build(..., scheduler="sync")`` (one process, every stage of the build:
+  read, sniff, decode with libjpeg-turbo, orient, resize, crop, write the Zarr shard, checksum)
+  against a Pillow loop on the same files (open -> convert RGB -> resize shorter side to 256 ->
+  center crop), alternating rounds;
+* scaling: a LocalCluster build with 1 worker against 2 workers (cluster start-up excluded);
+* bytes on disk per sample and peak RSS of a build worker.
+
+    python benchmarks/build_bench.py [--source DIR] [--images 3000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def pillow_loop(files: list[Path], size: int = 256) -> float:
+    """The usual per-image Pillow pipeline; returns images/s on one core."""
+    from PIL import Image
+
+    t = time.perf_counter()
+    for f in files:
+        img = Image.open(io.BytesIO(f.read_bytes())).convert("RGB")
+        w, h = img.size
+        s = size / min(w, h)
+        img = img.resize((max(size, round(w * s)), max(size, round(h * s))), Image.Resampling.BILINEAR)
+        w, h = img.size
+        left, top = (w - size) // 2, (h - size) // 2
+        np.asarray(img.crop((left, top, left + size, top + size)))
+    return len(files) / (time.perf_counter() - t)
+
+
+def datapipe_build(source: Path, out: Path, **kwargs) -> dict:
+    import datapipe
+
+    shutil.rmtree(out, ignore_errors=True)
+    report = datapipe.build(source, out, progress=False, log=lambda line: None, **kwargs)
+    return {"images_per_s": report.images_per_second, "bytes_per_sample": report.bytes_per_sample,
+            "peak_worker_rss_mb": report.peak_worker_rss_mb, "seconds": report.seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--source", default=None, help="image folder (default: generate one)")
+    p.add_argument("--images", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--shard-size", type=int, default=100)
+    args = p.parse_args()
+
+    import datapipe
+
+    tmp = Path(tempfile.mkdtemp(prefix="datapipe-build-bench-"))
+    source = Path(args.source) if args.source else datapipe.make_sample_dataset(
+        tmp / "source", images=args.images, workers=2)
+    files = sorted(source.glob("*/*"))
+    sizes = [f.stat().st_size for f in files]
+    print(f"{len(files)} files, mean {statistics.mean(sizes) / 1e3:.0f} KB")
+    try:
+        pil, dp = [], []
+        for _ in range(args.rounds):
+            pil.append(pillow_loop(files))
+            dp.append(datapipe_build(source, tmp / "sync", scheduler="sync", shard_size=args.shard_size)["images_per_s"])
+        per_core = statistics.median(d / q for d, q in zip(dp, pil))
+        print(f"per core: Pillow loop {statistics.median(pil):,.0f} img/s, datapipe build (sync, 1 process) "
+              f"{statistics.median(dp):,.0f} img/s -> {per_core:.2f}x")
+        one, two = [], []
+        for _ in range(args.rounds):
+            one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=args.shard_size))
+            two.append(datapipe_build(source, tmp / "w2", workers=2, shard_size=args.shard_size))
+        scale = statistics.median(b["images_per_s"] / a["images_per_s"] for a, b in zip(one, two))
+        print(f"LocalCluster: 1 worker {statistics.median(r['images_per_s'] for r in one):,.0f} img/s, "
+              f"2 workers {statistics.median(r['images_per_s'] for r in two):,.0f} img/s -> {scale:.2f}x")
+        print(f"bytes on disk per sample: {two[0]['bytes_per_sample']:,.0f}; peak build worker RSS: "
+              f"{max(r['peak_worker_rss_mb'] for r in one + two):,.0f} MB")
+        print(json.dumps({"pillow_loop": pil, "datapipe_sync": dp, "per_core_ratio": per_core,
+                          "one_worker": [r["images_per_s"] for r in one],
+                          "two_workers": [r["images_per_s"] for r in two], "scaling": scale,
+                          "bytes_per_sample": two[0]["bytes_per_sample"],
+                          "peak_worker_rss_mb": max(r["peak_worker_rss_mb"] for r in one + two)}))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
