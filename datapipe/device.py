@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,7 +234,8 @@ class DeviceLoader:
             self._slots.append(slot)
         self._free = list(self._slots)
         for i in range(self.num_workers):
-            t = threading.Thread(target=self._reader, name=f"datapipe-reader-{i}", daemon=True)
+            t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, not self.cuda),
+                                 name=f"datapipe-reader-{i}", daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -272,36 +274,30 @@ class DeviceLoader:
             self._results.clear()
         self._free = list(self._slots)
 
-    def _reader(self) -> None:
-        if not self.cuda:
-            torch.set_num_threads(1)  # per thread: readers must not fight over the cores
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            gen, j, indices, slot, seed = job
-            if gen != self._generation:
-                with self._cond:
-                    self._inflight -= 1
-                    self._cond.notify_all()
-                continue
-            try:
-                if slot.event is not None:
-                    slot.event.synchronize()  # the GPU has finished copying this buffer out
-                    slot.event = None
-                n = self.dataset.cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(),
-                                                  slot.index.numpy())
-                batch = (slot.images[:n], slot.labels[:n], slot.index[:n])
-                if not self.cuda:
-                    batch = self._transform(batch, seed)
-                result: object = (slot, batch, seed)
-            except BaseException as exc:  # noqa: BLE001 - delivered to the training loop
-                result = _Failure(exc)
+    def _handle(self, job) -> None:
+        """Read (and on the CPU, augment) one batch in a reader thread."""
+        gen, j, indices, slot, seed = job
+        if gen != self._generation:
             with self._cond:
                 self._inflight -= 1
-                if gen == self._generation:
-                    self._results[(gen, j)] = result
                 self._cond.notify_all()
+            return
+        try:
+            if slot.event is not None:
+                slot.event.synchronize()  # the GPU has finished copying this buffer out
+                slot.event = None
+            n = self.dataset.cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
+            batch = (slot.images[:n], slot.labels[:n], slot.index[:n])
+            if not self.cuda:
+                batch = self._transform(batch, seed)
+            result: object = (slot, batch, seed)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the training loop
+            result = _Failure(exc)
+        with self._cond:
+            self._inflight -= 1
+            if gen == self._generation:
+                self._results[(gen, j)] = result
+            self._cond.notify_all()
 
     def _on_device(self, slot: _Slot, batch, seed: int):
         images, labels, index = batch
@@ -356,6 +352,22 @@ class DeviceLoader:
             labels = labels.clone()  # the host buffer is reused; the batch the loop holds must not change
             index = index.clone()
         return (out, labels, index) if self.dataset.return_index else (out, labels)
+
+
+def _reader_loop(ref, jobs: queue.SimpleQueue, single_thread: bool) -> None:
+    """A reader thread. It holds the loader only while handling a job, so an unused loader is
+    garbage-collected (which stops its threads)."""
+    if single_thread:
+        torch.set_num_threads(1)  # per thread: readers must not fight over the cores
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        loader = ref()
+        if loader is None:
+            return
+        loader._handle(job)
+        del loader
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
