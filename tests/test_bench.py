@@ -1,0 +1,89 @@
+"""`datapipe bench` on a tiny generated dataset: well-formed results, a chart, peers run or skipped."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+import datapipe
+from datapipe import bench, cli
+from datapipe.errors import CacheError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    source = datapipe.make_sample_dataset(root / "src", images=24, classes=3)
+    datapipe.build(source, root / "cache", size=64, shard_size=10, scheduler="sync", progress=False,
+                   log=lambda line: None)
+    return root
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None and __import__(name) is not None
+    except Exception:  # noqa: BLE001 - a broken install counts as missing
+        return False
+
+
+def test_bench_json_chart_and_peers(tiny, tmp_path):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = cli.main([
+        "bench", str(tiny / "cache"), "--source", str(tiny / "src"), "--against", "all",
+        "--batch-size", "8", "--workers", "1", "--repeats", "2", "--batches", "2", "--crop", "48",
+        "--step-ms", "5", "--work-dir", str(tmp_path / "work"), "--json", str(out_json), "--plot", str(out_png),
+        "--quiet"])
+    assert code == 0
+    result = json.loads(out_json.read_text())
+    assert set(result) == {"machine", "config", "stages", "systems", "attribution"}
+    assert result["machine"]["cores"] >= 1 and result["machine"]["versions"]["torch"]
+    for stage in ("read", "assemble", "decode", "h2d", "augment"):
+        assert stage in result["stages"]
+    assert result["stages"]["assemble"]["images_per_s"] > 0
+    assert result["stages"]["bytes_on_disk_per_image"] == pytest.approx(64 * 64 * 3 + 16 + 4 / 10, rel=0.01)
+    systems = result["systems"]
+    assert set(systems) == {"datapipe", "dataloader", "webdataset", "litdata", "streaming"}
+    dp = systems["datapipe"]
+    assert dp["status"] == "ok" and len(dp["images_per_s"]) == 2 and dp["median"] > 0
+    assert dp["spread"][0] <= dp["median"] <= dp["spread"][1]
+    for name, module in (("dataloader", "torch"), ("webdataset", "webdataset"), ("litdata", "litdata"),
+                         ("streaming", "streaming")):
+        s = systems[name]
+        if _importable(module) and (name in ("dataloader", "webdataset") or _importable("torchvision")):
+            assert s["status"] == "ok", (name, s["reason"])
+            assert s["ratio"] and s["ratio"] > 0 and len(s["images_per_s"]) == 2
+            assert s["prepare_s"] is not None
+        else:
+            assert s["status"] == "skipped" and s["reason"] and "pip install" in s["install"]
+    a = result["attribution"]
+    assert a["end_to_end_s_per_image"] > 0 and a["sum_of_stages_s_per_image"] > 0
+    assert 0.0 <= a["model_step"]["wait_share"] <= 1.0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_table_mentions_every_system(tiny):
+    result = bench.run(tiny / "cache", batch_size=8, workers=1, repeats=1, batches=1, crop=48, progress=False,
+                       log=lambda line: None)
+    table = bench.format_table(result)
+    assert "datapipe" in table and "img/s" in table
+    assert result.systems["datapipe"].median > 0
+
+
+def test_bench_bad_paths_give_one_clear_line(tmp_path):
+    with pytest.raises(CacheError, match="does not exist"):
+        bench.run(tmp_path / "nope", progress=False)
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "bench", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_needs_source_for_peers(tiny):
+    with pytest.raises(Exception, match="--source"):
+        bench.run(tiny / "cache", against=["dataloader"], progress=False, log=lambda line: None)
+    with pytest.raises(ValueError, match="dataloader"):
+        bench.run(tiny / "cache", source=tiny / "src", against=["nope"], progress=False, log=lambda line: None)
