@@ -9,6 +9,7 @@ The manifest is written last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
 from .errors import ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError
 from .sources import Listing, plan_shards, scan
-from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, read_shard_record,
+from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, images_path, read_shard_record,
                       remove_stale_temps, shard_name)
 
 TARGET_SHARD_BYTES = 100 * 2**20
@@ -68,14 +69,19 @@ class BuildReport:
 # ----------------------------------------------------------------------------- the task
 
 
-def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str) -> dict:
-    """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file."""
+def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, verify: bool = False) -> dict:
+    """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
+
+    A finished shard of the same inputs and configuration is kept (with ``verify``, only if its
+    data file's checksum still matches).
+    """
     import resource
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
     existing = read_shard_record(final)
     if (existing and existing.get("inputs_hash") == plan["inputs_hash"]
-            and existing.get("config_hash") == config_hash):
+            and existing.get("config_hash") == config_hash
+            and (not verify or existing["count"] == 0 or file_crc32c(images_path(final)) == existing["crc32c"])):
         return {**existing, "skipped": True, "seconds": 0.0}
     if final.exists():  # a shard of ours from other inputs or a damaged one: replace it
         stale = final.with_name(f".tmp-stale-{final.name}-{os.getpid()}")
@@ -131,6 +137,7 @@ def build(
     workers: int | None = None,
     scheduler: str | None = None,
     force: bool = False,
+    verify: bool = False,
     progress: bool = True,
     log=None,
 ) -> BuildReport:
@@ -148,6 +155,8 @@ def build(
         scheduler: address of an existing Dask scheduler (``tcp://host:8786``), or ``"sync"``
             to build serially in this process without Dask.
         force: rebuild into an output that holds a build of another configuration.
+        verify: check the checksum of every finished shard before keeping it (reads the whole
+            cache); a damaged shard is rebuilt.
         progress: show a progress bar on stderr.
         log: a callable taking one line of text (default: print to stderr).
 
@@ -178,7 +187,8 @@ def build(
     log(f"datapipe build: {len(listing):,} files in {len(listing.classes)} classes from {listing.root} "
         f"-> {len(plans)} shards of up to {shard_size} samples at {size}x{size} ({fit})")
 
-    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec), "config_hash": chash}
+    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec), "config_hash": chash,
+              "verify": verify}
     timing = {"scan": t_scan}
     t1 = time.perf_counter()
     records, n_workers, dashboard = _run(plans, kwargs, workers=workers, scheduler=scheduler,
@@ -279,7 +289,8 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
         where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
         log(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
         t_start = time.perf_counter()
-        keys = [f"datapipe-shard-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
+        where = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
+        keys = [f"datapipe-shard-{where}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
         bar = progress_bar()
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         records: dict[int, dict] = {}

@@ -126,6 +126,8 @@ class Cache:
         for name, count, rec in zip(self.shard_names, self.counts, self.manifest["shards"]):
             path = images_path(self.root / SHARDS_DIR / name)
             expected = expected_file_size(int(count), self.size)
+            if count == 0 and rec["nbytes"] == 0:
+                continue  # every file of this shard was quarantined: there is no data file
             actual = path.stat().st_size if path.exists() else -1
             if actual != expected or rec["nbytes"] != expected:
                 what = "missing" if actual < 0 else f"{actual:,} bytes, expected {expected:,}"
@@ -148,7 +150,8 @@ class Cache:
                 continue
             crc = file_crc32c(path)
             if crc != rec["crc32c"]:
-                problems.append(f"shard {rec['name']}: checksum {crc} != manifest {rec['crc32c']} ({path})")
+                problems.append(f"shard {rec['name']}: checksum {crc} != manifest {rec['crc32c']} ({path}); "
+                                "`datapipe build SOURCE OUTPUT --verify` rewrites it")
         for key, info in self.manifest["files"].items():
             path = self.root / info["name"]
             if not path.exists() or file_crc32c(path) != info["crc32c"]:

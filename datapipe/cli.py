@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-pixels", type=_positive_int, default=100_000_000,
                    help="quarantine images whose header claims more pixels (default 100,000,000)")
     b.add_argument("--force", action="store_true", help="rebuild an output built with another configuration")
+    b.add_argument("--verify", action="store_true",
+                   help="check every finished shard's checksum before keeping it (rebuilds damaged shards)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
 
     i = sub.add_parser("info", help="describe a cache, or the environment with --env")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except DatapipeError as exc:
+    except (DatapipeError, ValueError) as exc:
         print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -94,7 +96,7 @@ def _build(args) -> int:
 
     build(args.source, args.output, size=args.size, fit=args.fit, shard_size=args.shard_size,
           workers=args.workers, scheduler=args.scheduler, max_bad_fraction=args.max_bad_fraction,
-          max_pixels=args.max_pixels, force=args.force, progress=not args.quiet)
+          max_pixels=args.max_pixels, force=args.force, verify=args.verify, progress=not args.quiet)
     return 0
 
 
@@ -147,7 +149,7 @@ def _verify(args) -> int:
     for line in problems:
         print(line)
     print(f"{cache.root}: {len(cache.counts)} shards, {cache.num_samples:,} samples: "
-          f"{'OK' if not problems else f'{len(problems)} problem(s); rerun the build to rewrite damaged shards'}")
+          f"{'OK' if not problems else f'{len(problems)} problem(s); `datapipe build SOURCE OUTPUT --verify` rewrites damaged shards'}")
     return 0 if not problems else 1
 
 

@@ -182,7 +182,10 @@ def _resize(img: np.ndarray, height: int, width: int) -> np.ndarray:
     if not _torch_ready:  # build workers run one task per core: no intra-op threads
         torch.set_num_threads(1)
         _torch_ready = True
-    src = torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]
+    img = np.ascontiguousarray(img)
+    if not img.flags.writeable:  # Pillow's arrays are read-only; torch wants writable memory
+        img = img.copy()
+    src = torch.from_numpy(img).permute(2, 0, 1)[None]
     out = np.empty((height, width, 3), np.uint8)
     dst = torch.from_numpy(out).permute(2, 0, 1)[None]
     try:
@@ -271,6 +274,12 @@ def _decode_simplejpeg(sj, data: bytes, spec: DecodeSpec) -> np.ndarray | None:
         raise DecodeError(f"corrupt JPEG header: {exc}") from None
     _check_pixels(width, height, spec)
     if colorspace in ("CMYK", "YCCK"):
+        # Pillow converts the colours (Adobe's inverted CMYK included) but tolerates damaged scan
+        # data, so the file is first fully decoded here, strictly, to reject what any backend would.
+        try:
+            sj.decode_jpeg(data, colorspace="CMYK", strict=True)
+        except ValueError as exc:
+            raise DecodeError(f"corrupt or truncated JPEG ({colorspace}): {exc}") from None
         return None
     factor = dct_factor(height, width, spec)
     try:
@@ -304,6 +313,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
             img = Image.open(io.BytesIO(data))
             _check_pixels(img.width, img.height, spec)
             if fmt == "jpeg":
@@ -342,7 +352,7 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None) -> np.ndarray:
     source size. Raises DecodeError with the quarantine reason for anything that is not a readable
     image.
     """
-    spec = spec or DecodeSpec(size=8)
+    spec = spec or DecodeSpec(size=8192)  # no spec: full resolution, no DCT downscaling
     if not data:
         raise DecodeError("empty file (0 bytes)")
     fmt = sniff(data[:16])

@@ -70,9 +70,17 @@ class StreamingDataset(IterableDataset):
         return int(self._shared[1])
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (call before each epoch). A new epoch starts from its beginning."""
+        """Select the epoch (call before each epoch). A new epoch starts from its beginning.
+
+        A resumed position (``load_state_dict``) holds until the epoch changes. In the main
+        process (``num_workers=0``, DeviceLoader) it is also used only once; DataLoader worker
+        processes cannot tell the main process that they used it, so there a second pass over the
+        resumed epoch without ``set_epoch`` starts at the resumed position again.
+        """
         if int(epoch) != self.epoch:
             self._shared[1] = 0
+            self._iter_base = 0
+            self._consumed = 0
         self._shared[0] = int(epoch)
 
     def __len__(self) -> int:

@@ -138,6 +138,9 @@ class DeviceLoader:
         self._consumed = 0
         self._closed = False
         self._pool = _OutputPool(self.num_workers + self.prefetch + 2)
+        # On the CPU the readers also augment — unless the augmentation is a generic module, whose
+        # random state is torch's global generator: that runs in the loop's thread, batch by batch.
+        self._reader_transforms = not self.cuda and (augment is None or isinstance(augment, BatchAugment))
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
 
@@ -206,10 +209,13 @@ class DeviceLoader:
                 (slot, batch, seed), waited = self._wait(gen, j, started)
                 if self.cuda:
                     batch = self._on_device(slot, batch, seed)
-                elif self.output == "uint8":
-                    held = slot
                 else:
-                    self._release(slot)
+                    if not self._reader_transforms:  # a generic module: here, in order, one at a time
+                        batch = self._transform(batch, seed)
+                    if self.output == "uint8":
+                        held = slot
+                    else:
+                        self._release(slot)
                 self._consumed = j + 1
                 self.meter.record(started, waited, int(batch[1].shape[0]))
                 yield batch
@@ -217,7 +223,8 @@ class DeviceLoader:
             if held is not None:
                 self._release(held)
             with self._cond:
-                self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
+                if self._generation == gen:  # queued jobs of an abandoned iteration are skipped, not read
+                    self._generation += 1
 
     # ----------------------------------------------------------------- plumbing
     def _start_threads(self) -> None:
@@ -288,7 +295,7 @@ class DeviceLoader:
                 slot.event = None
             n = self.dataset.cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
             batch = (slot.images[:n], slot.labels[:n], slot.index[:n])
-            if not self.cuda:
+            if self._reader_transforms:
                 batch = self._transform(batch, seed)
             result: object = (slot, batch, seed)
         except BaseException as exc:  # noqa: BLE001 - delivered to the training loop

@@ -61,6 +61,11 @@ def scan(source: str | os.PathLike) -> Listing:
     return listing
 
 
+def _is_cache(folder: Path) -> bool:
+    """A datapipe output (finished or not) is never a class, even when written inside the source."""
+    return (folder / "build.json").exists() or (folder / "manifest.json").exists()
+
+
 def _stat(path: Path) -> tuple[int, int]:
     try:
         st = path.stat()
@@ -71,7 +76,8 @@ def _stat(path: Path) -> tuple[int, int]:
 
 def _scan_folder(root: Path) -> Listing:
     try:
-        class_dirs = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        class_dirs = sorted(e.name for e in os.scandir(root)
+                            if e.is_dir() and not e.name.startswith(".") and not _is_cache(Path(e.path)))
     except PermissionError as exc:
         raise SourceError(f"source {root} cannot be read: {exc}") from None
     records: list[tuple[str, int]] = []
@@ -114,18 +120,17 @@ def _scan_csv(csv_path: Path) -> Listing:
                 rows.append((row[0].strip(), row[1].strip()))
     except UnicodeDecodeError as exc:
         raise SourceError(f"{csv_path} is not a UTF-8 CSV of path,label: {exc}") from None
-    names = sorted({label for _, label in rows}, key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))
-    index = {name: i for i, name in enumerate(names)}
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     dropped: list[dict] = []
-    records: list[tuple[str, int]] = []
-    for path, label in sorted(rows):
+    for path, label in rows:  # file order: the first row of a duplicated path wins
         rel = Path(path).as_posix() if not os.path.isabs(path) else path
         if rel in seen:
             dropped.append({"path": rel, "reason": "duplicate path in list source (kept the first row)"})
             continue
-        seen.add(rel)
-        records.append((rel, index[label]))
+        seen[rel] = label
+    names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))
+    index = {name: i for i, name in enumerate(names)}
+    records = sorted((rel, index[label]) for rel, label in seen.items())
     paths = [p for p, _ in records]
     return Listing(
         root=root, kind="csv", classes=names, paths=paths, labels=[lab for _, lab in records],

@@ -1,0 +1,192 @@
+"""Shared fixtures: image bytes of every kind (good and bad) and small class-folder sources.
+
+Everything is generated in memory or under tmp_path with Pillow and numpy; no binary data is
+committed. Helpers are reached through the session fixture ``imaging`` (a namespace of functions).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import types
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# ----------------------------------------------------------------------------- pixels and bytes
+
+
+def gradient(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """An asymmetric, JPEG-friendly uint8 RGB image: gradients, a bright corner block and mild noise.
+
+    Every flip and rotation of it differs from every other, so orientation mistakes show.
+    """
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    img = np.empty((height, width, 3), np.float32)
+    img[..., 0] = 255 * x / max(width - 1, 1)
+    img[..., 1] = 255 * y / max(height - 1, 1)
+    img[..., 2] = 128 + 60 * np.sin((x + 2 * y) / 7 + seed)
+    img[: max(1, height // 5), : max(1, width // 6)] = (250, 250, 40)  # top-left marker
+    img += rng.normal(0, 4, img.shape)
+    return np.clip(img, 0, 255).round().astype(np.uint8)
+
+
+def encode(image, fmt: str, **kwargs) -> bytes:
+    """Encode a numpy array or a PIL image with Pillow."""
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def jpeg(arr: np.ndarray, quality: int = 92, **kwargs) -> bytes:
+    return encode(arr, "JPEG", quality=quality, **kwargs)
+
+
+def jpeg_with_orientation(arr: np.ndarray, orientation: int) -> bytes:
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(arr, "JPEG", exif=exif.tobytes(), quality=95)
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose IHDR claims width×height (CRC fixed up): a decompression bomb header."""
+    data = bytearray(encode(np.zeros((4, 4), np.uint8), "PNG"))
+    assert data[12:16] == b"IHDR"
+    struct.pack_into(">II", data, 16, width, height)
+    struct.pack_into(">I", data, 29, zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def png16_rgb(arr16: np.ndarray) -> bytes:
+    """A 16-bit-per-channel RGB PNG written by hand (Pillow cannot write one)."""
+    h, w, _ = arr16.shape
+    raw = b"".join(b"\x00" + np.ascontiguousarray(arr16[r]).astype(">u2").tobytes() for r in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + _png_chunk(b"IDAT", zlib.compress(raw)) + _png_chunk(b"IEND", b""))
+
+
+def corrupt_jpeg(data: bytes, seed: int = 5, span: int = 48, *, zero_tail: bool = True) -> bytes:
+    """Overwrite ``span`` bytes in the middle of the entropy-coded scan data with random garbage.
+
+    Random garbage alone is not always detectable (it can be valid Huffman data); with
+    ``zero_tail`` the rest of the scan is zeroed too, which libjpeg always reports as corrupt.
+    """
+    sos = data.find(b"\xff\xda")
+    assert sos > 0
+    start = sos + (len(data) - sos) // 2
+    rng = np.random.default_rng(seed)
+    bad = bytearray(data)
+    for i in range(start, min(start + span, len(data) - 2)):
+        value = int(rng.integers(0, 255))
+        bad[i] = value if value != 0xFF else 0x00  # no accidental markers
+    if zero_tail:
+        for i in range(start + span, len(data) - 2):
+            if bad[i] != 0xFF:
+                bad[i] = 0
+    assert bytes(bad) != data
+    return bytes(bad)
+
+
+def with_app1(data: bytes, payload: bytes) -> bytes:
+    """Insert an APP1 segment with ``payload`` right after a JPEG's SOI marker."""
+    assert data[:2] == b"\xff\xd8"
+    return data[:2] + b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload + data[2:]
+
+
+def bad_inputs() -> dict[str, bytes]:
+    """One file of every bad kind a build must quarantine, keyed by file name."""
+    good = jpeg(gradient(96, 128, seed=3), quality=90)
+    return {
+        "zero.jpg": b"",
+        "text.jpg": b"this is not an image, just some text with a .jpg name\n" * 4,
+        "truncated.jpg": good[: len(good) // 2],
+        "corrupt.jpg": corrupt_jpeg(good),
+        "bomb.png": png_claiming(20000, 20000),
+    }
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def write_source(root: Path, counts: dict[str, int], *, seed: int = 0, shape=(40, 52),
+                 variety: bool = True) -> dict[str, int]:
+    """Write a class-folder source; return {relative path: class name index in sorted order}.
+
+    With ``variety`` the files mix JPEG, PNG, a PNG named .jpg, grayscale, RGBA and EXIF-rotated
+    JPEGs of varying sizes; without it every file is a plain JPEG of ``shape``.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    classes = sorted(counts)
+    files: dict[str, int] = {}
+    k = 0
+    for name in classes:
+        (root / name).mkdir(exist_ok=True)
+        for j in range(counts[name]):
+            h, w = shape
+            if variety:
+                h, w = h + 7 * (k % 5), w + 5 * (k % 3)
+            arr = gradient(h, w, seed=seed * 1000 + k)
+            kind = k % 6 if variety else 0
+            if kind == 1:
+                fname, data = f"img{j:03d}.png", encode(arr, "PNG")
+            elif kind == 2:
+                fname, data = f"png-named{j:03d}.jpg", encode(arr, "PNG")
+            elif kind == 3:
+                fname, data = f"gray{j:03d}.jpeg", jpeg(arr[..., 1])
+            elif kind == 4:
+                rgba = np.dstack([arr, np.full(arr.shape[:2], 200, np.uint8)])
+                fname, data = f"rgba{j:03d}.png", encode(rgba, "PNG")
+            elif kind == 5:
+                fname, data = f"rot{j:03d}.jpg", jpeg_with_orientation(arr, 6)
+            else:
+                fname, data = f"img{j:03d}.jpg", jpeg(arr)
+            (root / name / fname).write_bytes(data)
+            files[f"{name}/{fname}"] = classes.index(name)
+            k += 1
+    return files
+
+
+def write_bad_files(folder: Path) -> list[str]:
+    """Write every bad kind into ``folder`` plus a dangling symlink; return the file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for name, data in bad_inputs().items():
+        (folder / name).write_bytes(data)
+        names.append(name)
+    os.symlink(folder / "does-not-exist.jpg", folder / "x.jpg")
+    names.append("x.jpg")
+    return names
+
+
+def tree_bytes(folder: Path, *, skip=("report.json",)) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative posix path -> bytes), except names in ``skip``."""
+    out = {}
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file() and path.name not in skip:
+            out[path.relative_to(folder).as_posix()] = path.read_bytes()
+    return out
+
+
+@pytest.fixture(scope="session")
+def imaging() -> types.SimpleNamespace:
+    """The helpers above, as one namespace."""
+    return types.SimpleNamespace(
+        gradient=gradient, encode=encode, jpeg=jpeg, jpeg_with_orientation=jpeg_with_orientation,
+        png_claiming=png_claiming, png16_rgb=png16_rgb, corrupt_jpeg=corrupt_jpeg, with_app1=with_app1,
+        bad_inputs=bad_inputs, write_source=write_source, write_bad_files=write_bad_files,
+        tree_bytes=tree_bytes,
+    )

@@ -1,0 +1,171 @@
+"""Two real torch.distributed ranks (gloo, CPU) reading one index cache.
+
+Each rank detects its place from torch.distributed alone (no rank/world_size arguments and no
+RANK/WORLD_SIZE in its environment), reads two epochs through a DataLoader with two persistent
+workers, a drop_last epoch, and one epoch through a DeviceLoader. The parent checks exactly once
+per epoch over both ranks, equal and exact batch counts, and different orders across epochs
+(requirements 1–5, 24).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+from loader_fixtures import index_cache_info
+
+B = 8
+WORLD = 2
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="session")
+def index_cache(tmp_path_factory):
+    """101 index-encoding samples of 32×32 in shards of 7 (built once per session)."""
+    return index_cache_info(tmp_path_factory)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_pixels(ids: np.ndarray, images, labels, idx) -> None:
+    from datapipe.testing import index_of
+
+    idx = np.asarray(idx)
+    if not np.array_equal(index_of(np.asarray(images)), ids[idx]):
+        raise AssertionError(f"pixels disagree with indices {idx.tolist()}")
+    if not np.array_equal(np.asarray(labels), ids[idx] % 3):
+        raise AssertionError(f"labels disagree with indices {idx.tolist()}")
+
+
+def _rank_main(rank: int, port: int, cache: str, out: str) -> None:
+    """One rank: runs in a spawned process, writes what it read to ``out/rank{rank}.json``."""
+    try:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(key, None)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # A spawned child inherits "spawn"; ranks started by torchrun have the platform default,
+        # under which DataLoader workers fork instead of re-importing torch (seconds each).
+        multiprocessing.set_start_method("fork", force=True)
+        import torch
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader
+
+        import datapipe
+        from datapipe.testing import index_map, to_uint8
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+        ids = index_map(cache)
+        result: dict = {}
+
+        ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
+        result["detected"] = [ds.rank, ds.world_size]
+        result["len"] = len(ds)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        result["epochs"] = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            batches = []
+            for images, labels, idx in loader:
+                _check_pixels(ids, images, labels, idx)
+                batches.append(idx.tolist())
+            result["epochs"].append(batches)
+        del loader
+
+        dropping = datapipe.StreamingDataset(cache, batch_size=B, seed=5, drop_last=True, return_index=True)
+        result["drop_len"] = len(dropping)
+        result["drop"] = [idx.tolist() for _, _, idx in DataLoader(dropping, batch_size=None, num_workers=2)]
+
+        device_ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
+        device = datapipe.DeviceLoader(device_ds, device="cpu", num_workers=2, augment=datapipe.augment.train(24))
+        device.set_epoch(1)
+        result["device_len"] = len(device)
+        result["device"] = []
+        try:
+            for images, labels, idx in device:
+                _check_pixels(ids, to_uint8(images), labels, idx)
+                result["device"].append(idx.tolist())
+        finally:
+            device.close()
+
+        # What DDP needs: every rank steps the same number of times (gathered, not assumed).
+        counts = [len(e) for e in result["epochs"]] + [len(result["drop"]), len(result["device"])]
+        gathered: list = [None] * WORLD
+        dist.all_gather_object(gathered, counts)
+        result["gathered_counts"] = gathered
+        dist.barrier()
+        dist.destroy_process_group()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _run_ranks(cache: Path, out: Path, timeout: float = 100.0) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(cache), str(out))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+    errors = {r: (out / f"rank{r}.err").read_text() for r in range(WORLD) if (out / f"rank{r}.err").exists()}
+    assert not errors, "\n".join(f"rank {r}:\n{tb}" for r, tb in errors.items())
+    assert [p.exitcode for p in procs] == [0] * WORLD, "a rank hung or died"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_two_gloo_ranks_read_each_sample_once_per_epoch(index_cache, tmp_path):
+    n = index_cache.n  # 101 = 6 steps of 16 + 5
+    results = _run_ranks(index_cache.path, tmp_path)
+    assert [r["detected"] for r in results] == [[0, WORLD], [1, WORLD]]
+    expected_len = -(-n // (WORLD * B))
+    orders = []
+    for epoch in range(2):
+        per_rank = [r["epochs"][epoch] for r in results]
+        assert [len(batches) for batches in per_rank] == [expected_len] * WORLD
+        assert [r["len"] for r in results] == [expected_len] * WORLD
+        seen = np.concatenate([np.concatenate(batches) for batches in per_rank])
+        assert np.array_equal(np.sort(seen), np.arange(n)), f"epoch {epoch}: not exactly once"
+        # The global order: step by step, rank 0's batch then rank 1's.
+        orders.append(np.concatenate([np.concatenate(step) for step in zip(*per_rank)]))
+    assert not np.array_equal(orders[0], orders[1]), "epochs must be shuffled differently"
+    assert results[0]["gathered_counts"] == results[1]["gathered_counts"]
+
+    drop_len = n // (WORLD * B)
+    assert [r["drop_len"] for r in results] == [drop_len] * WORLD
+    assert [len(r["drop"]) for r in results] == [drop_len] * WORLD
+    dropped = np.concatenate([np.concatenate(r["drop"]) for r in results])
+    assert len(dropped) == n - n % (WORLD * B) and len(np.unique(dropped)) == len(dropped)
+    assert all(len(b) == B for r in results for b in r["drop"])
+
+    assert [r["device_len"] for r in results] == [expected_len] * WORLD
+    assert [len(r["device"]) for r in results] == [expected_len] * WORLD
+    device_seen = np.concatenate([np.concatenate(r["device"]) for r in results])
+    assert np.array_equal(np.sort(device_seen), np.arange(n))
+    # The DeviceLoader (epoch 1) reads the same per-rank batches as the DataLoader did in epoch 1.
+    for r in results:
+        assert [sorted(b) for b in r["device"]] == [sorted(b) for b in r["epochs"][1]]

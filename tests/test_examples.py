@@ -1,0 +1,122 @@
+"""The examples run the way a user runs them: build a small cache, train on it on the CPU, resume a
+stopped run, and train under torch.distributed.run with two gloo ranks. Every run is a subprocess
+with a time limit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import datapipe
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+IMAGES, CLASSES, SIZE = 48, 4, 48
+EPOCH_LINE = re.compile(r"^\[rank (\d+)/(\d+)\] epoch (\d+): (\d+) batches", re.MULTILINE)
+# Set by torchrun for its workers; a run of the single-process example must not inherit them.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def run(args: list[str], *, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    """Run a command to completion; on timeout kill its whole process group (torchrun's ranks too)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([str(a) for a in args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s\n{out}\n{err}")
+    assert proc.returncode == 0, f"{' '.join(map(str, args))} exited with {proc.returncode}\n{out}\n{err}"
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def epochs(stdout: str) -> dict[tuple[int, int], int]:
+    """{(rank, epoch): batches} from the example's per-epoch lines."""
+    return {(int(r), int(e)): int(n) for r, _, e, n in EPOCH_LINE.findall(stdout)}
+
+
+def train_args(cache: Path, checkpoint: Path, *more) -> list:
+    return [EXAMPLES / "train.py", "--cache", cache, "--crop", 32, "--device", "cpu", "--workers", 1,
+            "--checkpoint", checkpoint, *more]
+
+
+@pytest.fixture(scope="module")
+def example_cache(tmp_path_factory) -> Path:
+    """examples/build_dataset.py on a generated sample: a one-worker LocalCluster, 48 images of 48x48."""
+    work = tmp_path_factory.mktemp("examples")
+    proc = run([sys.executable, EXAMPLES / "build_dataset.py", "--output", work / "cache", "--images", IMAGES,
+                "--classes", CLASSES, "--size", SIZE, "--shard-size", 16, "--workers", 1, "--quiet"],
+               timeout=180, cwd=work)
+    assert "LocalCluster: 1 workers" in proc.stdout
+    return work / "cache"
+
+
+def test_build_dataset_example(example_cache):
+    cache = datapipe.open(example_cache)
+    assert len(cache) == IMAGES and cache.shape == (SIZE, SIZE, 3) and len(cache.classes) == CLASSES
+    assert len(list((example_cache.parent / "images").glob("*/*.jpg"))) == IMAGES
+
+    # A rerun keeps the generated images (untouched) and finds every shard done.
+    proc = run([sys.executable, EXAMPLES / "build_dataset.py", "--output", example_cache, "--images", IMAGES,
+                "--classes", CLASSES, "--size", SIZE, "--shard-size", 16, "--scheduler", "sync", "--quiet"],
+               timeout=120, cwd=example_cache.parent)
+    assert f"{IMAGES} images already in" in proc.stdout
+    assert "(0 built, 3 already done)" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def stopped_run(example_cache) -> tuple[subprocess.CompletedProcess, Path]:
+    """One epoch of train.py stopped by --max-steps 2 (batches of 8: 6 per epoch)."""
+    checkpoint = example_cache.parent / "stopped.pt"
+    proc = run([sys.executable, *train_args(example_cache, checkpoint, "--epochs", 1, "--batch-size", 8,
+                                            "--max-steps", 2)], timeout=180, cwd=example_cache.parent)
+    return proc, checkpoint
+
+
+def test_train_example_single_process(stopped_run):
+    proc, checkpoint = stopped_run
+    assert epochs(proc.stdout) == {(0, 0): 2}
+    assert "[rank 0/1]" in proc.stdout and "img/s" in proc.stdout  # the loader's stats, per epoch
+    ckpt = torch.load(checkpoint, map_location="cpu")
+    assert ckpt["step"] == 2 and ckpt["epoch"] == 0 and not ckpt["epoch_done"]
+    assert ckpt["loader"]["epoch"] == 0 and ckpt["loader"]["position"] == 2 * 8  # trained batches, not prefetched
+
+
+def test_train_example_resumes_mid_epoch(stopped_run, example_cache):
+    _, checkpoint = stopped_run
+    final = example_cache.parent / "resumed.pt"
+    proc = run([sys.executable, *train_args(example_cache, final, "--epochs", 2, "--batch-size", 8,
+                                            "--resume", checkpoint)], timeout=180, cwd=example_cache.parent)
+    assert "resumed from" in proc.stdout
+    # The rest of epoch 0 (6 - 2 batches), then a whole epoch 1.
+    assert epochs(proc.stdout) == {(0, 0): 4, (0, 1): 6}
+    ckpt = torch.load(final, map_location="cpu")
+    assert ckpt["step"] == 2 + 4 + 6 and ckpt["epoch"] == 1 and ckpt["epoch_done"]
+
+
+@pytest.mark.distributed
+def test_train_example_under_torchrun(example_cache):
+    """Two gloo ranks with batches of 4 (a global step of 8: 6 steps per epoch), stopped and resumed."""
+    work = example_cache.parent
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    checkpoint = work / "ddp.pt"
+    proc = run([*launch, *train_args(example_cache, checkpoint, "--epochs", 1, "--batch-size", 4,
+                                     "--max-steps", 2)], timeout=240, cwd=work)
+    assert epochs(proc.stdout) == {(0, 0): 2, (1, 0): 2}, proc.stdout
+    assert torch.load(checkpoint, map_location="cpu")["loader"]["position"] == 2 * 4 * 2
+
+    proc = run([*launch, *train_args(example_cache, work / "ddp-resumed.pt", "--epochs", 1, "--batch-size", 4,
+                                     "--resume", checkpoint)], timeout=240, cwd=work)
+    seen = epochs(proc.stdout)
+    assert seen == {(0, 0): 4, (1, 0): 4}, proc.stdout  # both ranks: the same, remaining 6 - 2 batches
