@@ -147,9 +147,11 @@ def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
         stages["h2d"] = {"GB_per_s": None, "what": "skipped: no GPU"}
         on_dev = images
     aug = augment.train(crop)
+    # On the CPU the loader writes into reused output buffers; measure the same way.
+    out_buf = None if device.type == "cuda" else torch.empty((b, 3, crop, crop))
 
     def run_aug():
-        aug(on_dev, seed=1)
+        aug(on_dev, seed=1, out=out_buf)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
