@@ -52,18 +52,19 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "IMG_EXTENSIONS",
-    "ImageFolderTransform",
-    "Peer",
-    "PeerResult",
     "PEERS",
     "DataLoaderPeer",
-    "WebDatasetPeer",
+    "ImageFolderTransform",
     "LitDataPeer",
+    "Peer",
+    "PeerResult",
     "StreamingPeer",
+    "WebDatasetPeer",
+    "collate_pairs",
     "get_peer",
     "list_image_folder",
-    "random_resized_crop_params",
     "measure",
+    "random_resized_crop_params",
 ]
 
 #: File extensions that torchvision's ``ImageFolder`` accepts.
@@ -149,8 +150,8 @@ def random_resized_crop_params(
         aspect_ratio = math.exp(
             torch.empty(1).uniform_(float(log_ratio[0]), float(log_ratio[1]), generator=generator).item()
         )
-        w = int(round(math.sqrt(target_area * aspect_ratio)))
-        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        w = round(math.sqrt(target_area * aspect_ratio))
+        h = round(math.sqrt(target_area / aspect_ratio))
         if 0 < w <= width and 0 < h <= height:
             i = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
             j = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
@@ -159,10 +160,10 @@ def random_resized_crop_params(
     in_ratio = float(width) / float(height)
     if in_ratio < min(ratio):
         w = width
-        h = int(round(w / min(ratio)))
+        h = round(w / min(ratio))
     elif in_ratio > max(ratio):
         h = height
-        w = int(round(h * max(ratio)))
+        w = round(h * max(ratio))
     else:  # whole image
         w = width
         h = height
@@ -350,7 +351,7 @@ def _import_error(module: str) -> str | None:
                 raise ModuleNotFoundError(f"No module named {module!r}", name=module)
             importlib.import_module(module)
             _import_errors[module] = None
-        except (Exception, SystemExit) as exc:  # a broken install can fail in any way
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken install can fail in any way
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _import_errors[module] = f"{type(exc).__name__}: {first_line}".rstrip(": ")
     return _import_errors[module]
@@ -376,15 +377,15 @@ class Peer:
                 if reason is not None:
                     return reason
             return None
-        except BaseException as exc:  # noqa: BLE001 - documented never to raise
-            if isinstance(exc, KeyboardInterrupt):
-                raise
+        except Exception as exc:  # noqa: BLE001 - documented never to raise
             return f"{type(exc).__name__}: {exc}"
 
     def _require(self) -> None:
         reason = self.unavailable()
         if reason is not None:
-            raise RuntimeError(f"peer {self.name!r} cannot run here ({reason}); install it with: {self.install}")
+            raise RuntimeError(
+                f"peer {self.name!r} cannot run here ({reason}); install it with: {self.install}"
+            )
 
     def folder(self, workdir: Path) -> Path:
         """Where this peer's shards live."""
@@ -436,6 +437,17 @@ class Peer:
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         """An iterable of ``(images, labels)`` batches; each iteration is one epoch."""
         raise NotImplementedError
+
+
+def _check_index(out: Path, list_key: str, count_key: str, expected: int) -> None:
+    """Raise unless ``out/index.json`` lists ``expected`` samples in total."""
+    try:
+        index = json.loads((out / "index.json").read_text())
+        written = sum(int(entry[count_key]) for entry in index[list_key])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"writing {out} failed: no readable index.json ({exc})") from exc
+    if written != expected:
+        raise RuntimeError(f"writing {out} failed: index.json lists {written} samples, expected {expected}")
 
 
 def _check_loader_args(batch_size: int, workers: int) -> None:
@@ -495,7 +507,9 @@ class WebDatasetPeer(Peer):
         import webdataset as wds
 
         per_shard = max(1, min(self.max_per_shard, math.ceil(len(samples) / self.min_shards)))
-        with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, maxsize=1 << 40, verbose=0) as sink:
+        with wds.ShardWriter(
+            str(out / "shard-%06d.tar"), maxcount=per_shard, maxsize=1 << 40, verbose=0
+        ) as sink:
             for index in _write_order(len(samples)):
                 path, label = samples[index]
                 sink.write({"__key__": f"{index:09d}", "jpg": Path(path).read_bytes(), "cls": int(label)})
@@ -552,6 +566,8 @@ class LitDataPeer(Peer):
         inputs = [(str(samples[i][0]), int(samples[i][1])) for i in order]
         # optimize() forces the process-wide multiprocessing start method to 'spawn'; put it back,
         # or every DataLoader made afterwards in this process (any peer's) would spawn its workers.
+        # Its writer processes are forked where possible: spawning them re-imports torch in each
+        # (seconds) and re-runs an unguarded ``__main__``.
         start_method = multiprocessing.get_start_method(allow_none=True)
         try:
             litdata.optimize(
@@ -560,10 +576,13 @@ class LitDataPeer(Peer):
                 output_dir=str(out.resolve()),
                 chunk_bytes=self.chunk_bytes,
                 num_workers=max(1, min(2, os.cpu_count() or 1)),
+                start_method="fork" if "fork" in multiprocessing.get_all_start_methods() else None,
                 verbose=False,
             )
         finally:
             multiprocessing.set_start_method(start_method, force=True)
+        # optimize() can return normally although its writer processes died: check the result.
+        _check_index(out, "chunks", "chunk_size", len(samples))
 
     def loader(self, source, workdir, *, batch_size, workers, seed=0):
         _check_loader_args(batch_size, workers)
@@ -596,6 +615,7 @@ class StreamingPeer(Peer):
             for index in _write_order(len(samples)):
                 path, label = samples[index]
                 writer.write({"jpg": Path(path).read_bytes(), "cls": int(label)})
+        _check_index(out, "shards", "samples", len(samples))
 
     def loader(self, source, workdir, *, batch_size, workers, seed=0):
         _check_loader_args(batch_size, workers)

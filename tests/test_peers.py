@@ -64,7 +64,7 @@ def test_list_image_folder_rejects_empty(tmp_path):
 
 
 def test_transform_shape_range_and_determinism(source):
-    path = sorted((source / "class_001").iterdir())[0]
+    path = min((source / "class_001").iterdir())
     transform = ImageFolderTransform()
     torch.manual_seed(123)
     a = transform(path)
@@ -88,7 +88,7 @@ def test_transform_shape_range_and_determinism(source):
 def test_transform_flip_and_full_crop(source):
     from PIL import Image
 
-    path = sorted((source / "class_000").iterdir())[0]
+    path = min((source / "class_000").iterdir())
     with Image.open(path) as img:
         rgb = img.convert("RGB")
     # scale=(1,1) with an aspect-ratio range containing the image's makes the crop the whole
@@ -107,7 +107,7 @@ def test_transform_matches_torchvision(source):
     # ImageNet training transform for the same torch seed, including the centre-crop fallback.
     try:
         from torchvision import transforms as T
-    except Exception as exc:  # not installed, or built for another torch
+    except Exception as exc:  # noqa: BLE001 - not installed, or built for another torch
         pytest.skip(f"torchvision does not import here: {type(exc).__name__}")
     from PIL import Image
 
@@ -204,12 +204,14 @@ def _imports(module: str) -> bool:
         return False
     try:
         importlib.import_module(module)
-    except Exception:
+    except Exception:  # noqa: BLE001
         return False
     return True
 
 
-@pytest.mark.parametrize("name,module", [("webdataset", "webdataset"), ("litdata", "litdata"), ("streaming", "streaming")])
+@pytest.mark.parametrize(
+    "name,module", [("webdataset", "webdataset"), ("litdata", "litdata"), ("streaming", "streaming")]
+)
 def test_unavailable_iff_library_missing(name, module):
     reason = get_peer(name).unavailable()
     if _imports(module):
@@ -311,7 +313,12 @@ def test_loader_without_prepare_fails_clearly(source, tmp_path):
 @pytest.mark.parametrize("name", ["litdata", "streaming"])
 def test_streaming_library_peers_one_epoch(name, source, workdir):
     # Runs where the library imports (the peers venv); skipped with the import error elsewhere.
+    import multiprocessing
+
+    start_method = multiprocessing.get_start_method()
     _check_peer(name, source, workdir, batch_size=16, workers=2, epochs=2)
+    # Writing shards must not change how later DataLoaders in this process start their workers.
+    assert multiprocessing.get_start_method() == start_method
     # A second loader over the same shards in the same process works too.
     loader = get_peer(name).loader(source, workdir, batch_size=16, workers=0, seed=1)
     counts, sizes = _one_epoch(loader, 16)
@@ -322,3 +329,17 @@ def test_measure_reports_one_epoch(source, workdir):
     result = peers.measure("dataloader", source, workdir, batch_size=16, workers=0, warmup_epochs=0)
     assert result.name == "dataloader" and result.images == IMAGES
     assert len(result.epoch_s) == 1 and result.images_per_s > 0
+
+
+def test_incomplete_index_is_an_error(tmp_path):
+    # The litdata and streaming writers are checked against the number of source samples.
+    (tmp_path / "index.json").write_text('{"shards": [{"samples": 30}, {"samples": 9}]}')
+    with pytest.raises(RuntimeError, match="39 samples, expected 40"):
+        peers._check_index(tmp_path, "shards", "samples", 40)
+    peers._check_index(tmp_path, "shards", "samples", 39)
+    (tmp_path / "index.json").write_text('{"chunks": [], "config": null}')
+    with pytest.raises(RuntimeError):
+        peers._check_index(tmp_path, "chunks", "chunk_size", 40)
+    (tmp_path / "index.json").unlink()
+    with pytest.raises(RuntimeError, match="index.json"):
+        peers._check_index(tmp_path, "chunks", "chunk_size", 40)
