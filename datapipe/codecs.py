@@ -236,7 +236,6 @@ def dct_factor(height: int, width: int, spec: DecodeSpec) -> int:
 
 def _to_rgb(img) -> np.ndarray:
     """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3."""
-    from PIL import Image
 
     mode = img.mode
     if mode == "RGB":
