@@ -17,8 +17,11 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="datapipe", description="Decode images once on Dask; stream them at memory speed.")
+    p = argparse.ArgumentParser(prog="datapipe", description="Decode images once on Dask; stream them at memory speed.",
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
+    _add = sub.add_parser
+    sub.add_parser = lambda *a, **k: _add(*a, allow_abbrev=False, **k)  # full option names only
 
     b = sub.add_parser("build", help="decode a folder of images (or a CSV list) into a sharded cache")
     b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label")

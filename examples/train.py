@@ -1,0 +1,160 @@
+"""Train a small CNN on a datapipe cache, in one process or under torchrun, on CPU or GPU.
+
+    python examples/train.py --cache CACHE
+    torchrun --nproc_per_node=2 examples/train.py --cache CACHE            # DDP (gloo on CPU, nccl on GPU)
+    python examples/train.py --cache CACHE --resume checkpoint.pt          # continue where it stopped
+
+A checkpoint (model, optimizer and loader position) is written at the end of every epoch and when
+--max-steps stops the run; --resume continues mid-epoch with exactly the batches not yet seen.
+Build a cache first: `python examples/build_dataset.py` or `datapipe build SOURCE CACHE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import datapipe
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache", required=True, help="cache folder written by `datapipe build`")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64, help="samples per batch on each process")
+    p.add_argument("--crop", type=int, default=224, help="RandomResizedCrop output size")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
+    p.add_argument("--workers", type=int, default=2, help="loader reader threads per process")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps in all (counting resumed ones)")
+    p.add_argument("--checkpoint", default="checkpoint.pt", help="where to save (default %(default)s)")
+    p.add_argument("--resume", default=None, help="a checkpoint to continue from")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed (keep it when resuming)")
+    return p.parse_args(argv)
+
+
+def small_cnn(num_classes: int) -> nn.Module:
+    def block(cin: int, cout: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(cout),
+                             nn.ReLU(inplace=True))
+
+    return nn.Sequential(block(3, 32), block(32, 64), block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(128, num_classes))
+
+
+def setup(device: str) -> torch.device:
+    """Pick the device; join the process group when launched by torchrun (WORLD_SIZE is set)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return dev
+
+
+def log(line: str) -> None:
+    """Print one line with a single write, so lines of ranks sharing one terminal never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a crash while saving never leaves a broken checkpoint behind
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = setup(args.device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    # Every rank reads its own share of each global batch; drop_last keeps every batch full.
+    dataset = datapipe.StreamingDataset(args.cache, batch_size=args.batch_size, shuffle=True, seed=args.seed,
+                                        drop_last=True)
+    loader = datapipe.DeviceLoader(dataset, device=device, num_workers=args.workers,
+                                   augment=datapipe.augment.train(args.crop))
+
+    model = small_cnn(len(dataset.cache.classes)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
+    step, start_epoch = 0, 0
+    if args.resume:
+        ckpt = torch.load(args.resume, map_location="cpu")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        loader.load_state_dict(ckpt["loader"])  # seeks to the first batch the saved run had not trained on
+        step = ckpt["step"]
+        start_epoch = ckpt["epoch"] + 1 if ckpt["epoch_done"] else ckpt["epoch"]
+        if rank == 0:
+            log(f"resumed from {args.resume}: epoch {ckpt['epoch']}, sample {ckpt['loader']['position']}, "
+                f"step {step}")
+    if dist.is_initialized():
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    criterion = nn.CrossEntropyLoss()
+    if rank == 0:
+        log(f"{world} process(es) on {device}: {len(loader)} batches of {args.batch_size} per process "
+            f"and epoch from {dataset.cache!r}")
+
+    for epoch in range(start_epoch, args.epochs):
+        if args.max_steps is not None and step >= args.max_steps:
+            break
+        loader.set_epoch(epoch)  # keeps a resumed position in the resumed epoch
+        model.train()
+        batches, loss_sum, started = 0, torch.zeros((), device=device), time.perf_counter()
+        stopped = False
+        for images, labels in loader:
+            loss = criterion(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+            batches += 1
+            step += 1
+            if args.max_steps is not None and step >= args.max_steps:
+                stopped = True
+                break
+
+        s = loader.stats()  # since the loader was created
+        loss = loss_sum.item() / batches if batches else float("nan")
+        log(f"[rank {rank}/{world}] epoch {epoch}: {batches} batches, loss {loss:.4f}, "
+            f"{time.perf_counter() - started:.1f} s | loader: {s['images_per_s']:,.0f} img/s, "
+            f"waited {100 * s['wait_share']:.1f}% of the time, {s['batches']} batches in all")
+        if rank == 0:
+            save_checkpoint(args.checkpoint, {
+                "model": (model.module if isinstance(model, DistributedDataParallel) else model).state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "loader": loader.state_dict(),  # counts the batches trained on, not the prefetched ones
+                "epoch": epoch,
+                "epoch_done": not stopped,
+                "step": step,
+                "args": vars(args),
+            })
+        if stopped:
+            if rank == 0:
+                log(f"stopped after --max-steps {args.max_steps}; continue with --resume {args.checkpoint}")
+            break
+
+    loader.close()
+    if dist.is_initialized():
+        dist.barrier()  # every rank leaves together, after rank 0 has written the checkpoint
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
