@@ -16,14 +16,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _command(sub, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand that accepts full option names only (a renamed option must not live on as a prefix)."""
+    return sub.add_parser(name, allow_abbrev=False, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="datapipe", description="Decode images once on Dask; stream them at memory speed.",
                                 allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
-    _add = sub.add_parser
-    sub.add_parser = lambda *a, **k: _add(*a, allow_abbrev=False, **k)  # full option names only
 
-    b = sub.add_parser("build", help="decode a folder of images (or a CSV list) into a sharded cache")
+    b = _command(sub, "build", help="decode a folder of images (or a CSV list) into a sharded cache")
     b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label")
     b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op)")
     b.add_argument("--size", type=_positive_int, default=256, help="side of the square samples (default 256)")
@@ -42,26 +45,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="check every finished shard's checksum before keeping it (rebuilds damaged shards)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    i = sub.add_parser("info", help="describe a cache, or the environment with --env")
+    i = _command(sub, "info", help="describe a cache, or the environment with --env")
     i.add_argument("cache", nargs="?", help="cache folder")
     i.add_argument("--env", action="store_true", help="print the active decoders and library versions")
 
-    v = sub.add_parser("verify", help="check every shard's size and checksum against the manifest")
+    v = _command(sub, "verify", help="check every shard's size and checksum against the manifest")
     v.add_argument("cache")
 
-    s = sub.add_parser("sample", help="generate an ImageNet-like sample image folder")
+    s = _command(sub, "sample", help="generate an ImageNet-like sample image folder")
     s.add_argument("output")
     s.add_argument("--images", type=_positive_int, default=2000)
     s.add_argument("--classes", type=_positive_int, default=10)
     s.add_argument("--seed", type=int, default=0)
 
-    d = sub.add_parser("demo", help="generate a sample dataset, build it on a LocalCluster, read it back, bench it")
+    d = _command(sub, "demo", help="generate a sample dataset, build it on a LocalCluster, read it back, bench it")
     d.add_argument("--dir", default="datapipe-demo", help="working folder (default ./datapipe-demo)")
     d.add_argument("--images", type=_positive_int, default=2000)
     d.add_argument("--workers", type=_positive_int, default=None)
     d.add_argument("--skip-bench", action="store_true", help="stop after reading the cache back")
 
-    k = sub.add_parser("bench", help="measure the loader stage by stage and against other loaders")
+    k = _command(sub, "bench", help="measure the loader stage by stage and against other loaders")
     k.add_argument("cache", help="cache folder written by `datapipe build`")
     k.add_argument("--source", default=None, help="the source image folder, for the peers that read it")
     k.add_argument("--against", default="", help="comma-separated peers: dataloader,webdataset,litdata,streaming or 'all'")
