@@ -8,6 +8,7 @@ it touches, straight into the caller's buffer.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,9 @@ import numpy as np
 from . import manifest as mf
 from .errors import CacheError, CorruptShardError
 from .storage import SHARDS_DIR, expected_file_size, file_crc32c, images_path, open_images
+
+
+_OPEN_LOCK = threading.Lock()
 
 
 class Cache:
@@ -62,7 +66,8 @@ class Cache:
     def labels(self) -> np.ndarray:
         """All labels, int64 [num_samples] (memory-mapped)."""
         if self._labels is None:
-            labels = np.load(self.root / mf.LABELS, mmap_mode="r")
+            with _OPEN_LOCK:  # np.load parses the header with ast, which is not thread-safe on 3.11
+                labels = self._labels if self._labels is not None else np.load(self.root / mf.LABELS, mmap_mode="r")
             if labels.shape != (self.num_samples,):
                 raise CorruptShardError(f"{self.root / mf.LABELS} holds {labels.shape} labels, the manifest "
                                         f"says {self.num_samples}; rebuild the cache")

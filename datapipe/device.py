@@ -232,6 +232,7 @@ class DeviceLoader:
             return
         b, shape = self.dataset.batch_size, self.dataset.sample_shape
         pin = self.cuda
+        _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
         for _ in range(self.num_workers + self.prefetch):
             slot = _Slot(
                 images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
