@@ -50,8 +50,7 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
         out = torch.empty((b, 3, h, w), dtype=torch.float32, device=images.device, memory_format=fmt)
     else:
         out = out[:b]
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], device=images.device).view(1, 3, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=images.device).view(1, 3, 1, 1)
+    scale, shift = _scale_shift(mean, std, images.device)
     out.copy_(images.permute(0, 3, 1, 2)).mul_(scale).add_(shift)
     return out if out.dtype == dtype else out.to(dtype)
 

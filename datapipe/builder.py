@@ -17,7 +17,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -410,6 +409,3 @@ def _labels_of(out: Path, record: dict) -> np.ndarray:
 def _write_report(out: Path, report: BuildReport) -> None:
     atomic_write_text(out / mf.REPORT, json.dumps(asdict(report), indent=1, ensure_ascii=False))
 
-
-def report_dict(report: BuildReport) -> dict[str, Any]:
-    return asdict(report)
