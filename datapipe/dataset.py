@@ -8,6 +8,7 @@ same number of batches and the stream is identical for any number of DataLoader 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,30 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .errors import StateError
+from .errors import DatapipeError, StateError
 from .world import World, detect_ranks, detect_worker
 
 STATE_VERSION = 1
+
+
+def _check_shm(batch_bytes: int, worker_info, path: str = "/dev/shm") -> None:
+    """Fail fast, with the fix named, when shared memory cannot hold the batches in flight.
+
+    Worker processes hand batches over through /dev/shm; Docker's default of 64 MB holds less than
+    two 256×256 batches of 256, and running out surfaces as a bus error deep in the DataLoader.
+    """
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    in_flight = batch_bytes * max(2, 2 * (worker_info.num_workers if worker_info else 1))
+    if free < in_flight:
+        raise DatapipeError(
+            f"{path} has {free / 2**20:,.0f} MB free, but DataLoader workers need about {in_flight / 2**20:,.0f} MB "
+            f"of shared memory for the batches in flight ({batch_bytes / 2**20:,.0f} MB each). Start the container "
+            "with a larger --shm-size (e.g. docker run --shm-size=8g), use datapipe.DeviceLoader (threads, no shared "
+            "memory), or use fewer workers or a smaller batch.")
 
 
 class StreamingDataset(IterableDataset):
@@ -127,6 +148,7 @@ class StreamingDataset(IterableDataset):
         n = len(indices)
         images = torch.empty((n, *self.cache.shape), dtype=torch.uint8)
         if shared and n:
+            _check_shm(images.numel(), torch.utils.data.get_worker_info())
             images.share_memory_()  # filled in place: the DataLoader sends a handle, not a copy
         labels = torch.empty(n, dtype=torch.int64)
         index = torch.empty(n, dtype=torch.int64)

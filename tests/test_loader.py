@@ -587,3 +587,17 @@ def test_presets_are_seeded():
     assert not torch.equal(aug(images, seed=1), aug(images, seed=2))
     out = augment.eval(24)(images)
     assert out.shape == (5, 3, 24, 24) and out.dtype == torch.float32
+
+
+def test_small_shared_memory_fails_fast_naming_the_fix(tmp_path):
+    """Docker's 64 MB /dev/shm cannot hold the batches in flight: a clear error, not a bus error."""
+    from types import SimpleNamespace
+
+    from datapipe.dataset import _check_shm
+    from datapipe.errors import DatapipeError
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    with pytest.raises(DatapipeError, match="--shm-size"):
+        _check_shm(2**62, SimpleNamespace(num_workers=2), str(small))  # more than any disk holds
+    _check_shm(1024, SimpleNamespace(num_workers=2), str(small))  # a small batch fits
