@@ -22,7 +22,7 @@ import numpy as np
 
 from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
-from .errors import ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError
+from .errors import BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError
 from .sources import Listing, plan_shards, scan
 from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, images_path, read_shard_record,
                       remove_stale_temps, shard_name)
@@ -296,8 +296,21 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
         bar = progress_bar()
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         records: dict[int, dict] = {}
+        by_key = {f.key: p for f, p in zip(futures, plans)}
         for future in as_completed(futures):
-            rec = future.result()
+            try:
+                rec = future.result()
+            except Exception as exc:
+                if type(exc).__name__ != "KilledWorker":
+                    raise
+                plan = by_key[future.key]
+                first, last = plan["paths"][0], plan["paths"][-1]
+                files = first if first == last else f"one of its {len(plan['paths'])} files, {first} … {last}"
+                raise BuildError(
+                    f"shard {plan['shard']} killed its Dask workers repeatedly (out of memory or "
+                    f"a decoder crash) while decoding {files}. Finished shards are "
+                    "kept: remove or fix the offending file (a lower --max-pixels catches huge images) and rerun to "
+                    "resume.") from None
             records[rec["shard"]] = rec
             bar.update()
         bar.close()

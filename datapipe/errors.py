@@ -31,6 +31,10 @@ class DecodeError(DatapipeError, ValueError):
     """One input file cannot be turned into a sample; the message is the quarantine reason."""
 
 
+class BuildError(DatapipeError, RuntimeError):
+    """A shard could not be built (for example, its task kept killing the Dask workers)."""
+
+
 class TooManyBadFilesError(DatapipeError, RuntimeError):
     """More files were quarantined than ``max_bad_fraction`` allows."""
 
