@@ -68,11 +68,14 @@ class BuildReport:
 # ----------------------------------------------------------------------------- the task
 
 
-def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, verify: bool = False) -> dict:
+def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, verify: bool = False,
+                isolate: bool = False) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
     A finished shard of the same inputs and configuration is kept (with ``verify``, only if its
-    data file's checksum still matches).
+    data file's checksum still matches). With ``isolate`` (after this shard's task killed a worker)
+    every file is first decoded in a separate process; one that crashes it or never finishes is
+    quarantined.
     """
     import resource
 
@@ -92,6 +95,10 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     sample = np.empty((decode_spec.size, decode_spec.size, 3), np.uint8)  # reused for every image
     with ShardWriter(final, size=decode_spec.size) as writer:
         for path, label in zip(plan["paths"], plan["labels"]):
+            reason = _probe(Path(root) / path, spec) if isolate else None
+            if reason is not None:
+                quarantined.append({"path": path, "reason": reason})
+                continue
             image = _load(Path(root) / path, decode_spec, path, quarantined, sample)
             if image is not None:
                 writer.add(image, label, path)
@@ -104,6 +111,26 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     record["seconds"] = time.perf_counter() - start
     record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return record
+
+
+def _probe(file: Path, spec: dict) -> str | None:
+    """Decode ``file`` in a child process; None if that works, else the quarantine reason."""
+    import signal
+    import subprocess
+
+    timeout = float(os.environ.get("DATAPIPE_PROBE_TIMEOUT", "120"))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "datapipe.probe", str(file), json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"decoding did not finish within {timeout:g} s (isolated after its shard killed a worker)"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 3:
+        return proc.stdout.strip()
+    if proc.returncode < 0:
+        return f"the decoder crashed its process ({signal.Signals(-proc.returncode).name})"
+    return f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
 
 
 def _load(file: Path, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray) -> np.ndarray | None:
@@ -296,21 +323,30 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
         bar = progress_bar()
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         records: dict[int, dict] = {}
-        by_key = {f.key: p for f, p in zip(futures, plans)}
-        for future in as_completed(futures):
+        by_key = {f.key: (p, False) for f, p in zip(futures, plans)}
+        pending = as_completed(futures)
+        for future in pending:
             try:
                 rec = future.result()
             except Exception as exc:
                 if type(exc).__name__ != "KilledWorker":
                     raise
-                plan = by_key[future.key]
+                plan, isolated = by_key[future.key]
                 first, last = plan["paths"][0], plan["paths"][-1]
                 files = first if first == last else f"one of its {len(plan['paths'])} files, {first} … {last}"
-                raise BuildError(
-                    f"shard {plan['shard']} killed its Dask workers repeatedly (out of memory or "
-                    f"a decoder crash) while decoding {files}. Finished shards are "
-                    "kept: remove or fix the offending file (a lower --max-pixels catches huge images) and rerun to "
-                    "resume.") from None
+                if isolated:
+                    raise BuildError(
+                        f"shard {plan['shard']} killed its Dask workers repeatedly (out of memory or "
+                        f"a decoder crash) while decoding {files}, also with every file checked in a separate "
+                        "process first. Finished shards are kept: remove or fix the offending file (a lower "
+                        "--max-pixels catches huge images) and rerun to resume.") from None
+                log(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
+                    "separate processes to quarantine the culprit")
+                retry = client.submit(build_shard, plan, key=f"{future.key}-isolated", pure=False,
+                                      isolate=True, **kwargs)
+                by_key[retry.key] = (plan, True)
+                pending.add(retry)
+                continue
             records[rec["shard"]] = rec
             bar.update()
         bar.close()

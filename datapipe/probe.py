@@ -1,0 +1,30 @@
+"""Decode one file in a process of its own: ``python -m datapipe.probe PATH SPEC_JSON``.
+
+Used when a shard's task has killed its Dask worker: the build then decodes that shard's files one
+by one in separate processes, so the file that crashes the decoder (or never finishes) is
+quarantined with a reason instead of killing workers again. Exit 0: decodes; exit 3: a reason on
+stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from .codecs import DecodeSpec, decode_sample
+    from .errors import DecodeError
+
+    path, spec = argv[0], DecodeSpec(**json.loads(argv[1]))
+    try:
+        with open(path, "rb") as f:
+            decode_sample(f.read(), spec)
+    except (DecodeError, OSError) as exc:
+        print(str(exc))
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
