@@ -318,8 +318,8 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
         where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
         log(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
         t_start = time.perf_counter()
-        where = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
-        keys = [f"datapipe-shard-{where}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
+        out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
+        keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
         bar = progress_bar()
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         records: dict[int, dict] = {}
@@ -408,8 +408,9 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
 
 
 def _write_index(out: Path, listing: Listing, plans, records, config, chash) -> None:
-    labels = np.concatenate([np.asarray(_labels_of(out, r), np.int64) for r in records]) if records else np.empty(0, np.int64)
+    label_of = dict(zip(listing.paths, listing.labels))  # a shard's samples are its plan's surviving files
     paths = [p for r in records for p in r["paths"]]
+    labels = np.fromiter((label_of[p] for p in paths), np.int64, count=len(paths))
     lab_tmp = out / f".tmp-{mf.LABELS}"
     with open(lab_tmp, "wb") as f:
         np.save(f, labels)
@@ -444,15 +445,6 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash) -> 
         "shards": shards,
     }
     mf.write_manifest(out, manifest)
-
-
-def _labels_of(out: Path, record: dict) -> np.ndarray:
-    import zarr
-
-    if record["count"] == 0:
-        return np.empty(0, np.int64)
-    group = zarr.open_group(str(out / SHARDS_DIR / shard_name(record["shard"])), mode="r")
-    return group["labels"][:]
 
 
 def _write_report(out: Path, report: BuildReport) -> None:

@@ -137,6 +137,8 @@ class StreamingDataset(IterableDataset):
         worker, num_workers = detect_worker()
         in_worker = torch.utils.data.get_worker_info() is not None
         order, bounds = self.plan() if in_worker else self.begin_iteration()
+        if in_worker:  # batches go back through shared memory: is there room for them?
+            _check_shm(self.batch_size * int(np.prod(self.cache.shape)), torch.utils.data.get_worker_info())
         for j in part.worker_batches(len(bounds), worker=worker, num_workers=num_workers):
             begin, end = bounds[j]
             batch = self._read(order[begin:end], shared=in_worker)
@@ -148,7 +150,6 @@ class StreamingDataset(IterableDataset):
         n = len(indices)
         images = torch.empty((n, *self.cache.shape), dtype=torch.uint8)
         if shared and n:
-            _check_shm(images.numel(), torch.utils.data.get_worker_info())
             images.share_memory_()  # filled in place: the DataLoader sends a handle, not a copy
         labels = torch.empty(n, dtype=torch.int64)
         index = torch.empty(n, dtype=torch.int64)

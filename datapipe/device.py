@@ -335,23 +335,20 @@ class DeviceLoader:
             buf = None if on_device else self._out_buffer(images.shape[0], self.augment.size, self.augment.size,
                                                           self.augment.channels_last)
             out = self.augment(images, seed=seed, out=buf)
-        elif self.augment is not None:
-            x = images.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
-            devices = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(seed)
-                x = self.augment(x)
-            out = _normalize_float(x, self.mean, self.std) if self.normalize else x
-            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-            out = out.contiguous(memory_format=fmt)
-        elif self.normalize:
+        elif self.augment is None and self.normalize:
             _, h, w, _ = images.shape
             buf = None if on_device else self._out_buffer(images.shape[0], h, w, self.channels_last)
             out = normalize_uint8(images, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last,
                                   out=buf)
         else:
             x = images.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
-            out = x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
+            if self.augment is not None:  # a generic module: seeded per batch through the global generator
+                devices = [self.device] if self.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(seed)
+                    x = self.augment(x)
+            out = _normalize_float(x, self.mean, self.std) if self.normalize else x
+            out = out.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
         if out.is_floating_point() and out.dtype != self.dtype:
             out = out.to(self.dtype)
         if self.channels_last and out.is_floating_point():
