@@ -35,6 +35,13 @@ from torch import nn
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Path_ = Literal["auto", "uint8", "kornia"]
+# A batch: uint8 [B, H, W, 3], or a list of uint8 [H, W, 3] samples (views into the cache's shard
+# files, which the CPU loader hands over so that only the cropped pixels are ever read).
+Batch = torch.Tensor | list[torch.Tensor]
+
+
+def _stack(images: Batch) -> torch.Tensor:
+    return images if isinstance(images, torch.Tensor) else torch.stack(images)
 
 
 def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = torch.float32,
@@ -125,17 +132,30 @@ class BatchAugment(nn.Module):
         self.size, self.mean, self.std = int(size), tuple(mean), tuple(std)
         self.dtype, self.channels_last, self.path = dtype, channels_last, path
 
-    def _use_uint8(self, x: torch.Tensor) -> bool:
-        return self.path == "uint8" or (self.path == "auto" and x.device.type == "cpu")
+    def _use_uint8(self, device: torch.device) -> bool:
+        return self.path == "uint8" or (self.path == "auto" and device.type == "cpu")
 
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return x.to(self.dtype).contiguous(memory_format=fmt)
 
     @staticmethod
-    def _check(images: torch.Tensor) -> None:
-        if images.dim() != 4 or images.shape[-1] != 3 or images.dtype != torch.uint8:
-            raise ValueError(f"expected a uint8 batch [B, H, W, 3], got {tuple(images.shape)} {images.dtype}")
+    def _check(images: Batch) -> tuple[int, int, int, torch.device]:
+        """(batch, height, width, device) of a uint8 [B, H, W, 3] tensor or a list of [H, W, 3] samples."""
+        if isinstance(images, torch.Tensor):
+            if images.dim() != 4 or images.shape[-1] != 3 or images.dtype != torch.uint8:
+                raise ValueError(f"expected a uint8 batch [B, H, W, 3], got {tuple(images.shape)} {images.dtype}")
+            b, h, w, _ = images.shape
+            return b, h, w, images.device
+        if not images:
+            return 0, 0, 0, torch.device("cpu")
+        first = images[0]
+        for x in images:
+            if x.dim() != 3 or x.shape != first.shape or x.shape[-1] != 3 or x.dtype != torch.uint8:
+                raise ValueError(f"expected uint8 samples [H, W, 3] of one shape, got {tuple(x.shape)} {x.dtype} "
+                                 f"beside {tuple(first.shape)}")
+        h, w, _ = first.shape
+        return len(images), h, w, first.device
 
 
 class TrainAugment(BatchAugment):
@@ -164,21 +184,21 @@ class TrainAugment(BatchAugment):
             ], dim=1)  # [B, 4]: brightness, contrast, saturation, hue
         return params
 
-    def forward(self, images: torch.Tensor, seed: int | None = None,
+    def forward(self, images: Batch, seed: int | None = None,
                 params: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Augment a uint8 [B, H, W, 3] batch; ``out`` optionally receives the result (CPU reuse)."""
-        self._check(images)
-        batch, height, width, _ = images.shape
+        """Augment a uint8 [B, H, W, 3] batch (or list of [H, W, 3] samples); ``out`` optionally
+        receives the result (CPU reuse)."""
+        batch, height, width, device = self._check(images)
         params = params or self.sample(batch, height, width, seed)
         if batch == 0:
-            return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=images.device)
-        if self._use_uint8(images):
+            return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=device)
+        if self._use_uint8(device):
             if "jitter" not in params:
                 return self._crop_normalize_uint8(images, params["crops"], params["flip"], out)
             crops = self._crop_uint8(images, params["crops"], params["flip"])
             x = crops.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         else:
-            x = self._crop_kornia(images, params["crops"], params["flip"])
+            x = self._crop_kornia(_stack(images), params["crops"], params["flip"])
         if "jitter" in params:
             x = _jitter(x, params["jitter"].to(x.device))
         return self._finish(_normalize_float(x, self.mean, self.std))
@@ -186,26 +206,28 @@ class TrainAugment(BatchAugment):
     def _crop_normalize_uint8(self, images, crops, flip, out) -> torch.Tensor:
         """Per sample: resize the crop on uint8, then mirror, convert and normalise it straight into
         its slot of ``out`` while it is still in cache (1.7x a batch-wide second pass here)."""
-        s, b = self.size, images.shape[0]
+        s, b = self.size, len(images)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         if out is None:
             out = torch.empty((b, 3, s, s), dtype=torch.float32, memory_format=fmt)
         out = out[:b]
-        scale, shift = _scale_shift(self.mean, self.std, images.device)
+        scale, shift = _scale_shift(self.mean, self.std, out.device)
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
+        tmp_4d, size = tmp_chw[None], [s, s]
+        resize = torch.ops.aten._upsample_bilinear2d_aa.out
         for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            src = images[i, top : top + h, left : left + w].permute(2, 0, 1)[None]
-            torch.ops.aten._upsample_bilinear2d_aa.out(src, [s, s], False, None, None, out=tmp_chw[None])
+            src = images[i][top : top + h, left : left + w].permute(2, 0, 1)[None]
+            resize(src, size, False, None, None, out=tmp_4d)
             torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def _crop_uint8(self, images, crops, flip) -> torch.Tensor:
         """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
         s = self.size
-        out = torch.empty((images.shape[0], s, s, 3), dtype=torch.uint8, device=images.device)
+        out = torch.empty((len(images), s, s, 3), dtype=torch.uint8, device=images[0].device)
         for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            src = images[b, top : top + h, left : left + w].permute(2, 0, 1)[None]
+            src = images[b][top : top + h, left : left + w].permute(2, 0, 1)[None]
             dst = out[b].permute(2, 0, 1)[None]
             torch.ops.aten._upsample_bilinear2d_aa.out(src, [s, s], False, None, None, out=dst)
             if f:
@@ -240,26 +262,27 @@ def _jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
 class EvalAugment(BatchAugment):
     """Center crop to ``size`` (resizing up first if the samples are smaller), normalised."""
 
-    def forward(self, images: torch.Tensor, seed: int | None = None, params=None,
+    def forward(self, images: Batch, seed: int | None = None, params=None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        self._check(images)
-        _, h, w, _ = images.shape
+        b, h, w, device = self._check(images)
         s = self.size
+        if b == 0:
+            return torch.empty((0, 3, s, s), dtype=self.dtype, device=device)
         if h >= s and w >= s:
             top, left = (h - s) // 2, (w - s) // 2
-            crop = images[:, top : top + s, left : left + s]
-            if images.device.type != "cpu":
+            if device.type != "cpu":
+                crop = _stack(images)[:, top : top + s, left : left + s]
                 return normalize_uint8(crop, self.mean, self.std, dtype=self.dtype,
                                        channels_last=self.channels_last, out=out)
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
             fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-            b = images.shape[0]
             out = torch.empty((b, 3, s, s), dtype=torch.float32, memory_format=fmt) if out is None else out[:b]
-            scale, shift = _scale_shift(self.mean, self.std, images.device)
+            scale, shift = _scale_shift(self.mean, self.std, device)
             for i in range(b):
-                torch.addcmul(shift, crop[i].permute(2, 0, 1).float(), scale, out=out[i])
+                crop = images[i][top : top + s, left : left + s]
+                torch.addcmul(shift, crop.permute(2, 0, 1).float(), scale, out=out[i])
             return out if out.dtype == self.dtype else out.to(self.dtype)
-        x = images.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
+        x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
         return self._finish(_normalize_float(x, self.mean, self.std))
 

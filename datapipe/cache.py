@@ -46,13 +46,14 @@ class Cache:
         if check_sizes:
             self.check_sizes()
         self._maps: dict[int, np.ndarray] = {}
+        self._views: dict[int, object] = {}  # shard -> torch uint8 [count, H, W, 3] over the same file
         self._labels: np.ndarray | None = None
         self._paths: list[str] | None = None
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_maps={}, _labels=None, _paths=None)
+        state.update(_maps={}, _views={}, _labels=None, _paths=None)
         return state
 
     def __len__(self) -> int:
@@ -125,6 +126,41 @@ class Cache:
         if index_out is not None:
             index_out[:n] = idx
         return n
+
+    def sample_views(self, indices: np.ndarray, labels_out: np.ndarray,
+                     index_out: np.ndarray | None = None) -> list:
+        """Samples ``indices`` as uint8 [H, W, 3] torch views into the shard files, sorted by index.
+
+        Nothing is copied: a consumer that reads only part of each sample (a random crop) reads
+        straight from the page cache, which is what the CPU loader does instead of gathering the
+        whole batch first. Labels (and indices) land in ``labels_out`` in the same order, as with
+        :meth:`read_batch`. The views are for reading: the maps are private, so even a write would
+        never reach the file.
+        """
+        idx = np.sort(np.asarray(indices, np.int64))  # [n]
+        shard_of = np.searchsorted(self.starts, idx, side="right") - 1  # [n]
+        local = idx - self.starts[shard_of]
+        views = []
+        for s, i in zip(shard_of.tolist(), local.tolist()):
+            t = self._views.get(s)
+            if t is None:
+                t = self._open_view(s)
+            views.append(t[i])
+        np.take(self.labels, idx, out=labels_out[: idx.shape[0]], mode="clip")
+        if index_out is not None:
+            index_out[: idx.shape[0]] = idx
+        return views
+
+    def _open_view(self, shard: int):
+        import torch
+
+        mm = self.images(shard)  # checks the file's size against the manifest
+        if mm.shape[0] == 0:
+            t = torch.from_numpy(np.empty(mm.shape, np.uint8))
+        else:  # copy-on-write map: writable for torch, never written back
+            t = torch.from_numpy(np.memmap(mm.filename, dtype=np.uint8, mode="c", shape=mm.shape))
+        self._views[shard] = t
+        return t
 
     def check_sizes(self) -> None:
         """Raise CorruptShardError naming the first shard whose file size differs from the manifest."""

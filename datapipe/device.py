@@ -10,6 +10,8 @@ the GIL, so threads scale without the extra copy through shared memory that work
   float, layout (NCHW or channels_last), normalisation and augmentation all run on the device.
 * On the CPU, each reader thread also augments its batch (one intra-op thread per reader, so the
   threads do not fight over cores), cropping and flipping on uint8 before converting to float.
+  With a preset (``augment.train``/``eval``) the batch is not gathered at all: each sample's crop
+  is resized straight out of the memory-mapped shard, so only the pixels a crop covers are read.
 
 Order, resume and exactly-once come from the dataset (see :mod:`datapipe.partition`); the loader
 counts batches handed to the loop, so ``state_dict()`` never counts prefetched batches.
@@ -141,6 +143,9 @@ class DeviceLoader:
         # On the CPU the readers also augment — unless the augmentation is a generic module, whose
         # random state is torch's global generator: that runs in the loop's thread, batch by batch.
         self._reader_transforms = not self.cuda and (augment is None or isinstance(augment, BatchAugment))
+        # A preset on the CPU crops each sample straight from the shard files (views into the page
+        # cache): only the cropped pixels are read, and the batch is never gathered first.
+        self._direct = not self.cuda and output == "float" and isinstance(augment, BatchAugment)
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
 
@@ -294,8 +299,14 @@ class DeviceLoader:
             if slot.event is not None:
                 slot.event.synchronize()  # the GPU has finished copying this buffer out
                 slot.event = None
-            n = self.dataset.cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
-            batch = (slot.images[:n], slot.labels[:n], slot.index[:n])
+            cache = self.dataset.cache
+            if self._direct:
+                images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy())
+                n = len(images)
+            else:
+                n = cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
+                images = slot.images[:n]
+            batch = (images, slot.labels[:n], slot.index[:n])
             if self._reader_transforms:
                 batch = self._transform(batch, seed)
             result: object = (slot, batch, seed)
@@ -332,7 +343,7 @@ class DeviceLoader:
         if self.output == "uint8":
             out = images
         elif isinstance(self.augment, BatchAugment):
-            buf = None if on_device else self._out_buffer(images.shape[0], self.augment.size, self.augment.size,
+            buf = None if on_device else self._out_buffer(len(images), self.augment.size, self.augment.size,
                                                           self.augment.channels_last)
             out = self.augment(images, seed=seed, out=buf)
         elif self.augment is None and self.normalize:

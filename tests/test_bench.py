@@ -61,6 +61,10 @@ def test_bench_json_chart_and_peers(tiny, tmp_path):
             assert s["status"] == "skipped" and s["reason"] and "pip install" in s["install"]
     a = result["attribution"]
     assert a["end_to_end_s_per_image"] > 0 and a["sum_of_stages_s_per_image"] > 0
+    # Without a GPU the loader crops straight from the memory maps: no gathered batch to count.
+    assert result["stages"]["assemble"]["on_this_path"] is False
+    assert set(a["stage_seconds_per_image"]) == {"augment"}
+    assert a["sum_of_stages_s_per_image"] == pytest.approx(1 / result["stages"]["augment"]["images_per_s"])
     assert 0.0 <= a["model_step"]["wait_share"] <= 1.0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

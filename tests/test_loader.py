@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import datapipe
 from datapipe import augment
+from datapipe.device import _seed_for
 from datapipe.errors import CacheError, CorruptShardError, StateError
 from datapipe.testing import index_of, to_uint8
 
@@ -356,6 +357,47 @@ def test_channels_last(index_cache):
     assert images.is_contiguous()
 
 
+@pytest.mark.parametrize("preset", [augment.train(24), augment.train(24, color_jitter=0.4), augment.eval(24)])
+def test_cpu_presets_crop_straight_from_the_shards_like_a_gathered_batch(index_cache, preset):
+    """On the CPU a preset reads each sample's crop from the memory maps (no gathered batch); the
+    result is exactly what the preset gives for the same samples gathered into one tensor."""
+    direct, loader = run_loader(index_cache, workers=2, augment=preset, epoch=1)
+    assert loader._direct
+    cache = datapipe.open(index_cache.path)
+    ds = dataset(index_cache)
+    ds.set_epoch(1)
+    order, bounds = ds.begin_iteration()
+    for j, (images, labels, idx) in enumerate(direct):
+        begin, end = bounds[j]
+        assert np.array_equal(idx.numpy(), np.sort(order[begin:end]))
+        gathered = torch.from_numpy(np.stack([cache[int(i)][0] for i in idx]))
+        expected = preset(gathered, seed=_seed_for(ds.seed, 1, begin))
+        assert torch.equal(images, expected), f"batch {j}"
+
+
+def test_sample_views_are_private_maps_of_the_shards(index_cache):
+    cache = datapipe.open(index_cache.path)
+    labels = np.empty(3, np.int64)
+    views = cache.sample_views(np.array([7, 2, index_cache.n - 1]), labels)
+    assert [tuple(v.shape) for v in views] == [(32, 32, 3)] * 3 and all(v.dtype == torch.uint8 for v in views)
+    for v, i in zip(views, [2, 7, index_cache.n - 1]):  # sorted, as read_batch orders them
+        assert np.array_equal(v.numpy(), cache[i][0])
+    assert np.array_equal(labels, index_cache.ids[[2, 7, index_cache.n - 1]] % 3)
+    before = cache[2][0].copy()
+    views[0].zero_()  # copy-on-write: the file is never touched
+    assert np.array_equal(datapipe.open(index_cache.path)[2][0], before)
+
+
+def test_augment_takes_a_list_of_samples():
+    images = smooth_batch(4)
+    for aug in (augment.train(24), augment.train(24, color_jitter=0.4), augment.eval(24),
+                augment.train(24, path="kornia")):
+        assert torch.equal(aug(list(images), seed=3), aug(images, seed=3))
+    with pytest.raises(ValueError, match="one shape"):
+        augment.train(24)([images[0], images[1, :30]], seed=0)
+    assert augment.eval(24)([], seed=0).shape == (0, 3, 24, 24)
+
+
 def test_augmentation_is_deterministic_for_any_reader_count(index_cache):
     one, _ = run_loader(index_cache, workers=1, augment=augment.train(24))
     three, _ = run_loader(index_cache, workers=3, prefetch=3, augment=augment.train(24))
@@ -404,7 +446,15 @@ def test_reader_exception_reaches_the_loop(index_cache, monkeypatch):
             raise KeyError("injected failure in the third read")
         return original(indices, *args, **kwargs)
 
+    def failing_views(indices, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("injected failure in the third read")
+        return original_views(indices, *args, **kwargs)
+
+    original_views = ds.cache.sample_views
     monkeypatch.setattr(ds.cache, "read_batch", failing)
+    monkeypatch.setattr(ds.cache, "sample_views", failing_views)  # the CPU path of the presets
     loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=2, augment=augment.train(24))
     started = time.perf_counter()
     try:
@@ -414,7 +464,7 @@ def test_reader_exception_reaches_the_loop(index_cache, monkeypatch):
     finally:
         loader.close()
     assert time.perf_counter() - started < 10
-    assert any(entry.name == "failing" for entry in excinfo.traceback), "the reader's traceback is kept"
+    assert any(entry.name == "failing_views" for entry in excinfo.traceback), "the reader's traceback is kept"
 
 
 @pytest.mark.timeout(60)
