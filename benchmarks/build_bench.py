@@ -7,7 +7,9 @@ Measured side by side in one run (the machine is shared, so only ratios from the
   against a Pillow loop on the same files (open -> convert RGB -> resize shorter side to 256 ->
   center crop), alternating rounds;
 * scaling: a LocalCluster build with 1 worker against 2 workers (cluster start-up excluded);
-* bytes on disk per sample and peak RSS of a build worker.
+* bytes on disk per sample, peak RSS of a build worker and its page faults per image.
+
+Warm-up (imports, first calls) is excluded; both sides read the same files from the page cache.
 
     python benchmarks/build_bench.py [--source DIR] [--images 3000] [--rounds 2]
 """
@@ -48,7 +50,8 @@ def datapipe_build(source: Path, out: Path, **kwargs) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     report = datapipe.build(source, out, progress=False, log=lambda line: None, **kwargs)
     return {"images_per_s": report.images_per_second, "bytes_per_sample": report.bytes_per_sample,
-            "peak_worker_rss_mb": report.peak_worker_rss_mb, "seconds": report.seconds}
+            "peak_worker_rss_mb": report.peak_worker_rss_mb, "seconds": report.seconds,
+            "page_faults_per_image": report.page_faults_per_image}
 
 
 def main() -> None:
@@ -56,7 +59,7 @@ def main() -> None:
     p.add_argument("--source", default=None, help="image folder (default: generate one)")
     p.add_argument("--images", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--shard-size", type=int, default=100)
+    p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default: datapipe's, ~100 MB)")
     args = p.parse_args()
 
     import datapipe
@@ -66,24 +69,33 @@ def main() -> None:
         tmp / "source", images=args.images, workers=2)
     files = sorted(source.glob("*/*"))
     sizes = [f.stat().st_size for f in files]
-    print(f"{len(files)} files, mean {statistics.mean(sizes) / 1e3:.0f} KB")
+    from datapipe.builder import default_shard_size
+
+    shard_size = args.shard_size or default_shard_size(256)
+    print(f"{len(files)} files, mean {statistics.mean(sizes) / 1e3:.0f} KB; {shard_size} samples per shard")
+    from datapipe.codecs import DecodeSpec, decode_sample
+
+    for f in files[:50]:  # warm-up, not timed: imports (torch, zarr) and first-call set-up
+        decode_sample(f.read_bytes(), DecodeSpec(size=256))
+    pillow_loop(files[:50])
     try:
         pil, dp = [], []
         for _ in range(args.rounds):
             pil.append(pillow_loop(files))
-            dp.append(datapipe_build(source, tmp / "sync", scheduler="sync", shard_size=args.shard_size)["images_per_s"])
+            dp.append(datapipe_build(source, tmp / "sync", scheduler="sync", shard_size=shard_size)["images_per_s"])
         per_core = statistics.median(d / q for d, q in zip(dp, pil))
         print(f"per core: Pillow loop {statistics.median(pil):,.0f} img/s, datapipe build (sync, 1 process) "
               f"{statistics.median(dp):,.0f} img/s -> {per_core:.2f}x")
         one, two = [], []
         for _ in range(args.rounds):
-            one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=args.shard_size))
-            two.append(datapipe_build(source, tmp / "w2", workers=2, shard_size=args.shard_size))
+            one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=shard_size))
+            two.append(datapipe_build(source, tmp / "w2", workers=2, shard_size=shard_size))
         scale = statistics.median(b["images_per_s"] / a["images_per_s"] for a, b in zip(one, two))
         print(f"LocalCluster: 1 worker {statistics.median(r['images_per_s'] for r in one):,.0f} img/s, "
               f"2 workers {statistics.median(r['images_per_s'] for r in two):,.0f} img/s -> {scale:.2f}x")
         print(f"bytes on disk per sample: {two[0]['bytes_per_sample']:,.0f}; peak build worker RSS: "
-              f"{max(r['peak_worker_rss_mb'] for r in one + two):,.0f} MB")
+              f"{max(r['peak_worker_rss_mb'] for r in one + two):,.0f} MB; page faults per image in a "
+              f"worker: {statistics.median(r['page_faults_per_image'] for r in one + two):.1f}")
         print(json.dumps({"pillow_loop": pil, "datapipe_sync": dp, "per_core_ratio": per_core,
                           "one_worker": [r["images_per_s"] for r in one],
                           "two_workers": [r["images_per_s"] for r in two], "scaling": scale,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -33,6 +34,7 @@ TMP_PREFIX = ".tmp-"
 IMAGES_FILE = ("images", "c", "0", "0", "0", "0")
 LABELS_FILE = ("labels", "c", "0")
 GROUP_META = "zarr.json"
+SYNC_EVERY_BYTES = 16 << 20  # a shard's data is flushed to disk in the background in steps of this
 
 
 def shard_name(index: int) -> str:
@@ -69,6 +71,9 @@ class ShardWriter:
         self.paths: list[str] = []
         self._crc = 0
         self._file = None
+        self._unsynced = 0  # bytes written since the last background flush was started
+        self._flusher: threading.Thread | None = None
+        self._flush_error: OSError | None = None
 
     def __enter__(self) -> "ShardWriter":
         data = images_path(self.tmp_dir)
@@ -85,6 +90,33 @@ class ShardWriter:
         self._crc = _crc32c(buf, self._crc)
         self.labels.append(int(label))
         self.paths.append(path)
+        self._unsynced += buf.nbytes
+        if self._unsynced >= SYNC_EVERY_BYTES:
+            self._sync_in_background()
+
+    def _sync_in_background(self) -> None:
+        """Start flushing what is written so far to disk while decoding goes on, so that the
+        final ``fsync`` of the shard only waits for its last few megabytes."""
+        if self._flusher is not None and self._flusher.is_alive():
+            return  # one flush at a time; a later sample starts the next
+        self._file.flush()
+        self._unsynced = 0
+        self._flusher = threading.Thread(target=self._sync, args=(self._file.fileno(),), daemon=True,
+                                         name="datapipe-shard-sync")
+        self._flusher.start()
+
+    def _sync(self, fd: int) -> None:
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:  # raised by commit, in the writing thread
+            self._flush_error = exc
+
+    def _join_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher.join()  # before the file is fsynced or closed: never sync a closed fd
+            self._flusher = None
+        if self._flush_error is not None:
+            raise self._flush_error
 
     def commit(self, attributes: dict) -> dict:
         """Finish the files, rename the folder into place and return the shard's record."""
@@ -98,6 +130,7 @@ class ShardWriter:
             self._file.write(tail)
             self._crc = _crc32c(tail, self._crc)
         self._file.flush()
+        self._join_flusher()
         os.fsync(self._file.fileno())
         self._file.close()
         if not n:
@@ -109,10 +142,9 @@ class ShardWriter:
             "crc32c": f"{self._crc:08x}",
             **attributes,
         }
-        group_meta = self.tmp_dir / GROUP_META
-        meta = json.loads(group_meta.read_text())
+        meta = _group_metadata(n, self.size)
         meta["attributes"] = {"datapipe": {**record, "paths": self.paths}}
-        _atomic_write(group_meta, json.dumps(meta, indent=1, ensure_ascii=False))
+        _atomic_write(self.tmp_dir / GROUP_META, json.dumps(meta, indent=1, ensure_ascii=False))
         _fsync_dir(self.tmp_dir)
         try:
             os.rename(self.tmp_dir, self.final_dir)
@@ -125,28 +157,64 @@ class ShardWriter:
         return record
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if self._flusher is not None:
+            self._flusher.join()
+            self._flusher = None
         if self._file is not None and not self._file.closed:
             self._file.close()
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
-def _write_zarr_metadata(folder: Path, count: int, size: int, labels: np.ndarray) -> None:
-    """Write the Zarr v3 group/array metadata (and the labels chunk) for a shard's data file."""
-    import zarr
-    from zarr.storage import LocalStore
+_METADATA: dict[tuple[int, int], dict[str, bytes]] = {}
+_METADATA_LOCK = threading.Lock()
 
-    store = LocalStore(str(folder))
-    group = zarr.create_group(store=store, zarr_format=3, overwrite=False)
-    group.create_array(
-        "images", shape=(count, size, size, 3), dtype="uint8",
-        chunks=(1, size, size, 3), shards=(max(count, 1), size, size, 3),
-        compressors=None, fill_value=0, write_data=False,
-    )
-    lab = group.create_array("labels", shape=(count,), dtype="int64", chunks=(max(count, 1),),
-                             compressors=None, fill_value=-1)
-    if count:
-        lab[:] = labels
+
+def _zarr_metadata(count: int, size: int) -> dict[str, bytes]:
+    """The metadata documents zarr-python writes for a shard of ``count`` samples (key -> bytes).
+
+    zarr-python itself writes them, into memory, once per (count, size) in a process; a build's
+    shards almost all share one count, so the ~10 ms zarr spends per group is paid once, not per
+    shard, and the files stay exactly what zarr writes.
+    """
+    key = (count, size)
+    with _METADATA_LOCK:
+        docs = _METADATA.get(key)
+        if docs is None:
+            import zarr
+            from zarr.storage import MemoryStore
+
+            written: dict = {}
+            store = MemoryStore(written)
+            group = zarr.create_group(store=store, zarr_format=3, overwrite=False)
+            group.create_array(
+                "images", shape=(count, size, size, 3), dtype="uint8",
+                chunks=(1, size, size, 3), shards=(max(count, 1), size, size, 3),
+                compressors=None, fill_value=0, write_data=False,
+            )
+            group.create_array("labels", shape=(count,), dtype="int64", chunks=(max(count, 1),),
+                               compressors=None, fill_value=-1)
+            docs = {k: bytes(v.to_bytes()) for k, v in written.items() if k.endswith(GROUP_META)}
+            _METADATA[key] = docs
+    return docs
+
+
+def _write_zarr_metadata(folder: Path, count: int, size: int, labels: np.ndarray) -> None:
+    """Write the Zarr v3 array metadata and the labels chunk of a shard (the group's own
+    ``zarr.json`` is written by the caller, with the shard's attributes)."""
+    for key, doc in _zarr_metadata(count, size).items():
+        if key != GROUP_META:
+            target = folder / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(doc)
+    if count:  # the labels chunk: codec "bytes" (little endian), no compressor
+        chunk = folder.joinpath(*LABELS_FILE)
+        chunk.parent.mkdir(parents=True, exist_ok=True)
+        chunk.write_bytes(np.asarray(labels, "<i8").tobytes())
+
+
+def _group_metadata(count: int, size: int) -> dict:
+    return json.loads(_zarr_metadata(count, size)[GROUP_META])
 
 
 def read_shard_record(shard_dir: Path) -> dict | None:
