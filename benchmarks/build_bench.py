@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import resource
 import shutil
 import statistics
 import tempfile
@@ -28,11 +29,17 @@ from pathlib import Path
 import numpy as np
 
 
-def pillow_loop(files: list[Path], size: int = 256) -> float:
-    """The usual per-image Pillow pipeline; returns images/s on one core."""
+def _cpu() -> float:
+    """CPU seconds of this process (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def pillow_loop(files: list[Path], size: int = 256) -> tuple[float, float]:
+    """The usual per-image Pillow pipeline; returns (images per wall second, per CPU second)."""
     from PIL import Image
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), _cpu()
     for f in files:
         img = Image.open(io.BytesIO(f.read_bytes())).convert("RGB")
         w, h = img.size
@@ -41,15 +48,17 @@ def pillow_loop(files: list[Path], size: int = 256) -> float:
         w, h = img.size
         left, top = (w - size) // 2, (h - size) // 2
         np.asarray(img.crop((left, top, left + size, top + size)))
-    return len(files) / (time.perf_counter() - t)
+    return len(files) / (time.perf_counter() - t), len(files) / (_cpu() - c)
 
 
 def datapipe_build(source: Path, out: Path, **kwargs) -> dict:
     import datapipe
 
     shutil.rmtree(out, ignore_errors=True)
+    c = _cpu()
     report = datapipe.build(source, out, progress=False, log=lambda line: None, **kwargs)
-    return {"images_per_s": report.images_per_second, "bytes_per_sample": report.bytes_per_sample,
+    return {"images_per_s": report.images_per_second, "images_per_cpu_s": report.num_samples / (_cpu() - c),
+            "bytes_per_sample": report.bytes_per_sample,
             "peak_worker_rss_mb": report.peak_worker_rss_mb, "seconds": report.seconds,
             "page_faults_per_image": report.page_faults_per_image}
 
@@ -79,13 +88,21 @@ def main() -> None:
         decode_sample(f.read_bytes(), DecodeSpec(size=256))
     pillow_loop(files[:50])
     try:
-        pil, dp = [], []
+        pil, dp, pil_cpu, dp_cpu = [], [], [], []
         for _ in range(args.rounds):
-            pil.append(pillow_loop(files))
-            dp.append(datapipe_build(source, tmp / "sync", scheduler="sync", shard_size=shard_size)["images_per_s"])
+            wall, cpu = pillow_loop(files)
+            pil.append(wall)
+            pil_cpu.append(cpu)
+            r = datapipe_build(source, tmp / "sync", scheduler="sync", shard_size=shard_size)
+            dp.append(r["images_per_s"])
+            dp_cpu.append(r["images_per_cpu_s"])
         per_core = statistics.median(d / q for d, q in zip(dp, pil))
+        per_cpu = statistics.median(d / q for d, q in zip(dp_cpu, pil_cpu))
         print(f"per core: Pillow loop {statistics.median(pil):,.0f} img/s, datapipe build (sync, 1 process) "
-              f"{statistics.median(dp):,.0f} img/s -> {per_core:.2f}x")
+              f"{statistics.median(dp):,.0f} img/s -> {per_core:.2f}x (per round: "
+              f"{', '.join(f'{d / q:.2f}' for d, q in zip(dp, pil))})")
+        print(f"per CPU-second (whole build, every thread): Pillow loop {statistics.median(pil_cpu):,.0f}, "
+              f"datapipe {statistics.median(dp_cpu):,.0f} -> {per_cpu:.2f}x")
         one, two = [], []
         for _ in range(args.rounds):
             one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=shard_size))
@@ -97,6 +114,7 @@ def main() -> None:
               f"{max(r['peak_worker_rss_mb'] for r in one + two):,.0f} MB; page faults per image in a "
               f"worker: {statistics.median(r['page_faults_per_image'] for r in one + two):.1f}")
         print(json.dumps({"pillow_loop": pil, "datapipe_sync": dp, "per_core_ratio": per_core,
+                          "pillow_loop_per_cpu_s": pil_cpu, "datapipe_sync_per_cpu_s": dp_cpu, "per_cpu_ratio": per_cpu,
                           "one_worker": [r["images_per_s"] for r in one],
                           "two_workers": [r["images_per_s"] for r in two], "scaling": scale,
                           "bytes_per_sample": two[0]["bytes_per_sample"],

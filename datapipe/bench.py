@@ -159,10 +159,9 @@ def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
         stages["assemble"]["on_this_path"] = False
         stages["assemble"]["what"] += " (not on the CPU path: crops are read straight from the maps)"
         out_buf = torch.empty((b, 3, crop, crop))
-        views_of = rng.choice(len(cache), b, replace=False)
 
-        def run_aug():
-            aug(cache.sample_views(views_of, lab), seed=1, out=out_buf)
+        def run_aug():  # a fresh shuffled batch each time, as in an epoch
+            aug(cache.sample_views(rng.choice(len(cache), b, replace=False), lab), seed=1, out=out_buf)
 
         what = f"RandomResizedCrop({crop}) + flip + normalise, each crop read from the memory maps"
     sec = _timeit(run_aug)
@@ -181,6 +180,31 @@ def _datapipe_loader(cache, *, batch_size, workers, crop, device, seed=0):
 
     ds = StreamingDataset(cache, batch_size=batch_size, shuffle=True, seed=seed)
     return DeviceLoader(ds, device=device, num_workers=workers, prefetch=2, augment=augment.train(crop))
+
+
+def _settle(timeout: float = 10.0) -> None:
+    """Let the previous system's worker processes exit before the next one is timed, so that no
+    system is measured while another one's teardown still uses the cores."""
+    import gc
+
+    import psutil
+
+    def children_cpu() -> float:
+        total = 0.0
+        for child in psutil.Process().children(recursive=True):
+            try:
+                total += sum(child.cpu_times()[:2])
+            except psutil.Error:  # exited meanwhile
+                pass
+        return total
+
+    gc.collect()
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:  # helpers that stay (a resource tracker) idle: no wait
+        before = children_cpu()
+        time.sleep(0.1)
+        if children_cpu() - before < 0.01:
+            return
 
 
 def _pass(loader, batches: int | None, *, step_s: float = 0.0, sync=None) -> tuple[int, float, float]:
@@ -297,6 +321,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
             if rnd:
                 systems[name].images_per_s.append(n_img / wall)
                 cpu[name].append(cpu_s / max(n_img, 1))
+            _settle()
             bar.update()
     bar.close()
     base = systems[SYSTEM]
@@ -327,7 +352,7 @@ def _attribution(cache, stages, *, batch_size, crop, device, batches) -> dict:
         import torch
 
         sync = torch.cuda.synchronize
-    _pass(loader, min(batches, 3), sync=sync)
+    _pass(loader, batches, sync=sync)  # warm-up: output buffers allocated, memory maps faulted in
     n, wall, _ = _pass(loader, batches, sync=sync)
     loader.close()
     per_image = {k: 1.0 / stages[k]["images_per_s"] for k in ("assemble", "augment")
