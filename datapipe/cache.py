@@ -113,19 +113,23 @@ class Cache:
         One ``np.take`` per shard touched, each reading its rows in file order. ``labels_out`` (and
         ``index_out``) receive the labels (and global indices) in the same order.
         """
-        idx = np.sort(np.asarray(indices, np.int64))  # [n]
+        idx, shard_of = self._locate(indices, labels_out, index_out)
         n = idx.shape[0]
         if n == 0:
             return 0
-        shard_of = np.searchsorted(self.starts, idx, side="right") - 1  # [n]
         cuts = np.flatnonzero(np.diff(shard_of)) + 1  # boundaries between shards
         for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [n]])):
             s = int(shard_of[a])
             np.take(self.images(s), idx[a:b] - self.starts[s], axis=0, out=out[a:b], mode="clip")
-        np.take(self.labels, idx, out=labels_out[:n], mode="clip")
-        if index_out is not None:
-            index_out[:n] = idx
         return n
+
+    def _locate(self, indices, labels_out: np.ndarray, index_out: np.ndarray | None):
+        """Sorted indices [n] and the shard of each; their labels (and the indices) written out."""
+        idx = np.sort(np.asarray(indices, np.int64))  # [n]
+        np.take(self.labels, idx, out=labels_out[: idx.shape[0]], mode="clip")
+        if index_out is not None:
+            index_out[: idx.shape[0]] = idx
+        return idx, np.searchsorted(self.starts, idx, side="right") - 1
 
     def sample_views(self, indices: np.ndarray, labels_out: np.ndarray,
                      index_out: np.ndarray | None = None) -> list:
@@ -137,18 +141,13 @@ class Cache:
         :meth:`read_batch`. The views are for reading: the maps are private, so even a write would
         never reach the file.
         """
-        idx = np.sort(np.asarray(indices, np.int64))  # [n]
-        shard_of = np.searchsorted(self.starts, idx, side="right") - 1  # [n]
-        local = idx - self.starts[shard_of]
+        idx, shard_of = self._locate(indices, labels_out, index_out)
         views = []
-        for s, i in zip(shard_of.tolist(), local.tolist()):
+        for s, i in zip(shard_of.tolist(), (idx - self.starts[shard_of]).tolist()):
             t = self._views.get(s)
             if t is None:
                 t = self._open_view(s)
             views.append(t[i])
-        np.take(self.labels, idx, out=labels_out[: idx.shape[0]], mode="clip")
-        if index_out is not None:
-            index_out[: idx.shape[0]] = idx
         return views
 
     def _open_view(self, shard: int):
