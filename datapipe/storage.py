@@ -111,11 +111,11 @@ class ShardWriter:
         except OSError as exc:  # raised by commit, in the writing thread
             self._flush_error = exc
 
-    def _join_flusher(self) -> None:
+    def _join_flusher(self, *, raise_error: bool = True) -> None:
         if self._flusher is not None:
             self._flusher.join()  # before the file is fsynced or closed: never sync a closed fd
             self._flusher = None
-        if self._flush_error is not None:
+        if raise_error and self._flush_error is not None:
             raise self._flush_error
 
     def commit(self, attributes: dict) -> dict:
@@ -157,9 +157,7 @@ class ShardWriter:
         return record
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._flusher is not None:
-            self._flusher.join()
-            self._flusher = None
+        self._join_flusher(raise_error=False)  # the block is failing already
         if self._file is not None and not self._file.closed:
             self._file.close()
         if self.tmp_dir.exists():
