@@ -19,6 +19,7 @@ counts batches handed to the loop, so ``state_dict()`` never counts prefetched b
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -81,6 +82,22 @@ class _OutputPool:
         return None
 
 
+_LIVE: "weakref.WeakSet[DeviceLoader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_loaders() -> None:
+    """Stop every reader thread before the interpreter finalises.
+
+    A daemon thread that is still running when Python finalises is ended the moment it next takes
+    the GIL — and torch takes it while freeing a tensor, inside a ``noexcept`` destructor, so the
+    process would abort ("terminate called without an active exception", exit code 134) whenever a
+    reader was still freeing its last batch as the script ended. ``atexit`` runs before that point.
+    """
+    for loader in list(_LIVE):
+        loader.close()
+
+
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
@@ -130,6 +147,7 @@ class DeviceLoader:
         self.timeout = float(timeout)
         self.meter = StallMeter(log_every=log_every)
         self._threads: list[threading.Thread] = []
+        _LIVE.add(self)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._results: dict[tuple[int, int], object] = {}

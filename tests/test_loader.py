@@ -482,6 +482,32 @@ def test_abandoned_iterator_does_not_break_a_newer_one(index_cache):
         loader.close()
 
 
+_EXIT_WHILE_READING = """
+import sys
+import datapipe
+from datapipe import augment
+ds = datapipe.StreamingDataset(sys.argv[1], batch_size=16, shuffle=True, seed=0)
+loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=2, prefetch=4, augment=augment.train(224))
+for images, labels in loader:
+    break  # the readers are still resizing the prefetched batches as the script ends
+print("finished", tuple(images.shape))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_may_end_while_readers_are_busy(index_cache):
+    """Python ends daemon threads when they next take the GIL; torch takes it inside a noexcept
+    destructor, which aborted the process (exit 134) unless the readers are stopped at exit."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_READING, str(index_cache.path)],
+                              capture_output=True, text=True, timeout=100)
+        assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-500:]}"
+        assert "finished (16, 3, 224, 224)" in proc.stdout
+
+
 def test_bfloat16_output_and_autocast(index_cache):
     batches, _ = run_loader(index_cache, k=3, dtype=torch.bfloat16, augment=augment.train(24))
     plain, _ = run_loader(index_cache, k=3, dtype=torch.bfloat16)
