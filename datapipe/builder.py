@@ -101,7 +101,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
             if reason is not None:
                 quarantined.append({"path": path, "reason": reason})
                 continue
-            image = _load(Path(root) / path, decode_spec, path, quarantined, sample)
+            image = _load(os.path.join(root, path), decode_spec, path, quarantined, sample)
             if image is not None:
                 writer.add(image, label, path)
         record = writer.commit({
@@ -137,7 +137,7 @@ def _probe(file: Path, spec: dict) -> str | None:
     return f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
 
 
-def _load(file: Path, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray) -> np.ndarray | None:
+def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray) -> np.ndarray | None:
     """Read and decode one file into ``out``; on failure record why in ``quarantined`` and return None."""
     try:
         with open(file, "rb", buffering=0) as f:  # unbuffered: one read() of the whole file,

@@ -308,7 +308,8 @@ def _decode_simplejpeg(sj, data: bytes, spec: DecodeSpec, reuse: bool = False) -
     try:
         buffer = None
         if reuse:
-            out_h, out_w, _, _ = sj.decode_jpeg_header(data, min_height=min_h, min_width=min_w)
+            out_h, out_w = (height, width) if factor == 1 else sj.decode_jpeg_header(
+                data, min_height=min_h, min_width=min_w)[:2]
             buffer = _buffer(out_h * out_w * 3)
         img = sj.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True,
                              buffer=buffer)
