@@ -9,6 +9,8 @@ The manifest is written last.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -95,7 +97,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     start = time.perf_counter()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     sample = np.empty((decode_spec.size, decode_spec.size, 3), np.uint8)  # reused for every image
-    with ShardWriter(final, size=decode_spec.size) as writer:
+    with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc():
         for path, label in zip(plan["paths"], plan["labels"]):
             reason = _probe(Path(root) / path, spec) if isolate else None
             if reason is not None:
@@ -115,6 +117,23 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     record["peak_rss_mb"] = usage.ru_maxrss / 1024
     record["page_faults"] = usage.ru_minflt - faults
     return record
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Pause Python's cyclic garbage collector while a shard's images are decoded.
+
+    The loop makes no reference cycles (reference counting frees everything), but its small
+    allocations keep triggering collections, and each full one walks the ~180,000 objects that
+    torch, zarr and dask leave behind: 1.5% of a build's time, measured.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _probe(file: Path, spec: dict) -> str | None:
