@@ -101,8 +101,12 @@ def _timeit(fn, *, min_time: float = 0.3, max_reps: int = 50) -> float:
             return elapsed / reps
 
 
-def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
-    """Each stage on its own, one thread: read, assemble, decode, copy, augment."""
+def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | None = None) -> dict:
+    """Each stage on its own, one thread: read, assemble, decode, copy, augment.
+
+    ``timers``, when given, receives ``{stage: (fn, images per call)}`` for the stages on the
+    loader's path, so that the attribution can time them again beside the end-to-end passes.
+    """
     import torch
 
     from . import augment
@@ -114,19 +118,27 @@ def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
     # read: sequential bytes of the shard files (page cache or disk)
     files = [images_path(cache.root / SHARDS_DIR / n) for n, c in zip(cache.shard_names, cache.counts) if c]
     buf = bytearray(1 << 24)
-    t0, nbytes = time.perf_counter(), 0
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while (k := fh.readinto(buf)) > 0:
-                nbytes += k
-    dt = time.perf_counter() - t0
-    stages["read"] = {"MB_per_s": nbytes / dt / 1e6, "what": "sequential read of every shard file"}
+
+    def read_all() -> float:
+        t0, nbytes = time.perf_counter(), 0
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while (k := fh.readinto(buf)) > 0:
+                    nbytes += k
+        return nbytes / (time.perf_counter() - t0) / 1e6
+
+    first = read_all()  # from the disk, or from the page cache if the files are there already
+    stages["read"] = {"MB_per_s": first, "MB_per_s_cached": read_all(),
+                      "what": "sequential read of every shard file: first pass, then again from the page cache"}
     # assemble: a shuffled batch gathered from the memory maps into a buffer
     b = min(batch_size, len(cache))
     rng = np.random.default_rng(0)
     out = np.empty((b, *cache.shape), np.uint8)
     lab = np.empty(b, np.int64)
-    sec = _timeit(lambda: cache.read_batch(rng.choice(len(cache), b, replace=False), out, lab))
+    def assemble():
+        cache.read_batch(rng.choice(len(cache), b, replace=False), out, lab)
+
+    sec = _timeit(assemble)
     stages["assemble"] = {"images_per_s": b / sec, "GB_per_s": b * per_image / sec / 1e9,
                           "what": "gather of a shuffled batch from memory-mapped shards"}
     stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
@@ -140,6 +152,8 @@ def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
             torch.cuda.synchronize()
 
         sec = _timeit(copy)
+        if timers is not None:
+            timers["assemble"], timers["h2d"] = (assemble, b), (copy, b)
         stages["h2d"] = {"GB_per_s": pinned.numel() / sec / 1e9, "images_per_s": b / sec,
                          "what": "pinned host -> device copy"}
         on_dev = images.to(device)
@@ -165,6 +179,8 @@ def measure_stages(cache, *, batch_size: int, crop: int, device) -> dict:
 
         what = f"RandomResizedCrop({crop}) + flip + normalise, each crop read from the memory maps"
     sec = _timeit(run_aug)
+    if timers is not None:
+        timers["augment"] = (run_aug, b)
     stages["augment"] = {"images_per_s": b / sec, "where": str(device), "what": what}
     torch.set_num_threads(os.cpu_count() or 1)
     return stages
@@ -284,7 +300,8 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
     log(f"datapipe bench: {len(cache):,} samples, batch {batch_size}, {workers} workers, {repeats} rounds "
         f"of {batches} batches on {dev}")
 
-    stages = measure_stages(cache, batch_size=batch_size, crop=crop, device=dev)
+    timers: dict = {}
+    stages = measure_stages(cache, batch_size=batch_size, crop=crop, device=dev, timers=timers)
     stages["bytes_on_disk_per_image"] = sum(s["nbytes"] for s in cache.manifest["shards"]) / max(len(cache), 1)
 
     systems: dict[str, Measurement] = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train")}
@@ -335,7 +352,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         if name != SYSTEM and m.images_per_s and base.images_per_s:
             m.ratio = statistics.median(a / b for a, b in zip(base.images_per_s, m.images_per_s))
 
-    attribution = _attribution(cache, stages, batch_size=batch_size, crop=crop, device=dev, batches=batches)
+    attribution = _attribution(cache, timers, batch_size=batch_size, crop=crop, device=dev, batches=batches)
     if step_ms > 0:
         attribution["model_step"] = _with_step(cache, batch_size=batch_size, workers=workers, crop=crop, device=dev,
                                                batches=batches, step_ms=step_ms)
@@ -347,8 +364,13 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
                        attribution=attribution)
 
 
-def _attribution(cache, stages, *, batch_size, crop, device, batches) -> dict:
-    """Does the stage breakdown add up? One reader thread end to end vs the sum of the stages."""
+def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: int = 3) -> dict:
+    """Does the stage breakdown add up? One reader thread end to end vs the sum of the stages.
+
+    The stages on the loader's path and the end-to-end pass are timed alternately, ``rounds``
+    times, and the ratio is the median of the per-round ratios: on a machine whose speed drifts,
+    stages timed a minute before the end to end would not be comparable with it.
+    """
     loader = _datapipe_loader(cache, batch_size=batch_size, workers=1, crop=crop, device=device)
     sync = None
     if device.type == "cuda":
@@ -356,21 +378,26 @@ def _attribution(cache, stages, *, batch_size, crop, device, batches) -> dict:
 
         sync = torch.cuda.synchronize
     _pass(loader, batches, sync=sync)  # warm-up: output buffers allocated, memory maps faulted in
-    n, wall, _ = _pass(loader, batches, sync=sync)
+    per_round: list[dict[str, float]] = []
+    ends: list[float] = []
+    walls, counts = 0.0, 0
+    for _ in range(rounds):
+        per_round.append({k: _timeit(fn) / images for k, (fn, images) in timers.items()})
+        n, wall, _ = _pass(loader, batches, sync=sync)
+        ends.append(wall / max(n, 1))
+        walls, counts = walls + wall, counts + n
     loader.close()
-    per_image = {k: 1.0 / stages[k]["images_per_s"] for k in ("assemble", "augment")
-                 if stages[k].get("on_this_path", True)}
-    if stages["h2d"].get("images_per_s"):
-        per_image["h2d"] = 1.0 / stages["h2d"]["images_per_s"]
-    total = sum(per_image.values())
-    measured = wall / max(n, 1)
+    ratios = [sum(p.values()) / e for p, e in zip(per_round, ends)]
+    per_image = {k: statistics.median(p[k] for p in per_round) for k in timers}
     return {
-        "one_reader_images_per_s": n / wall,
+        "one_reader_images_per_s": counts / walls,
         "stage_seconds_per_image": per_image,
-        "sum_of_stages_s_per_image": total,
-        "end_to_end_s_per_image": measured,
-        "sum_over_end_to_end": total / measured,
-        "note": "one reader thread, so the stages run back to back and their sum should match end to end",
+        "sum_of_stages_s_per_image": sum(per_image.values()),
+        "end_to_end_s_per_image": statistics.median(ends),
+        "sum_over_end_to_end": statistics.median(ratios),
+        "rounds": ratios,
+        "note": "one reader thread, so the stages run back to back and their sum should match end to end; "
+                "stages and end to end timed alternately, median of the per-round ratios",
     }
 
 
@@ -408,7 +435,8 @@ def format_table(result: BenchResult) -> str:
     lines.append("")
     st = result.stages
     lines.append("datapipe stages (one thread each):")
-    lines.append(f"  read      {st['read']['MB_per_s']:,.0f} MB/s ({st['read']['what']})")
+    lines.append(f"  read      {st['read']['MB_per_s']:,.0f} MB/s first pass, {st['read']['MB_per_s_cached']:,.0f} MB/s "
+                 "again from the page cache (sequential, every shard file)")
     off_path = "" if st["assemble"].get("on_this_path", True) else " (not on this path: crops read from the maps)"
     lines.append(f"  assemble  {st['assemble']['images_per_s']:,.0f} img/s, {st['assemble']['GB_per_s']:.2f} GB/s"
                  f"{off_path}")
@@ -420,7 +448,7 @@ def format_table(result: BenchResult) -> str:
     lines.append(f"  on disk   {st['bytes_on_disk_per_image'] / 1024:,.0f} KiB per image")
     a = result.attribution
     lines.append(f"  one reader end to end {a['one_reader_images_per_s']:,.0f} img/s; sum of stages / end to end = "
-                 f"{a['sum_over_end_to_end']:.2f}")
+                 f"{a['sum_over_end_to_end']:.2f} (rounds: {', '.join(f'{r:.2f}' for r in a['rounds'])})")
     if "model_step" in a:
         ms = a["model_step"]
         lines.append(f"  with a {ms['step_ms']:g} ms model step: {ms['images_per_s']:,.0f} img/s, the loop waited "
