@@ -135,6 +135,7 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
     rng = np.random.default_rng(0)
     out = np.empty((b, *cache.shape), np.uint8)
     lab = np.empty(b, np.int64)
+
     def assemble():
         cache.read_batch(rng.choice(len(cache), b, replace=False), out, lab)
 

@@ -147,7 +147,6 @@ class DeviceLoader:
         self.timeout = float(timeout)
         self.meter = StallMeter(log_every=log_every)
         self._threads: list[threading.Thread] = []
-        _LIVE.add(self)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._results: dict[tuple[int, int], object] = {}
@@ -166,6 +165,7 @@ class DeviceLoader:
         self._direct = not self.cuda and output == "float" and isinstance(augment, BatchAugment)
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
+        _LIVE.add(self)  # its reader threads are stopped at interpreter exit
 
     # ----------------------------------------------------------------- public surface
     def __len__(self) -> int:
