@@ -15,7 +15,7 @@ sides read the same files from the page cache. The set should hold many more sha
 each worker's last shard is a tail the other worker does not share (with 6 shards on 2 workers that
 tail alone caps the speed-up near 1.85x; the default 12,000 images make 23 shards).
 
-    python benchmarks/build_bench.py [--source DIR] [--images 12000] [--rounds 2]
+    python benchmarks/build_bench.py [--source DIR] [--images 12000] [--rounds 2] [--only per-core|scaling]
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def datapipe_build(source: Path, out: Path, **kwargs) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     c = _cpu()
     report = datapipe.build(source, out, progress=False, log=lambda line: None, **kwargs)
+    # Removed at once, so that every build starts on the same disk: on this VM a 2-worker build ran
+    # ~25% slower while the previous build's 2.4 GB output was still there.
+    shutil.rmtree(out, ignore_errors=True)
     return {"images_per_s": report.images_per_second, "images_per_cpu_s": report.num_samples / (_cpu() - c),
             "bytes_per_sample": report.bytes_per_sample,
             "peak_worker_rss_mb": report.peak_worker_rss_mb, "seconds": report.seconds,
@@ -116,6 +119,7 @@ def main() -> None:
     p.add_argument("--images", type=int, default=12000)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default: datapipe's, ~100 MB)")
+    p.add_argument("--only", choices=("per-core", "scaling"), default=None, help="run one of the two parts")
     args = p.parse_args()
 
     import datapipe
@@ -138,31 +142,38 @@ def main() -> None:
     for f in files[:50]:  # warm-up, not timed: imports (torch, zarr) and first-call set-up
         decode_sample(f.read_bytes(), DecodeSpec(size=256))
     pillow_loop(files[:50])
+    results: dict = {}
     try:
-        pil, dp, pil_cpu, dp_cpu = per_core(source, tmp, shard_size, args.rounds)
-        per_core_ratio = statistics.median(d / q for d, q in zip(dp, pil))
-        per_cpu = statistics.median(d / q for d, q in zip(dp_cpu, pil_cpu))
-        print(f"per core: Pillow loop {statistics.median(pil):,.0f} img/s, datapipe shard tasks (1 process) "
-              f"{statistics.median(dp):,.0f} img/s -> {per_core_ratio:.2f}x (per round: "
-              f"{', '.join(f'{d / q:.2f}' for d, q in zip(dp, pil))})")
-        print(f"per CPU-second (every thread): Pillow loop {statistics.median(pil_cpu):,.0f}, "
-              f"datapipe {statistics.median(dp_cpu):,.0f} -> {per_cpu:.2f}x")
-        one, two = [], []
-        for _ in range(args.rounds):
-            one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=shard_size))
-            two.append(datapipe_build(source, tmp / "w2", workers=2, shard_size=shard_size))
-        scale = statistics.median(b["images_per_s"] / a["images_per_s"] for a, b in zip(one, two))
-        print(f"LocalCluster: 1 worker {statistics.median(r['images_per_s'] for r in one):,.0f} img/s, "
-              f"2 workers {statistics.median(r['images_per_s'] for r in two):,.0f} img/s -> {scale:.2f}x")
-        print(f"bytes on disk per sample: {two[0]['bytes_per_sample']:,.0f}; peak build worker RSS: "
-              f"{max(r['peak_worker_rss_mb'] for r in one + two):,.0f} MB; page faults per image in a "
-              f"worker: {statistics.median(r['page_faults_per_image'] for r in one + two):.1f}")
-        print(json.dumps({"pillow_loop": pil, "datapipe_shards": dp, "per_core_ratio": per_core_ratio,
-                          "pillow_loop_per_cpu_s": pil_cpu, "datapipe_shards_per_cpu_s": dp_cpu, "per_cpu_ratio": per_cpu,
-                          "one_worker": [r["images_per_s"] for r in one],
-                          "two_workers": [r["images_per_s"] for r in two], "scaling": scale,
-                          "bytes_per_sample": two[0]["bytes_per_sample"],
-                          "peak_worker_rss_mb": max(r["peak_worker_rss_mb"] for r in one + two)}))
+        if args.only != "scaling":
+            pil, dp, pil_cpu, dp_cpu = per_core(source, tmp, shard_size, args.rounds)
+            per_core_ratio = statistics.median(d / q for d, q in zip(dp, pil))
+            per_cpu = statistics.median(d / q for d, q in zip(dp_cpu, pil_cpu))
+            print(f"per core: Pillow loop {statistics.median(pil):,.0f} img/s, datapipe shard tasks (1 process) "
+                  f"{statistics.median(dp):,.0f} img/s -> {per_core_ratio:.2f}x (per round: "
+                  f"{', '.join(f'{d / q:.2f}' for d, q in zip(dp, pil))})")
+            print(f"per CPU-second (every thread): Pillow loop {statistics.median(pil_cpu):,.0f}, "
+                  f"datapipe {statistics.median(dp_cpu):,.0f} -> {per_cpu:.2f}x")
+            results.update({"pillow_loop": pil, "datapipe_shards": dp, "per_core_ratio": per_core_ratio,
+                            "pillow_loop_per_cpu_s": pil_cpu, "datapipe_shards_per_cpu_s": dp_cpu,
+                            "per_cpu_ratio": per_cpu})
+        if args.only != "per-core":
+            one, two = [], []
+            for _ in range(args.rounds):
+                one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=shard_size))
+                two.append(datapipe_build(source, tmp / "w2", workers=2, shard_size=shard_size))
+            ratios = [b["images_per_s"] / a["images_per_s"] for a, b in zip(one, two)]
+            scale = statistics.median(ratios)
+            print(f"LocalCluster: 1 worker {statistics.median(r['images_per_s'] for r in one):,.0f} img/s, "
+                  f"2 workers {statistics.median(r['images_per_s'] for r in two):,.0f} img/s -> {scale:.2f}x "
+                  f"(per round: {', '.join(f'{r:.2f}' for r in ratios)})")
+            print(f"bytes on disk per sample: {two[0]['bytes_per_sample']:,.0f}; peak build worker RSS: "
+                  f"{max(r['peak_worker_rss_mb'] for r in one + two):,.0f} MB; page faults per image in a "
+                  f"worker: {statistics.median(r['page_faults_per_image'] for r in one + two):.1f}")
+            results.update({"one_worker": [r["images_per_s"] for r in one],
+                            "two_workers": [r["images_per_s"] for r in two], "scaling": scale,
+                            "bytes_per_sample": two[0]["bytes_per_sample"],
+                            "peak_worker_rss_mb": max(r["peak_worker_rss_mb"] for r in one + two)})
+        print(json.dumps(results))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
