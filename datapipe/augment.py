@@ -135,6 +135,16 @@ class BatchAugment(nn.Module):
     def _use_uint8(self, device: torch.device) -> bool:
         return self.path == "uint8" or (self.path == "auto" and device.type == "cpu")
 
+    def _float_out(self, batch: int, out: torch.Tensor | None) -> torch.Tensor:
+        """The float32 [batch, 3, size, size] tensor the CPU paths write into: ``out`` or a new one."""
+        if out is not None:
+            return out[:batch]
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return torch.empty((batch, 3, self.size, self.size), dtype=torch.float32, memory_format=fmt)
+
+    def _as_dtype(self, out: torch.Tensor) -> torch.Tensor:
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return x.to(self.dtype).contiguous(memory_format=fmt)
@@ -206,11 +216,8 @@ class TrainAugment(BatchAugment):
     def _crop_normalize_uint8(self, images, crops, flip, out) -> torch.Tensor:
         """Per sample: resize the crop on uint8, then mirror, convert and normalise it straight into
         its slot of ``out`` while it is still in cache (1.7x a batch-wide second pass here)."""
-        s, b = self.size, len(images)
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        if out is None:
-            out = torch.empty((b, 3, s, s), dtype=torch.float32, memory_format=fmt)
-        out = out[:b]
+        s = self.size
+        out = self._float_out(len(images), out)
         scale, shift = _scale_shift(self.mean, self.std, out.device)
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
@@ -220,7 +227,7 @@ class TrainAugment(BatchAugment):
             src = images[i][top : top + h, left : left + w].permute(2, 0, 1)[None]
             resize(src, size, False, None, None, out=tmp_4d)
             torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
-        return out if out.dtype == self.dtype else out.to(self.dtype)
+        return self._as_dtype(out)
 
     def _crop_uint8(self, images, crops, flip) -> torch.Tensor:
         """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
@@ -275,13 +282,12 @@ class EvalAugment(BatchAugment):
                 return normalize_uint8(crop, self.mean, self.std, dtype=self.dtype,
                                        channels_last=self.channels_last, out=out)
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
-            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-            out = torch.empty((b, 3, s, s), dtype=torch.float32, memory_format=fmt) if out is None else out[:b]
+            out = self._float_out(b, out)
             scale, shift = _scale_shift(self.mean, self.std, device)
             for i in range(b):
                 crop = images[i][top : top + s, left : left + s]
                 torch.addcmul(shift, crop.permute(2, 0, 1).float(), scale, out=out[i])
-            return out if out.dtype == self.dtype else out.to(self.dtype)
+            return self._as_dtype(out)
         x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
         return self._finish(_normalize_float(x, self.mean, self.std))

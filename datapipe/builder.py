@@ -99,11 +99,12 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     sample = np.empty((decode_spec.size, decode_spec.size, 3), np.uint8)  # reused for every image
     with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc():
         for path, label in zip(plan["paths"], plan["labels"]):
-            reason = _probe(Path(root) / path, spec) if isolate else None
+            file = os.path.join(root, path)
+            reason = _probe(file, spec) if isolate else None
             if reason is not None:
                 quarantined.append({"path": path, "reason": reason})
                 continue
-            image = _load(os.path.join(root, path), decode_spec, path, quarantined, sample)
+            image = _load(file, decode_spec, path, quarantined, sample)
             if image is not None:
                 writer.add(image, label, path)
         record = writer.commit({
@@ -136,7 +137,7 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _probe(file: Path, spec: dict) -> str | None:
+def _probe(file: str, spec: dict) -> str | None:
     """Decode ``file`` in a child process; None if that works, else the quarantine reason."""
     import signal
     import subprocess
