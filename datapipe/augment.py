@@ -32,6 +32,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from . import native
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 Path_ = Literal["auto", "uint8", "kornia"]
@@ -57,8 +59,13 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
         out = torch.empty((b, 3, h, w), dtype=torch.float32, device=images.device, memory_format=fmt)
     else:
         out = out[:b]
-    scale, shift = _scale_shift(mean, std, images.device)
-    out.copy_(images.permute(0, 3, 1, 2)).mul_(scale).add_(shift)
+    conv = native.converter(tuple(mean), tuple(std)) if images.device.type == "cpu" else None
+    if conv is not None and images.stride()[2:] == (3, 1):
+        for i in range(b):  # one pass per sample (see datapipe/native.py)
+            conv(images[i], out[i], False)
+    else:
+        scale, shift = _scale_shift(mean, std, images.device)
+        out.copy_(images.permute(0, 3, 1, 2)).mul_(scale).add_(shift)
     return out if out.dtype == dtype else out.to(dtype)
 
 
@@ -218,6 +225,7 @@ class TrainAugment(BatchAugment):
         its slot of ``out`` while it is still in cache (1.7x a batch-wide second pass here)."""
         s = self.size
         out = self._float_out(len(images), out)
+        conv = native.converter(self.mean, self.std)
         scale, shift = _scale_shift(self.mean, self.std, out.device)
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
@@ -226,7 +234,10 @@ class TrainAugment(BatchAugment):
         for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
             src = images[i][top : top + h, left : left + w].permute(2, 0, 1)[None]
             resize(src, size, False, None, None, out=tmp_4d)
-            torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
+            if conv is not None:  # mirror, convert and normalise in one pass (datapipe/native.py)
+                conv(tmp, out[i], f)
+            else:
+                torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
         return self._as_dtype(out)
 
     def _crop_uint8(self, images, crops, flip) -> torch.Tensor:
@@ -283,10 +294,14 @@ class EvalAugment(BatchAugment):
                                        channels_last=self.channels_last, out=out)
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
             out = self._float_out(b, out)
+            conv = native.converter(self.mean, self.std)
             scale, shift = _scale_shift(self.mean, self.std, device)
             for i in range(b):
                 crop = images[i][top : top + s, left : left + s]
-                torch.addcmul(shift, crop.permute(2, 0, 1).float(), scale, out=out[i])
+                if conv is not None:
+                    conv(crop, out[i], False)
+                else:
+                    torch.addcmul(shift, crop.permute(2, 0, 1).float(), scale, out=out[i])
             return self._as_dtype(out)
         x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)

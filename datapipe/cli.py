@@ -135,10 +135,11 @@ def environment() -> dict:
     import platform
 
     from . import __version__
+    from . import native
     from .codecs import decoder_info
 
     env = {"datapipe": __version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cpus": __import__("os").cpu_count(), "decoders": decoder_info()}
+           "cpus": __import__("os").cpu_count(), "decoders": decoder_info(), "cpu_kernel": native.describe()}
     for name in ("numpy", "torch", "kornia", "zarr", "dask", "distributed", "bokeh"):
         try:
             env[name] = __import__(name).__version__

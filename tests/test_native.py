@@ -1,0 +1,126 @@
+"""The optional compiled conversion kernel (datapipe/_native.c) against torch's arithmetic.
+
+The kernel is what makes the CPU presets fast, and it must give the values the torch path gives:
+every layout, mirrored or not, any width (vector blocks and scalar tail), strided crops, aligned
+and unaligned destinations. Where a C compiler exists on x86-64 the install must have built it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from datapipe import augment, native
+
+MEAN, STD = augment.IMAGENET_MEAN, augment.IMAGENET_STD
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.describe()}")
+
+
+def reference(src: torch.Tensor, flip: bool) -> torch.Tensor:
+    """float64 [3, H, W]: (src / 255 - mean) / std, mirrored when ``flip``."""
+    x = src.permute(2, 0, 1).to(torch.float64)
+    if flip:
+        x = x.flip(2)
+    mean = torch.tensor(MEAN, dtype=torch.float64).view(3, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float64).view(3, 1, 1)
+    return (x / 255.0 - mean) / std
+
+
+def random_image(h: int, w: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+
+
+def test_the_kernel_is_built_where_a_compiler_exists():
+    if os.environ.get("DATAPIPE_NATIVE") == "0":
+        assert not native.available() and "DATAPIPE_NATIVE=0" in native.describe()
+        return
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler and platform.machine() in ("x86_64", "AMD64"):
+        assert native.available(), native.describe()
+        assert "AVX2" in native.describe()
+    else:
+        assert "torch kernels" in native.describe()
+
+
+@needs_kernel
+@pytest.mark.parametrize("w", [1, 7, 8, 13, 24, 224, 225])
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("layout", ["planar", "channels_last"])
+def test_conversion_matches_torch(w, flip, layout):
+    h = 5
+    src = random_image(h, w, seed=w)
+    conv = native.converter(MEAN, STD)
+    if layout == "planar":
+        dst = torch.full((3, h, w), float("nan"))
+    else:
+        dst = torch.full((1, 3, h, w), float("nan")).contiguous(memory_format=torch.channels_last)[0]
+    conv(src, dst, flip)
+    torch.testing.assert_close(dst.to(torch.float64), reference(src, flip), rtol=0, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("flip", [False, True])
+def test_crops_of_a_larger_image_and_unaligned_destinations(flip):
+    image = random_image(40, 50, seed=7)
+    crop = image[3:35, 5:45]  # rows strided by the full width
+    conv = native.converter(MEAN, STD)
+    for offset in (0, 1, 3):  # 1 and 3 floats: not 32-byte aligned, so plain stores are used
+        storage = torch.full((offset + 3 * 32 * 40,), float("nan"))
+        dst = storage[offset:].view(3, 32, 40)
+        conv(crop, dst, flip)
+        torch.testing.assert_close(dst.to(torch.float64), reference(crop, flip), rtol=0, atol=2e-6)
+        assert torch.isnan(storage[:offset]).all(), "nothing written before the destination"
+
+
+@needs_kernel
+def test_bad_arguments_are_refused_not_written():
+    conv = native.converter(MEAN, STD)
+    src = random_image(4, 8, seed=1)
+    with pytest.raises(ValueError, match="packed uint8"):
+        conv(src.permute(1, 0, 2), torch.empty(3, 8, 4), False)  # pixels not packed
+    with pytest.raises(ValueError, match="packed uint8"):
+        conv(src.float(), torch.empty(3, 4, 8), False)
+    with pytest.raises(ValueError, match="float32"):
+        conv(src, torch.empty(3, 4, 7), False)
+    with pytest.raises(ValueError, match="float32"):
+        conv(src, torch.empty(3, 4, 8, dtype=torch.float64), False)
+    with pytest.raises(ValueError, match="contiguous or channels_last"):
+        conv(src, torch.empty(3, 8, 4).transpose(1, 2), False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_presets_give_the_torch_values(monkeypatch, channels_last):
+    """The presets and normalize_uint8 with the kernel equal their torch fallback."""
+    images = torch.stack([random_image(48, 40, seed=s) for s in range(6)])
+    crop_sets = [
+        (augment.train(24, channels_last=channels_last), dict(seed=11)),
+        (augment.eval(24, channels_last=channels_last), {}),
+    ]
+
+    def run_all():
+        out = [aug(list(images), **kw) for aug, kw in crop_sets]
+        out.append(augment.normalize_uint8(images, MEAN, STD, channels_last=channels_last))
+        out.append(augment.normalize_uint8(images[:, 4:28, 2:30], MEAN, STD))  # strided rows
+        return out
+
+    fast = run_all()
+    monkeypatch.setattr(native, "converter", lambda mean, std: None)
+    slow = run_all()
+    for a, b in zip(fast, slow):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+def test_the_switch_turns_the_kernel_off():
+    code = "from datapipe import native; print(native.available(), native.describe())"
+    env = {**os.environ, "DATAPIPE_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.startswith("False") and "DATAPIPE_NATIVE=0" in out
