@@ -61,12 +61,24 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
         out = out[:b]
     conv = native.converter(tuple(mean), tuple(std)) if images.device.type == "cpu" else None
     if conv is not None and images.stride()[2:] == (3, 1):
+        base, step, planar = conv.destination(out, h, w)
+        src, bs, rs = images.data_ptr(), images.stride(0), images.stride(1)
         for i in range(b):  # one pass per sample (see datapipe/native.py)
-            conv(images[i], out[i], False)
+            conv.raw(src + i * bs, h, w, rs, False, planar, base + i * step)
     else:
         scale, shift = _scale_shift(mean, std, images.device)
         out.copy_(images.permute(0, 3, 1, 2)).mul_(scale).add_(shift)
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def _crop_chw(x: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Tensor:
+    """The crop of a uint8 [H, W, 3] sample as the [1, 3, h, w] channels-last view the resize takes."""
+    if top < 0 or left < 0 or top + h > x.shape[0] or left + w > x.shape[1]:
+        raise ValueError(f"crop (top {top}, left {left}, {h}x{w}) outside a sample of {tuple(x.shape)}")
+    if x.is_contiguous():  # one view instead of four: this runs once per sample
+        rs = x.stride(0)
+        return x.as_strided((1, 3, h, w), (3 * h * w, 1, rs, 3), x.storage_offset() + top * rs + left * 3)
+    return x[top : top + h, left : left + w].permute(2, 0, 1)[None]
 
 
 def _scale_shift(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,16 +238,18 @@ class TrainAugment(BatchAugment):
         s = self.size
         out = self._float_out(len(images), out)
         conv = native.converter(self.mean, self.std)
-        scale, shift = _scale_shift(self.mean, self.std, out.device)
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
         tmp_4d, size = tmp_chw[None], [s, s]
         resize = torch.ops.aten._upsample_bilinear2d_aa.out
+        if conv is not None:  # mirror, convert and normalise in one pass (datapipe/native.py)
+            (base, step, planar), src = conv.destination(out, s, s), tmp.data_ptr()
+        else:
+            scale, shift = _scale_shift(self.mean, self.std, out.device)
         for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            src = images[i][top : top + h, left : left + w].permute(2, 0, 1)[None]
-            resize(src, size, False, None, None, out=tmp_4d)
-            if conv is not None:  # mirror, convert and normalise in one pass (datapipe/native.py)
-                conv(tmp, out[i], f)
+            resize(_crop_chw(images[i], top, left, h, w), size, False, None, None, out=tmp_4d)
+            if conv is not None:
+                conv.raw(src, s, s, 3 * s, f, planar, base + i * step)
             else:
                 torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
         return self._as_dtype(out)
@@ -245,9 +259,9 @@ class TrainAugment(BatchAugment):
         s = self.size
         out = torch.empty((len(images), s, s, 3), dtype=torch.uint8, device=images[0].device)
         for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            src = images[b][top : top + h, left : left + w].permute(2, 0, 1)[None]
             dst = out[b].permute(2, 0, 1)[None]
-            torch.ops.aten._upsample_bilinear2d_aa.out(src, [s, s], False, None, None, out=dst)
+            torch.ops.aten._upsample_bilinear2d_aa.out(_crop_chw(images[b], top, left, h, w), [s, s], False, None, None,
+                                                        out=dst)
             if f:
                 out[b] = out[b].flip(1)
         return out
@@ -295,12 +309,16 @@ class EvalAugment(BatchAugment):
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
             out = self._float_out(b, out)
             conv = native.converter(self.mean, self.std)
+            if conv is not None:
+                base, step, planar = conv.destination(out, s, s)
             scale, shift = _scale_shift(self.mean, self.std, device)
             for i in range(b):
-                crop = images[i][top : top + s, left : left + s]
-                if conv is not None:
-                    conv(crop, out[i], False)
+                x = images[i]
+                if conv is not None and x.stride()[1:] == (3, 1):
+                    rs = x.stride(0)
+                    conv.raw(x.data_ptr() + top * rs + left * 3, s, s, rs, False, planar, base + i * step)
                 else:
+                    crop = x[top : top + s, left : left + s]
                     torch.addcmul(shift, crop.permute(2, 0, 1).float(), scale, out=out[i])
             return self._as_dtype(out)
         x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)

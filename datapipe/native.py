@@ -74,7 +74,8 @@ class Converter:
     ``src`` may be a crop (rows strided) but its pixels must be packed (strides (row, 3, 1)); ``dst``
     is a float32 [3, H, W] tensor that is either contiguous or a channels_last slice (strides
     (1, 3W, 3)). ``stream`` writes with non-temporal stores, for outputs that are read later (a
-    batch), not right away.
+    batch), not right away. Loops over a batch check it once with :meth:`destination` and then call
+    :meth:`raw` with addresses, which skips the per-call checks.
     """
 
     def __init__(self, lib: ctypes.CDLL, mean, std) -> None:
@@ -90,15 +91,26 @@ class Converter:
         if src.dtype != torch.uint8 or c != 3 or ps != 3 or cs != 1 or src.device.type != "cpu":
             raise ValueError(f"expected packed uint8 [H, W, 3] pixels on the CPU, got {tuple(src.shape)} "
                              f"{src.dtype} strides {src.stride()}")
-        if dst.dtype != torch.float32 or tuple(dst.shape) != (3, h, w) or dst.device.type != "cpu":
-            raise ValueError(f"expected a float32 [3, {h}, {w}] destination, got {tuple(dst.shape)} {dst.dtype}")
-        if dst.is_contiguous():
+        base, _, planar = self.destination(dst[None], h, w)
+        self._fn(src.data_ptr(), h, w, rs, int(flip), planar, self._scale, self._shift, base, int(stream))
+
+    @staticmethod
+    def destination(out: torch.Tensor, h: int, w: int) -> tuple[int, int, int]:
+        """(address of sample 0, bytes from one sample to the next, planar) of a float32 [B, 3, h, w] batch."""
+        if out.dtype != torch.float32 or tuple(out.shape[1:]) != (3, h, w) or out.device.type != "cpu":
+            raise ValueError(f"expected a float32 [B, 3, {h}, {w}] destination, got {tuple(out.shape)} {out.dtype}")
+        _, c, y, x = out.stride()
+        if (c, y, x) == (h * w, w, 1):
             planar = 1
-        elif dst.stride() == (1, 3 * w, 3):
+        elif (c, y, x) == (1, 3 * w, 3):
             planar = 0
         else:
-            raise ValueError(f"destination must be contiguous or channels_last, got strides {dst.stride()}")
-        self._fn(src.data_ptr(), h, w, rs, int(flip), planar, self._scale, self._shift, dst.data_ptr(), int(stream))
+            raise ValueError(f"destination must be contiguous or channels_last, got strides {out.stride()}")
+        return out.data_ptr(), out.stride(0) * 4, planar
+
+    def raw(self, src: int, h: int, w: int, row_bytes: int, flip: bool, planar: int, dst: int) -> None:
+        """Unchecked call with addresses (``data_ptr()``), for a loop that checked its tensors once."""
+        self._fn(src, h, w, row_bytes, flip, planar, self._scale, self._shift, dst, 1)
 
 
 @lru_cache(maxsize=16)

@@ -99,14 +99,16 @@ def test_bad_arguments_are_refused_not_written():
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_presets_give_the_torch_values(monkeypatch, channels_last):
     """The presets and normalize_uint8 with the kernel equal their torch fallback."""
-    images = torch.stack([random_image(48, 40, seed=s) for s in range(6)])
+    images = torch.stack([random_image(48, 60, seed=s) for s in range(6)])
     crop_sets = [
         (augment.train(24, channels_last=channels_last), dict(seed=11)),
         (augment.eval(24, channels_last=channels_last), {}),
     ]
+    # packed samples, samples whose rows are strided (crops), samples whose pixels are not packed
+    sample_sets = [list(images), list(images[:, 2:46, 1:39]), list(images[:, :, ::2])]
 
     def run_all():
-        out = [aug(list(images), **kw) for aug, kw in crop_sets]
+        out = [aug(samples, **kw) for aug, kw in crop_sets for samples in sample_sets]
         out.append(augment.normalize_uint8(images, MEAN, STD, channels_last=channels_last))
         out.append(augment.normalize_uint8(images[:, 4:28, 2:30], MEAN, STD))  # strided rows
         return out
