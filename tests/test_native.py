@@ -126,3 +126,17 @@ def test_the_switch_turns_the_kernel_off():
     env = {**os.environ, "DATAPIPE_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("False") and "DATAPIPE_NATIVE=0" in out
+
+
+@needs_kernel
+def test_cpu_presets_and_normalisation_go_through_the_kernel(monkeypatch):
+    """The presets' per-sample conversion is the kernel's (one call per sample), not torch's."""
+    calls = []
+    raw = native.Converter.raw
+    monkeypatch.setattr(native.Converter, "raw", lambda self, *a: (calls.append(a), raw(self, *a)))
+    images = torch.stack([random_image(40, 40, seed=s) for s in range(5)])
+    for run in (lambda: augment.train(24)(list(images), seed=1), lambda: augment.eval(24)(list(images)),
+                lambda: augment.normalize_uint8(images, MEAN, STD)):
+        calls.clear()
+        run()
+        assert len(calls) == 5
