@@ -10,9 +10,10 @@ Two ways to apply the same parameters:
 
 * ``kornia`` (the default on CUDA): the batch is converted to float on the device and Kornia crops
   and resizes all samples in one batched call (``crop_and_resize``); flips and jitter are batched too.
-* ``uint8`` (the default on CPU): each crop is resized on uint8 with torch's antialiased AVX2 kernel
-  and flipped before anything is converted to float — converting a full 256² batch to float first
-  costs more than the whole augmentation on a CPU.
+* ``uint8`` (the default on CPU): each crop is resized on uint8 with torch's antialiased AVX2 kernel,
+  then mirrored, converted and normalised into its slot of the batch in one pass (the compiled
+  kernel of :mod:`datapipe.native`, or torch's ops where it is not built) — converting a full 256²
+  batch to float first costs more than the whole augmentation on a CPU.
 
 Shape:
     input: uint8 [B, H, W, 3] (on any device); output: float [B, 3, size, size], normalised.
@@ -48,7 +49,8 @@ def _stack(images: Batch) -> torch.Tensor:
 
 def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = torch.float32,
                     channels_last: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """uint8 NHWC -> normalised float NCHW: one converting copy, then an in-place scale and shift.
+    """uint8 NHWC -> normalised float NCHW: on the CPU one pass per sample through the compiled
+    kernel (:mod:`datapipe.native`) where it is built, else a converting copy and an in-place scale and shift.
 
     ``out`` (float [>=B, 3, H, W]) is filled when given: on the CPU, writing into memory that is
     already mapped is several times faster than allocating a fresh 150 MB tensor per batch.

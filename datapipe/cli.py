@@ -134,8 +134,7 @@ def _info(args) -> int:
 def environment() -> dict:
     import platform
 
-    from . import __version__
-    from . import native
+    from . import __version__, native
     from .codecs import decoder_info
 
     env = {"datapipe": __version__, "python": platform.python_version(), "platform": platform.platform(),
