@@ -83,6 +83,7 @@ def describe_machine() -> dict:
         "platform": env["platform"],
         "versions": {k: env[k] for k in ("datapipe", "numpy", "torch", "kornia", "zarr", "dask")},
         "decoders": env["decoders"],
+        "cpu_kernel": env["cpu_kernel"],  # the CPU loader's float conversion: compiled or torch's
     }
 
 
@@ -418,7 +419,8 @@ def _with_step(cache, *, batch_size, workers, crop, device, batches, step_ms) ->
 def format_table(result: BenchResult) -> str:
     lines = []
     m = result.machine
-    lines.append(f"machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['versions']['torch']}")
+    lines.append(f"machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['versions']['torch']}; "
+                 f"CPU kernel: {m.get('cpu_kernel', 'unknown')}")
     c = result.config
     lines.append(f"same output for all: {c['output']}; batch {c['batch_size']}, {c['workers']} workers, "
                  f"{c['repeats']} rounds of {c['batches_per_pass']} batches")

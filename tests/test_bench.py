@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import datapipe
-from datapipe import bench, cli
+from datapipe import bench, cli, native
 from datapipe.errors import CacheError
 
 
@@ -41,6 +41,7 @@ def test_bench_json_chart_and_peers(tiny, tmp_path):
     result = json.loads(out_json.read_text())
     assert set(result) == {"machine", "config", "stages", "systems", "attribution"}
     assert result["machine"]["cores"] >= 1 and result["machine"]["versions"]["torch"]
+    assert result["machine"]["cpu_kernel"] == native.describe()  # which float conversion the loader ran
     for stage in ("read", "assemble", "decode", "h2d", "augment"):
         assert stage in result["stages"]
     assert result["stages"]["assemble"]["images_per_s"] > 0
