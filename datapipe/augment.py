@@ -83,6 +83,12 @@ def _crop_chw(x: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Ten
     return x[top : top + h, left : left + w].permute(2, 0, 1)[None]
 
 
+def _resize_aa():
+    """torch's antialiased bilinear resize with ``out=``: the direct binding where torch has it
+    (~2 µs less per call than the boxed ``torch.ops`` path; this runs once per sample)."""
+    return getattr(torch._C._nn, "_upsample_bilinear2d_aa", None) or torch.ops.aten._upsample_bilinear2d_aa.out
+
+
 def _scale_shift(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(x * scale + shift) on 0..255 values == (x / 255 - mean) / std; shapes [3, 1, 1]."""
     scale = torch.tensor([1.0 / (255.0 * s) for s in std], device=device).view(3, 1, 1)
@@ -243,7 +249,7 @@ class TrainAugment(BatchAugment):
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
         tmp_4d, size = tmp_chw[None], [s, s]
-        resize = torch.ops.aten._upsample_bilinear2d_aa.out
+        resize = _resize_aa()
         if conv is not None:  # mirror, convert and normalise in one pass (datapipe/native.py)
             (base, step, planar), src = conv.destination(out, s, s), tmp.data_ptr()
         else:
@@ -260,10 +266,9 @@ class TrainAugment(BatchAugment):
         """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
         s = self.size
         out = torch.empty((len(images), s, s, 3), dtype=torch.uint8, device=images[0].device)
+        resize = _resize_aa()
         for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            dst = out[b].permute(2, 0, 1)[None]
-            torch.ops.aten._upsample_bilinear2d_aa.out(_crop_chw(images[b], top, left, h, w), [s, s], False, None, None,
-                                                        out=dst)
+            resize(_crop_chw(images[b], top, left, h, w), [s, s], False, None, None, out=out[b].permute(2, 0, 1)[None])
             if f:
                 out[b] = out[b].flip(1)
         return out
