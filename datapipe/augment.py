@@ -61,16 +61,32 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
         out = torch.empty((b, 3, h, w), dtype=torch.float32, device=images.device, memory_format=fmt)
     else:
         out = out[:b]
-    conv = native.converter(tuple(mean), tuple(std)) if images.device.type == "cpu" else None
-    if conv is not None and images.stride()[2:] == (3, 1):
-        base, step, planar = conv.destination(out, h, w)
-        src, bs, rs = images.data_ptr(), images.stride(0), images.stride(1)
-        for i in range(b):  # one pass per sample (see datapipe/native.py)
-            conv.raw(src + i * bs, h, w, rs, False, planar, base + i * step)
+    if images.device.type == "cpu":
+        _normalize_into(images, out, mean, std)
     else:
         scale, shift = _scale_shift(mean, std, images.device)
         out.copy_(images.permute(0, 3, 1, 2)).mul_(scale).add_(shift)
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def _normalize_into(samples: Batch, out: torch.Tensor, mean, std, top: int = 0, left: int = 0) -> None:
+    """CPU: out[i] = the normalised [h, w] window at (top, left) of uint8 sample i, sample by sample
+    while it is in cache. ``out``: float32 [B, 3, h, w], contiguous or channels_last. One pass per
+    sample through the compiled kernel (datapipe/native.py) where it is built and a sample's pixels
+    are packed; torch's ops otherwise."""
+    h, w = out.shape[2:]
+    conv = native.converter(tuple(mean), tuple(std))
+    if conv is not None:
+        base, step, planar = conv.destination(out, h, w)
+    scale, shift = _scale_shift(mean, std, out.device)
+    for i in range(len(samples)):
+        x = samples[i]
+        if conv is not None and x.stride()[1:] == (3, 1):
+            rs = x.stride(0)
+            conv.raw(x.data_ptr() + top * rs + left * 3, h, w, rs, False, planar, base + i * step)
+        else:
+            window = x[top : top + h, left : left + w].permute(2, 0, 1)
+            torch.addcmul(shift, window.float(), scale, out=out[i])
 
 
 def _crop_chw(x: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Tensor:
@@ -315,18 +331,7 @@ class EvalAugment(BatchAugment):
                                        channels_last=self.channels_last, out=out)
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
             out = self._float_out(b, out)
-            conv = native.converter(self.mean, self.std)
-            if conv is not None:
-                base, step, planar = conv.destination(out, s, s)
-            scale, shift = _scale_shift(self.mean, self.std, device)
-            for i in range(b):
-                x = images[i]
-                if conv is not None and x.stride()[1:] == (3, 1):
-                    rs = x.stride(0)
-                    conv.raw(x.data_ptr() + top * rs + left * 3, s, s, rs, False, planar, base + i * step)
-                else:
-                    crop = x[top : top + s, left : left + s]
-                    torch.addcmul(shift, crop.permute(2, 0, 1).float(), scale, out=out[i])
+            _normalize_into(images, out, self.mean, self.std, top, left)
             return self._as_dtype(out)
         x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
