@@ -106,10 +106,9 @@ def _resize_aa():
 
 
 def _scale_shift(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x * scale + shift) on 0..255 values == (x / 255 - mean) / std; shapes [3, 1, 1]."""
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std], device=device).view(3, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=device).view(3, 1, 1)
-    return scale, shift
+    """:func:`datapipe.native.scale_shift` as tensors of shape [3, 1, 1] on ``device``."""
+    scale, shift = native.scale_shift(mean, std)
+    return torch.tensor(scale, device=device).view(3, 1, 1), torch.tensor(shift, device=device).view(3, 1, 1)
 
 
 def _normalize_float(x: torch.Tensor, mean, std) -> torch.Tensor:

@@ -68,6 +68,11 @@ def describe() -> str:
     return _library()[1]
 
 
+def scale_shift(mean, std) -> tuple[list[float], list[float]]:
+    """Per channel, (x * scale + shift) on 0..255 values == (x / 255 - mean) / std."""
+    return [1.0 / (255.0 * s) for s in std], [-m / s for m, s in zip(mean, std)]
+
+
 class Converter:
     """``conv(src, dst, flip)``: dst = (src / 255 - mean) / std, from uint8 [H, W, 3] to float32 [3, H, W].
 
@@ -80,8 +85,7 @@ class Converter:
 
     def __init__(self, lib: ctypes.CDLL, mean, std) -> None:
         self._fn = lib.datapipe_u8_to_f32
-        self._params = torch.tensor([[1.0 / (255.0 * s) for s in std], [-m / s for m, s in zip(mean, std)]],
-                                    dtype=torch.float32)  # [2, 3]: scale, shift (kept alive with self)
+        self._params = torch.tensor(scale_shift(mean, std), dtype=torch.float32)  # [2, 3], kept alive with self
         self._scale = self._params.data_ptr()
         self._shift = self._scale + 3 * 4
 
