@@ -7,4 +7,4 @@ available the install still succeeds and datapipe uses the equivalent torch kern
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("datapipe._native", sources=["datapipe/_native.c"], optional=True,
-                             extra_compile_args=["-O2"])])
+                             extra_compile_args=["-O2"], libraries=["m"])])

@@ -11,10 +11,12 @@
  * threads convert in parallel. Built at install time when a C compiler is present; without one,
  * datapipe uses the torch kernels. See datapipe/native.py.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
-#define DATAPIPE_NATIVE_ABI 1
+#define DATAPIPE_NATIVE_ABI 2
 
 int datapipe_native_abi(void) { return DATAPIPE_NATIVE_ABI; }
 
@@ -119,4 +121,341 @@ void datapipe_u8_to_f32(const uint8_t *src, ptrdiff_t h, ptrdiff_t w, ptrdiff_t 
 #endif
     if (done < w)
         convert_scalar(src, h, w, src_row, flip, planar, scale, shift, dst, done);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Antialiased bilinear resize of packed uint8 RGB, bit-identical to torch's uint8 path
+ * (F.interpolate(mode="bilinear", antialias=True) on uint8: aten/src/ATen/native/cpu/UpSampleKernel.cpp,
+ * HelperInterpBase::_compute_indices_min_size_weights_aa + _compute_index_ranges_int16_weights, and
+ * the separable passes of UpSampleKernelAVXAntialias.h). The weights are the same doubles, rounded
+ * to int16 at the same precision, and each pass is the same integer dot product plus half an LSB,
+ * shifted and clamped: the width pass first (over every input row), then the height pass.
+ *
+ * What differs is the work around it: torch copies a strided crop into a contiguous tensor, and for
+ * three channels widens every pixel to four bytes and back; here the crop is read in place, the
+ * width pass loads each output pixel's taps with one 16-byte load and one byte shuffle, and the
+ * height pass runs over whole rows 32 bytes at a time, whatever the channel boundaries.
+ * ------------------------------------------------------------------------------------------------ */
+
+#define HCHUNK 4 /* width-pass taps per 16-byte load (4 pixels = 12 bytes) */
+
+typedef struct {
+    int32_t *start; /* first input index of each output */
+    int32_t *taps;  /* number of input indices of each output */
+    int16_t *w;     /* [out][kmax] int16 weights (0 past taps) */
+    int kmax;       /* taps allocated per output */
+    int precision;  /* weights are scaled by 2^precision */
+} axis_t;
+
+static double aa_bilinear(double x)
+{
+    x = fabs(x);
+    return x < 1.0 ? 1.0 - x : 0.0;
+}
+
+static int axis_kmax(ptrdiff_t in, ptrdiff_t out)
+{
+    const double scale = (double)in / (double)out;
+    const double support = scale >= 1.0 ? 1.0 * scale : 1.0;
+    return (int)ceil(support) * 2 + 1;
+}
+
+/* Fills ax (its arrays are preallocated for out outputs of ax->kmax taps), using wd (out * kmax doubles). */
+static void axis_fill(axis_t *ax, ptrdiff_t in, ptrdiff_t out, double *wd)
+{
+    const double scale = (double)in / (double)out;
+    const double support = scale >= 1.0 ? 1.0 * scale : 1.0;
+    const double invscale = scale >= 1.0 ? 1.0 / scale : 1.0;
+    const int kmax = ax->kmax;
+    double wt_max = 0.0;
+    for (ptrdiff_t i = 0; i < out; i++) {
+        const double center = scale * ((double)i + 0.5);
+        int64_t xmin = (int64_t)(center - support + 0.5), xsize;
+        if (xmin < 0)
+            xmin = 0;
+        xsize = (int64_t)(center + support + 0.5);
+        if (xsize > in)
+            xsize = in;
+        xsize -= xmin;
+        if (xsize < 0)
+            xsize = 0;
+        if (xsize > kmax)
+            xsize = kmax;
+        double *w = wd + i * kmax, total = 0.0;
+        for (int64_t j = 0; j < xsize; j++) {
+            w[j] = aa_bilinear(((double)(j + xmin) - center + 0.5) * invscale);
+            total += w[j];
+        }
+        if (total != 0.0) {
+            for (int64_t j = 0; j < xsize; j++) {
+                w[j] /= total;
+                if (w[j] > wt_max)
+                    wt_max = w[j];
+            }
+        }
+        for (int64_t j = xsize; j < kmax; j++)
+            w[j] = 0.0;
+        ax->start[i] = (int32_t)xmin;
+        ax->taps[i] = (int32_t)xsize;
+    }
+    int precision;
+    for (precision = 0; precision < 22; ++precision) {
+        const int next_value = (int)(0.5 + wt_max * (1 << (precision + 1)));
+        if (next_value >= (1 << 15))
+            break;
+    }
+    ax->precision = precision;
+    for (ptrdiff_t i = 0; i < out * kmax; i++) {
+        const double v = wd[i] * (1 << precision);
+        ax->w[i] = (int16_t)(v < 0 ? (int)(-0.5 + v) : (int)(0.5 + v));
+    }
+}
+
+static inline uint8_t clamp_u8(int32_t v) { return v < 0 ? 0 : v > 255 ? 255 : (uint8_t)v; }
+
+/* The width pass of one row, outputs [x0, out_w), plain C. */
+static void hpass_row_scalar(const uint8_t *src, uint8_t *dst, const axis_t *ax, ptrdiff_t x0, ptrdiff_t out_w)
+{
+    const int32_t round = 1 << (ax->precision - 1);
+    for (ptrdiff_t x = x0; x < out_w; x++) {
+        const uint8_t *p = src + 3 * (ptrdiff_t)ax->start[x];
+        const int16_t *w = ax->w + x * ax->kmax;
+        int32_t r = round, g = round, b = round;
+        for (int k = 0; k < ax->taps[x]; k++) {
+            r += w[k] * p[3 * k];
+            g += w[k] * p[3 * k + 1];
+            b += w[k] * p[3 * k + 2];
+        }
+        dst[3 * x] = clamp_u8(r >> ax->precision);
+        dst[3 * x + 1] = clamp_u8(g >> ax->precision);
+        dst[3 * x + 2] = clamp_u8(b >> ax->precision);
+    }
+}
+
+/* The height pass of one output row over bytes [i0, n), plain C. */
+static void vpass_row_scalar(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, const axis_t *ax, ptrdiff_t y,
+                             ptrdiff_t i0, ptrdiff_t n)
+{
+    const int32_t round = 1 << (ax->precision - 1);
+    const uint8_t *first = src + (ptrdiff_t)ax->start[y] * src_row;
+    const int16_t *w = ax->w + y * ax->kmax;
+    for (ptrdiff_t i = i0; i < n; i++) {
+        int32_t acc = round;
+        for (int k = 0; k < ax->taps[y]; k++)
+            acc += w[k] * first[k * src_row + i];
+        dst[i] = clamp_u8(acc >> ax->precision);
+    }
+}
+
+#ifdef HAVE_AVX2_PATH
+/* Width-pass weights of output x laid out for the shuffle below: per chunk of 4 taps, 16 int16
+ * (w0 w1 w0 w1 w0 w1 0 0 | w2 w3 w2 w3 w2 w3 0 0), so that one madd gives, per lane, the R, G and B
+ * sums of two taps. */
+static void hweights_avx2(const axis_t *ax, ptrdiff_t out_w, int nchunks, int16_t *hw)
+{
+    for (ptrdiff_t x = 0; x < out_w; x++) {
+        const int16_t *w = ax->w + x * ax->kmax;
+        for (int c = 0; c < nchunks; c++) {
+            int16_t *v = hw + (x * nchunks + c) * 16;
+            for (int half = 0; half < 2; half++) {
+                const int k = c * HCHUNK + 2 * half;
+                const int16_t a = k < ax->taps[x] ? w[k] : 0, b = k + 1 < ax->taps[x] ? w[k + 1] : 0;
+                for (int ch = 0; ch < 3; ch++) {
+                    v[8 * half + 2 * ch] = a;
+                    v[8 * half + 2 * ch + 1] = b;
+                }
+                v[8 * half + 6] = v[8 * half + 7] = 0;
+            }
+        }
+    }
+}
+
+/* The first output whose 16-byte loads would read past the end of an input row, or the last output
+ * (whose 4-byte store would write past the end of its row): from there on the width pass runs in
+ * plain C. */
+static ptrdiff_t hpass_vector_end(const axis_t *ax, ptrdiff_t in_w, ptrdiff_t out_w, int chunks)
+{
+    ptrdiff_t x = 0;
+    while (x + 1 < out_w && 3 * (ptrdiff_t)ax->start[x] + 3 * HCHUNK * (chunks - 1) + 16 <= 3 * in_w)
+        x++;
+    return x;
+}
+
+/* Chunks of HCHUNK taps that the longest output of the axis needs. */
+static int hpass_chunks(const axis_t *ax, ptrdiff_t out_w)
+{
+    int taps = 1;
+    for (ptrdiff_t x = 0; x < out_w; x++)
+        taps = ax->taps[x] > taps ? ax->taps[x] : taps;
+    return (taps + HCHUNK - 1) / HCHUNK;
+}
+
+/* The width pass of `rows` (1..4) input rows, outputs [0, xv): each output's weights are loaded once
+ * for all the rows, and two rows share each rounding, shift and pack. */
+__attribute__((target("avx2"), always_inline)) static inline void
+hpass_rows_impl(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
+                ptrdiff_t xv, const int16_t *hw, const int chunks)
+{
+    const __m256i shuffle = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
+                                             6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
+    const __m256i round = _mm256_set1_epi32(1 << (ax->precision - 1));
+    const uint8_t *s1 = src + (rows > 1 ? src_row : 0), *s2 = src + (rows > 2 ? 2 * src_row : 0);
+    const uint8_t *s3 = src + (rows > 3 ? 3 * src_row : 0);
+    for (ptrdiff_t x = 0; x < xv; x++) {
+        const ptrdiff_t first = 3 * (ptrdiff_t)ax->start[x];
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        for (int c = 0; c < chunks; c++) {
+            const ptrdiff_t o = first + 3 * HCHUNK * c;
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(hw + (x * chunks + c) * 16));
+#define DP_TAPS(acc, s) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8( \
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((s) + o))), shuffle), wv))
+            DP_TAPS(a0, src);
+            DP_TAPS(a1, s1);
+            DP_TAPS(a2, s2);
+            DP_TAPS(a3, s3);
+#undef DP_TAPS
+        }
+        /* lane sums: [row 0 | row 1] and [row 2 | row 3], each R G B 0 */
+        __m256i t01 = _mm256_add_epi32(_mm256_permute2x128_si256(a0, a1, 0x20), _mm256_permute2x128_si256(a0, a1, 0x31));
+        __m256i t23 = _mm256_add_epi32(_mm256_permute2x128_si256(a2, a3, 0x20), _mm256_permute2x128_si256(a2, a3, 0x31));
+        t01 = _mm256_srai_epi32(_mm256_add_epi32(t01, round), ax->precision);
+        t23 = _mm256_srai_epi32(_mm256_add_epi32(t23, round), ax->precision);
+        const __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(t01, t23), round);
+        /* lane 0: row 0, row 2; lane 1: row 1, row 3 (4 bytes each) */
+        const __m128i lo = _mm256_castsi256_si128(packed), hi = _mm256_extracti128_si256(packed, 1);
+        /* 4-byte stores: each one's 4th byte is overwritten by the next pixel (never the row's last) */
+        uint8_t *d = dst + 3 * x;
+        const int32_t p0 = _mm_cvtsi128_si32(lo), p1 = _mm_cvtsi128_si32(hi);
+        const int32_t p2 = _mm_extract_epi32(lo, 1), p3 = _mm_extract_epi32(hi, 1);
+        memcpy(d, &p0, 4);
+        if (rows > 1)
+            memcpy(d + dst_row, &p1, 4);
+        if (rows > 2)
+            memcpy(d + 2 * dst_row, &p2, 4);
+        if (rows > 3)
+            memcpy(d + 3 * dst_row, &p3, 4);
+    }
+}
+
+/* Every output's weights cover `chunks` loads (zero weights past its taps); one load, the common
+ * case for downscales up to ~1.5x and for every upscale, gets a loop without an inner loop. */
+__attribute__((target("avx2"))) static void
+hpass_rows_avx2(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
+                ptrdiff_t xv, const int16_t *hw, int chunks)
+{
+    if (rows == 4 && chunks == 1)
+        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, 1);
+    else if (rows == 4)
+        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, chunks);
+    else
+        hpass_rows_impl(src, src_row, dst, dst_row, rows, ax, xv, hw, chunks);
+}
+
+/* One output row of the height pass over bytes [0, n & ~31); returns where it stopped. */
+__attribute__((target("avx2"))) static ptrdiff_t
+vpass_row_avx2(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, const axis_t *ax, ptrdiff_t y, ptrdiff_t n)
+{
+    const ptrdiff_t nv = n & ~(ptrdiff_t)31;
+    const __m256i round = _mm256_set1_epi32(1 << (ax->precision - 1)), zero = _mm256_setzero_si256();
+    const uint8_t *first = src + (ptrdiff_t)ax->start[y] * src_row;
+    const int16_t *w = ax->w + y * ax->kmax;
+    const int taps = ax->taps[y];
+    for (ptrdiff_t i = 0; i < nv; i += 32) {
+        __m256i a0 = round, a1 = round, a2 = round, a3 = round;
+        for (int k = 0; k < taps; k += 2) {
+            const int pair = k + 1 < taps;
+            const __m256i mk = _mm256_set1_epi32((int32_t)(((uint32_t)(uint16_t)(pair ? w[k + 1] : 0) << 16) |
+                                                           (uint16_t)w[k]));
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)(first + k * src_row + i));
+            const __m256i r1 = pair ? _mm256_loadu_si256((const __m256i *)(first + (k + 1) * src_row + i)) : zero;
+            const __m256i lo = _mm256_unpacklo_epi8(r0, r1), hi = _mm256_unpackhi_epi8(r0, r1);
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), mk));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), mk));
+            a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), mk));
+            a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), mk));
+        }
+        /* the unpacks and packs both work within 128-bit lanes, so the bytes come back in order */
+        const __m256i p01 = _mm256_packs_epi32(_mm256_srai_epi32(a0, ax->precision), _mm256_srai_epi32(a1, ax->precision));
+        const __m256i p23 = _mm256_packs_epi32(_mm256_srai_epi32(a2, ax->precision), _mm256_srai_epi32(a3, ax->precision));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_packus_epi16(p01, p23));
+    }
+    return nv;
+}
+#endif
+
+static ptrdiff_t align_up(ptrdiff_t n) { return (n + 63) & ~(ptrdiff_t)63; }
+
+/* Resize src (in_h rows of in_w packed RGB pixels, row r at src + r * src_row bytes) into dst
+ * (out_h rows of out_w packed RGB pixels, row r at dst + r * dst_row). ws: scratch of ws_size bytes.
+ * Returns 0, or the workspace size needed when ws_size is smaller (nothing is written then). */
+ptrdiff_t datapipe_resize_rgb(const uint8_t *src, ptrdiff_t in_h, ptrdiff_t in_w, ptrdiff_t src_row, uint8_t *dst,
+                              ptrdiff_t out_h, ptrdiff_t out_w, ptrdiff_t dst_row, uint8_t *ws, ptrdiff_t ws_size)
+{
+    const int need_h = in_w != out_w, need_v = in_h != out_h;
+    const int kx = axis_kmax(in_w, out_w), ky = axis_kmax(in_h, out_h);
+    int nchunks = (kx + HCHUNK - 1) / HCHUNK; /* at most; hpass_chunks says how many are used */
+    const ptrdiff_t kd = kx > ky ? kx : ky;
+    const ptrdiff_t od = out_w > out_h ? out_w : out_h;
+    /* workspace: doubles, two axes (start, taps, int16 weights), width-pass vectors, the intermediate image */
+    const ptrdiff_t sz_d = align_up(od * kd * 8);
+    const ptrdiff_t sz_x = align_up(out_w * 8) + align_up(out_w * kx * 2);
+    const ptrdiff_t sz_y = align_up(out_h * 8) + align_up(out_h * ky * 2);
+    const ptrdiff_t sz_hw = align_up(out_w * nchunks * 32);
+    const ptrdiff_t sz_tmp = (need_h && need_v) ? align_up(in_h * out_w * 3) : 0;
+    const ptrdiff_t total = sz_d + sz_x + sz_y + sz_hw + sz_tmp + 64;
+    if (ws_size < total)
+        return total;
+    uint8_t *p = (uint8_t *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+    double *wd = (double *)p;
+    p += sz_d;
+    axis_t ax = {(int32_t *)p, (int32_t *)p + out_w, (int16_t *)(p + align_up(out_w * 8)), kx, 0};
+    p += sz_x;
+    axis_t ay = {(int32_t *)p, (int32_t *)p + out_h, (int16_t *)(p + align_up(out_h * 8)), ky, 0};
+    p += sz_y;
+    int16_t *hw = (int16_t *)p;
+    p += sz_hw;
+    uint8_t *tmp = p;
+
+    if (!need_h && !need_v) {
+        for (ptrdiff_t y = 0; y < out_h; y++)
+            memcpy(dst + y * dst_row, src + y * src_row, (size_t)(3 * out_w));
+        return 0;
+    }
+    const int simd = datapipe_native_simd();
+    /* the width pass: every input row, into tmp (or straight into dst when the height is kept) */
+    const uint8_t *vsrc = src;
+    ptrdiff_t vsrc_row = src_row;
+    if (need_h) {
+        axis_fill(&ax, in_w, out_w, wd);
+        uint8_t *hdst = need_v ? tmp : dst;
+        const ptrdiff_t hdst_row = need_v ? 3 * out_w : dst_row;
+        ptrdiff_t xv = 0;
+#ifdef HAVE_AVX2_PATH
+        if (simd) {
+            nchunks = hpass_chunks(&ax, out_w);
+            hweights_avx2(&ax, out_w, nchunks, hw);
+            xv = hpass_vector_end(&ax, in_w, out_w, nchunks);
+            for (ptrdiff_t y = 0; y < in_h; y += 4)
+                hpass_rows_avx2(src + y * src_row, src_row, hdst + y * hdst_row, hdst_row,
+                                in_h - y < 4 ? (int)(in_h - y) : 4, &ax, xv, hw, nchunks);
+        }
+#endif
+        for (ptrdiff_t y = 0; y < in_h; y++)
+            hpass_row_scalar(src + y * src_row, hdst + y * hdst_row, &ax, xv, out_w);
+        vsrc = tmp;
+        vsrc_row = 3 * out_w;
+    }
+    if (need_v) {
+        axis_fill(&ay, in_h, out_h, wd);
+        const ptrdiff_t n = 3 * out_w;
+        for (ptrdiff_t y = 0; y < out_h; y++) {
+            ptrdiff_t i0 = 0;
+#ifdef HAVE_AVX2_PATH
+            if (simd)
+                i0 = vpass_row_avx2(vsrc, vsrc_row, dst + y * dst_row, &ay, y, n);
+#endif
+            vpass_row_scalar(vsrc, vsrc_row, dst + y * dst_row, &ay, y, i0, n);
+        }
+    }
+    return 0;
 }

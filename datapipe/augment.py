@@ -10,10 +10,11 @@ Two ways to apply the same parameters:
 
 * ``kornia`` (the default on CUDA): the batch is converted to float on the device and Kornia crops
   and resizes all samples in one batched call (``crop_and_resize``); flips and jitter are batched too.
-* ``uint8`` (the default on CPU): each crop is resized on uint8 with torch's antialiased AVX2 kernel,
-  then mirrored, converted and normalised into its slot of the batch in one pass (the compiled
-  kernel of :mod:`datapipe.native`, or torch's ops where it is not built) — converting a full 256²
-  batch to float first costs more than the whole augmentation on a CPU.
+* ``uint8`` (the default on CPU): each crop is resized on uint8 with an antialiased bilinear kernel,
+  then mirrored, converted and normalised into its slot of the batch in one pass (both the compiled
+  kernels of :mod:`datapipe.native`, or torch's kernels, which give the same values, where they are
+  not built) — converting a full 256² batch to float first costs more than the whole augmentation
+  on a CPU.
 
 Shape:
     input: uint8 [B, H, W, 3] (on any device); output: float [B, 3, size, size], normalised.
@@ -89,10 +90,27 @@ def _normalize_into(samples: Batch, out: torch.Tensor, mean, std, top: int = 0, 
             torch.addcmul(shift, window.float(), scale, out=out[i])
 
 
+def _check_crop(x: torch.Tensor, top: int, left: int, h: int, w: int) -> None:
+    if top < 0 or left < 0 or h < 1 or w < 1 or top + h > x.shape[0] or left + w > x.shape[1]:
+        raise ValueError(f"crop (top {top}, left {left}, {h}x{w}) outside a sample of {tuple(x.shape)}")
+
+
+def _resize_crop(x: torch.Tensor, top: int, left: int, h: int, w: int, dst: torch.Tensor, resizer, resize) -> None:
+    """Resize the (top, left, h, w) crop of uint8 sample ``x`` [H, W, 3] into the packed uint8 [s, s, 3]
+    tensor ``dst``: the compiled kernel (``resizer``, datapipe/native.py) where it is built and x's
+    pixels are packed, read in place; torch's kernel (``resize``) otherwise. Both give the same pixels."""
+    if resizer is not None and x.stride()[1:] == (3, 1) and x.device.type == "cpu":
+        _check_crop(x, top, left, h, w)
+        row = x.stride(0)
+        resizer.raw(x.data_ptr() + top * row + left * 3, h, w, row, dst.data_ptr(), dst.shape[0], dst.shape[1],
+                    dst.stride(0))
+    else:
+        resize(_crop_chw(x, top, left, h, w), list(dst.shape[:2]), False, None, None, out=dst.permute(2, 0, 1)[None])
+
+
 def _crop_chw(x: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Tensor:
     """The crop of a uint8 [H, W, 3] sample as the [1, 3, h, w] channels-last view the resize takes."""
-    if top < 0 or left < 0 or top + h > x.shape[0] or left + w > x.shape[1]:
-        raise ValueError(f"crop (top {top}, left {left}, {h}x{w}) outside a sample of {tuple(x.shape)}")
+    _check_crop(x, top, left, h, w)
     if x.is_contiguous():  # one view instead of four: this runs once per sample
         rs = x.stride(0)
         return x.as_strided((1, 3, h, w), (3 * h * w, 1, rs, 3), x.storage_offset() + top * rs + left * 3)
@@ -263,14 +281,13 @@ class TrainAugment(BatchAugment):
         conv = native.converter(self.mean, self.std)
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
-        tmp_4d, size = tmp_chw[None], [s, s]
-        resize = _resize_aa()
+        resizer, resize = native.resizer(), _resize_aa()
         if conv is not None:  # mirror, convert and normalise in one pass (datapipe/native.py)
             (base, step, planar), src = conv.destination(out, s, s), tmp.data_ptr()
         else:
             scale, shift = _scale_shift(self.mean, self.std, out.device)
         for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            resize(_crop_chw(images[i], top, left, h, w), size, False, None, None, out=tmp_4d)
+            _resize_crop(images[i], top, left, h, w, tmp, resizer, resize)
             if conv is not None:
                 conv.raw(src, s, s, 3 * s, f, planar, base + i * step)
             else:
@@ -281,9 +298,9 @@ class TrainAugment(BatchAugment):
         """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
         s = self.size
         out = torch.empty((len(images), s, s, 3), dtype=torch.uint8, device=images[0].device)
-        resize = _resize_aa()
+        resizer, resize = native.resizer(), _resize_aa()
         for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
-            resize(_crop_chw(images[b], top, left, h, w), [s, s], False, None, None, out=out[b].permute(2, 0, 1)[None])
+            _resize_crop(images[b], top, left, h, w, out[b], resizer, resize)
             if f:
                 out[b] = out[b].flip(1)
         return out

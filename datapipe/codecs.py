@@ -170,16 +170,24 @@ _torch_ready = False
 
 
 def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Antialiased bilinear resize of a uint8 H×W×3 array (torch's AVX2 uint8 kernel).
+    """Antialiased bilinear resize of a uint8 H×W×3 array: datapipe's compiled kernel
+    (:func:`datapipe.native.resize`, ~0.09 ms for 340² -> 256² here) where it is built, else torch's
+    AVX2 uint8 kernel (~0.2 ms), which gives the same pixels.
 
     Input and output stay channels-last (H×W×3 in memory): with an ``out=`` tensor in that layout
-    the kernel skips two transposing copies (0.2 ms instead of 0.5 ms for 354² -> 256² here). A
-    cropped view is read in place; only views with negative strides (mirrored by EXIF) are copied.
+    torch skips two transposing copies (0.2 ms instead of 0.5 ms). A cropped view is read in place;
+    only views with negative strides (mirrored by EXIF) are copied.
     """
     if out is None:
         out = np.empty((height, width, 3), np.uint8)
     if img.shape[0] == height and img.shape[1] == width:
         out[...] = img
+        return out
+    from datapipe import native
+
+    if min(img.strides) < 0 or not img.flags.writeable:  # torch needs positive strides, writable memory
+        img = np.ascontiguousarray(img) if img.flags.writeable else img.copy()
+    if native.resize(img, out):  # the compiled kernel: the same pixels as torch's, ~2x faster
         return out
     global _torch_ready
     import torch
@@ -187,8 +195,6 @@ def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = N
     if not _torch_ready:  # build workers run one task per core: no intra-op threads
         torch.set_num_threads(1)
         _torch_ready = True
-    if min(img.strides) < 0 or not img.flags.writeable:  # torch needs positive strides, writable memory
-        img = np.ascontiguousarray(img) if img.flags.writeable else img.copy()
     src = torch.from_numpy(img).permute(2, 0, 1)[None]
     dst = torch.from_numpy(out).permute(2, 0, 1)[None]
     try:

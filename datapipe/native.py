@@ -1,9 +1,13 @@
-"""The optional compiled CPU kernel (``datapipe/_native.c``), called through ctypes.
+"""The optional compiled CPU kernels (``datapipe/_native.c``), called through ctypes.
 
-It converts one uint8 RGB image (or a crop of one) to normalised float32 — planar (NCHW) or
-interleaved (channels_last), mirrored on request — in a single pass, where torch needs a converting
-copy and a broadcast multiply-add whose strided loop does not vectorise: ~0.04 against ~0.12 ms for
-a 224² sample here, which is most of the CPU loader's per-sample cost after the resize.
+* :class:`Converter` turns one uint8 RGB image (or a crop of one) into normalised float32 — planar
+  (NCHW) or interleaved (channels_last), mirrored on request — in a single pass, where torch needs a
+  converting copy and a broadcast multiply-add whose strided loop does not vectorise: ~0.04 against
+  ~0.12 ms for a 224² sample here.
+* :func:`resize` is the antialiased bilinear resize of uint8 RGB, bit-identical to torch's
+  (``F.interpolate(..., mode="bilinear", antialias=True)`` on uint8), reading a crop in place:
+  ~0.09 against ~0.17 ms for the 340² -> 256² of a build, ~0.05 against ~0.07 ms for the loader's
+  crops to 224².
 
 ``pip install`` builds it when a C compiler is present; the extension is optional, so an install
 without a compiler still succeeds and the augment presets use the torch kernels, which give the
@@ -25,12 +29,13 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-ABI = 1  # must match DATAPIPE_NATIVE_ABI in _native.c
+ABI = 2  # must match DATAPIPE_NATIVE_ABI in _native.c
 
 
 @lru_cache(maxsize=1)
@@ -56,7 +61,11 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_int,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return lib, f"{path.name} (AVX2 uint8 -> float conversion)"
+    r = lib.datapipe_resize_rgb
+    r.restype = ctypes.c_ssize_t
+    r.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t,
+                  ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_ssize_t]
+    return lib, f"{path.name} (AVX2 uint8 resize and uint8 -> float conversion)"
 
 
 def available() -> bool:
@@ -122,3 +131,64 @@ def converter(mean: tuple, std: tuple) -> Converter | None:
     """A :class:`Converter` for (mean, std), or None where the kernel is not available."""
     lib = _library()[0]
     return None if lib is None else Converter(lib, mean, std)
+
+
+class Resizer:
+    """Antialiased bilinear resize of packed uint8 RGB (bit-identical to torch's uint8 kernel).
+
+    :meth:`raw` takes addresses and row strides in bytes (pixels must be packed: 3 bytes apart). Each
+    thread gets its own scratch buffer, grown on demand and reused.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.datapipe_resize_rgb
+        self._local = threading.local()
+
+    def _workspace(self, nbytes: int) -> torch.Tensor:
+        ws = getattr(self._local, "ws", None)
+        if ws is None or ws.numel() < nbytes:
+            ws = self._local.ws = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        return ws
+
+    def raw(self, src: int, in_h: int, in_w: int, src_row: int, dst: int, out_h: int, out_w: int,
+            dst_row: int) -> None:
+        """Unchecked call with addresses, for loops that checked their arrays."""
+        ws = self._workspace(0)
+        need = self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel())
+        if need:
+            ws = self._workspace(need)
+            self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel())
+
+
+@lru_cache(maxsize=1)
+def resizer() -> Resizer | None:
+    """The :class:`Resizer`, or None where the kernel is not available."""
+    lib = _library()[0]
+    return None if lib is None else Resizer(lib)
+
+
+def _layout(a) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
+    """(address, shape, strides in bytes, uint8 on the CPU) of a numpy array or a torch tensor."""
+    if isinstance(a, torch.Tensor):
+        ok = a.dtype == torch.uint8 and a.device.type == "cpu"
+        return a.data_ptr(), tuple(a.shape), a.stride(), ok
+    info = a.__array_interface__
+    return info["data"][0], a.shape, a.strides, a.dtype == "uint8"
+
+
+def resize(src, out) -> bool:
+    """Resize uint8 RGB ``src`` [H, W, 3] into ``out`` [h, w, 3] (numpy arrays or CPU tensors).
+
+    Rows may be strided (a crop read in place) but each array's pixels must be packed (strides
+    (row, 3, 1), row > 0). Returns False, leaving ``out`` alone, where the kernel is not available.
+    """
+    r = resizer()
+    if r is None:
+        return False
+    (sp, sshape, sst, sok), (dp, dshape, dst, dok) = _layout(src), _layout(out)
+    for name, shape, st, ok in (("src", sshape, sst, sok), ("out", dshape, dst, dok)):
+        if not ok or len(shape) != 3 or shape[2] != 3 or st[1:] != (3, 1) or st[0] < 3 * shape[1] or min(shape) < 1:
+            raise ValueError(f"resize: {name} must be uint8 [H, W, 3] with packed pixels on the CPU, got shape "
+                             f"{shape} strides {st}")
+    r.raw(sp, sshape[0], sshape[1], sst[0], dp, dshape[0], dshape[1], dst[0])
+    return True

@@ -1,8 +1,11 @@
-"""The optional compiled conversion kernel (datapipe/_native.c) against torch's arithmetic.
+"""The optional compiled kernels (datapipe/_native.c) against torch's arithmetic.
 
-The kernel is what makes the CPU presets fast, and it must give the values the torch path gives:
-every layout, mirrored or not, any width (vector blocks and scalar tail), strided crops, aligned
-and unaligned destinations. Where a C compiler exists on x86-64 the install must have built it.
+The kernels are what make the CPU presets and the build's resize fast, and they must give the
+values the torch path gives. The conversion: every layout, mirrored or not, any width (vector
+blocks and scalar tail), strided crops, aligned and unaligned destinations. The resize: the same
+bytes as torch's uint8 antialiased bilinear kernel for downscales, upscales, one-axis resizes,
+crops read in place and strided destinations. Where a C compiler exists on x86-64 the install must
+have built them.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ import shutil
 import subprocess
 import sys
 
+import threading
+
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from datapipe import augment, native
 
@@ -115,6 +122,7 @@ def test_presets_give_the_torch_values(monkeypatch, channels_last):
 
     fast = run_all()
     monkeypatch.setattr(native, "converter", lambda mean, std: None)
+    monkeypatch.setattr(native, "resizer", lambda: None)
     slow = run_all()
     for a, b in zip(fast, slow):
         assert a.shape == b.shape and a.stride() == b.stride()
@@ -140,3 +148,94 @@ def test_cpu_presets_and_normalisation_go_through_the_kernel(monkeypatch):
         calls.clear()
         run()
         assert len(calls) == 5
+
+
+# ----------------------------------------------------------------------------- the resize
+
+
+def torch_resize(src: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """torch's uint8 antialiased bilinear resize of [H, W, 3] -> [h, w, 3]."""
+    x = src.contiguous().permute(2, 0, 1)[None]
+    return F.interpolate(x, size=(h, w), mode="bilinear", antialias=True, align_corners=False)[0].permute(1, 2, 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [
+    (340, 340, 256, 256),  # a build's center crop
+    (389, 321, 256, 256),  # both axes down, unequal
+    (180, 150, 224, 224),  # a loader crop: up
+    (90, 300, 224, 224),  # up in height, down in width
+    (256, 256, 256, 200),  # width only
+    (256, 256, 100, 256),  # height only
+    (1000, 1200, 97, 113),  # ~10x down: many loads per output
+    (1, 1, 5, 7), (7, 5, 1, 1), (2, 600, 3, 5), (3, 17, 9, 16),  # tiny
+])
+def test_resize_gives_torch_bytes(shape):
+    in_h, in_w, h, w = shape
+    src = random_image(in_h, in_w, seed=in_h * 7 + in_w)
+    out = torch.empty(h, w, 3, dtype=torch.uint8)
+    assert native.resize(src, out)
+    assert torch.equal(out, torch_resize(src, h, w))
+
+
+@needs_kernel
+def test_resize_gives_torch_bytes_for_random_crops_and_sizes():
+    """Crops of larger images (strided rows, unaligned starts) to random sizes, into strided rows."""
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        in_h, in_w, h, w = (int(v) for v in rng.integers(1, 400, 4))
+        top, left, pad = (int(v) for v in rng.integers(0, 9, 3))
+        big = random_image(in_h + top + 3, in_w + left + pad, seed=int(rng.integers(1 << 30)))
+        src = big[top:top + in_h, left:left + in_w]
+        canvas = torch.full((h + 2, w + 5, 3), 77, dtype=torch.uint8)
+        out = canvas[1:1 + h, 2:2 + w]  # rows strided, not at the start of the buffer
+        assert native.resize(src, out)
+        assert torch.equal(out, torch_resize(src, h, w)), (in_h, in_w, h, w, top, left)
+        rest = canvas.clone()
+        rest[1:1 + h, 2:2 + w] = 77
+        assert bool((rest == 77).all()), "the resize wrote outside its destination"
+
+
+@needs_kernel
+def test_resize_takes_numpy_arrays_and_grows_its_workspace_in_any_thread():
+    src = random_image(1500, 1700, seed=3).numpy()  # the intermediate image alone is ~6 MB
+    results = {}
+
+    def run():
+        out = np.empty((1200, 1300, 3), np.uint8)
+        results["ok"] = native.resize(src[10:, 20:], out)
+        results["out"] = out
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert results["ok"]
+    assert np.array_equal(results["out"], torch_resize(torch.from_numpy(src[10:, 20:]), 1200, 1300).numpy())
+
+
+@needs_kernel
+def test_resize_refuses_what_it_cannot_read():
+    src = random_image(8, 10, seed=1)
+    out = torch.empty(4, 5, 3, dtype=torch.uint8)
+    for bad_src, bad_out in [(src.permute(1, 0, 2), out), (src[:, ::2], out), (src.float(), out),
+                             (src[..., :2], out), (src, out.float()), (src, out[:, ::2]), (src[:0], out)]:
+        with pytest.raises(ValueError, match="packed pixels"):
+            native.resize(bad_src, bad_out)
+
+
+@needs_kernel
+def test_build_and_train_preset_resize_through_the_kernel(monkeypatch):
+    """A decoded image's fit and each training crop are one kernel call, with torch's pixels."""
+    from datapipe.codecs import DecodeSpec, fit_image
+
+    calls = []
+    raw = native.Resizer.raw
+    monkeypatch.setattr(native.Resizer, "raw", lambda self, *a: (calls.append(a), raw(self, *a)))
+    image = random_image(300, 410, seed=5).numpy()
+    fitted = fit_image(image, DecodeSpec(size=256))
+    assert len(calls) == 1
+    assert np.array_equal(fitted, torch_resize(torch.from_numpy(image[:, 55:355]), 256, 256).numpy())
+    calls.clear()
+    images = torch.stack([random_image(40, 40, seed=s) for s in range(5)])
+    augment.train(24)(list(images), seed=1)
+    assert len(calls) == 5
