@@ -137,8 +137,6 @@ void datapipe_u8_to_f32(const uint8_t *src, ptrdiff_t h, ptrdiff_t w, ptrdiff_t 
  * height pass runs over whole rows 32 bytes at a time, whatever the channel boundaries.
  * ------------------------------------------------------------------------------------------------ */
 
-#define HCHUNK 4 /* width-pass taps per 16-byte load (4 pixels = 12 bytes) */
-
 typedef struct {
     int32_t *start; /* first input index of each output */
     int32_t *taps;  /* number of input indices of each output */
@@ -248,23 +246,23 @@ static void vpass_row_scalar(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst
 }
 
 #ifdef HAVE_AVX2_PATH
-/* Width-pass weights of output x laid out for the shuffle below: per chunk of 4 taps, 16 int16
- * (w0 w1 w0 w1 w0 w1 0 0 | w2 w3 w2 w3 w2 w3 0 0), so that one madd gives, per lane, the R, G and B
- * sums of two taps. */
-static void hweights_avx2(const axis_t *ax, ptrdiff_t out_w, int nchunks, int16_t *hw)
+/* Width-pass weights of output x laid out for the shuffle below: per pair of taps, 16 int16
+ * (w0 w1 w0 w1 w0 w1 0 0, twice: one 128-bit lane per input row), so that one madd gives, per
+ * row, the R, G and B sums of the pair. Taps past an output's last have weight 0. */
+static void hweights_avx2(const axis_t *ax, ptrdiff_t out_w, int pairs, int16_t *hw)
 {
     for (ptrdiff_t x = 0; x < out_w; x++) {
         const int16_t *w = ax->w + x * ax->kmax;
-        for (int c = 0; c < nchunks; c++) {
-            int16_t *v = hw + (x * nchunks + c) * 16;
-            for (int half = 0; half < 2; half++) {
-                const int k = c * HCHUNK + 2 * half;
-                const int16_t a = k < ax->taps[x] ? w[k] : 0, b = k + 1 < ax->taps[x] ? w[k + 1] : 0;
+        for (int j = 0; j < pairs; j++) {
+            int16_t *v = hw + (x * pairs + j) * 16;
+            const int k = 2 * j;
+            const int16_t a = k < ax->taps[x] ? w[k] : 0, b = k + 1 < ax->taps[x] ? w[k + 1] : 0;
+            for (int lane = 0; lane < 2; lane++) {
                 for (int ch = 0; ch < 3; ch++) {
-                    v[8 * half + 2 * ch] = a;
-                    v[8 * half + 2 * ch + 1] = b;
+                    v[8 * lane + 2 * ch] = a;
+                    v[8 * lane + 2 * ch + 1] = b;
                 }
-                v[8 * half + 6] = v[8 * half + 7] = 0;
+                v[8 * lane + 6] = v[8 * lane + 7] = 0;
             }
         }
     }
@@ -273,53 +271,63 @@ static void hweights_avx2(const axis_t *ax, ptrdiff_t out_w, int nchunks, int16_
 /* The first output whose 16-byte loads would read past the end of an input row, or the last output
  * (whose 4-byte store would write past the end of its row): from there on the width pass runs in
  * plain C. */
-static ptrdiff_t hpass_vector_end(const axis_t *ax, ptrdiff_t in_w, ptrdiff_t out_w, int chunks)
+static ptrdiff_t hpass_vector_end(const axis_t *ax, ptrdiff_t in_w, ptrdiff_t out_w, int pairs)
 {
     ptrdiff_t x = 0;
-    while (x + 1 < out_w && 3 * (ptrdiff_t)ax->start[x] + 3 * HCHUNK * (chunks - 1) + 16 <= 3 * in_w)
+    while (x + 1 < out_w && 3 * (ptrdiff_t)ax->start[x] + 12 * ((pairs - 1) / 2) + 16 <= 3 * in_w)
         x++;
     return x;
 }
 
-/* Chunks of HCHUNK taps that the longest output of the axis needs. */
-static int hpass_chunks(const axis_t *ax, ptrdiff_t out_w)
+/* Pairs of taps that the longest output of the axis needs. */
+static int hpass_pairs(const axis_t *ax, ptrdiff_t out_w)
 {
     int taps = 1;
     for (ptrdiff_t x = 0; x < out_w; x++)
         taps = ax->taps[x] > taps ? ax->taps[x] : taps;
-    return (taps + HCHUNK - 1) / HCHUNK;
+    return (taps + 1) / 2;
 }
 
-/* The width pass of `rows` (1..4) input rows, outputs [0, xv): each output's weights are loaded once
- * for all the rows, and two rows share each rounding, shift and pack. */
+/* The width pass of `rows` (1..4) input rows, outputs [0, xv). Two rows share each register (one
+ * per 128-bit lane), so each pair of taps costs one shuffle per two rows and the sums need no
+ * cross-lane reduction; each output's weights are loaded once for all the rows. (The byte shuffle
+ * has one port on most x86 cores: it bounds this loop.) */
 __attribute__((target("avx2"), always_inline)) static inline void
 hpass_rows_impl(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
-                ptrdiff_t xv, const int16_t *hw, const int chunks)
+                ptrdiff_t xv, const int16_t *hw, const int pairs)
 {
-    const __m256i shuffle = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
-                                             6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
+    /* per lane: pixels 0 and 1 (lo), 2 and 3 (hi) of a 16-byte load as int16 (R0 R1 G0 G1 B0 B1 0 0) */
+    const __m256i shuffle_lo = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
+                                                0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
+    const __m256i shuffle_hi = _mm256_setr_epi8(6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1,
+                                                6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
     const __m256i round = _mm256_set1_epi32(1 << (ax->precision - 1));
     const uint8_t *s1 = src + (rows > 1 ? src_row : 0), *s2 = src + (rows > 2 ? 2 * src_row : 0);
     const uint8_t *s3 = src + (rows > 3 ? 3 * src_row : 0);
     for (ptrdiff_t x = 0; x < xv; x++) {
         const ptrdiff_t first = 3 * (ptrdiff_t)ax->start[x];
-        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-        for (int c = 0; c < chunks; c++) {
-            const ptrdiff_t o = first + 3 * HCHUNK * c;
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(hw + (x * chunks + c) * 16));
-#define DP_TAPS(acc, s) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_shuffle_epi8( \
-                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((s) + o))), shuffle), wv))
-            DP_TAPS(a0, src);
-            DP_TAPS(a1, s1);
-            DP_TAPS(a2, s2);
-            DP_TAPS(a3, s3);
-#undef DP_TAPS
+        const int16_t *wx = hw + x * pairs * 16;
+        __m256i t01 = round, t23 = round;
+        for (int j = 0; j < pairs; j += 2) { /* one load per row covers two pairs */
+            const ptrdiff_t o = first + 6 * j;
+            const __m256i p01 = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + o))),
+                _mm_loadu_si128((const __m128i *)(s1 + o)), 1);
+            const __m256i p23 = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s2 + o))),
+                _mm_loadu_si128((const __m128i *)(s3 + o)), 1);
+            const __m256i wa = _mm256_loadu_si256((const __m256i *)(wx + j * 16));
+            t01 = _mm256_add_epi32(t01, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, shuffle_lo), wa));
+            t23 = _mm256_add_epi32(t23, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, shuffle_lo), wa));
+            if (j + 1 < pairs) {
+                const __m256i wb = _mm256_loadu_si256((const __m256i *)(wx + (j + 1) * 16));
+                t01 = _mm256_add_epi32(t01, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, shuffle_hi), wb));
+                t23 = _mm256_add_epi32(t23, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, shuffle_hi), wb));
+            }
         }
-        /* lane sums: [row 0 | row 1] and [row 2 | row 3], each R G B 0 */
-        __m256i t01 = _mm256_add_epi32(_mm256_permute2x128_si256(a0, a1, 0x20), _mm256_permute2x128_si256(a0, a1, 0x31));
-        __m256i t23 = _mm256_add_epi32(_mm256_permute2x128_si256(a2, a3, 0x20), _mm256_permute2x128_si256(a2, a3, 0x31));
-        t01 = _mm256_srai_epi32(_mm256_add_epi32(t01, round), ax->precision);
-        t23 = _mm256_srai_epi32(_mm256_add_epi32(t23, round), ax->precision);
+        /* [row 0 | row 1] and [row 2 | row 3], each R G B 0 */
+        t01 = _mm256_srai_epi32(t01, ax->precision);
+        t23 = _mm256_srai_epi32(t23, ax->precision);
         const __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(t01, t23), round);
         /* lane 0: row 0, row 2; lane 1: row 1, row 3 (4 bytes each) */
         const __m128i lo = _mm256_castsi256_si128(packed), hi = _mm256_extracti128_si256(packed, 1);
@@ -337,18 +345,18 @@ hpass_rows_impl(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t d
     }
 }
 
-/* Every output's weights cover `chunks` loads (zero weights past its taps); one load, the common
- * case for downscales up to ~1.5x and for every upscale, gets a loop without an inner loop. */
+/* Every output's weights cover `pairs` pairs of taps (zero weights past its own); one or two pairs,
+ * every upscale and downscales up to ~1.5x, get loops without an inner loop. */
 __attribute__((target("avx2"))) static void
 hpass_rows_avx2(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
-                ptrdiff_t xv, const int16_t *hw, int chunks)
+                ptrdiff_t xv, const int16_t *hw, int pairs)
 {
-    if (rows == 4 && chunks == 1)
+    if (rows == 4 && pairs == 1)
         hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, 1);
-    else if (rows == 4)
-        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, chunks);
+    else if (rows == 4 && pairs == 2)
+        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, 2);
     else
-        hpass_rows_impl(src, src_row, dst, dst_row, rows, ax, xv, hw, chunks);
+        hpass_rows_impl(src, src_row, dst, dst_row, rows, ax, xv, hw, pairs);
 }
 
 /* One output row of the height pass over bytes [0, n & ~31); returns where it stopped. */
@@ -393,14 +401,14 @@ ptrdiff_t datapipe_resize_rgb(const uint8_t *src, ptrdiff_t in_h, ptrdiff_t in_w
 {
     const int need_h = in_w != out_w, need_v = in_h != out_h;
     const int kx = axis_kmax(in_w, out_w), ky = axis_kmax(in_h, out_h);
-    int nchunks = (kx + HCHUNK - 1) / HCHUNK; /* at most; hpass_chunks says how many are used */
+    int pairs = (kx + 1) / 2; /* at most; hpass_pairs says how many are used */
     const ptrdiff_t kd = kx > ky ? kx : ky;
     const ptrdiff_t od = out_w > out_h ? out_w : out_h;
     /* workspace: doubles, two axes (start, taps, int16 weights), width-pass vectors, the intermediate image */
     const ptrdiff_t sz_d = align_up(od * kd * 8);
     const ptrdiff_t sz_x = align_up(out_w * 8) + align_up(out_w * kx * 2);
     const ptrdiff_t sz_y = align_up(out_h * 8) + align_up(out_h * ky * 2);
-    const ptrdiff_t sz_hw = align_up(out_w * nchunks * 32);
+    const ptrdiff_t sz_hw = align_up(out_w * pairs * 32);
     const ptrdiff_t sz_tmp = (need_h && need_v) ? align_up(in_h * out_w * 3) : 0;
     const ptrdiff_t total = sz_d + sz_x + sz_y + sz_hw + sz_tmp + 64;
     if (ws_size < total)
@@ -432,12 +440,12 @@ ptrdiff_t datapipe_resize_rgb(const uint8_t *src, ptrdiff_t in_h, ptrdiff_t in_w
         ptrdiff_t xv = 0;
 #ifdef HAVE_AVX2_PATH
         if (simd) {
-            nchunks = hpass_chunks(&ax, out_w);
-            hweights_avx2(&ax, out_w, nchunks, hw);
-            xv = hpass_vector_end(&ax, in_w, out_w, nchunks);
+            pairs = hpass_pairs(&ax, out_w);
+            hweights_avx2(&ax, out_w, pairs, hw);
+            xv = hpass_vector_end(&ax, in_w, out_w, pairs);
             for (ptrdiff_t y = 0; y < in_h; y += 4)
                 hpass_rows_avx2(src + y * src_row, src_row, hdst + y * hdst_row, hdst_row,
-                                in_h - y < 4 ? (int)(in_h - y) : 4, &ax, xv, hw, nchunks);
+                                in_h - y < 4 ? (int)(in_h - y) : 4, &ax, xv, hw, pairs);
         }
 #endif
         for (ptrdiff_t y = 0; y < in_h; y++)
