@@ -288,50 +288,79 @@ static int hpass_pairs(const axis_t *ax, ptrdiff_t out_w)
     return (taps + 1) / 2;
 }
 
-/* The width pass of `rows` (1..4) input rows, outputs [0, xv). Two rows share each register (one
- * per 128-bit lane), so each pair of taps costs one shuffle per two rows and the sums need no
- * cross-lane reduction; each output's weights are loaded once for all the rows. (The byte shuffle
- * has one port on most x86 cores: it bounds this loop.) */
+/* One output x of the width pass for four input rows: its R G B sums, rounded and shifted, as
+ * int32 [row 0 | row 1] in *t01 and [row 2 | row 3] in *t23. Two rows share each register (one per
+ * 128-bit lane), so each pair of taps costs one shuffle per two rows and the sums need no
+ * cross-lane reduction; the output's weights are loaded once for all the rows. */
 __attribute__((target("avx2"), always_inline)) static inline void
-hpass_rows_impl(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
-                ptrdiff_t xv, const int16_t *hw, const int pairs)
+hpass_sums(const uint8_t *s0, const uint8_t *s1, const uint8_t *s2, const uint8_t *s3, const axis_t *ax, ptrdiff_t x,
+           const int16_t *hw, const int pairs, __m256i *t01, __m256i *t23)
 {
     /* per lane: pixels 0 and 1 (lo), 2 and 3 (hi) of a 16-byte load as int16 (R0 R1 G0 G1 B0 B1 0 0) */
     const __m256i shuffle_lo = _mm256_setr_epi8(0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1,
                                                 0, -1, 3, -1, 1, -1, 4, -1, 2, -1, 5, -1, -1, -1, -1, -1);
     const __m256i shuffle_hi = _mm256_setr_epi8(6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1,
                                                 6, -1, 9, -1, 7, -1, 10, -1, 8, -1, 11, -1, -1, -1, -1, -1);
-    const __m256i round = _mm256_set1_epi32(1 << (ax->precision - 1));
+    const ptrdiff_t first = 3 * (ptrdiff_t)ax->start[x];
+    const int16_t *wx = hw + x * pairs * 16;
+    __m256i a = _mm256_set1_epi32(1 << (ax->precision - 1)), b = a;
+    for (int j = 0; j < pairs; j += 2) { /* one load per row covers two pairs */
+        const ptrdiff_t o = first + 6 * j;
+        const __m256i p01 = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s0 + o))), _mm_loadu_si128((const __m128i *)(s1 + o)), 1);
+        const __m256i p23 = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s2 + o))), _mm_loadu_si128((const __m128i *)(s3 + o)), 1);
+        const __m256i wa = _mm256_loadu_si256((const __m256i *)(wx + j * 16));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, shuffle_lo), wa));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, shuffle_lo), wa));
+        if (j + 1 < pairs) {
+            const __m256i wb = _mm256_loadu_si256((const __m256i *)(wx + (j + 1) * 16));
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, shuffle_hi), wb));
+            b = _mm256_add_epi32(b, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, shuffle_hi), wb));
+        }
+    }
+    *t01 = _mm256_srai_epi32(a, ax->precision);
+    *t23 = _mm256_srai_epi32(b, ax->precision);
+}
+
+/* The width pass of `rows` (1..4) input rows, outputs [0, xv): four outputs at a time, packed to
+ * 12 bytes per row with one shuffle per two rows and written with one 16-byte store per row (its
+ * last 4 bytes are overwritten by the next outputs), then one output at a time with 4-byte stores
+ * (the 4th byte likewise). xv leaves the row's last output to the plain-C loop. */
+__attribute__((target("avx2"), always_inline)) static inline void
+hpass_rows_impl(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
+                ptrdiff_t xv, ptrdiff_t out_w, const int16_t *hw, const int pairs)
+{
+    /* per lane: R G B of 4 pixels stored as R G B 0 -> 12 packed bytes, then 4 zeros */
+    const __m256i compact = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                             0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
     const uint8_t *s1 = src + (rows > 1 ? src_row : 0), *s2 = src + (rows > 2 ? 2 * src_row : 0);
     const uint8_t *s3 = src + (rows > 3 ? 3 * src_row : 0);
-    for (ptrdiff_t x = 0; x < xv; x++) {
-        const ptrdiff_t first = 3 * (ptrdiff_t)ax->start[x];
-        const int16_t *wx = hw + x * pairs * 16;
-        __m256i t01 = round, t23 = round;
-        for (int j = 0; j < pairs; j += 2) { /* one load per row covers two pairs */
-            const ptrdiff_t o = first + 6 * j;
-            const __m256i p01 = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(src + o))),
-                _mm_loadu_si128((const __m128i *)(s1 + o)), 1);
-            const __m256i p23 = _mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s2 + o))),
-                _mm_loadu_si128((const __m128i *)(s3 + o)), 1);
-            const __m256i wa = _mm256_loadu_si256((const __m256i *)(wx + j * 16));
-            t01 = _mm256_add_epi32(t01, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, shuffle_lo), wa));
-            t23 = _mm256_add_epi32(t23, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, shuffle_lo), wa));
-            if (j + 1 < pairs) {
-                const __m256i wb = _mm256_loadu_si256((const __m256i *)(wx + (j + 1) * 16));
-                t01 = _mm256_add_epi32(t01, _mm256_madd_epi16(_mm256_shuffle_epi8(p01, shuffle_hi), wb));
-                t23 = _mm256_add_epi32(t23, _mm256_madd_epi16(_mm256_shuffle_epi8(p23, shuffle_hi), wb));
-            }
-        }
-        /* [row 0 | row 1] and [row 2 | row 3], each R G B 0 */
-        t01 = _mm256_srai_epi32(t01, ax->precision);
-        t23 = _mm256_srai_epi32(t23, ax->precision);
-        const __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(t01, t23), round);
+    ptrdiff_t x = 0;
+    for (; x + 3 < xv && x + 6 <= out_w; x += 4) {
+        __m256i t01[4], t23[4];
+        for (int i = 0; i < 4; i++)
+            hpass_sums(src, s1, s2, s3, ax, x + i, hw, pairs, &t01[i], &t23[i]);
+        /* lane 0: row 0 (row 2), lane 1: row 1 (row 3); 4 pixels each */
+        const __m256i r01 = _mm256_shuffle_epi8(
+            _mm256_packus_epi16(_mm256_packs_epi32(t01[0], t01[1]), _mm256_packs_epi32(t01[2], t01[3])), compact);
+        const __m256i r23 = _mm256_shuffle_epi8(
+            _mm256_packus_epi16(_mm256_packs_epi32(t23[0], t23[1]), _mm256_packs_epi32(t23[2], t23[3])), compact);
+        uint8_t *d = dst + 3 * x;
+        _mm_storeu_si128((__m128i *)d, _mm256_castsi256_si128(r01));
+        if (rows > 1)
+            _mm_storeu_si128((__m128i *)(d + dst_row), _mm256_extracti128_si256(r01, 1));
+        if (rows > 2)
+            _mm_storeu_si128((__m128i *)(d + 2 * dst_row), _mm256_castsi256_si128(r23));
+        if (rows > 3)
+            _mm_storeu_si128((__m128i *)(d + 3 * dst_row), _mm256_extracti128_si256(r23, 1));
+    }
+    for (; x < xv; x++) {
+        __m256i t01, t23;
+        hpass_sums(src, s1, s2, s3, ax, x, hw, pairs, &t01, &t23);
+        const __m256i packed = _mm256_packus_epi16(_mm256_packs_epi32(t01, t23), t01);
         /* lane 0: row 0, row 2; lane 1: row 1, row 3 (4 bytes each) */
         const __m128i lo = _mm256_castsi256_si128(packed), hi = _mm256_extracti128_si256(packed, 1);
-        /* 4-byte stores: each one's 4th byte is overwritten by the next pixel (never the row's last) */
         uint8_t *d = dst + 3 * x;
         const int32_t p0 = _mm_cvtsi128_si32(lo), p1 = _mm_cvtsi128_si32(hi);
         const int32_t p2 = _mm_extract_epi32(lo, 1), p3 = _mm_extract_epi32(hi, 1);
@@ -349,14 +378,14 @@ hpass_rows_impl(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t d
  * every upscale and downscales up to ~1.5x, get loops without an inner loop. */
 __attribute__((target("avx2"))) static void
 hpass_rows_avx2(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, ptrdiff_t dst_row, int rows, const axis_t *ax,
-                ptrdiff_t xv, const int16_t *hw, int pairs)
+                ptrdiff_t xv, ptrdiff_t out_w, const int16_t *hw, int pairs)
 {
     if (rows == 4 && pairs == 1)
-        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, 1);
+        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, out_w, hw, 1);
     else if (rows == 4 && pairs == 2)
-        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, hw, 2);
+        hpass_rows_impl(src, src_row, dst, dst_row, 4, ax, xv, out_w, hw, 2);
     else
-        hpass_rows_impl(src, src_row, dst, dst_row, rows, ax, xv, hw, pairs);
+        hpass_rows_impl(src, src_row, dst, dst_row, rows, ax, xv, out_w, hw, pairs);
 }
 
 /* One output row of the height pass over bytes [0, n & ~31); returns where it stopped. */
@@ -445,7 +474,7 @@ ptrdiff_t datapipe_resize_rgb(const uint8_t *src, ptrdiff_t in_h, ptrdiff_t in_w
             xv = hpass_vector_end(&ax, in_w, out_w, pairs);
             for (ptrdiff_t y = 0; y < in_h; y += 4)
                 hpass_rows_avx2(src + y * src_row, src_row, hdst + y * hdst_row, hdst_row,
-                                in_h - y < 4 ? (int)(in_h - y) : 4, &ax, xv, hw, pairs);
+                                in_h - y < 4 ? (int)(in_h - y) : 4, &ax, xv, out_w, hw, pairs);
         }
 #endif
         for (ptrdiff_t y = 0; y < in_h; y++)
