@@ -182,8 +182,9 @@ def test_resize_gives_torch_bytes(shape):
 def test_resize_gives_torch_bytes_for_random_crops_and_sizes():
     """Crops of larger images (strided rows, unaligned starts) to random sizes, into strided rows."""
     rng = np.random.default_rng(0)
-    for _ in range(150):
-        in_h, in_w, h, w = (int(v) for v in rng.integers(1, 400, 4))
+    one_axis = [(256, 256, 256, 200), (100, 37, 100, 224), (256, 256, 100, 256), (9, 300, 40, 300)]
+    shapes = one_axis + [tuple(int(v) for v in rng.integers(1, 400, 4)) for _ in range(150)]
+    for in_h, in_w, h, w in shapes:
         top, left, pad = (int(v) for v in rng.integers(0, 9, 3))
         big = random_image(in_h + top + 3, in_w + left + pad, seed=int(rng.integers(1 << 30)))
         src = big[top:top + in_h, left:left + in_w]
