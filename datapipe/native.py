@@ -186,9 +186,10 @@ def resize(src, out) -> bool:
     if r is None:
         return False
     (sp, sshape, sst, sok), (dp, dshape, dst, dok) = _layout(src), _layout(out)
+    dok = dok and (isinstance(out, torch.Tensor) or out.flags.writeable)
     for name, shape, st, ok in (("src", sshape, sst, sok), ("out", dshape, dst, dok)):
         if not ok or len(shape) != 3 or shape[2] != 3 or st[1:] != (3, 1) or st[0] < 3 * shape[1] or min(shape) < 1:
-            raise ValueError(f"resize: {name} must be uint8 [H, W, 3] with packed pixels on the CPU, got shape "
-                             f"{shape} strides {st}")
+            raise ValueError(f"resize: {name} must be {'writable ' if name == 'out' else ''}uint8 [H, W, 3] with "
+                             f"packed pixels on the CPU, got shape {shape} strides {st}")
     r.raw(sp, sshape[0], sshape[1], sst[0], dp, dshape[0], dshape[1], dst[0])
     return True

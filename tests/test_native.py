@@ -222,6 +222,10 @@ def test_resize_refuses_what_it_cannot_read():
                              (src[..., :2], out), (src, out.float()), (src, out[:, ::2]), (src[:0], out)]:
         with pytest.raises(ValueError, match="packed pixels"):
             native.resize(bad_src, bad_out)
+    frozen = np.empty((4, 5, 3), np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        native.resize(src.numpy(), frozen)
 
 
 @needs_kernel
