@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,11 +61,17 @@ class BuildReport:
     peak_worker_rss_mb: float = 0.0
     config: dict = field(default_factory=dict)
 
+    def quarantine_counts(self) -> dict[str, int]:
+        """Quarantined files by class (``error``: see datapipe.errors.QUARANTINE_KINDS), most first."""
+        counts = Counter(q.get("error", "unknown") for q in self.quarantined)
+        return dict(counts.most_common())
+
     def summary(self) -> str:
         rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
+        kinds = ", ".join(f"{n} {kind}" for kind, n in self.quarantine_counts().items())
         return (f"{self.status}: {self.num_samples:,} samples in {self.shards_total} shards "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
-                f"{len(self.quarantined)} quarantined, {rate}, "
+                f"{len(self.quarantined)} quarantined{f' ({kinds})' if kinds else ''}, {rate}, "
                 f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
 
 
@@ -100,9 +107,9 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc():
         for path, label in zip(plan["paths"], plan["labels"]):
             file = os.path.join(root, path)
-            reason = _probe(file, spec) if isolate else None
-            if reason is not None:
-                quarantined.append({"path": path, "reason": reason})
+            failure = _probe(file, spec) if isolate else None
+            if failure is not None:
+                quarantined.append({"path": path, **failure})
                 continue
             image = _load(file, decode_spec, path, quarantined, sample)
             if image is not None:
@@ -137,8 +144,9 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _probe(file: str, spec: dict) -> str | None:
-    """Decode ``file`` in a child process; None if that works, else the quarantine reason."""
+def _probe(file: str, spec: dict) -> dict | None:
+    """Decode ``file`` in a child process; None if that works, else its quarantine entry's
+    ``error`` and ``reason``."""
     import signal
     import subprocess
 
@@ -147,14 +155,16 @@ def _probe(file: str, spec: dict) -> str | None:
         proc = subprocess.run([sys.executable, "-m", "datapipe.probe", str(file), json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return f"decoding did not finish within {timeout:g} s (isolated after its shard killed a worker)"
+        return {"error": "timeout",
+                "reason": f"decoding did not finish within {timeout:g} s (isolated after its shard killed a worker)"}
     if proc.returncode == 0:
         return None
     if proc.returncode == 3:
-        return proc.stdout.strip()
+        return json.loads(proc.stdout)
     if proc.returncode < 0:
-        return f"the decoder crashed its process ({signal.Signals(-proc.returncode).name})"
-    return f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+        return {"error": "decoder-crash", "reason": f"the decoder crashed its process ({signal.Signals(-proc.returncode).name})"}
+    return {"error": "decoder-crash",
+            "reason": f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
 def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray) -> np.ndarray | None:
@@ -164,12 +174,12 @@ def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: 
             data = f.read()  # 0.02 ms for 80 KB against 0.08 ms through a BufferedReader
         return decode_sample(data, spec, out)
     except DecodeError as exc:
-        reason = str(exc)
+        error, reason = exc.kind, str(exc)
     except OSError as exc:
-        reason = f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"
+        error, reason = "unreadable", f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"
     except Exception as exc:  # noqa: BLE001 - one bad file must never end the build
-        reason = f"decoder failed: {type(exc).__name__}: {exc}"
-    quarantined.append({"path": path, "reason": reason})
+        error, reason = "decoder-error", f"decoder failed: {type(exc).__name__}: {exc}"
+    quarantined.append({"path": path, "error": error, "reason": reason})
     return None
 
 
@@ -430,7 +440,7 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
         report.status = "failed"
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
         _write_report(out, report)
-        first = "; ".join(f"{q['path']}: {q['reason']}" for q in quarantined[:3])
+        first = "; ".join(f"{q['path']} ({q.get('error', 'unknown')}): {q['reason']}" for q in quarantined[:3])
         raise TooManyBadFilesError(
             f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "
             f"--max-bad-fraction {max_bad_fraction:g}. First: {first}. Every file and its reason "

@@ -328,7 +328,7 @@ def _check_pixels(width: int, height: int, spec: DecodeSpec) -> None:
     if width * height > spec.max_pixels:
         raise DecodeError(
             f"decompression bomb: header says {width}x{height} = {width * height:,} pixels, "
-            f"over max_pixels={spec.max_pixels:,} (raise max_pixels if the image is genuine)"
+            f"over max_pixels={spec.max_pixels:,} (raise max_pixels if the image is genuine)", "too-large"
         )
     if width < 1 or height < 1:
         raise DecodeError(f"image header says {width}x{height} pixels")
@@ -358,7 +358,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:
-        raise DecodeError(f"decompression bomb: {exc}") from None
+        raise DecodeError(f"decompression bomb: {exc}", "too-large") from None
     except UnidentifiedImageError as exc:
         raise DecodeError(f"not a readable {fmt.upper()} image: {exc}") from None
     except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError) as exc:
@@ -383,10 +383,10 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = Fa
     """
     spec = spec or DecodeSpec(size=8192)  # no spec: full resolution, no DCT downscaling
     if not data:
-        raise DecodeError("empty file (0 bytes)")
+        raise DecodeError("empty file (0 bytes)", "empty")
     fmt = sniff(data[:16])
     if fmt is None:
-        raise DecodeError(f"not an image: unrecognised content (starts with {data[:8]!r})")
+        raise DecodeError(f"not an image: unrecognised content (starts with {data[:8]!r})", "not-an-image")
     if fmt == "jpeg":
         sj = _simplejpeg()
         if sj is not None:

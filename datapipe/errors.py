@@ -28,7 +28,26 @@ class CorruptShardError(CacheError):
 
 
 class DecodeError(DatapipeError, ValueError):
-    """One input file cannot be turned into a sample; the message is the quarantine reason."""
+    """One input file cannot be turned into a sample; the message is the quarantine reason and
+    ``kind`` its class (one of :data:`QUARANTINE_KINDS`)."""
+
+    def __init__(self, message: str, kind: str = "corrupt") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# The classes of a quarantined file (the ``error`` of each entry in report.json):
+QUARANTINE_KINDS = {
+    "empty": "a 0-byte file",
+    "not-an-image": "content that is no image format datapipe reads",
+    "corrupt": "an image that does not decode fully (truncated or damaged data, a bad header)",
+    "too-large": "a header over max_pixels (a decompression bomb), checked before decoding",
+    "unreadable": "the file cannot be opened or read (missing, permissions, I/O error)",
+    "decoder-crash": "decoding it killed its process (found after it killed a build worker)",
+    "timeout": "decoding it did not finish in time (found after its shard killed a build worker)",
+    "decoder-error": "any other error the decoder raised",
+    "duplicate": "a path a list source names twice (the first row is kept)",
+}
 
 
 class BuildError(DatapipeError, RuntimeError):

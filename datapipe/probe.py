@@ -2,8 +2,8 @@
 
 Used when a shard's task has killed its Dask worker: the build then decodes that shard's files one
 by one in separate processes, so the file that crashes the decoder (or never finishes) is
-quarantined with a reason instead of killing workers again. Exit 0: decodes; exit 3: a reason on
-stdout.
+quarantined with a reason instead of killing workers again. Exit 0: decodes; exit 3: the quarantine
+entry's ``error`` and ``reason`` as JSON on stdout.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ def main(argv: list[str]) -> int:
     try:
         with open(path, "rb") as f:
             decode_sample(f.read(), spec)
-    except (DecodeError, OSError) as exc:
-        print(str(exc))
+    except DecodeError as exc:
+        print(json.dumps({"error": exc.kind, "reason": str(exc)}))
+        return 3
+    except OSError as exc:
+        print(json.dumps({"error": "unreadable", "reason": f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"}))
         return 3
     return 0
 

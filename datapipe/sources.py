@@ -125,7 +125,7 @@ def _scan_csv(csv_path: Path) -> Listing:
     for path, label in rows:  # file order: the first row of a duplicated path wins
         rel = Path(path).as_posix() if not os.path.isabs(path) else path
         if rel in seen:
-            dropped.append({"path": rel, "reason": "duplicate path in list source (kept the first row)"})
+            dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
             continue
         seen[rel] = label
     names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))

@@ -28,6 +28,7 @@ from datapipe.errors import (
     OutputError,
     SourceError,
     TooManyBadFilesError,
+    QUARANTINE_KINDS,
 )
 
 SIZE = 32
@@ -40,6 +41,10 @@ BAD_REASONS = {  # file in dog/ -> what its quarantine reason must say
     "corrupt.jpg": r"(?i)corrupt",
     "bomb.png": r"decompression bomb",
     "x.jpg": r"unreadable.*(FileNotFound|No such file)",
+}
+BAD_KINDS = {  # file in dog/ -> its quarantine class (datapipe.errors.QUARANTINE_KINDS)
+    "zero.jpg": "empty", "text.jpg": "not-an-image", "truncated.jpg": "corrupt", "corrupt.jpg": "corrupt",
+    "bomb.png": "too-large", "x.jpg": "unreadable",
 }
 
 
@@ -262,7 +267,11 @@ def test_bad_files_are_quarantined(bad_built, bad_source):
     assert on_disk["status"] == "ok"
     assert on_disk["quarantined"] == report.quarantined
     for q in on_disk["quarantined"]:
-        assert set(q) >= {"path", "reason"} and q["reason"]
+        assert set(q) == {"path", "error", "reason"} and q["reason"]
+        assert q["error"] == BAD_KINDS[q["path"].split("/")[-1]], q
+        assert q["error"] in QUARANTINE_KINDS
+    assert report.quarantine_counts() == {"corrupt": 2, "empty": 1, "not-an-image": 1, "too-large": 1, "unreadable": 1}
+    assert "6 quarantined (2 corrupt, 1 " in report.summary()
     check_cache_matches_source(out, root, files, DecodeSpec(size=SIZE))
     cache = datapipe.open(out)
     assert not any(cache.path(i).endswith(tuple(BAD_REASONS)) for i in range(len(cache)))
@@ -275,7 +284,8 @@ def test_too_many_bad_files(bad_source, bad_built, tmp_path, imaging):
     with pytest.raises(TooManyBadFilesError) as info:
         build(root, out, max_bad_fraction=0.05)
     message = str(info.value)
-    assert any(f"dog/{name}" in message for name in BAD_REASONS), message
+    named = [name for name in BAD_REASONS if f"dog/{name} ({BAD_KINDS[name]})" in message]
+    assert len(named) == 3, message  # the first three, each with its class
     assert "report.json" in message
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert report["status"] == "failed"
@@ -347,6 +357,8 @@ def test_csv_source(tmp_path, imaging):
     assert set(reasons) == {"pics/missing.jpg", twice}
     assert re.search(r"unreadable.*(FileNotFound|No such file)", reasons["pics/missing.jpg"])
     assert "duplicate" in reasons[twice]
+    kinds = {q["path"]: q["error"] for q in report.quarantined}
+    assert kinds == {"pics/missing.jpg": "unreadable", twice: "duplicate"}
     cache = datapipe.open(tmp_path / "out")
     assert cache.classes == ["ant", "bird", "cat"]
     assert cache.manifest["config"]["source_kind"] == "csv"

@@ -75,6 +75,7 @@ def test_a_file_that_kills_its_worker_is_isolated_and_quarantined(tmp_path, imag
         assert report.status == "ok" and report.num_samples == 12
         assert [q["path"] for q in report.quarantined] == ["b/zz-blocks.jpg"]
         assert "did not finish" in report.quarantined[0]["reason"]
+        assert report.quarantined[0]["error"] == "timeout"
         cache = datapipe.open(out)
         assert len(cache) == 12 and cache.verify() == []
         assert not any(p.name.startswith(".tmp-") for p in (out / "shards").iterdir())
