@@ -124,20 +124,27 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
     """Kill `datapipe build` with SIGKILL while a shard is being written; the rerun finishes the
     same bytes as an uninterrupted build.
 
-    To kill at a known point, one source file is a named pipe: the build blocks reading it, inside
-    the shard that holds it, with the earlier shards finished and no manifest written.
+    To kill at a known point, one source file is a named pipe: the build blocks reading it, in the
+    middle of the shard that holds it (four of its samples already written), with the earlier
+    shards finished and no manifest written.
     """
+    from datapipe.storage import images_path
+
     src = tmp_path / "src"
     imaging.write_source(src, {"a": 50, "b": 50, "c": 50, "d": 50}, variety=False, shape=(40, 52))
-    fifo = src / "b" / "000-blocker.jpg"  # sorts first in b/: sample 50, the first of shard 5
+    fifo = src / "b" / "img004-blocker.jpg"  # sorts before img004.jpg: sample 54, the fifth of shard 5
     os.mkfifo(fifo)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "datapipe.cli", "build", str(src), str(out), "--size", "32",
            "--shard-size", "10", "--scheduler", "sync", "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        wait_for(lambda: (out / "shards" / "000004.zarr").exists() and temps(out) or proc.poll() is not None,
-                 120, "shard 4 to finish and shard 5 to start")
+        def shard_5_half_written() -> bool:
+            files = [images_path(out / "shards" / t) for t in temps(out)]
+            return any(f.exists() and f.stat().st_size > 0 for f in files)
+
+        wait_for(lambda: (out / "shards" / "000004.zarr").exists() and shard_5_half_written() or proc.poll() is not None,
+                 120, "shard 4 to finish and shard 5 to be half-written")
         assert proc.poll() is None, proc.stderr.read().decode()
         assert not (out / "manifest.json").exists()
         os.kill(proc.pid, signal.SIGKILL)
@@ -148,7 +155,9 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
             proc.wait(30)
         proc.stderr.close()
     assert not (out / "manifest.json").exists()
-    assert temps(out)  # the shard that was being written is left as a temporary folder
+    assert len(temps(out)) == 1  # the shard that was being written is left as a temporary folder,
+    partial = images_path(out / "shards" / temps(out)[0])
+    assert 0 < partial.stat().st_size < 10 * 32 * 32 * 3  # half-written: some samples, not all
     assert sorted(p.name for p in (out / "shards").glob("*.zarr")) == [f"{i:06d}.zarr" for i in range(5)]
     with pytest.raises(CacheError, match="did not finish"):
         datapipe.open(out)
@@ -183,7 +192,8 @@ def _dask_cli(kind: str) -> list[str]:
 @pytest.fixture(scope="module")
 def external_cluster(tmp_path_factory):
     """A scheduler and two single-threaded worker processes without nannies (so a killed worker
-    stays dead). Yields (address, worker processes); every process is stopped at teardown."""
+    stays dead), named worker0 and worker1. Yields (address, worker processes, in that order);
+    every process is stopped at teardown."""
     from distributed import Client
 
     folder = tmp_path_factory.mktemp("cluster")
@@ -206,7 +216,7 @@ def external_cluster(tmp_path_factory):
                  poll=0.05)
         address = json.loads(scheduler_file.read_text())["address"]
         workers = [start([*_dask_cli("worker"), address, "--nthreads", "1", "--nworkers", "1", "--no-nanny",
-                          "--memory-limit", "0", "--death-timeout", "60",
+                          "--memory-limit", "0", "--death-timeout", "60", "--name", f"worker{i}",
                           "--local-directory", str(folder / f"w{i}")], f"worker{i}") for i in range(2)]
         with Client(address, timeout="30s") as client:
             client.wait_for_workers(2, timeout=60)
@@ -279,6 +289,8 @@ def test_two_outputs_from_one_source_at_once(dist_source, serial, external_clust
 def test_worker_lost_mid_build(dist_source, serial, external_cluster, tmp_path, imaging):
     """SIGKILL one of the two workers once the first shard exists: the build still completes with
     every sample exactly once, byte-identical to the serial build. (Runs last: the worker stays dead.)"""
+    from distributed import Client
+
     address, workers = external_cluster
     assert all(w.poll() is None for w in workers)
     out = tmp_path / "lost"
@@ -295,6 +307,14 @@ def test_worker_lost_mid_build(dist_source, serial, external_cluster, tmp_path, 
     try:
         wait_for(lambda: any((out / "shards").glob("*.zarr")) if (out / "shards").is_dir() else False,
                  120, "the first shard")
+        with Client(address, timeout=30) as client:  # the worker to kill must hold shard tasks
+
+            def victim_busy() -> bool:
+                info = client.scheduler_info(n_workers=-1)["workers"]
+                addr = next((a for a, w in info.items() if w.get("name") == "worker0"), None)
+                return addr is not None and bool(client.processing(workers=[addr]).get(addr))
+
+            wait_for(victim_busy, 60, "the worker to be running a shard task", poll=0.05)
         assert thread.is_alive() and not (out / "manifest.json").exists(), "the build ended before the kill"
         os.kill(workers[0].pid, signal.SIGKILL)
         assert workers[0].wait(30) == -signal.SIGKILL
