@@ -91,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DatapipeError, ValueError) as exc:
         print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the disk filling up or a folder turning read-only mid-build
+        where = f": {exc.filename}" if exc.filename else ""
+        then = "; finished shards are kept: fix it and rerun to resume" if args.command == "build" else ""
+        print(f"datapipe {args.command}: error: {exc.strerror or exc}{where}{then}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"datapipe {args.command}: interrupted; finished shards are kept, rerun to resume",
               file=sys.stderr)

@@ -421,6 +421,17 @@ def test_other_config_refused_then_forced(built_copy, source):
     assert cache.verify() == []
 
 
+def test_default_shard_size_makes_shards_of_about_100_mb(tmp_path, imaging):
+    from datapipe.builder import default_shard_size
+
+    for size in (64, 224, 256, 512):
+        assert 50e6 <= default_shard_size(size) * size * size * 3 <= 200e6, size
+    root = tmp_path / "src"
+    imaging.write_source(root, {"a": 3, "b": 3}, variety=False)
+    report = datapipe.build(root, tmp_path / "out", size=256, scheduler="sync", progress=False, log=lambda line: None)
+    assert report.config["shard_size"] == default_shard_size(256) and report.shards_total == 1
+
+
 def test_missing_source(tmp_path):
     with pytest.raises(SourceError, match="does not exist") as info:
         build(tmp_path / "nope", tmp_path / "out")
@@ -642,6 +653,73 @@ def test_cli_invalid_values_are_one_line_errors(source, tmp_path, capsys, option
     code = cli_main(["build", str(source[0]), str(tmp_path / "o"), "--scheduler", "sync", "--quiet", *option])
     assert code == 2
     assert_one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("fit", ["pad", "stretch"])
+def test_cli_fit_pad_and_stretch(tmp_path, imaging, fit):
+    """--fit reaches every sample: pad letterboxes on white, stretch fills the square."""
+    root = tmp_path / "src"
+    files = imaging.write_source(root, {"a": 4, "b": 3})  # landscape and portrait, JPEG and PNG
+    out = tmp_path / "out"
+    assert cli_main(["build", str(root), str(out), "--size", str(SIZE), "--fit", fit, "--shard-size", "4",
+                     "--scheduler", "sync", "--quiet"]) == 0
+    spec = DecodeSpec(size=SIZE, fit=fit)
+    check_cache_matches_source(out, root, files, spec)
+    cache = datapipe.open(out)
+    assert cache.manifest["config"]["fit"] == fit
+    corners = np.stack([cache[i][0][0, 0] for i in range(len(cache))])
+    assert (corners == 255).all(axis=1).any() == (fit == "pad")  # white borders only when padded
+    crop = decode_sample((root / cache.path(0)).read_bytes(), DecodeSpec(size=SIZE))
+    assert not np.array_equal(cache[0][0], crop)  # not the default center crop
+
+
+def test_cli_empty_source_max_pixels_and_force(tmp_path, source, capsys):
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["build", str(tmp_path / "empty"), str(tmp_path / "o"), "--scheduler", "sync", "--quiet"]) == 2
+    assert "no image files" in assert_one_line_error(capsys.readouterr().err)
+    out = tmp_path / "cache"
+    base = ["build", str(source[0]), str(out), "--size", str(SIZE), "--shard-size", str(SHARD), "--scheduler",
+            "sync", "--quiet"]
+    assert cli_main([*base, "--max-pixels", "1000", "--max-bad-fraction", "1"]) == 0  # every image is too large
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    assert report["num_samples"] == 0 and {q["error"] for q in report["quarantined"]} == {"too-large"}
+    assert "max_pixels=1,000" in report["quarantined"][0]["reason"]
+    capsys.readouterr()
+    assert cli_main(base) == 2  # another configuration: refused ...
+    assert "--force" in assert_one_line_error(capsys.readouterr().err)
+    assert cli_main([*base, "--force"]) == 0  # ... unless forced
+    assert len(datapipe.open(out)) == len(source[1])
+
+
+def test_cli_os_error_mid_build_is_one_line_and_keeps_finished_shards(tmp_path, source, capsys, monkeypatch):
+    """The disk filling up in the third shard: one line naming the file, exit 1, two shards kept."""
+    import errno
+
+    from datapipe import storage
+
+    add, calls = storage.ShardWriter.add, []
+
+    def add_until_full(self, image, label, path):
+        calls.append(path)
+        if len(calls) > 2 * SHARD:
+            raise OSError(errno.ENOSPC, "No space left on device", str(storage.images_path(self.tmp_dir)))
+        add(self, image, label, path)
+
+    monkeypatch.setattr(storage.ShardWriter, "add", add_until_full)
+    out = tmp_path / "out"
+    args = ["build", str(source[0]), str(out), "--size", str(SIZE), "--shard-size", str(SHARD), "--scheduler",
+            "sync", "--quiet"]
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err  # the build's progress lines, then one error line
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("datapipe build: error: "), err
+    line = errors[0]
+    assert "No space left on device" in line and ".tmp-000002" in line and "rerun to resume" in line
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["000000.zarr", "000001.zarr"]
+    monkeypatch.setattr(storage.ShardWriter, "add", add)
+    assert cli_main(args) == 0  # the rerun builds only what is missing
+    assert json.loads((out / "report.json").read_text(encoding="utf-8"))["shards_skipped"] == 2
 
 
 def test_cli_subprocess_errors(tmp_path, source):

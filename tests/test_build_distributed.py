@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -94,9 +95,30 @@ def assert_same_cache(out: Path, reference: dict[str, bytes], imaging, *, allow_
 
 @pytest.mark.timeout(180)
 def test_local_cluster_equals_serial(dist_source, serial, tmp_path, imaging):
+    """...and the dashboard URL the build prints answers while the build runs."""
+    import re
+    import urllib.request
+
+    pages: dict[str, int] = {}
+
+    def log(line: str) -> None:
+        url = re.search(r"dashboard: (http://\S+)", line)
+        if url:
+            with urllib.request.urlopen(url.group(1), timeout=30) as page:
+                pages[url.group(1)] = page.status
+
     out = tmp_path / "parallel"
-    report = datapipe.build(dist_source, out, **quiet(workers=2))
+    import dask
+
+    # the source's files total ~100 MB: a graph that carried them would pass a 1 MB threshold
+    with warnings.catch_warnings(record=True) as caught, \
+            dask.config.set({"distributed.admin.large-graph-warning-threshold": "1MB"}):
+        warnings.simplefilter("always")
+        report = datapipe.build(dist_source, out, **{**quiet(workers=2), "log": log})
     assert report.status == "ok" and report.workers == 2
+    assert report.dashboard and pages == {report.dashboard: 200}
+    # tasks carry paths, never pixels ("Sending large graph" is Dask's warning)
+    assert not [w for w in caught if "large graph" in str(w.message).lower()]
     assert report.shards_built == report.shards_total == len(json.loads(serial[1]["manifest.json"])["shards"])
     assert {q["path"] for q in report.quarantined} == {
         f"café/{n}" for n in ("zero.jpg", "text.jpg", "truncated.jpg", "corrupt.jpg", "bomb.png", "x.jpg")}

@@ -403,6 +403,25 @@ def test_simplejpeg_and_pillow_agree(imaging, monkeypatch, subsampling, size):
     assert mean_abs(fast_sample, slow_sample) < 1.5
 
 
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow"])
+@pytest.mark.parametrize("size,fit,expected", [
+    (100, "crop", (120, 160)),  # short side 480 >= 4 x 100, < 8 x 100: 1/4
+    (240, "crop", (240, 320)),  # exactly 2x: 1/2
+    (241, "crop", (480, 640)),  # under 2x: full size
+    (130, "crop", (240, 320)),  # short side 480 < 4 x 130: 1/2 ...
+    (130, "pad", (120, 160)),  # ... but pad keeps the long side, 640 >= 4 x 130: 1/4
+    (60, "stretch", (60, 80)),  # stretch follows the short side, like crop: 1/8
+])
+def test_dct_downscaling_decodes_fewer_pixels(imaging, monkeypatch, backend, size, fit, expected):
+    """A JPEG much larger than the target is decoded at 1/2, 1/4 or 1/8 scale, with either backend."""
+    data = imaging.jpeg(imaging.gradient(480, 640, seed=5), quality=90)
+    if backend == "pillow":
+        monkeypatch.setattr(codecs, "_simplejpeg", lambda: None)
+    img = decode_rgb(data, DecodeSpec(size=size, fit=fit))
+    assert img.shape == (*expected, 3)
+    assert decode_sample(data, DecodeSpec(size=size, fit=fit)).shape == (size, size, 3)
+
+
 # ----------------------------------------------------------------------------- geometry
 
 
