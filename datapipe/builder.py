@@ -27,8 +27,8 @@ from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
 from .errors import BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError
 from .sources import Listing, plan_shards, scan
-from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, images_path, read_shard_record,
-                      remove_stale_temps, shard_name)
+from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path,
+                      read_shard_record, remove_stale_temps, shard_name)
 
 TARGET_SHARD_BYTES = 100 * 2**20
 
@@ -244,6 +244,7 @@ def build(
     chash = mf.config_hash(config)
     _prepare_output(out, config, chash, force)
     plans = plan_shards(listing, shard_size)
+    _retire_stale_manifest(out, plans, chash)
     t_scan = time.perf_counter() - t0
     log(f"datapipe build: {len(listing):,} files in {len(listing.classes)} classes from {listing.root} "
         f"-> {len(plans)} shards of up to {shard_size} samples at {size}x{size} ({fit})")
@@ -289,6 +290,27 @@ def _prepare_output(out: Path, config: dict, chash: str, force: bool) -> None:
     if removed:
         print(f"datapipe build: removed {removed} unfinished shard(s) left by an interrupted build",
               file=sys.stderr)
+
+
+def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
+    """Remove an earlier build's manifest unless it already describes this build's shards.
+
+    A build that replaces, adds or removes any shard would otherwise leave, if it is stopped or
+    fails, a manifest that no longer matches the shards (and labels) on disk. Without one the cache
+    reads as unfinished until a rerun completes it; a rerun that changes nothing keeps it.
+    """
+    path = out / mf.MANIFEST
+    if not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        same = old.get("config_hash") == chash and [(s["name"], s["inputs_hash"]) for s in old["shards"]] == [
+            (shard_name(p["shard"]), p["inputs_hash"]) for p in plans]
+    except (OSError, ValueError, KeyError, TypeError):
+        same = False
+    if not same:
+        path.unlink()
+        fsync_dir(out)
 
 
 def _diff(old: dict, new: dict) -> str:

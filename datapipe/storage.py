@@ -145,7 +145,7 @@ class ShardWriter:
         meta = _group_metadata(n, self.size)
         meta["attributes"] = {"datapipe": {**record, "paths": self.paths}}
         _atomic_write(self.tmp_dir / GROUP_META, json.dumps(meta, indent=1, ensure_ascii=False))
-        _fsync_dir(self.tmp_dir)
+        fsync_dir(self.tmp_dir)
         try:
             os.rename(self.tmp_dir, self.final_dir)
         except OSError:
@@ -153,7 +153,7 @@ class ShardWriter:
             if not (self.final_dir / GROUP_META).exists():
                 raise
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        _fsync_dir(self.final_dir.parent)
+        fsync_dir(self.final_dir.parent)
         return record
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -274,7 +274,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -250,6 +250,28 @@ def test_changed_source_rebuilds_only_affected_shards(tmp_path, source, built, i
     assert datapipe.open(out).verify() == []
 
 
+def test_a_failed_rebuild_leaves_no_stale_manifest(tmp_path, source, imaging):
+    """A rebuild that changes a shard drops the old manifest before touching the shards: stopped
+    or failed, it leaves an unfinished cache, not a manifest describing shards that are gone."""
+    root = tmp_path / "src"
+    shutil.copytree(source[0], root, symlinks=True)
+    out = tmp_path / "out"
+    build(root, out)
+    manifest = (out / "manifest.json").read_bytes()
+    assert build(root, out).shards_built == 0  # a rerun that changes nothing keeps it ...
+    assert (out / "manifest.json").read_bytes() == manifest
+    victim = sorted(source[1])[SHARD + 2]  # a file in shard 1
+    (root / victim).write_bytes(b"not an image any more")
+    with pytest.raises(TooManyBadFilesError):
+        build(root, out, max_bad_fraction=0.0)  # ... one that changes a shard and then fails does not
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(CacheError, match="did not finish"):
+        datapipe.open(out)
+    report = build(root, out, max_bad_fraction=0.5)  # finishing it writes the new one
+    assert report.shards_built == 0 and [q["path"] for q in report.quarantined] == [victim]
+    assert len(datapipe.open(out)) == len(source[1]) - 1
+
+
 # ----------------------------------------------------------------------------- bad files
 
 
