@@ -417,6 +417,21 @@ def test_csv_duplicate_keeps_the_first_row(tmp_path, imaging):
     assert [cache.classes[cache[i][1]] for i in range(2)] == ["zebra", "zebra"]
 
 
+def test_csv_rows_are_decoded_by_content_whatever_their_names(tmp_path, imaging):
+    root = tmp_path / "src"
+    root.mkdir()
+    arr = imaging.gradient(40, 52, seed=1)
+    (root / "photo.dat").write_bytes(imaging.jpeg(arr))  # a JPEG without an image extension
+    (root / "scan").write_bytes(imaging.encode(arr, "PNG"))  # a PNG without any extension
+    (root / "list.csv").write_text("photo.dat,a\nscan,b\n", encoding="utf-8")
+    report = build(root / "list.csv", tmp_path / "out")
+    assert report.status == "ok" and report.num_samples == 2 and report.quarantined == []
+    cache = datapipe.open(tmp_path / "out")
+    for i, name in enumerate(["photo.dat", "scan"]):
+        assert cache.path(i) == name
+        np.testing.assert_array_equal(cache[i][0], decode_sample((root / name).read_bytes(), DecodeSpec(size=SIZE)))
+
+
 def test_csv_with_bad_row(tmp_path):
     (tmp_path / "list.csv").write_text("path,label\njust-a-path\n")
     with pytest.raises(SourceError, match="list.csv:2"):
