@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import numpy as np
 
 from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
-from .errors import BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError
+from .errors import (BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError,
+                     describe_quarantine, quarantine_counts)
 from .sources import Listing, plan_shards, scan
 from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path,
                       read_shard_record, remove_stale_temps, shard_name)
@@ -63,15 +63,13 @@ class BuildReport:
 
     def quarantine_counts(self) -> dict[str, int]:
         """Quarantined files by class (``error``: see datapipe.errors.QUARANTINE_KINDS), most first."""
-        counts = Counter(q.get("error", "unknown") for q in self.quarantined)
-        return dict(counts.most_common())
+        return quarantine_counts(self.quarantined)
 
     def summary(self) -> str:
         rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
-        kinds = ", ".join(f"{n} {kind}" for kind, n in self.quarantine_counts().items())
         return (f"{self.status}: {self.num_samples:,} samples in {self.shards_total} shards "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
-                f"{len(self.quarantined)} quarantined{f' ({kinds})' if kinds else ''}, {rate}, "
+                f"{describe_quarantine(self.quarantined)}, {rate}, "
                 f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
 
 

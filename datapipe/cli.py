@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .errors import DatapipeError
+from .errors import DatapipeError, describe_quarantine
 
 
 def _positive_int(text: str) -> int:
@@ -131,8 +131,8 @@ def _info(args) -> int:
     report = cache.root / "report.json"
     if report.exists():
         r = json.loads(report.read_text())
-        print(f"last build {r['status']}: {len(r['quarantined'])} quarantined, {r['images_per_second']:,.0f} img/s "
-              f"on {r['workers']} workers")
+        print(f"last build {r['status']}: {describe_quarantine(r['quarantined'])}, "
+              f"{r['images_per_second']:,.0f} img/s on {r['workers']} workers (every file and reason: {report})")
     return 0
 
 

@@ -60,3 +60,18 @@ class TooManyBadFilesError(DatapipeError, RuntimeError):
 
 class StateError(DatapipeError, ValueError):
     """A saved loader state cannot be restored (unknown version, other dataset, other batch size)."""
+
+
+def quarantine_counts(entries) -> dict[str, int]:
+    """Quarantine entries (``{"path", "error", "reason"}``) counted by class, most first."""
+    counts: dict[str, int] = {}
+    for q in entries:
+        kind = q.get("error", "unknown")
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def describe_quarantine(entries) -> str:
+    """'6 quarantined (2 corrupt, 1 empty, ...)', or '0 quarantined'."""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in quarantine_counts(entries).items())
+    return f"{len(entries)} quarantined" + (f" ({kinds})" if kinds else "")

@@ -722,6 +722,9 @@ def test_cli_empty_source_max_pixels_and_force(tmp_path, source, capsys):
     assert report["num_samples"] == 0 and {q["error"] for q in report["quarantined"]} == {"too-large"}
     assert "max_pixels=1,000" in report["quarantined"][0]["reason"]
     capsys.readouterr()
+    assert cli_main(["info", str(out)]) == 0
+    n = len(source[1])
+    assert f"last build ok: {n} quarantined ({n} too-large)" in capsys.readouterr().out
     assert cli_main(base) == 2  # another configuration: refused ...
     assert "--force" in assert_one_line_error(capsys.readouterr().err)
     assert cli_main([*base, "--force"]) == 0  # ... unless forced
