@@ -25,7 +25,7 @@ import numpy as np
 from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
 from .errors import (BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError,
-                     describe_quarantine, quarantine_counts)
+                     describe_quarantine, quarantine_counts, unreadable)
 from .sources import Listing, plan_shards, scan
 from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path,
                       read_shard_record, remove_stale_temps, shard_name)
@@ -172,12 +172,12 @@ def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: 
             data = f.read()  # 0.02 ms for 80 KB against 0.08 ms through a BufferedReader
         return decode_sample(data, spec, out)
     except DecodeError as exc:
-        error, reason = exc.kind, str(exc)
+        entry = {"error": exc.kind, "reason": str(exc)}
     except OSError as exc:
-        error, reason = "unreadable", f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"
+        entry = unreadable(exc)
     except Exception as exc:  # noqa: BLE001 - one bad file must never end the build
-        error, reason = "decoder-error", f"decoder failed: {type(exc).__name__}: {exc}"
-    quarantined.append({"path": path, "error": error, "reason": reason})
+        entry = {"error": "decoder-error", "reason": f"decoder failed: {type(exc).__name__}: {exc}"}
+    quarantined.append({"path": path, **entry})
     return None
 
 

@@ -75,3 +75,8 @@ def describe_quarantine(entries) -> str:
     """'6 quarantined (2 corrupt, 1 empty, ...)', or '0 quarantined'."""
     kinds = ", ".join(f"{n} {kind}" for kind, n in quarantine_counts(entries).items())
     return f"{len(entries)} quarantined" + (f" ({kinds})" if kinds else "")
+
+
+def unreadable(exc: OSError) -> dict[str, str]:
+    """The quarantine class and reason of a file that cannot be opened or read."""
+    return {"error": "unreadable", "reason": f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"}

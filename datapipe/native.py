@@ -6,7 +6,7 @@
   ~0.12 ms for a 224² sample here.
 * :func:`resize` is the antialiased bilinear resize of uint8 RGB, bit-identical to torch's
   (``F.interpolate(..., mode="bilinear", antialias=True)`` on uint8), reading a crop in place:
-  ~0.09 against ~0.17 ms for the 340² -> 256² of a build, ~0.05 against ~0.07 ms for the loader's
+  ~0.10 against ~0.17 ms for the 340² -> 256² of a build, ~0.05 against ~0.07 ms for the loader's
   crops to 224².
 
 ``pip install`` builds it when a C compiler is present; the extension is optional, so an install

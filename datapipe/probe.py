@@ -14,7 +14,7 @@ import sys
 
 def main(argv: list[str]) -> int:
     from .codecs import DecodeSpec, decode_sample
-    from .errors import DecodeError
+    from .errors import DecodeError, unreadable
 
     path, spec = argv[0], DecodeSpec(**json.loads(argv[1]))
     try:
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"error": exc.kind, "reason": str(exc)}))
         return 3
     except OSError as exc:
-        print(json.dumps({"error": "unreadable", "reason": f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"}))
+        print(json.dumps(unreadable(exc)))
         return 3
     return 0
 

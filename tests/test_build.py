@@ -762,6 +762,21 @@ def test_cli_os_error_mid_build_is_one_line_and_keeps_finished_shards(tmp_path, 
     assert json.loads((out / "report.json").read_text(encoding="utf-8"))["shards_skipped"] == 2
 
 
+def test_probe_reports_the_class_and_reason(tmp_path):
+    """The isolated decoder (used after a shard killed its worker) reports like the build does."""
+    from dataclasses import asdict
+
+    spec = json.dumps(asdict(DecodeSpec(size=SIZE)))
+    (tmp_path / "text.jpg").write_text("no image here")
+    for name, error, reason in [("missing.jpg", "unreadable", "FileNotFoundError"),
+                                ("text.jpg", "not-an-image", "not an image")]:
+        proc = subprocess.run([sys.executable, "-m", "datapipe.probe", str(tmp_path / name), spec],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 3, proc.stderr
+        entry = json.loads(proc.stdout)
+        assert entry["error"] == error and reason in entry["reason"], entry
+
+
 def test_cli_subprocess_errors(tmp_path, source):
     proc = run_cli("build", str(tmp_path / "missing"), str(tmp_path / "out"), "--scheduler", "sync")
     assert proc.returncode == 2
