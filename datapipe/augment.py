@@ -151,6 +151,8 @@ def sample_resized_crops(batch: int, height: int, width: int, *, scale=(0.08, 1.
     Ten attempts per sample at a random area and log-uniform aspect ratio; the first that fits
     wins; otherwise a center crop with the aspect ratio clamped to ``ratio``.
     """
+    if batch == 0:
+        return torch.empty((0, 4), dtype=torch.int64)
     tries = 10
     area = height * width
     target = area * torch.empty(batch, tries).uniform_(scale[0], scale[1], generator=generator)  # [B, 10]
@@ -259,9 +261,9 @@ class TrainAugment(BatchAugment):
         """Augment a uint8 [B, H, W, 3] batch (or list of [H, W, 3] samples); ``out`` optionally
         receives the result (CPU reuse)."""
         batch, height, width, device = self._check(images)
-        params = params or self.sample(batch, height, width, seed)
-        if batch == 0:
+        if batch == 0:  # a rank's empty last batch (a dataset smaller than the ranks' batches)
             return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=device)
+        params = params or self.sample(batch, height, width, seed)
         if self._use_uint8(device):
             if "jitter" not in params:
                 return self._crop_normalize_uint8(images, params["crops"], params["flip"], out)

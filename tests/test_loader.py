@@ -322,6 +322,30 @@ def test_device_loader_train_end_to_end(index_cache):
     assert 0.0 <= stats["wait_share"] <= 1.0 and stats["images_per_s"] > 0
 
 
+@pytest.mark.parametrize("preset", ["train", "train+jitter", "eval", "none", "uint8"])
+def test_a_rank_with_an_empty_last_batch(tmp_path_factory, preset):
+    """3 samples on 4 ranks in batches of 2: every rank yields one batch, the last rank an empty one."""
+    info = index_cache_info(tmp_path_factory, 3, shard_size=2)
+    augs = {"train": augment.train(24), "train+jitter": augment.train(24, color_jitter=(0.4, 0.4, 0.4, 0.1)),
+            "eval": augment.eval(24), "none": None, "uint8": None}
+    seen = []
+    for rank in range(4):
+        ds = datapipe.StreamingDataset(info.path, batch_size=2, rank=rank, world_size=4, return_index=True)
+        kwargs = {"output": "uint8"} if preset == "uint8" else {"augment": augs[preset]}
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=2, **kwargs)
+        try:
+            batches = list(loader)
+        finally:
+            loader.close()
+        assert len(batches) == len(loader) == 1
+        images, labels, idx = batches[0]
+        assert len(images) == len(labels) == len(idx) == (1 if rank < 3 else 0)
+        side = 24 if augs[preset] else info.size
+        assert images.shape[1:] == ((side, side, 3) if preset == "uint8" else (3, side, side))
+        seen += idx.tolist()
+    assert sorted(seen) == [0, 1, 2]
+
+
 def test_device_loader_eval_values_are_exact(index_cache):
     batches, _ = run_loader(index_cache, augment=augment.eval(24), shuffle=False)
     cache = datapipe.open(index_cache.path)
