@@ -578,16 +578,28 @@ def test_generic_module_is_seeded_per_batch(index_cache):
     b, _ = run_loader(index_cache, workers=1, augment=RandomFlip(), shuffle=False)
     plain, _ = run_loader(index_cache, workers=1, shuffle=False)
     assert same_stream(a, b)
-    flipped = kept = 0
-    for (x, *_), (y, *_) in zip(a, plain):
-        for xi, yi in zip(x, y):
-            # Normalised by the module path (float) and by the plain path (uint8): equal to rounding.
-            if torch.allclose(xi, yi, atol=1e-5):
-                kept += 1
-            else:
-                torch.testing.assert_close(xi, yi.flip(-1), rtol=0, atol=1e-5)
-                flipped += 1
-    assert flipped > 20 and kept > 20
+
+    def flip_masks(batches) -> list[tuple[bool, ...]]:
+        masks = []
+        for (x, *_), (y, *_) in zip(batches, plain):
+            mask = []
+            for xi, yi in zip(x, y):
+                # Normalised by the module path (float) and by the plain path (uint8): equal to rounding.
+                if torch.allclose(xi, yi, atol=1e-5):
+                    mask.append(False)
+                else:
+                    torch.testing.assert_close(xi, yi.flip(-1), rtol=0, atol=1e-5)
+                    mask.append(True)
+            masks.append(tuple(mask))
+        return masks
+
+    masks = flip_masks(a)
+    flipped = sum(map(sum, masks))
+    assert flipped > 20 and sum(map(len, masks)) - flipped > 20
+    full = [m for m in masks if len(m) == B]
+    assert len(set(full)) == len(full), "two batches of the epoch drew the same random numbers"
+    later, _ = run_loader(index_cache, workers=1, augment=RandomFlip(), shuffle=False, epoch=1)
+    assert all(m != n for m, n in zip(full, flip_masks(later))), "a batch drew the same numbers in two epochs"
 
 
 def test_generic_module_is_deterministic_across_reader_threads(index_cache):
