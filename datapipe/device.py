@@ -234,7 +234,9 @@ class DeviceLoader:
                     batch = self._on_device(slot, batch, seed)
                 else:
                     if not self._reader_transforms:  # a generic module: here, in order, one at a time
+                        t = time.perf_counter()
                         batch = self._transform(batch, seed)
+                        waited += time.perf_counter() - t  # the loop's time on data, like a wait
                     if self.output == "uint8":
                         held = slot
                     else:

@@ -13,7 +13,9 @@ class StallMeter:
     """Counts batches, images and the time the loop spent blocked waiting for data.
 
     ``wait_share`` is waiting time over wall time since the first batch was asked for: 0 means the
-    loop never waited (the model is the bottleneck), values near 1 mean the loop is starved.
+    loop never waited (the model is the bottleneck), values near 1 mean the loop is starved. Time
+    the loop's own thread spends on the data (a generic augmentation module on the CPU runs there)
+    counts as waiting.
     """
 
     def __init__(self, *, log_every: int = 0, window: int = 50) -> None:

@@ -602,6 +602,38 @@ def test_generic_module_is_seeded_per_batch(index_cache):
     assert all(m != n for m, n in zip(full, flip_masks(later))), "a batch drew the same numbers in two epochs"
 
 
+@pytest.mark.parametrize("slow", ["readers", "module", "model"])
+def test_the_stall_meter_tells_a_slow_loader_from_a_slow_model(index_cache, slow, monkeypatch):
+    """wait_share is most of the time when the data is the bottleneck — slow reader threads, or a
+    generic augmentation module (which runs in the loop's thread) — and little when the loop is."""
+    ds = dataset(index_cache)
+    aug, step = augment.train(24), 0.0
+    if slow == "readers":
+        crop = augment.TrainAugment._crop_normalize_uint8
+
+        def slow_crop(self, *args):
+            time.sleep(0.03)  # in a reader thread
+            return crop(self, *args)
+
+        monkeypatch.setattr(augment.TrainAugment, "_crop_normalize_uint8", slow_crop)
+    elif slow == "module":
+        aug = RandomFlip(delay=0.03)
+    else:
+        step = 0.03
+    loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=1, augment=aug)
+    try:
+        for _ in loader:
+            time.sleep(step)
+        stats = loader.stats()
+    finally:
+        loader.close()
+    assert stats["batches"] == len(loader)
+    if slow == "model":
+        assert stats["wait_share"] < 0.4, stats  # batches are ready while the loop works
+    else:
+        assert stats["wait_share"] > 0.6, stats  # the loop waits ~30 ms for each batch
+
+
 def test_generic_module_is_deterministic_across_reader_threads(index_cache):
     one, _ = run_loader(index_cache, workers=1, augment=RandomFlip(delay=0.002))
     three, _ = run_loader(index_cache, workers=3, augment=RandomFlip(delay=0.002))
