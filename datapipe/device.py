@@ -287,7 +287,7 @@ class DeviceLoader:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     raise TimeoutError(f"datapipe: batch {j} of epoch {self.dataset.epoch} did not arrive within "
-                                       f"{self.timeout:.0f} s; a reader thread is stuck (slow storage?)")
+                                       f"{self.timeout:g} s; a reader thread is stuck (slow storage?)")
                 self._cond.wait(left)
             result = self._results.pop((gen, j))
         waited = time.perf_counter() - started

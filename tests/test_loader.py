@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -632,6 +633,46 @@ def test_the_stall_meter_tells_a_slow_loader_from_a_slow_model(index_cache, slow
         assert stats["wait_share"] < 0.4, stats  # batches are ready while the loop works
     else:
         assert stats["wait_share"] > 0.6, stats  # the loop waits ~30 ms for each batch
+
+
+def test_close_and_garbage_collection_stop_the_reader_threads(index_cache):
+    import gc
+
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=2, augment=augment.train(24))
+    next(iter(loader))
+    threads = list(loader._threads)
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    loader.close()
+    assert not any(t.is_alive() for t in threads)
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=2)
+    it = iter(loader)
+    next(it)
+    threads = list(loader._threads)
+    del it, loader  # never closed: dropping the last reference stops them
+    gc.collect()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_a_stuck_reader_raises_instead_of_hanging(index_cache, monkeypatch):
+    crop, release = augment.TrainAugment._crop_normalize_uint8, threading.Event()
+
+    def stuck(self, *args):
+        release.wait(30)  # a read that never returns (a hung network mount)
+        return crop(self, *args)
+
+    monkeypatch.setattr(augment.TrainAugment, "_crop_normalize_uint8", stuck)
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=1, augment=augment.train(24),
+                                   timeout=0.5)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(TimeoutError, match=r"batch 0 .* within 0.5 s; a reader thread is stuck"):
+            next(iter(loader))
+        assert time.perf_counter() - started < 5
+    finally:
+        release.set()
+        loader.close()
 
 
 def test_generic_module_is_deterministic_across_reader_threads(index_cache):
