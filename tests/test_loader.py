@@ -91,6 +91,22 @@ def test_exactly_once_and_same_stream_for_any_workers(index_cache, reference, wo
     assert sizes[:-1] == [B] * (len(sizes) - 1), "no per-worker partial batches"
 
 
+def test_the_dataset_pickles_small_and_reads_in_spawned_workers(index_cache, tmp_path_factory, reference):
+    """What a DataLoader sends each worker does not grow with the dataset (no per-sample Python
+    objects, no open maps), and workers started with spawn (macOS, Windows, CUDA users) read the
+    same stream as the main process."""
+    import pickle
+
+    small = dataset(index_cache)
+    big = datapipe.StreamingDataset(index_cache_info(tmp_path_factory, 3000, shard_size=500, size=8).path,
+                                    batch_size=B, seed=3)
+    for ds in (small, big):
+        next(iter(ds))  # opened: the shard maps exist in this process
+    assert len(pickle.dumps(big)) < len(pickle.dumps(small)) + 512 < 8192
+    it = iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    assert same_stream(list(it), reference)
+
+
 def test_epochs_differ_and_repeat(index_cache, reference):
     ds = dataset(index_cache)
     ds.set_epoch(1)
