@@ -802,3 +802,25 @@ def test_small_shared_memory_fails_fast_naming_the_fix(tmp_path):
     with pytest.raises(DatapipeError, match="--shm-size"):
         _check_shm(2**62, SimpleNamespace(num_workers=2), str(small))  # more than any disk holds
     _check_shm(1024, SimpleNamespace(num_workers=2), str(small))  # a small batch fits
+
+
+def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monkeypatch):
+    """The check runs in every DataLoader worker: with /dev/shm as small as Docker's default (64 MB)
+    and 24 MB batches (4 in flight with 2 workers), the first batch fails with the fix named."""
+    from types import SimpleNamespace
+
+    import datapipe.dataset as dataset_module
+    from datapipe.errors import DatapipeError
+
+    seen = []
+
+    def statvfs(path):
+        seen.append(path)
+        return SimpleNamespace(f_bavail=64 * 2**20 // 4096, f_frsize=4096)
+
+    monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs))  # inherited by forked workers
+    ds = dataset(index_cache, batch_size=8192)  # 24 MB per batch of 32x32 samples, ~128 images at 256x256
+    with pytest.raises(DatapipeError, match=r"/dev/shm has 64 MB free.*--shm-size"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))
+    assert next(iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2,
+                                multiprocessing_context="fork")))[0].shape[0] == B  # small batches fit
