@@ -97,3 +97,19 @@ def test_bench_needs_source_for_peers(tiny):
         bench.run(tiny / "cache", against=["dataloader"], progress=False, log=lambda line: None)
     with pytest.raises(ValueError, match="dataloader"):
         bench.run(tiny / "cache", source=tiny / "src", against=["nope"], progress=False, log=lambda line: None)
+
+
+def test_the_stage_breakdown_adds_up_to_the_end_to_end_time(tmp_path):
+    """On the CPU path (crops straight from the maps), the stages measured one by one account for
+    the end-to-end time of one reader: the bench's goal is within 15%; this bound catches a stage
+    left out or counted twice (a ratio near 0.5 or 2) on a noisy machine."""
+    import torch
+
+    from datapipe.testing import build_index_cache
+
+    cache = datapipe.open(build_index_cache(tmp_path, 512, shard_size=128, size=128))
+    timers: dict = {}
+    bench.measure_stages(cache, batch_size=64, crop=112, device=torch.device("cpu"), timers=timers)
+    a = bench._attribution(cache, timers, batch_size=64, crop=112, device=torch.device("cpu"), batches=8)
+    assert set(timers) == {"augment"}
+    assert 0.65 <= a["sum_over_end_to_end"] <= 1.5, a
