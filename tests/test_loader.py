@@ -576,6 +576,16 @@ def test_bfloat16_output_and_autocast(index_cache):
     assert len(autocast_batches) == len(loader) and autocast_batches[0].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["uint8", "kornia"])
+def test_half_precision_outputs_on_both_augment_paths(index_cache, dtype, path):
+    """fp16 and bf16 batches from the CPU (uint8) path and the batched Kornia path that CUDA uses."""
+    batches, _ = run_loader(index_cache, k=2, dtype=dtype, augment=augment.train(24, path=path))
+    for images, _, idx in batches:
+        assert images.dtype == dtype and images.shape == (B, 3, 24, 24) and torch.isfinite(images).all()
+        assert np.array_equal(index_of(to_uint8(images.float())), index_cache.ids[idx.numpy()])
+
+
 class RandomFlip(torch.nn.Module):
     """A plain module drawing from torch's global generator (as most third-party augmentations do)."""
 
