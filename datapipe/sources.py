@@ -115,6 +115,12 @@ def _scan_csv(csv_path: Path) -> Listing:
                     continue
                 if len(row) < 2:
                     raise SourceError(f"{csv_path}:{lineno}: expected 'path,label', got {row!r}")
+                if any(cell.strip() for cell in row[2:]):  # refused, not silently dropped
+                    raise SourceError(
+                        f"{csv_path}:{lineno}: {len(row)} columns, expected 'path,label'. A datapipe cache holds "
+                        "one class label per image, so boxes, masks or other targets in further columns "
+                        "would be lost: keep them in a file of your own, keyed by path (ds.path(i)), or "
+                        "write the CSV with two columns")
                 if lineno == 1 and row[0].strip().lower() == "path":
                     continue  # header
                 rows.append((row[0].strip(), row[1].strip()))

@@ -432,6 +432,18 @@ def test_csv_rows_are_decoded_by_content_whatever_their_names(tmp_path, imaging)
         np.testing.assert_array_equal(cache[i][0], decode_sample((root / name).read_bytes(), DecodeSpec(size=SIZE)))
 
 
+def test_csv_with_boxes_is_refused_not_dropped(tmp_path, imaging):
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a.jpg").write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=1)))
+    (root / "list.csv").write_text("path,label,xmin,ymin,xmax,ymax\na.jpg,cat,1,2,30,40\n", encoding="utf-8")
+    with pytest.raises(SourceError, match=r"list.csv:1: 6 columns.*boxes, masks"):
+        build(root / "list.csv", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (root / "list.csv").write_text("path,label,\na.jpg,cat,\n", encoding="utf-8")  # a trailing comma is fine
+    assert build(root / "list.csv", tmp_path / "out").num_samples == 1
+
+
 def test_csv_with_bad_row(tmp_path):
     (tmp_path / "list.csv").write_text("path,label\njust-a-path\n")
     with pytest.raises(SourceError, match="list.csv:2"):
