@@ -75,8 +75,10 @@ class StreamingDataset(IterableDataset):
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
         self.return_index = bool(return_index)
-        # [epoch, start]: shared with DataLoader workers (also persistent ones) through shared memory.
-        self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # [epoch, start, read by workers]: shared with DataLoader workers (also persistent ones)
+        # through shared memory. The third is set by a worker that reads this epoch: then only the
+        # caller knows how many batches the loop received (state_dict(batches_consumed=k)).
+        self._shared = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._consumed = 0  # batches the loop received in this epoch (main-process iteration)
         self._iter_base = 0  # where the current iteration began in the epoch's order
 
@@ -100,6 +102,7 @@ class StreamingDataset(IterableDataset):
         """
         if int(epoch) != self.epoch:
             self._shared[1] = 0
+            self._shared[2] = 0
             self._iter_base = 0
             self._consumed = 0
         self._shared[0] = int(epoch)
@@ -130,6 +133,7 @@ class StreamingDataset(IterableDataset):
         order, bounds = self.plan()
         self._iter_base = self.start
         self._shared[1] = 0
+        self._shared[2] = 0
         self._consumed = 0
         return order, bounds
 
@@ -138,6 +142,7 @@ class StreamingDataset(IterableDataset):
         in_worker = torch.utils.data.get_worker_info() is not None
         order, bounds = self.plan() if in_worker else self.begin_iteration()
         if in_worker:  # batches go back through shared memory: is there room for them?
+            self._shared[2] = 1
             _check_shm(self.batch_size * int(np.prod(self.cache.shape)), torch.utils.data.get_worker_info())
         for j in part.worker_batches(len(bounds), worker=worker, num_workers=num_workers):
             begin, end = bounds[j]
@@ -163,8 +168,14 @@ class StreamingDataset(IterableDataset):
         Args:
             batches_consumed: batches of the current epoch the training loop has received. Default:
                 what this dataset counted while iterated in the main process (``num_workers=0``);
-                pass it when iterating through your own multi-worker DataLoader.
+                required when the epoch was read through your own multi-worker DataLoader (its
+                workers cannot report it): without it that raises StateError.
         """
+        if batches_consumed is None and int(self._shared[2]):
+            raise StateError(
+                "this epoch was read by DataLoader worker processes, which cannot tell this process how "
+                "many batches your loop received: pass state_dict(batches_consumed=k), k = the batches "
+                "of this epoch the loop took (or use datapipe.DeviceLoader, which counts them)")
         k = self._consumed if batches_consumed is None else int(batches_consumed)
         position = min(len(self.cache), self._iter_base + k * self.batch_size * self.world_size)
         return {
@@ -199,6 +210,7 @@ class StreamingDataset(IterableDataset):
                 "Resume with a global batch that divides the position (e.g. the saved one).")
         self._shared[0] = int(state["epoch"])
         self._shared[1] = position
+        self._shared[2] = 0
         self._iter_base = position
         self._consumed = 0
 

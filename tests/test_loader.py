@@ -211,6 +211,26 @@ def test_state_after_resume_and_next_epoch_with_workers(index_cache):
     assert ds.state_dict(batches_consumed=2)["position"] == 2 * B
 
 
+def test_state_after_worker_reads_needs_the_consumed_count(index_cache):
+    """Workers cannot report how many batches the loop took: state_dict() without it is refused,
+    never a silent position 0; with it, the state resumes the same stream."""
+    ds = dataset(index_cache)
+    assert ds.state_dict()["position"] == 0  # nothing read yet
+    first = take(ds, 2, 2)
+    with pytest.raises(StateError, match="batches_consumed"):
+        ds.state_dict()
+    state = ds.state_dict(batches_consumed=2)
+    assert state["position"] == 2 * B
+    fresh = dataset(index_cache)
+    fresh.load_state_dict(state)
+    rest = take(fresh, 0)
+    assert same_stream(first + rest, take(dataset(index_cache), 0))
+    ds.set_epoch(1)  # a new epoch, not read yet: the default is right again
+    assert ds.state_dict()["position"] == 0 and ds.state_dict()["epoch"] == 1
+    take(ds, 0, 1)  # read in this process: counted here
+    assert ds.state_dict()["position"] == B
+
+
 def test_the_resumed_position_holds_until_the_epoch_changes_with_workers(index_cache):
     """Documented: worker processes cannot report that they used the resumed position, so it holds
     for the resumed epoch and a new epoch is whole."""
