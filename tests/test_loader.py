@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import threading
 import time
@@ -23,6 +24,7 @@ import datapipe
 from datapipe import augment
 from datapipe.device import _seed_for
 from datapipe.errors import CacheError, CorruptShardError, StateError
+from datapipe.storage import images_path
 from datapipe.testing import index_of, to_uint8
 
 B = 8
@@ -447,6 +449,28 @@ def test_sample_views_are_private_maps_of_the_shards(index_cache):
     before = cache[2][0].copy()
     views[0].zero_()  # copy-on-write: the file is never touched
     assert np.array_equal(datapipe.open(index_cache.path)[2][0], before)
+
+
+def test_batches_are_gathered_from_shared_maps_and_opening_reads_no_per_sample_file(index_cache, tmp_path):
+    """The loader reads the shard files through read-only shared memory maps (one page-cache copy
+    for every process and rank on a node), and neither opening a cache nor reading an epoch parses
+    the per-sample path list (its cost would grow with the dataset)."""
+    import mmap
+
+    cache = datapipe.open(index_cache.path)
+    arr = cache.images(0)
+    base = arr
+    while not isinstance(base, mmap.mmap) and getattr(base, "base", None) is not None:
+        base = base.base
+    assert isinstance(base, mmap.mmap) and not arr.flags.writeable
+    assert os.path.samefile(arr.filename, images_path(index_cache.path / "shards" / cache.shard_names[0]))
+    copy = tmp_path / "cache"
+    shutil.copytree(index_cache.path, copy)
+    (copy / "paths.json").write_text("not json: never parsed unless a path is asked for")
+    ds = datapipe.StreamingDataset(copy, batch_size=B, return_index=True)
+    assert np.array_equal(np.sort(concat(list(ds), 2)), np.arange(index_cache.n))
+    with pytest.raises(ValueError):
+        ds.cache.path(0)
 
 
 def test_augment_takes_a_list_of_samples():
