@@ -593,6 +593,62 @@ def test_a_script_may_end_while_readers_are_busy(index_cache):
         assert "finished (16, 3, 224, 224)" in proc.stdout
 
 
+_INTERRUPTED = """
+import sys, time
+import datapipe
+from datapipe import augment
+from torch.utils.data import DataLoader
+
+kind, path = sys.argv[1], sys.argv[2]
+ds = datapipe.StreamingDataset(path, batch_size=8)
+if kind == "device":
+    loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=2, augment=augment.train(24))
+else:
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+for epoch in range(1000):
+    for i, batch in enumerate(loader):
+        if epoch == 0 and i == 0:
+            print("ready", flush=True)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("kind", ["device", "dataloader"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_training_script_ends_and_leaves_no_process(index_cache, kind, sig):
+    """Ctrl-C or a scheduler's SIGTERM mid-epoch: the script ends promptly (no hang in a reader
+    thread or a worker) and leaves no worker process behind."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, kind, str(index_cache.path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        time.sleep(0.3)  # mid-epoch, readers or workers busy
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode != 0
+    if sig == "SIGINT":
+        assert "KeyboardInterrupt" in err, err[-800:]
+    deadline = time.monotonic() + 30  # orphaned DataLoader workers notice within torch's 5 s status check
+    while True:  # the session's other processes (DataLoader workers) exit too
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a worker process outlived the interrupted script"
+        time.sleep(0.1)
+
+
 def test_bfloat16_output_and_autocast(index_cache):
     batches, _ = run_loader(index_cache, k=3, dtype=torch.bfloat16, augment=augment.train(24))
     plain, _ = run_loader(index_cache, k=3, dtype=torch.bfloat16)
