@@ -157,8 +157,8 @@ def _probe(file: str, spec: dict) -> dict | None:
                 "reason": f"decoding did not finish within {timeout:g} s (isolated after its shard killed a worker)"}
     if proc.returncode == 0:
         return None
-    if proc.returncode == 3:
-        return json.loads(proc.stdout)
+    if proc.returncode == 3:  # the entry is the last line (a library may have printed before it)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
     if proc.returncode < 0:
         return {"error": "decoder-crash", "reason": f"the decoder crashed its process ({signal.Signals(-proc.returncode).name})"}
     return {"error": "decoder-crash",
