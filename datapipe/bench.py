@@ -373,22 +373,27 @@ def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: in
     times, and the ratio is the median of the per-round ratios: on a machine whose speed drifts,
     stages timed a minute before the end to end would not be comparable with it.
     """
-    loader = _datapipe_loader(cache, batch_size=batch_size, workers=1, crop=crop, device=device)
-    sync = None
-    if device.type == "cuda":
-        import torch
+    import torch
 
-        sync = torch.cuda.synchronize
+    loader = _datapipe_loader(cache, batch_size=batch_size, workers=1, crop=crop, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
     _pass(loader, batches, sync=sync)  # warm-up: output buffers allocated, memory maps faulted in
     per_round: list[dict[str, float]] = []
     ends: list[float] = []
     walls, counts = 0.0, 0
-    for _ in range(rounds):
-        per_round.append({k: _timeit(fn) / images for k, (fn, images) in timers.items()})
-        n, wall, _ = _pass(loader, batches, sync=sync)
-        ends.append(wall / max(n, 1))
-        walls, counts = walls + wall, counts + n
-    loader.close()
+    # The stages run here with one intra-op thread, as in the reader thread: with the default (one
+    # per core) torch's own ops in the augmentation waited on a busy core, doubling their time.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(rounds):
+            per_round.append({k: _timeit(fn) / images for k, (fn, images) in timers.items()})
+            n, wall, _ = _pass(loader, batches, sync=sync)
+            ends.append(wall / max(n, 1))
+            walls, counts = walls + wall, counts + n
+    finally:
+        torch.set_num_threads(threads)
+        loader.close()
     ratios = [sum(p.values()) / e for p, e in zip(per_round, ends)]
     per_image = {k: statistics.median(p[k] for p in per_round) for k in timers}
     return {
