@@ -83,7 +83,7 @@ def describe_machine() -> dict:
         "platform": env["platform"],
         "versions": {k: env[k] for k in ("datapipe", "numpy", "torch", "kornia", "zarr", "dask")},
         "decoders": env["decoders"],
-        "cpu_kernel": env["cpu_kernel"],  # the CPU loader's float conversion: compiled or torch's
+        "cpu_kernel": env["cpu_kernel"],  # the CPU loader's resize and float conversion: compiled or torch's
     }
 
 

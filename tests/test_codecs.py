@@ -11,7 +11,8 @@ import pytest
 from PIL import Image, ImageOps
 
 from datapipe import codecs
-from datapipe.codecs import DecodeSpec, apply_orientation, decode_rgb, decode_sample, jpeg_orientation, sniff
+from datapipe.codecs import (DecodeSpec, apply_orientation, decode_rgb, decode_sample, fit_image, jpeg_orientation,
+                             sniff)
 from datapipe.errors import DecodeError
 
 FULL = DecodeSpec(size=8192)  # large enough that no DCT downscaling happens
@@ -423,6 +424,21 @@ def test_dct_downscaling_decodes_fewer_pixels(imaging, monkeypatch, backend, siz
 
 
 # ----------------------------------------------------------------------------- geometry
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_fit_takes_read_only_and_mirrored_views(imaging, monkeypatch, kernel):
+    """EXIF-mirrored views (negative strides) and read-only arrays resize like a contiguous copy."""
+    from datapipe import native
+
+    if kernel == "torch":
+        monkeypatch.setattr(native, "resizer", lambda: None)
+    arr = imaging.gradient(90, 120, seed=3)
+    frozen = arr.copy()
+    frozen.flags.writeable = False
+    spec = DecodeSpec(size=48)
+    for view in (frozen, arr[::-1, ::-1], frozen[:, ::-1]):
+        assert np.array_equal(fit_image(view, spec), fit_image(np.ascontiguousarray(view), spec))
 
 
 def _three_bands(height: int, width: int, axis: int) -> np.ndarray:
