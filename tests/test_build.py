@@ -636,6 +636,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
 
 
+def the_error_line(stderr: str) -> str:
+    """The one error line of a build that logged progress before failing."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("datapipe build: error: "), stderr
+    return errors[0]
+
+
 def assert_one_line_error(stderr: str, command: str = "build") -> str:
     assert "Traceback" not in stderr, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -690,11 +698,7 @@ def test_cli_too_many_bad_files(bad_source, tmp_path, capsys):
     args = ["build", str(bad_source[0]), str(tmp_path / "o"), "--size", str(SIZE), "--scheduler", "sync",
             "--quiet", "--max-bad-fraction", "0.01"]
     assert cli_main(args) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("datapipe build: error: ")
-    assert "dog/" in errors[0]
+    assert "dog/" in the_error_line(capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("option", [["--size", "4"], ["--max-bad-fraction", "2"]], ids=["size", "fraction"])
@@ -762,11 +766,7 @@ def test_cli_os_error_mid_build_is_one_line_and_keeps_finished_shards(tmp_path, 
     args = ["build", str(source[0]), str(out), "--size", str(SIZE), "--shard-size", str(SHARD), "--scheduler",
             "sync", "--quiet"]
     assert cli_main(args) == 1
-    err = capsys.readouterr().err  # the build's progress lines, then one error line
-    assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith("datapipe build: error: "), err
-    line = errors[0]
+    line = the_error_line(capsys.readouterr().err)  # after the build's progress lines
     assert "No space left on device" in line and ".tmp-000002" in line and "rerun to resume" in line
     assert sorted(p.name for p in (out / "shards").iterdir()) == ["000000.zarr", "000001.zarr"]
     monkeypatch.setattr(storage.ShardWriter, "add", add)
