@@ -1,0 +1,500 @@
+"""Typed, validated records of every file a cache holds: read once, checked once, trusted after.
+
+Each JSON document of a cache (``manifest.json``, ``build.json``, ``report.json``) and the per-shard
+entries of the manifest are parsed here into frozen dataclasses. Whatever is on disk — a list where
+an object belongs, a null, a bool where an int belongs, NaN, a negative count, offsets that do not
+add up, a shard name that climbs out of the cache — ends in one :class:`~datapipe.errors.CacheError`
+whose single line names the file, the field and what to do. Nothing else is raised, and no name
+read from a document is ever joined to a path before it has been checked to be a plain name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CacheError
+
+FORMAT = "datapipe-cache"
+VERSION = 1
+MANIFEST = "manifest.json"
+REPORT = "report.json"
+BUILD_LOCK = "build.json"
+LABELS = "labels.npy"
+PATHS = "paths.json"
+LAYOUT = "zarr-v3-sharded, chunk = one sample, uncompressed (memory-mappable)"
+
+MAX_SIZE = 8192  # the largest sample side DecodeSpec accepts
+MAX_COUNT = 1 << 40  # far beyond any cache; keeps arithmetic on counts in int64
+MAX_JSON_BYTES = {MANIFEST: 256 << 20, BUILD_LOCK: 16 << 20, REPORT: 1 << 30}
+
+SHARD_NAME = re.compile(r"\d{6,9}\.zarr")  # what storage.shard_name writes
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # a file directly inside the cache
+HEX8 = re.compile(r"[0-9a-f]{8}")
+HEX16 = re.compile(r"[0-9a-f]{16}")
+BUILD_ID = re.compile(r"[0-9a-f]{32}")
+
+_REBUILD = "rerun the same `datapipe build` to rewrite it"
+_HINTS = {
+    MANIFEST: _REBUILD,
+    BUILD_LOCK: "rerun `datapipe build` with --force to rebuild this output, or choose another output folder",
+    REPORT: "rerun the same `datapipe build` to rewrite it (the cache itself is not affected)",
+}
+
+
+# ----------------------------------------------------------------------------- reading JSON safely
+
+
+def read_json(path: Path, *, hint: str | None = None) -> Any:
+    """The JSON document at ``path``; CacheError (one line) if it is not a regular, bounded, valid file.
+
+    Opened non-blocking and checked to be a regular file first, so a FIFO or device under a cache's
+    file name cannot hang the reader; the size is bounded; NaN and Infinity are refused.
+    """
+    hint = hint or _HINTS.get(path.name, _REBUILD)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CacheError(f"{path} is missing; {hint}") from None
+    except OSError as exc:
+        raise CacheError(f"{path} cannot be opened ({exc.strerror or exc}); {hint}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheError(f"{path} is not a regular file; {hint}")
+        limit = MAX_JSON_BYTES.get(path.name, 256 << 20)
+        if st.st_size > limit:
+            raise CacheError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} this file may hold; {hint}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise CacheError(f"{path} cannot be read ({exc.strerror or exc}); {hint}") from None
+    finally:
+        os.close(fd)
+    return parse_json(data, path, hint=hint)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(data: bytes, path: Path, *, hint: str | None = None) -> Any:
+    """Decode ``data`` (the bytes of ``path``) as strict JSON: UTF-8, no NaN/Infinity, bounded nesting."""
+    hint = hint or _HINTS.get(Path(path).name, _REBUILD)
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = _first_line(str(exc)) if not isinstance(exc, RecursionError) else "nested too deeply"
+        raise CacheError(f"{path} is not valid JSON ({reason}); {hint}") from None
+
+
+def _first_line(text: str, limit: int = 120) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+class _Fields:
+    """Typed access to one JSON object of a document; every failure is one CacheError line."""
+
+    def __init__(self, doc: Any, path: Path, where: str = "", *, hint: str | None = None) -> None:
+        self.path = path
+        self.where = where
+        self.hint = hint or _HINTS.get(Path(path).name, _REBUILD)
+        if not isinstance(doc, dict):
+            self.fail(f"is {_kind(doc)}, expected a JSON object")
+        self.doc = doc
+
+    def name(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def fail(self, problem: str, key: str | None = None):
+        what = f"field {self.name(key)!r}" if key is not None else (f"field {self.where!r}" if self.where else "the document")
+        raise CacheError(f"{self.path}: {what} {problem}; {self.hint}")
+
+    def has(self, key: str) -> bool:
+        return key in self.doc
+
+    def get(self, key: str) -> Any:
+        if key not in self.doc:
+            self.fail("is missing", key)
+        return self.doc[key]
+
+    def integer(self, key: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(f"is {_kind(value)}, expected an integer", key)
+        if not lo <= value <= hi:
+            self.fail(f"is {value}, expected an integer in [{lo}, {hi}]", key)
+        return value
+
+    def number(self, key: str, lo: float = 0.0) -> float:
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(f"is {_kind(value)}, expected a number", key)
+        if value < lo:
+            self.fail(f"is {value}, expected a number >= {lo}", key)
+        return float(value)
+
+    def text(self, key: str, pattern: re.Pattern | None = None, *, expect: str = "") -> str:
+        value = self.get(key)
+        if not isinstance(value, str):
+            self.fail(f"is {_kind(value)}, expected a string", key)
+        if pattern is not None and not pattern.fullmatch(value):
+            self.fail(f"is {_show(value)}, expected {expect or 'a string matching ' + pattern.pattern}", key)
+        return value
+
+    def obj(self, key: str) -> _Fields:
+        return _Fields(self.get(key), self.path, self.name(key), hint=self.hint)
+
+    def array(self, key: str) -> list:
+        value = self.get(key)
+        if not isinstance(value, list):
+            self.fail(f"is {_kind(value)}, expected a list", key)
+        return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return f"a string ({_show(value)})"
+    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _show(value: str) -> str:
+    return _first_line(repr(value), 60)
+
+
+def _check_marker(f: _Fields) -> None:
+    """The format name and version, checked before anything else in the document."""
+    fmt = f.get("format")
+    if fmt != FORMAT:
+        raise CacheError(f"{f.path} is not a datapipe {f.path.name} (format={_show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
+                         f"{f.hint}")
+    version = f.get("version")
+    if isinstance(version, bool) or version != VERSION:
+        raise CacheError(f"{f.path} was written by cache format version {_kind(version)}; this datapipe reads version "
+                         f"{VERSION}. Install a datapipe that matches, or rebuild the cache with this one.")
+
+
+def _build_id(f: _Fields) -> str:
+    return f.text("build_id", BUILD_ID, expect="32 lowercase hex digits") if f.has("build_id") else ""
+
+
+def config_hash(config: dict) -> str:
+    """A stable hash of the build configuration (what determines the bytes of every shard)."""
+    blob = json.dumps({"format": FORMAT, "version": VERSION, **config}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _config(f: _Fields) -> tuple[dict, str]:
+    """The build configuration and its hash, which must be the hash of that configuration."""
+    config = f.obj("config")
+    config.integer("size", 1, MAX_SIZE)
+    chash = f.text("config_hash", HEX16, expect="16 lowercase hex digits")
+    if chash != config_hash(config.doc):
+        f.fail(f"is {chash}, which is not the hash of the config the file holds", "config_hash")
+    return config.doc, chash
+
+
+# ----------------------------------------------------------------------------- the records
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One shard as the manifest lists it: its folder name, its samples' global range and its data file."""
+
+    name: str
+    count: int
+    first: int
+    nbytes: int
+    crc32c: str
+    inputs_hash: str = ""
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "count": self.count, "first": self.first, "nbytes": self.nbytes,
+                "crc32c": self.crc32c, "inputs_hash": self.inputs_hash}
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """An index file of the cache (labels, paths): a plain name inside the cache and its crc32c."""
+
+    name: str
+    crc32c: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "crc32c": self.crc32c}
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """Where a build read from."""
+
+    root: str
+    kind: str
+
+    def to_json(self) -> dict:
+        return {"root": self.root, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json``: the contract between the build and the loader (see :func:`parse_manifest`)."""
+
+    config: dict
+    config_hash: str
+    num_samples: int
+    classes: tuple[str, ...]
+    source: SourceRecord
+    files: dict[str, FileRecord]
+    shards: tuple[ShardRecord, ...]
+    build_id: str = ""
+    layout: str = LAYOUT
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def size(self) -> int:
+        return int(self.config["size"])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.size, self.size, 3)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all shard data files."""
+        return sum(s.nbytes for s in self.shards)
+
+    def to_json(self) -> dict:
+        doc = {
+            "format": self.format,
+            "version": self.version,
+            "config": json.loads(json.dumps(self.config)),
+            "config_hash": self.config_hash,
+            "sample": {"shape": list(self.shape), "dtype": "uint8", "layout": self.layout},
+            "num_samples": self.num_samples,
+            "classes": list(self.classes),
+            "source": self.source.to_json(),
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "shards": [s.to_json() for s in self.shards],
+        }
+        if self.build_id:
+            doc["build_id"] = self.build_id
+        return doc
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """``build.json``: the marker a build writes into its output before anything else."""
+
+    config: dict
+    config_hash: str
+    build_id: str = ""
+    source: dict = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = VERSION
+
+    def to_json(self) -> dict:
+        doc = {"format": self.format, "version": self.version, "config": json.loads(json.dumps(self.config)),
+               "config_hash": self.config_hash}
+        if self.build_id:
+            doc["build_id"] = self.build_id
+        if self.source:
+            doc["source"] = dict(self.source)
+        return doc
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    """The parts of ``report.json`` that ``datapipe info`` shows."""
+
+    status: str
+    quarantined: tuple[dict, ...]
+    images_per_second: float
+    workers: int
+
+
+# ----------------------------------------------------------------------------- parsers
+
+
+def parse_manifest(doc: Any, path: Path) -> Manifest:
+    """Check every field of a manifest document and cross-check counts, offsets, sizes and names."""
+    from .storage import expected_file_size
+
+    f = _Fields(doc, path)
+    _check_marker(f)
+    config, chash = _config(f)
+    size = int(config["size"])
+    sample = f.obj("sample")
+    shape = sample.get("shape")
+    if shape != [size, size, 3] or any(isinstance(v, bool) for v in shape):
+        sample.fail(f"is {_first_line(json.dumps(shape), 60)}, expected [{size}, {size}, 3] (config.size {size})", "shape")
+    sample.text("dtype", re.compile("uint8"), expect="'uint8'")
+    layout = sample.text("layout") if sample.has("layout") else LAYOUT
+    num_samples = f.integer("num_samples")
+    classes = _classes(f)
+    src = f.obj("source")
+    source = SourceRecord(root=src.text("root"), kind=src.text("kind"))
+    files = _files(f)
+    shards = _shards(f, size, expected_file_size)
+    total = sum(s.count for s in shards)
+    if total != num_samples:
+        f.fail(f"is {num_samples}, but the shards' counts add up to {total}", "num_samples")
+    return Manifest(config=config, config_hash=chash, num_samples=num_samples, classes=classes, source=source,
+                    files=files, shards=shards, build_id=_build_id(f), layout=layout)
+
+
+def _classes(f: _Fields) -> tuple[str, ...]:
+    classes = f.array("classes")
+    seen: set[str] = set()
+    for i, c in enumerate(classes):
+        if not isinstance(c, str):
+            f.fail(f"is {_kind(c)}, expected a class name (string)", f"classes[{i}]")
+        if c in seen:
+            f.fail(f"repeats the class {_show(c)}", f"classes[{i}]")
+        seen.add(c)
+    return tuple(classes)
+
+
+def _files(f: _Fields) -> dict[str, FileRecord]:
+    files = f.obj("files")
+    for key in ("labels", "paths"):
+        files.get(key)
+    out = {}
+    for key in files.doc:
+        entry = files.obj(key)
+        out[key] = FileRecord(name=entry.text("name", PLAIN_NAME, expect="a plain file name inside the cache"),
+                              crc32c=entry.text("crc32c", HEX8, expect="8 lowercase hex digits"))
+    names = [r.name for r in out.values()]
+    if len(set(names)) != len(names):
+        files.fail("names one file twice")
+    return out
+
+
+def _shards(f: _Fields, size: int, expected_file_size) -> tuple[ShardRecord, ...]:
+    shards = f.array("shards")
+    out, first, names = [], 0, set()
+    for i, raw in enumerate(shards):
+        s = _Fields(raw, f.path, f"shards[{i}]", hint=f.hint)
+        name = s.text("name", SHARD_NAME, expect="a shard folder name like '000000.zarr'")
+        if name in names:
+            s.fail(f"repeats the shard {name}", "name")
+        names.add(name)
+        count = s.integer("count")
+        if s.integer("first") != first:
+            s.fail(f"is {s.doc['first']}, expected {first} (the sum of the previous shards' counts)", "first")
+        expected = expected_file_size(count, size)
+        if s.integer("nbytes") != expected:
+            s.fail(f"is {s.doc['nbytes']}, expected {expected} for {count} samples of {size}x{size}", "nbytes")
+        crc = s.text("crc32c", HEX8, expect="8 lowercase hex digits")
+        inputs_hash = s.text("inputs_hash") if s.has("inputs_hash") else ""
+        out.append(ShardRecord(name=name, count=count, first=first, nbytes=expected, crc32c=crc, inputs_hash=inputs_hash))
+        first += count
+        if first > MAX_COUNT:
+            s.fail(f"brings the sample count past {MAX_COUNT}", "count")
+    return tuple(out)
+
+
+def parse_build_record(doc: Any, path: Path) -> BuildRecord:
+    """Check a ``build.json`` document (format, version, config, config_hash; build_id and source if present)."""
+    f = _Fields(doc, path)
+    _check_marker(f)
+    config, chash = _config(f)
+    source: dict = {}
+    if f.has("source"):
+        src = f.obj("source")
+        source = {key: src.text(key) for key in src.doc}
+    return BuildRecord(config=config, config_hash=chash, build_id=_build_id(f), source=source)
+
+
+def parse_report(doc: Any, path: Path) -> ReportRecord:
+    """Check the fields of ``report.json`` that ``datapipe info`` reads."""
+    f = _Fields(doc, path)
+    status = f.text("status")
+    quarantined = []
+    for i, raw in enumerate(f.array("quarantined")):
+        q = _Fields(raw, path, f"quarantined[{i}]", hint=f.hint)
+        entry = {"path": q.text("path"), "reason": q.text("reason")}
+        if q.has("error"):
+            entry["error"] = q.text("error")
+        quarantined.append(entry)
+    return ReportRecord(status=status, quarantined=tuple(quarantined),
+                        images_per_second=f.number("images_per_second"), workers=f.integer("workers"))
+
+
+# ----------------------------------------------------------------------------- files of a folder
+
+
+def read_manifest(folder: Path) -> Manifest:
+    path = Path(folder) / MANIFEST
+    return parse_manifest(read_json(path), path)
+
+
+def read_report(folder: Path) -> ReportRecord | None:
+    """The folder's report.json, or None if there is none."""
+    path = Path(folder) / REPORT
+    if not os.path.lexists(path):
+        return None
+    return parse_report(read_json(path), path)
+
+
+def _marker(path: Path) -> Any | None:
+    """The parsed document at ``path`` if it carries the datapipe marker, else None (never raises).
+
+    The marker: a JSON object with format == "datapipe-cache", an integer version and, when present,
+    a build_id of 32 lowercase hex digits.
+    """
+    try:
+        doc = read_json(path)
+    except CacheError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return None
+    version = doc.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        return None
+    build_id = doc.get("build_id", "")
+    if build_id != "" and not (isinstance(build_id, str) and BUILD_ID.fullmatch(build_id)):
+        return None
+    return doc
+
+
+def is_datapipe_output(folder: str | os.PathLike) -> bool:
+    """True only when ``folder``'s build.json or manifest.json carries the datapipe marker.
+
+    A user's own ``manifest.json`` or ``build.json`` (anything without format "datapipe-cache", an
+    integer version and a well-formed build_id when one is given) gives False.
+    """
+    folder = Path(folder)
+    return any(os.path.lexists(folder / name) and _marker(folder / name) is not None for name in (BUILD_LOCK, MANIFEST))
+
+
+def read_build_record(folder: str | os.PathLike) -> BuildRecord | None:
+    """The folder's build.json as a BuildRecord; None when there is none or it is not datapipe's.
+
+    Raises:
+        CacheError: build.json carries the datapipe marker but is damaged or of another version.
+    """
+    path = Path(folder) / BUILD_LOCK
+    if not os.path.lexists(path):
+        return None
+    doc = _marker(path)
+    if doc is None:
+        return None
+    return parse_build_record(doc, path)
