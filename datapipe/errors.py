@@ -62,6 +62,10 @@ class StateError(DatapipeError, ValueError):
     """A saved loader state cannot be restored (unknown version, other dataset, other batch size)."""
 
 
+class ArgumentError(DatapipeError, ValueError):
+    """A loader or bench argument has the wrong type or is out of range (the message names it)."""
+
+
 def quarantine_counts(entries) -> dict[str, int]:
     """Quarantine entries (``{"path", "error", "reason"}``) counted by class, most first."""
     counts: dict[str, int] = {}
