@@ -33,17 +33,42 @@ _MAGIC = (
     (b"BM", "bmp"),
     (b"II*\x00", "tiff"),
     (b"MM\x00*", "tiff"),
+    (b"II+\x00", "tiff"),  # BigTIFF
+    (b"MM\x00+", "tiff"),
+    (b"II\x00*", "tiff"),  # byte order and magic disagree: Pillow reads these too
+    (b"MM*\x00", "tiff"),
 )
+# Pillow's plugin for each sniffed format: a file is only ever opened as what its content says.
+_PILLOW_FORMATS = {"jpeg": "JPEG", "png": "PNG", "gif": "GIF", "bmp": "BMP", "dib": "DIB", "tiff": "TIFF", "webp": "WEBP"}
+_DIB_HEADERS = (12, 40, 52, 56, 64, 108, 124)  # BITMAPCOREHEADER, BITMAPINFOHEADER ... BITMAPV5HEADER
+_DIB_DEPTHS = (1, 2, 4, 8, 16, 24, 32)
 
 
 def sniff(head: bytes) -> str | None:
-    """Return the image format named by the first bytes of a file, or None if it is not an image."""
+    """Return the image format named by the first bytes of a file (16 are enough), or None if it is not an image."""
     for magic, name in _MAGIC:
         if head.startswith(magic):
             return name
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "webp"
+    if _is_dib(head):
+        return "dib"
     return None
+
+
+def _is_dib(head: bytes) -> bool:
+    """A bare device-independent bitmap (a .dib, a BMP without its 14-byte file header).
+
+    Pillow accepts any file whose first 4 bytes are one of the header sizes; a plane count of 1 and a
+    valid bit depth are checked too, so that little else passes for one.
+    """
+    if len(head) < 16:
+        return False
+    size = struct.unpack("<I", head[:4])[0]
+    if size not in _DIB_HEADERS:
+        return False
+    planes, depth = struct.unpack("<HH", head[8:12] if size == 12 else head[12:16])
+    return planes == 1 and depth in _DIB_DEPTHS
 
 
 @dataclass(frozen=True)
@@ -176,7 +201,7 @@ def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = N
 
     Input and output stay channels-last (H×W×3 in memory): with an ``out=`` tensor in that layout
     torch skips two transposing copies (0.2 ms instead of 0.5 ms). A cropped view is read in place;
-    only views with negative strides (mirrored by EXIF) are copied.
+    any other view (mirrored or transposed by EXIF orientation) is first copied, see :func:`_packed`.
     """
     if out is None:
         out = np.empty((height, width, 3), np.uint8)
@@ -185,8 +210,7 @@ def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = N
         return out
     from datapipe import native
 
-    if min(img.strides) < 0:  # both kernels need positive strides
-        img = np.ascontiguousarray(img)
+    img = _packed(img)
     if native.resize(img, out):  # the compiled kernel: the same pixels as torch's, ~1.7x faster
         return out
     if not img.flags.writeable:  # torch.from_numpy needs writable memory
@@ -207,6 +231,19 @@ def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = N
         res = F.interpolate(src, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
         dst.copy_(res)
     return out
+
+
+def _packed(img: np.ndarray) -> np.ndarray:
+    """``img`` itself where both resize kernels read it as is — rows at a positive stride, pixels
+    3 bytes apart, channels adjacent (a crop of a decoded image) — else a contiguous copy.
+
+    The compiled kernel takes nothing else; torch's takes more, but copying for both keeps one rule.
+    EXIF orientations 2–8 give such views: mirrored (negative strides) or transposed (pixels a row apart).
+    """
+    rows, pixels, channels = img.strides
+    if pixels == 3 and channels == 1 and rows >= 3 * img.shape[1] and img.dtype == np.uint8:
+        return img
+    return np.ascontiguousarray(img, dtype=np.uint8)
 
 
 def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None) -> np.ndarray:
@@ -246,32 +283,60 @@ def dct_factor(height: int, width: int, spec: DecodeSpec) -> int:
 # ----------------------------------------------------------------------------- colour
 
 
-def _to_rgb(img) -> np.ndarray:
-    """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3."""
+_WIDE = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # integer samples read as 0..65535
+_ALPHA = ("RGBA", "LA", "PA")  # straight alpha: Pillow converts these to RGBA exactly
+_PREMULTIPLIED = {"RGBa": 3, "La": 1}  # colour already multiplied by alpha: composited as is
 
+
+def _to_rgb(img) -> np.ndarray:
+    """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3.
+
+    Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
+    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255); float is
+    clipped to 0..255 unless all of it lies in 0..1, then scaled; anything with alpha or a
+    ``transparency`` entry (palette, gray, RGB and 16-bit PNGs with tRNS, GIFs) is composited onto
+    :data:`BACKGROUND`; every other mode (P, CMYK, YCbCr, LAB, HSV) takes Pillow's conversion to RGB.
+    """
     mode = img.mode
+    transparency = img.info.get("transparency")
+    if mode in _WIDE:
+        arr = np.asarray(img)
+        gray = ((np.clip(arr.astype(np.int64), 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
+        alpha = None
+        if isinstance(transparency, int) and not isinstance(transparency, bool):
+            alpha = np.where(arr == transparency, 0, 255).astype(np.uint8)  # a 16-bit tRNS names one value
+        return _over_background(np.repeat(gray[..., None], 3, axis=2), alpha)
+    if mode == "F":
+        arr = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+        if arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
+            arr = arr * 255.0
+        gray = np.clip(arr, 0, 255).round().astype(np.uint8)
+        return np.repeat(gray[..., None], 3, axis=2)
+    if mode in _PREMULTIPLIED:
+        arr = np.asarray(img)
+        colour = arr[..., :3] if mode == "RGBa" else np.repeat(arr[..., :1], 3, axis=2)
+        alpha = arr[..., _PREMULTIPLIED[mode]][..., None]
+        # premultiplied over white: colour + 255 * (1 - alpha), no rounding to undo
+        return np.minimum(colour.astype(np.uint16) + (255 - alpha), 255).astype(np.uint8)
+    if mode in _ALPHA or transparency is not None:
+        rgba = np.asarray(img.convert("RGBA"))
+        return _over_background(rgba[..., :3], rgba[..., 3])
     if mode == "RGB":
         return np.asarray(img)
-    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
-        arr = np.asarray(img)
-        if mode == "F":
-            arr = np.clip(arr * (255.0 if arr.max(initial=0) <= 1.0 else 1.0), 0, 255)
-            gray = arr.round().astype(np.uint8)
-        else:
-            # 16-bit data is scaled to 8 bits (65535 -> 255), never clipped.
-            gray = ((np.clip(arr.astype(np.int64), 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
-        return np.repeat(gray[..., None], 3, axis=2)
-    if mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
-        mode = "RGBA"
-    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = np.asarray(img.convert("RGBA"), dtype=np.uint16)
-        alpha = rgba[..., 3:4]
-        bg = np.array(BACKGROUND, np.uint16)
-        return ((rgba[..., :3] * alpha + bg * (255 - alpha) + 127) // 255).astype(np.uint8)
     if mode == "L":
         return np.repeat(np.asarray(img)[..., None], 3, axis=2)
+    if mode == "1":
+        return np.repeat(np.asarray(img).astype(np.uint8)[..., None] * np.uint8(255), 3, axis=2)
     return np.asarray(img.convert("RGB"))
+
+
+def _over_background(rgb: np.ndarray, alpha: np.ndarray | None) -> np.ndarray:
+    """Composite straight-alpha uint8 ``rgb`` (H×W×3) with ``alpha`` (H×W) onto :data:`BACKGROUND`."""
+    if alpha is None:
+        return rgb
+    a = alpha.astype(np.uint16)[..., None]
+    bg = np.array(BACKGROUND, np.uint16)
+    return ((rgb.astype(np.uint16) * a + bg * (255 - a) + 127) // 255).astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -293,37 +358,136 @@ def _buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
+# libjpeg-turbo's warnings that mean pixels are missing or wrong: the scan data ends early (the rest
+# would be filled in grey), or does not decode. Every other warning — junk bytes between markers,
+# a bad ICC profile chunk, an unknown JFIF version, a bogus Adobe transform — leaves the pixels intact.
+_JPEG_DAMAGE = ("premature end of jpeg file", "premature end of data segment", "bad huffman code",
+                "bad arithmetic code", "instead of rst")
+_JPEG_SEGMENT_MARKERS = frozenset(range(0xC0, 0xFF)) - frozenset(range(0xD0, 0xDA))  # not RSTn, SOI, EOI
+
+
+def _jpeg_damage(exc: ValueError, what: str = "JPEG") -> DecodeError | None:
+    """The DecodeError for a libjpeg-turbo message that means damaged pixels, else None (recoverable)."""
+    message = str(exc)
+    lowered = message.lower()
+    if "premature end of jpeg file" in lowered:
+        return DecodeError(f"truncated {what}: {message}")
+    if any(sign in lowered for sign in _JPEG_DAMAGE):
+        return DecodeError(f"corrupt {what} (damaged scan data): {message}")
+    return None
+
+
+def _clean_jpeg_header(data: bytes) -> bytes:
+    """``data`` with what libjpeg-turbo warns about before the first scan removed: junk bytes between
+    segments (it skips them too, with a warning) and ICC profile chunks (APP2 ``ICC_PROFILE``; neither
+    datapipe nor Pillow's conversion applies them, and a malformed one is a warning).
+
+    With the header clean, a strict decode still reports anything wrong in the scan data. Unchanged
+    ``data`` comes back when the header cannot be walked (the decode then says why).
+    """
+    out = bytearray(data[:2])
+    pos, n = 2, len(data)
+    while pos + 4 <= n:
+        if data[pos] != 0xFF or data[pos + 1] == 0x00 or data[pos + 1] not in _JPEG_SEGMENT_MARKERS | {0xFF}:
+            nxt = data.find(b"\xff", pos + 1)  # junk, as libjpeg's next_marker() skips it
+            if nxt < 0:
+                return data
+            pos = nxt
+            continue
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        length = struct.unpack(">H", data[pos + 2 : pos + 4])[0]
+        if length < 2:
+            return data
+        if marker == 0xDA:  # start of scan: the rest is entropy-coded data, kept as it is
+            out += data[pos:]
+            return bytes(out)
+        if not (marker == 0xE2 and data[pos + 4 : pos + 16] == b"ICC_PROFILE\x00"):
+            out += data[pos : pos + 2 + length]
+        pos += 2 + length
+    return data
+
+
+def _jpeg_header(sj, data: bytes) -> tuple[bytes, tuple]:
+    """(the bytes to decode, their header): ``data`` itself, or with a header that libjpeg-turbo warns
+    about cleaned (:func:`_clean_jpeg_header`). Raises DecodeError when neither has a readable header."""
+    try:
+        return data, sj.decode_jpeg_header(data)
+    except ValueError as exc:
+        damage = _jpeg_damage(exc)
+        if damage is not None:
+            raise damage from None
+        first = exc
+    cleaned = _clean_jpeg_header(data)
+    for strict in (True, False):
+        try:
+            return cleaned, sj.decode_jpeg_header(cleaned, strict=strict)
+        except ValueError:
+            continue
+    raise DecodeError(f"corrupt JPEG header: {first}") from None
+
+
+def _jpeg_pixels(sj, data: bytes, what: str = "JPEG", **kwargs) -> np.ndarray:
+    """libjpeg-turbo's full decode of ``data``, strict first (the common case: no warning at all).
+
+    A warning that means damaged pixels is a DecodeError; any other warning is recoverable, and the
+    pixels come from a decode that lets it pass (libjpeg-turbo skips what it warned about, as Pillow's
+    libjpeg does). Scan damage reported only after such a warning is not seen — see :data:`_JPEG_DAMAGE`.
+    """
+    try:
+        return sj.decode_jpeg(data, strict=True, **kwargs)
+    except ValueError as exc:
+        damage = _jpeg_damage(exc, what)
+        if damage is not None:
+            raise damage from None
+        first = exc
+    try:
+        return sj.decode_jpeg(data, strict=False, **kwargs)
+    except ValueError:
+        raise DecodeError(f"corrupt {what}: {first}") from None
+
+
 def _decode_simplejpeg(sj, data: bytes, spec: DecodeSpec, reuse: bool = False) -> np.ndarray | None:
-    """Decode with libjpeg-turbo; None when the JPEG needs Pillow (CMYK/YCCK).
+    """Decode with libjpeg-turbo; None when the JPEG needs Pillow (CMYK/YCCK, or a file only Pillow reads).
 
     With ``reuse`` the pixels land in this thread's scratch buffer (valid until its next decode).
     """
     try:
-        height, width, colorspace, _ = sj.decode_jpeg_header(data)
-    except ValueError as exc:
-        raise DecodeError(f"corrupt JPEG header: {exc}") from None
+        data, (height, width, colorspace, _) = _jpeg_header(sj, data)
+    except DecodeError:
+        if _pillow_reads(data):  # a JPEG feature this libjpeg-turbo lacks, such as 12-bit samples
+            return None
+        raise
     _check_pixels(width, height, spec)
     if colorspace in ("CMYK", "YCCK"):
         # Pillow converts the colours (Adobe's inverted CMYK included) but tolerates damaged scan
-        # data, so the file is first fully decoded here, strictly, to reject what any backend would.
-        try:
-            sj.decode_jpeg(data, colorspace="CMYK", strict=True)
-        except ValueError as exc:
-            raise DecodeError(f"corrupt or truncated JPEG ({colorspace}): {exc}") from None
+        # data, so the file is first fully decoded here, under the same rules as any JPEG.
+        _jpeg_pixels(sj, data, f"JPEG ({colorspace})", colorspace="CMYK")
         return None
     factor = dct_factor(height, width, spec)
     min_h, min_w = -(-height // factor), -(-width // factor)
-    try:
-        buffer = None
-        if reuse:
-            out_h, out_w = (height, width) if factor == 1 else sj.decode_jpeg_header(
-                data, min_height=min_h, min_width=min_w)[:2]
-            buffer = _buffer(out_h * out_w * 3)
-        img = sj.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True,
-                             buffer=buffer)
-    except ValueError as exc:
-        raise DecodeError(f"corrupt or truncated JPEG: {exc}") from None
+    buffer = None
+    if reuse:
+        out_h, out_w = (height, width) if factor == 1 else sj.decode_jpeg_header(
+            data, min_height=min_h, min_width=min_w, strict=False)[:2]
+        buffer = _buffer(out_h * out_w * 3)
+    img = _jpeg_pixels(sj, data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=buffer)
     return apply_orientation(img, jpeg_orientation(data))
+
+
+def _pillow_reads(data: bytes) -> bool:
+    """Whether Pillow fully decodes these bytes (for the rare JPEG that libjpeg-turbo here refuses)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
+            _check_pixels(img.width, img.height, DecodeSpec())
+            img.load()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "no": the caller reports libjpeg-turbo's reason
+        return False
 
 
 def _check_pixels(width: int, height: int, spec: DecodeSpec) -> None:
@@ -337,6 +501,8 @@ def _check_pixels(width: int, height: int, spec: DecodeSpec) -> None:
 
 
 def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
+    """Decode with Pillow: the first frame, fully (truncated data is refused: LOAD_TRUNCATED_IMAGES
+    stays off), then orientation as ``ImageOps.exif_transpose`` would apply it."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -345,17 +511,15 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data), formats=[_PILLOW_FORMATS[fmt]])
             _check_pixels(img.width, img.height, spec)
             if fmt == "jpeg":
-                orientation = jpeg_orientation(data)
                 factor = dct_factor(img.height, img.width, spec)
                 if factor > 1:
                     img.draft(img.mode, (-(-img.width // factor), -(-img.height // factor)))
-            else:
-                orientation = _pillow_orientation(img)
-            img.seek(0)  # first frame of animations
-            img.load()  # a full decode: truncated and corrupt data fail here
+            img.load()  # a full decode of the first frame: truncated and corrupt data fail here
+            # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
+            orientation = jpeg_orientation(data) if fmt == "jpeg" else _pillow_orientation(img)
             rgb = _to_rgb(img)
     except DecodeError:
         raise
@@ -363,7 +527,8 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
         raise DecodeError(f"decompression bomb: {exc}", "too-large") from None
     except UnidentifiedImageError as exc:
         raise DecodeError(f"not a readable {fmt.upper()} image: {exc}") from None
-    except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError) as exc:
+    except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError, KeyError, TypeError,
+            ZeroDivisionError, OverflowError, MemoryError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
     return apply_orientation(rgb, orientation)
 
@@ -395,6 +560,7 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = Fa
             img = _decode_simplejpeg(sj, data, spec, reuse=_reuse)
             if img is not None:
                 return img
+            data = _clean_jpeg_header(data)
     return _decode_pillow(data, fmt, spec)
 
 
