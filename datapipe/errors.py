@@ -15,6 +15,10 @@ class OutputError(DatapipeError, OSError):
     """The output folder cannot be created or written."""
 
 
+class OutputBusyError(OutputError):
+    """Another build holds the output folder's lock."""
+
+
 class ConfigMismatchError(DatapipeError, ValueError):
     """An output folder already holds a build made with a different configuration."""
 

@@ -3,14 +3,25 @@
 Order and labels are deterministic: records are sorted by their path relative to the source root,
 and the class index is the position of the class name in the sorted list of class names. Only
 paths, labels, sizes and modification times are gathered here — never image bytes.
+
+Nothing is lost silently: every file with an image extension (every row of a CSV) ends up either as
+a record or in ``dropped`` with a quarantine class and a reason; other files and the directory links
+that are not followed are listed in ``ignored``.
+
+Folder scans follow file symlinks and follow a directory symlink only when it leads outside the
+source root into a directory not visited yet (tracked by device and inode), so a scan always ends
+and each real directory is read at most once.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
+import posixpath
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +30,17 @@ from .errors import SourceError
 IMAGE_EXTENSIONS = frozenset(
     ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp".split()
 )
+# A CSV's first row is a header when its first cell (stripped, case-folded) is one of these names
+# and no file of that name exists beside the CSV.
+HEADER_NAMES = frozenset(
+    "path paths file files filename file_name filepath file_path image images image_path image_name img "
+    "relpath rel_path relative_path name fname".split()
+)
+MAX_CSV_BYTES = 1 << 30  # a listing of ~10 M rows; anything larger is not a path,label list
+
+# Byte-order marks of encodings a CSV of path,label rows is refused in (checked longest first).
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"), (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+               (b"\xff\xfe", "UTF-16 (little-endian)"), (b"\xfe\xff", "UTF-16 (big-endian)"))
 
 
 @dataclass
@@ -31,11 +53,17 @@ class Listing:
     paths: list[str]  # relative to root, '/'-separated, sorted
     labels: list[int]
     stats: list[tuple[int, int]]  # (size, mtime_ns) per path; (-1, -1) when it cannot be read
-    ignored: list[str] = field(default_factory=list)  # files skipped for their extension
-    dropped: list[dict] = field(default_factory=list)  # list entries rejected at scan time
+    ignored: list[str] = field(default_factory=list)  # files skipped for their extension, links not followed
+    dropped: list[dict] = field(default_factory=list)  # entries quarantined at scan time (path, error, reason)
+    source: Path | None = None  # the resolved folder or CSV file: the build's identity
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    @property
+    def identity(self) -> dict[str, str]:
+        """What the build was made from: the resolved source path and its kind."""
+        return {"path": str(self.source or self.root.resolve()), "kind": self.kind}
 
 
 def scan(source: str | os.PathLike) -> Listing:
@@ -53,7 +81,8 @@ def scan(source: str | os.PathLike) -> Listing:
         listing = _scan_folder(src)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
-    if not listing.paths:
+    listing.source = src.resolve()
+    if not listing.paths and not listing.dropped:
         hint = (f" ({len(listing.ignored)} files skipped for their extension, e.g. {listing.ignored[:3]})"
                 if listing.ignored else "")
         raise SourceError(f"source {src} holds no image files{hint}; expected "
@@ -62,8 +91,14 @@ def scan(source: str | os.PathLike) -> Listing:
 
 
 def _is_cache(folder: Path) -> bool:
-    """A datapipe output (finished or not) is never a class, even when written inside the source."""
-    return (folder / "build.json").exists() or (folder / "manifest.json").exists()
+    """A datapipe output (finished or not) is never a class, even when written inside the source.
+
+    Recognised only by its datapipe marker: a class folder holding a file of its own named
+    ``manifest.json`` or ``build.json`` stays a class.
+    """
+    from .records import is_datapipe_output
+
+    return is_datapipe_output(folder)
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -74,64 +109,244 @@ def _stat(path: Path) -> tuple[int, int]:
         return -1, -1
 
 
-def _scan_folder(root: Path) -> Listing:
+def shown(name: str) -> str:
+    """A path as text that JSON and a terminal can carry: bytes that are not UTF-8 as ``\\xNN``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def _valid_utf8(name: str) -> bool:
     try:
-        class_dirs = sorted(e.name for e in os.scandir(root)
-                            if e.is_dir() and not e.name.startswith(".") and not _is_cache(Path(e.path)))
-    except PermissionError as exc:
-        raise SourceError(f"source {root} cannot be read: {exc}") from None
-    records: list[tuple[str, int]] = []
-    ignored: list[str] = []
-    for label, name in enumerate(class_dirs):
-        for dirpath, dirnames, filenames in os.walk(root / name, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            rel_dir = Path(dirpath).relative_to(root).as_posix()
-            for fname in filenames:
-                if fname.startswith("."):
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _kind_of(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def not_regular(mode: int) -> dict[str, str]:
+    """The quarantine entry of a path that is not a regular file (never opened: it could block)."""
+    return {"error": "unreadable", "reason": f"not a regular file: {_kind_of(mode)}"}
+
+
+def bad_name(rel: str) -> dict[str, str]:
+    return {"path": shown(rel), "error": "unreadable",
+            "reason": f"the file name is not valid UTF-8 ({shown(rel)}); rename it to build it"}
+
+
+class _Walker:
+    """One scan of a folder source; ``visited`` holds (st_dev, st_ino) of every directory read."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.real_root = os.path.realpath(root)
+        st = os.stat(root)
+        self.visited: set[tuple[int, int]] = {(st.st_dev, st.st_ino)}
+        self.records: list[tuple[str, int]] = []
+        self.ignored: list[str] = []
+        self.dropped: list[dict] = []
+
+    def enter(self, path: str, rel: str, *, is_link: bool) -> bool:
+        """Whether to read the directory at ``path``: once per real directory; a link only if it leads
+        outside the source root (everything inside the root is read through its real path)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            self.ignored.append(shown(rel) + "/")
+            return False
+        key = (st.st_dev, st.st_ino)
+        inside = is_link and (os.path.realpath(path) + os.sep).startswith(self.real_root + os.sep)
+        if key in self.visited or inside:
+            self.ignored.append(shown(rel) + "/ (directory link not followed: it leads into a folder already scanned)")
+            return False
+        self.visited.add(key)
+        return True
+
+    def walk(self, top: str, rel_top: str, label: int) -> None:
+        stack = [(top, rel_top)]
+        while stack:
+            folder, rel_folder = stack.pop()
+            try:
+                entries = sorted(os.scandir(folder), key=lambda e: e.name, reverse=True)
+            except OSError as exc:
+                self.dropped.append({"path": shown(rel_folder) + "/", "error": "unreadable",
+                                     "reason": f"folder cannot be read: {exc.strerror or exc}"})
+                continue
+            for entry in entries:
+                if entry.name.startswith("."):
                     continue
-                rel = f"{rel_dir}/{fname}"
-                if os.path.splitext(fname)[1].lower() in IMAGE_EXTENSIONS:
-                    records.append((rel, label))
-                else:
-                    ignored.append(rel)
-    for entry in os.scandir(root):
-        if entry.is_file() and not entry.name.startswith("."):
-            ignored.append(entry.name)
-    records.sort()
+                rel = f"{rel_folder}/{entry.name}"
+                self.visit(entry, rel, label, stack)
+
+    def visit(self, entry: os.DirEntry, rel: str, label: int, stack: list) -> None:
+        try:
+            is_link = entry.is_symlink()
+            mode = os.stat(entry.path).st_mode
+        except OSError:  # a dangling link or a permission problem: read time reports it
+            mode = None
+        if mode is not None and stat.S_ISDIR(mode):
+            if self.enter(entry.path, rel, is_link=is_link):
+                stack.append((entry.path, rel))
+            return
+        if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+            self.ignored.append(shown(rel))
+        elif not _valid_utf8(rel):
+            self.dropped.append(bad_name(rel))
+        elif mode is not None and not stat.S_ISREG(mode):
+            self.dropped.append({"path": rel, **not_regular(mode)})
+        else:
+            self.records.append((rel, label))
+
+
+def _scan_folder(root: Path) -> Listing:
+    walker = _Walker(root)
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError as exc:
+        raise SourceError(f"source {root} cannot be read: {exc.strerror or exc}") from None
+    class_dirs: list[os.DirEntry] = []
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            is_dir = False
+        if not is_dir:
+            walker.ignored.append(shown(entry.name))
+        elif not _is_cache(Path(entry.path)):
+            class_dirs.append(entry)
+    classes = [e.name for e in class_dirs if _valid_utf8(e.name)]  # others: their files are quarantined
+    # Real class folders are read before linked ones, so a class linked to another is the one left empty.
+    for entry in sorted(class_dirs, key=lambda e: (e.is_symlink(), e.name)):
+        label = classes.index(entry.name) if _valid_utf8(entry.name) else -1
+        if walker.enter(entry.path, entry.name, is_link=False):
+            walker.walk(entry.path, entry.name, label)
+    bad_class = [r for r in walker.records if r[1] < 0]
+    walker.dropped.extend(bad_name(rel) for rel, _ in bad_class)
+    records = sorted(r for r in walker.records if r[1] >= 0)
     paths = [p for p, _ in records]
     return Listing(
-        root=root, kind="folder", classes=class_dirs, paths=paths, labels=[lab for _, lab in records],
-        stats=[_stat(root / p) for p in paths], ignored=sorted(ignored),
+        root=root, kind="folder", classes=classes, paths=paths, labels=[lab for _, lab in records],
+        stats=[_stat(root / p) for p in paths], ignored=sorted(walker.ignored),
+        dropped=sorted(walker.dropped, key=lambda q: q["path"]),
     )
+
+
+# ----------------------------------------------------------------------------- CSV lists
+
+
+def _csv_text(csv_path: Path) -> str:
+    """The CSV's text: UTF-8 with or without a byte-order mark; other encodings refused by name."""
+    try:
+        fd = os.open(csv_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceError(f"source {csv_path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceError(f"source {csv_path} is {_kind_of(st.st_mode)}, not a CSV file")
+        if st.st_size > MAX_CSV_BYTES:
+            raise SourceError(f"source {csv_path} is {st.st_size:,} bytes, over the {MAX_CSV_BYTES:,} a CSV of "
+                              "path,label rows may hold; is it the right file?")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CSV_BYTES + 1)
+    except OSError as exc:
+        raise SourceError(f"source {csv_path} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    for bom, encoding in _OTHER_BOMS:
+        if data.startswith(bom):
+            raise SourceError(f"{csv_path} is {encoding} text; save it as UTF-8 (in Excel: 'CSV UTF-8') and rerun")
+    try:
+        return data.decode("utf-8-sig")  # Excel's "CSV UTF-8" starts with a byte-order mark
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SourceError(f"{csv_path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                          "save the CSV as UTF-8 and rerun") from None
+
+
+def _is_header(row: list[str], root: Path) -> bool:
+    """The documented header rule: the first row's first cell names a column (see HEADER_NAMES),
+    not a file that exists beside the CSV."""
+    cell = row[0].strip().lstrip("\ufeff").strip()
+    return cell.casefold() in HEADER_NAMES and not os.path.lexists(root / cell)
+
+
+def _relative(cell: str, csv_path: Path, lineno: int) -> str:
+    """A CSV path cell as a normalised '/'-separated path inside the CSV's folder, or SourceError."""
+    path = cell.strip()
+    if not path:
+        raise SourceError(f"{csv_path}:{lineno}: empty path; every row must be 'path,label'")
+    if "\x00" in path:
+        raise SourceError(f"{csv_path}:{lineno}: the path holds a NUL character; write plain 'path,label' rows")
+    if os.path.isabs(path) or path.startswith("~"):
+        raise SourceError(f"{csv_path}:{lineno}: absolute path {path!r}; paths must be relative to the CSV's "
+                          f"folder {csv_path.parent} (move the CSV or rewrite its paths)")
+    rel = posixpath.normpath(path.replace(os.sep, "/"))
+    if rel == ".." or rel.startswith("../") or rel == ".":
+        raise SourceError(f"{csv_path}:{lineno}: path {path!r} leads outside the CSV's folder {csv_path.parent}; "
+                          "put the CSV at the top of the image tree")
+    return rel
+
+
+def _csv_rows(csv_path: Path) -> list[tuple[str, str, int]]:
+    """(relative path, label, line number) of every data row."""
+    rows: list[tuple[str, str, int]] = []
+    reader = csv.reader(io.StringIO(_csv_text(csv_path), newline=""))
+    first_row = True
+    try:
+        for row in reader:
+            lineno = reader.line_num
+            if not row or not "".join(row).strip() or row[0].lstrip().startswith("#"):
+                continue
+            if len(row) < 2:
+                raise SourceError(f"{csv_path}:{lineno}: expected 'path,label', got {_clip(row)}")
+            if any(cell.strip() for cell in row[2:]):  # refused, not silently dropped
+                raise SourceError(
+                    f"{csv_path}:{lineno}: {len(row)} columns, expected 'path,label'. A datapipe cache holds "
+                    "one class label per image, so boxes, masks or other targets in further columns "
+                    "would be lost: keep them in a file of your own, keyed by path (ds.path(i)), or "
+                    "write the CSV with two columns")
+            if first_row and _is_header(row, csv_path.parent):
+                first_row = False
+                continue
+            first_row = False
+            label = row[1].strip()
+            if not label:
+                raise SourceError(f"{csv_path}:{lineno}: empty label for {row[0].strip()!r}; every row must be 'path,label'")
+            rows.append((_relative(row[0], csv_path, lineno), label, lineno))
+    except csv.Error as exc:
+        raise SourceError(f"{csv_path}:{reader.line_num}: not a CSV row ({exc}); write plain 'path,label' rows") from None
+    return rows
+
+
+def _clip(row: list[str]) -> str:
+    text = repr(row)
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 def _scan_csv(csv_path: Path) -> Listing:
     root = csv_path.parent
-    rows: list[tuple[str, str]] = []
-    try:
-        with open(csv_path, newline="", encoding="utf-8") as f:
-            for lineno, row in enumerate(csv.reader(f), start=1):
-                if not row or not "".join(row).strip() or row[0].startswith("#"):
-                    continue
-                if len(row) < 2:
-                    raise SourceError(f"{csv_path}:{lineno}: expected 'path,label', got {row!r}")
-                if any(cell.strip() for cell in row[2:]):  # refused, not silently dropped
-                    raise SourceError(
-                        f"{csv_path}:{lineno}: {len(row)} columns, expected 'path,label'. A datapipe cache holds "
-                        "one class label per image, so boxes, masks or other targets in further columns "
-                        "would be lost: keep them in a file of your own, keyed by path (ds.path(i)), or "
-                        "write the CSV with two columns")
-                if lineno == 1 and row[0].strip().lower() == "path":
-                    continue  # header
-                rows.append((row[0].strip(), row[1].strip()))
-    except UnicodeDecodeError as exc:
-        raise SourceError(f"{csv_path} is not a UTF-8 CSV of path,label: {exc}") from None
     seen: dict[str, str] = {}
     dropped: list[dict] = []
-    for path, label in rows:  # file order: the first row of a duplicated path wins
-        rel = Path(path).as_posix() if not os.path.isabs(path) else path
+    for rel, label, _ in _csv_rows(csv_path):  # file order: the first row of a duplicated path wins
         if rel in seen:
             dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
+            continue
+        try:
+            mode = os.stat(root / rel).st_mode
+        except OSError:  # missing or unreadable: read time reports it
+            mode = None
+        if mode is not None and not stat.S_ISREG(mode):
+            dropped.append({"path": rel, **not_regular(mode)})
             continue
         seen[rel] = label
     names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
 import types
 import zlib
@@ -172,12 +173,22 @@ def write_bad_files(folder: Path) -> list[str]:
     return names
 
 
+BUILD_ID = re.compile(rb'"build_id": "[0-9a-f]{32}"')
+
+
 def tree_bytes(folder: Path, *, skip=("report.json",)) -> dict[str, bytes]:
-    """Every file under ``folder`` (relative posix path -> bytes), except names in ``skip``."""
+    """Every file under ``folder`` (relative posix path -> bytes), except names in ``skip``.
+
+    Build ids (a fresh uuid4 per build, in build.json, the manifest and every shard's zarr.json) are
+    replaced by one placeholder, so two builds of the same inputs compare equal byte for byte otherwise.
+    """
     out = {}
     for path in sorted(Path(folder).rglob("*")):
         if path.is_file() and path.name not in skip:
-            out[path.relative_to(folder).as_posix()] = path.read_bytes()
+            data = path.read_bytes()
+            if path.suffix == ".json":
+                data = BUILD_ID.sub(b'"build_id": "<build id>"', data)
+            out[path.relative_to(folder).as_posix()] = data
     return out
 
 

@@ -1,0 +1,117 @@
+"""Bounded work per source file: only regular files are read, up to a size limit, within a time limit.
+
+A FIFO, socket or device under an image's name would block ``open``/``read`` forever, and a file
+swapped for one after the scan would too; so every file is opened non-blocking and checked with
+``fstat`` before a byte is read. Its size is checked against a limit before reading. A read or decode
+that never returns is caught by a watchdog thread, which ends the process: in a Dask worker that
+makes the shard's task fail with ``KilledWorker``, and the build then decodes that shard's files one
+by one in separate processes, quarantining the culprit as ``timeout``; in a serial build it ends the
+build with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+
+from .errors import DecodeError
+
+DEFAULT_FILE_TIMEOUT = 300.0  # seconds one file may take to read and decode (DATAPIPE_FILE_TIMEOUT)
+MAX_BYTES_PER_PIXEL = 8  # no image format datapipe reads stores more per pixel (16-bit RGBA, uncompressed)
+FILE_SLACK_BYTES = 16 << 20  # metadata, thumbnails, further frames
+
+
+def max_file_bytes(max_pixels: int) -> int:
+    """The largest source file read: 8 bytes per allowed pixel plus 16 MiB (1.6 GB at the default
+    100 M pixels); a larger file is quarantined as ``too-large`` before it is read."""
+    return int(max_pixels) * MAX_BYTES_PER_PIXEL + FILE_SLACK_BYTES
+
+
+def file_timeout() -> float:
+    """Seconds one file may take to read and decode: ``DATAPIPE_FILE_TIMEOUT`` (default 300)."""
+    text = os.environ.get("DATAPIPE_FILE_TIMEOUT", "")
+    try:
+        value = float(text) if text else DEFAULT_FILE_TIMEOUT
+    except ValueError:
+        value = DEFAULT_FILE_TIMEOUT
+    return value if value > 0 else DEFAULT_FILE_TIMEOUT
+
+
+def _kind(mode: int) -> str:
+    from .sources import not_regular
+
+    return not_regular(mode)["reason"]
+
+
+def read_file(path: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Raises:
+        DecodeError: not a regular file (``unreadable``) or larger than ``limit`` (``too-large``).
+        OSError: it cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DecodeError(_kind(st.st_mode), kind="unreadable")
+        if st.st_size > limit:
+            raise DecodeError(f"file of {st.st_size:,} bytes, over the {limit:,}-byte limit for its max_pixels "
+                              "(raise --max-pixels to build it)", kind="too-large")
+        data = os.read(fd, st.st_size + 1)  # one read for the whole file (unbuffered: the fastest way)
+        if len(data) > st.st_size:  # it grew since fstat: read on, within the limit
+            parts = [data]
+            total = len(data)
+            while chunk := os.read(fd, min(1 << 24, limit + 1 - total)):
+                parts.append(chunk)
+                total += len(chunk)
+                if total > limit:
+                    raise DecodeError(f"file grew past the {limit:,}-byte limit while being read", kind="too-large")
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+class Watchdog:
+    """Ends the process when one file takes longer than ``timeout`` seconds.
+
+    ``watch(path)`` marks the start of a file, ``watch(None)`` its end. On expiry the line
+    ``message(path, timeout)`` is written to file descriptor ``fd`` (straight to the descriptor: a
+    stuck thread may hold the lock of ``sys.stderr``) and the process exits with ``code``: nothing
+    else can stop a read or a decode stuck inside C code.
+    """
+
+    def __init__(self, message: Callable[[str, float], str], code: int, *, fd: int = 2,
+                 timeout: float | None = None) -> None:
+        self.timeout = timeout if timeout is not None else file_timeout()
+        self.message = message
+        self.code = code
+        self.fd = fd
+        self._current: tuple[str, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="datapipe-file-watchdog", daemon=True)
+
+    def __enter__(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def watch(self, path: str | None) -> None:
+        self._current = (path, time.monotonic()) if path is not None else None
+
+    def _run(self) -> None:
+        step = min(1.0, self.timeout / 4)
+        while not self._stop.wait(step):
+            current = self._current
+            if current is not None and time.monotonic() - current[1] > self.timeout:
+                try:
+                    os.write(self.fd, (self.message(current[0], self.timeout) + "\n").encode("utf-8", "backslashreplace"))
+                finally:
+                    os._exit(self.code)

@@ -1,0 +1,286 @@
+"""A build's output folder: one writer at a time, and nothing touched that datapipe cannot prove it wrote.
+
+An output is datapipe's when its ``build.json`` carries the datapipe marker (format, version) and a
+build id (32 hex digits, a fresh uuid4 per configuration). Every shard carries that id in its
+``zarr.json`` attributes, the manifest and the report carry it too, so a rebuild (``--force``)
+removes exactly the files of the earlier build: a shard without the id, or with another one, is not
+datapipe's to delete. A folder that is not empty and holds no marker is refused, with or without
+``--force``.
+
+A build holds an exclusive ``flock`` on ``OUTPUT/.datapipe.lock`` (host and pid written in it) for
+its whole run and removes the file when it ends; a second build into the same output fails at once
+naming the holder. The kernel releases the lock when its process dies, so a build killed with
+SIGKILL is resumed by a rerun (the file it leaves is locked anew).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import records
+from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
+from .storage import SHARDS_DIR, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+
+LOCK_FILE = ".datapipe.lock"
+
+
+def new_build_id() -> str:
+    return uuid.uuid4().hex
+
+
+class BuildLock:
+    """An exclusive, non-blocking ``flock`` on the output's lock file, released on exit or process death."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / LOCK_FILE
+        self.fd: int | None = None
+        self.created = False
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.created = not os.path.lexists(self.path)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                raise OutputError(f"cannot write to output folder {self.path.parent}: {exc.strerror or exc}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise OutputBusyError(
+                    f"output {self.path.parent} is being written by another datapipe build ({holder}); wait for it "
+                    "to finish or stop it, or build into another folder") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # the holder removed the file as we locked it: lock the current one
+        self.fd = fd
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode() + b"\n", 0)
+
+    def release(self) -> None:
+        """Remove the lock file, then unlock. A build that locked the removed file meanwhile sees that
+        it is no longer the file at that name and locks the new one (see ``acquire``)."""
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self.fd)  # closing the last descriptor releases the flock
+        self.fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+        return f"pid {int(info['pid'])} on host {info['host']}, since {info.get('started', '?')}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+@dataclass
+class Output:
+    """The prepared output of one build: its build id, the lock, and what this run created."""
+
+    path: Path
+    build_id: str
+    lock: BuildLock
+    created: list[Path] = field(default_factory=list)  # in creation order
+
+    def discard_if_untouched(self) -> None:
+        """After a failure before any shard was finished: remove exactly what this run created."""
+        shards = self.path / SHARDS_DIR
+        if shards.is_dir() and any(e.name.endswith(".zarr") for e in shards.iterdir()):
+            return
+        if self.path / records.BUILD_LOCK not in self.created:
+            return  # an earlier build's output: keep its marker, so a rerun resumes it
+        remove_stale_temps(shards)
+        remove_dir = self.path in self.created
+        for path in reversed(self.created):
+            try:
+                if path == self.path:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    path.rmdir()
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError:
+                remove_dir = False
+        self.lock.release()
+        if remove_dir:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+
+def _entries(out: Path) -> list[str]:
+    return [e.name for e in os.scandir(out) if e.name != LOCK_FILE]
+
+
+def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> Output:
+    """Create or reopen ``out`` for a build of ``config`` from ``source``, holding its lock.
+
+    Raises:
+        OutputError: the folder cannot be created or written, is not empty and not datapipe's, or
+            holds a build whose files cannot be told from a user's.
+        OutputBusyError: another build holds the output.
+        ConfigMismatchError: it holds a build of another configuration or source (``force`` rebuilds).
+        CacheError: its build.json carries the datapipe marker but is damaged.
+    """
+    existed = out.exists()
+    if existed and not out.is_dir():
+        raise OutputError(f"output {out} is a file, not a folder; choose a folder")
+    if existed and _entries(out) and not records.is_datapipe_output(out):
+        raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
+                          "or new folder (datapipe never deletes files it did not create)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output folder {out}: {exc.strerror or exc}") from None
+    output = Output(out, "", BuildLock(out))
+    if not existed:
+        output.created.append(out)
+    output.lock.acquire()
+    if output.lock.created:
+        output.created.append(output.lock.path)
+    try:
+        output.build_id = _claim(out, config, chash, source, force)
+        build_json = out / records.BUILD_LOCK
+        if not build_json.exists():
+            output.created.append(build_json)
+        shards = out / SHARDS_DIR
+        if not shards.exists():
+            shards.mkdir()
+            output.created.append(shards)
+        atomic_write_text(build_json, json.dumps(records.BuildRecord(
+            config=config, config_hash=chash, build_id=output.build_id, source=source).to_json(), indent=1))
+        fsync_dir(out)
+    except OSError as exc:
+        output.discard_if_untouched()
+        output.lock.release()
+        raise OutputError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
+    except BaseException:
+        output.discard_if_untouched()
+        output.lock.release()
+        raise
+    removed = remove_stale_temps(out / SHARDS_DIR)
+    if removed:
+        print(f"datapipe build: removed {removed} unfinished shard(s) left by an interrupted build", flush=True,
+              file=__import__("sys").stderr)
+    return output
+
+
+def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> str:
+    """The build id to build under, checked under the lock: the earlier build's when it is the same
+    build (a resume), a new one for a fresh or forced output."""
+    if not _entries(out):
+        return new_build_id()
+    if not records.is_datapipe_output(out):  # emptied or replaced between the first check and the lock
+        raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty or new folder")
+    previous = records.read_build_record(out)
+    if previous is None:
+        raise OutputError(f"{out} holds a datapipe manifest but no build.json of datapipe's, so its files cannot "
+                          "be told from yours; build into a new folder (datapipe never deletes files it did not create)")
+    if not previous.build_id:
+        raise OutputError(f"{out} was written by an earlier datapipe whose build.json has no build id, so its files "
+                          "cannot be told from yours; build into a new folder, or remove this one yourself")
+    _check_owned(out, records.MANIFEST, previous.build_id)
+    _check_owned(out, records.REPORT, previous.build_id)
+    same_source = not previous.source or previous.source == source
+    if previous.config_hash == chash and same_source:
+        return previous.build_id
+    if not force:
+        what = []
+        if previous.config_hash != chash:
+            what.append(f"another configuration ({_diff(previous.config, config)})")
+        if not same_source:
+            what.append(f"another source (it was built from {_describe(previous.source)}, this build reads "
+                        f"{_describe(source)})")
+        raise ConfigMismatchError(f"{out} holds a build with {' and '.join(what)}; choose another output folder, "
+                                  "or pass --force to rebuild it")
+    remove_build(out, previous.build_id)
+    return new_build_id()
+
+
+def _describe(source: dict) -> str:
+    return f"{source.get('path', '?')} ({source.get('kind', '?')})"
+
+
+def _diff(old: dict, new: dict) -> str:
+    parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return ", ".join(parts) or "unknown configuration"
+
+
+def _doc_build_id(path: Path) -> str | None:
+    """The build id a JSON document of the output carries; None if it has none or cannot be read."""
+    try:
+        doc = records.read_json(path)
+    except CacheError:
+        return None
+    build_id = doc.get("build_id") if isinstance(doc, dict) else None
+    return build_id if isinstance(build_id, str) else None
+
+
+def _check_owned(out: Path, name: str, build_id: str) -> None:
+    path = out / name
+    if os.path.lexists(path) and _doc_build_id(path) != build_id:
+        raise OutputError(f"{path} was not written by the build recorded in {out / records.BUILD_LOCK}, and datapipe "
+                          "does not overwrite files it did not write; move it away and rerun")
+
+
+def shard_build_id(shard_dir: Path) -> str | None:
+    """The build id in a shard's ``zarr.json`` attributes (whole or not); None if it carries none."""
+    try:
+        doc = records.read_json(shard_dir / "zarr.json")
+        value = doc["attributes"]["datapipe"]["build_id"]
+    except (CacheError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def remove_build(out: Path, build_id: str) -> None:
+    """Remove what the build ``build_id`` wrote here, and nothing else."""
+    manifest_ours = _doc_build_id(out / records.MANIFEST) == build_id
+    for name in (records.MANIFEST, records.REPORT):
+        if _doc_build_id(out / name) == build_id:
+            (out / name).unlink()
+    if manifest_ours or not os.path.lexists(out / records.MANIFEST):
+        for name in (records.LABELS, records.PATHS):  # the index files beside our manifest
+            path = out / name
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+    remove_shards(out, build_id, keep=())
+
+
+def remove_shards(out: Path, build_id: str, keep) -> None:
+    """Remove the shard folders carrying ``build_id`` whose names are not in ``keep``, and the
+    writer's temporary folders; other entries of ``shards/`` stay."""
+    shards = out / SHARDS_DIR
+    if not shards.is_dir():
+        return
+    remove_stale_temps(shards)
+    for entry in shards.iterdir():
+        if (entry.name.endswith(".zarr") and entry.name not in keep and not entry.name.startswith(TMP_PREFIX)
+                and not entry.is_symlink() and entry.is_dir() and shard_build_id(entry) == build_id):
+            shutil.rmtree(entry, ignore_errors=True)
