@@ -8,7 +8,11 @@ same number of batches and the stream is identical for any number of DataLoader 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from collections.abc import Mapping
+from os import PathLike  # not os.PathLike: tests replace this module's os
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +21,67 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .errors import DatapipeError, StateError
+from .errors import ArgumentError, DatapipeError, StateError
 from .world import World, detect_ranks, detect_worker
 
-STATE_VERSION = 1
+# Version 2 names the build of the cache a state belongs to (build_id); version 1 did not.
+STATE_VERSION = 2
+STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "num_samples", "config_hash", "build_id")
+# partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
+# seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
+ORDER_LIMIT = 2**32
+
+
+def show(value: object, limit: int = 60) -> str:
+    """A short, one-line repr of a value from the user (a hostile state may hold anything)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that raises still gets a name
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def is_int(value: object) -> bool:
+    """A real integer: Python's or numpy's, never a bool, a float or a string."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(value: object, what: str, lo: int, hi: int | None = None, *, error=ArgumentError) -> int:
+    """``value`` as an int in ``[lo, hi]`` (``hi`` inclusive, None: no upper bound), else ``error`` naming ``what``."""
+    if not is_int(value):
+        raise error(f"{what} must be an integer, got {show(value)} ({type(value).__name__})")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        bound = f"{lo} <= {what.split()[-1]} <= {hi}" if hi is not None else f">= {lo}"
+        raise error(f"{what} must be {bound}, got {v if abs(v) < 10**30 else show(v)}")
+    return v
+
+
+def check_bool(value: object, what: str, *, error=ArgumentError) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise error(f"{what} must be True or False, got {show(value)} ({type(value).__name__})")
+    return bool(value)
+
+
+def cache_identity(cache: Cache) -> tuple[str, str]:
+    """(build_id, config_hash): which build of which configuration a cache holds.
+
+    A saved loader state carries both, so that it resumes only the build it was saved from: two
+    caches of the same size and configuration (another source, a rebuild) differ in their build
+    id. A cache written before build ids gets a digest of its checksums instead.
+    """
+    m = cache.manifest
+    field = (lambda key: m.get(key, "")) if isinstance(m, Mapping) else (lambda key: getattr(m, key, ""))
+    build_id = getattr(cache, "build_id", "") or field("build_id") or ""
+    if not build_id:
+        def crc(rec) -> object:
+            return rec["crc32c"] if isinstance(rec, Mapping) else rec.crc32c
+
+        files = field("files") or {}
+        blob = json.dumps([[crc(s) for s in field("shards")], {k: crc(v) for k, v in sorted(files.items())}])
+        build_id = "crc32c-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return str(build_id), str(field("config_hash"))
 
 
 def _check_shm(batch_bytes: int, worker_info, path: str = "/dev/shm") -> None:
@@ -65,16 +126,23 @@ class StreamingDataset(IterableDataset):
                  seed: int = 0, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None, return_index: bool = False) -> None:
         super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(cache, (str, PathLike, Cache)):
+            raise ArgumentError(f"cache must be a cache folder or a datapipe.Cache, got {type(cache).__name__}")
+        self.batch_size = check_int(batch_size, "batch_size", 1)
+        self.shuffle = check_bool(shuffle, "shuffle")
+        self.seed = check_int(seed, "seed", 0, ORDER_LIMIT - 1)
+        self.drop_last = check_bool(drop_last, "drop_last")
+        self.return_index = check_bool(return_index, "return_index")
+        for name, value in (("rank", rank), ("world_size", world_size)):
+            if value is not None:
+                check_int(value, name, 0)
+        try:
+            self.rank, self.world_size = detect_ranks(rank, world_size)
+            World(self.rank, self.world_size)  # validates
+        except ValueError as exc:  # RANK/WORLD_SIZE that are no numbers, or a rank out of range
+            raise ArgumentError(f"{exc} (from the arguments, torch.distributed or RANK/WORLD_SIZE)") from None
         self.cache = cache if isinstance(cache, Cache) else Cache(cache)
-        self.rank, self.world_size = detect_ranks(rank, world_size)
-        World(self.rank, self.world_size)  # validates
-        self.batch_size = batch_size
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
-        self.return_index = bool(return_index)
+        self._identity = cache_identity(self.cache)
         # [epoch, start, read by workers]: shared with DataLoader workers (also persistent ones)
         # through shared memory. The third is set by a worker that reads this epoch: then only the
         # caller knows how many batches the loop received (state_dict(batches_consumed=k)).
@@ -100,12 +168,13 @@ class StreamingDataset(IterableDataset):
         processes cannot tell the main process that they used it, so there a second pass over the
         resumed epoch without ``set_epoch`` starts at the resumed position again.
         """
-        if int(epoch) != self.epoch:
+        epoch = check_int(epoch, "epoch", 0, ORDER_LIMIT - 1)
+        if epoch != self.epoch:
             self._shared[1] = 0
             self._shared[2] = 0
             self._iter_base = 0
             self._consumed = 0
-        self._shared[0] = int(epoch)
+        self._shared[0] = epoch
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""
@@ -165,6 +234,9 @@ class StreamingDataset(IterableDataset):
     def state_dict(self, batches_consumed: int | None = None) -> dict:
         """A small, versioned state: load it into a fresh dataset to continue the same stream.
 
+        The state names the cache it belongs to (``build_id``, ``config_hash``, ``num_samples``), so
+        that it is never applied to another cache of the same size.
+
         Args:
             batches_consumed: batches of the current epoch the training loop has received. Default:
                 what this dataset counted while iterated in the main process (``num_workers=0``);
@@ -176,8 +248,12 @@ class StreamingDataset(IterableDataset):
                 "this epoch was read by DataLoader worker processes, which cannot tell this process how "
                 "many batches your loop received: pass state_dict(batches_consumed=k), k = the batches "
                 "of this epoch the loop took (or use datapipe.DeviceLoader, which counts them)")
-        k = self._consumed if batches_consumed is None else int(batches_consumed)
+        left = part.num_batches(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
+                                drop_last=self.drop_last, start=self._iter_base)
+        k = self._consumed if batches_consumed is None else check_int(
+            batches_consumed, "batches_consumed", 0, left, error=StateError)
         position = min(len(self.cache), self._iter_base + k * self.batch_size * self.world_size)
+        build_id, config_hash = self._identity
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -185,34 +261,71 @@ class StreamingDataset(IterableDataset):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": len(self.cache),
-            "config_hash": self.cache.manifest["config_hash"],
+            "config_hash": config_hash,
+            "build_id": build_id,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (seeks: skipped samples are never read).
 
-        The world size and batch size may differ from the saved run as long as the saved position
-        falls on a global step boundary of the new configuration.
+        Every field is checked before anything changes: its type, its range, and that the state
+        belongs to this cache (build, configuration, size), seed and shuffle. The world size and
+        batch size may differ from the saved run as long as the saved position falls on a global
+        step boundary of the new configuration.
+
+        Raises:
+            StateError: the state is malformed, from another datapipe version, or for another
+                cache, seed or shuffle, or its position cannot be resumed with this batch layout.
         """
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise StateError(f"unknown loader state version {state.get('version') if isinstance(state, dict) else state!r}; "
-                             f"this datapipe reads version {STATE_VERSION}")
-        for key, mine in (("num_samples", len(self.cache)), ("seed", self.seed), ("shuffle", self.shuffle),
-                          ("config_hash", self.cache.manifest["config_hash"])):
-            if state.get(key) != mine:
-                raise StateError(f"the saved state is for {key}={state.get(key)!r}, this dataset has {mine!r}; "
-                                 "resume with the same cache, seed and shuffle")
-        position, step = int(state["position"]), self.batch_size * self.world_size
-        if position < len(self.cache) and position % step:
-            raise StateError(
-                f"cannot resume at sample {position} of epoch {state['epoch']} with world_size="
-                f"{self.world_size} × batch_size={self.batch_size}: it is not a multiple of {step}. "
-                "Resume with a global batch that divides the position (e.g. the saved one).")
-        self._shared[0] = int(state["epoch"])
+        epoch, position = self.check_state(state)
+        self._shared[0] = epoch
         self._shared[1] = position
         self._shared[2] = 0
         self._iter_base = position
         self._consumed = 0
+
+    def check_state(self, state: object) -> tuple[int, int]:
+        """Validate a saved state against this dataset; returns its (epoch, position)."""
+        if not isinstance(state, Mapping):
+            raise StateError(f"a loader state is a dict (from state_dict()), got {type(state).__name__}")
+        version = state.get("version")
+        if version == 1 and is_int(version):
+            raise StateError(
+                "this loader state was saved by an earlier datapipe (state version 1), which did not record the "
+                "build of the cache it belongs to, so it cannot be checked against this cache; resume at the start "
+                f"of its epoch with set_epoch({show(state.get('epoch'))}) instead (that epoch is then read whole)")
+        if not is_int(version) or version != STATE_VERSION:
+            raise StateError(f"unknown loader state version {show(version)}; this datapipe reads version "
+                             f"{STATE_VERSION} (a dict from StreamingDataset/DeviceLoader.state_dict())")
+        missing = [k for k in STATE_KEYS if k not in state]
+        extra = [show(k) for k in state if k not in STATE_KEYS]
+        if missing or extra:
+            what = f"lacks {', '.join(missing)}" if missing else f"has unknown keys {', '.join(extra[:5])}"
+            raise StateError(f"the loader state {what}; a version {STATE_VERSION} state holds exactly "
+                             f"{', '.join(STATE_KEYS)}: pass the dict state_dict() returned, unchanged")
+        n = len(self.cache)
+        epoch = check_int(state["epoch"], "the state's epoch", 0, ORDER_LIMIT - 1, error=StateError)
+        seed = check_int(state["seed"], "the state's seed", 0, ORDER_LIMIT - 1, error=StateError)
+        num_samples = check_int(state["num_samples"], "the state's num_samples", 0, error=StateError)
+        shuffle = check_bool(state["shuffle"], "the state's shuffle", error=StateError)
+        for key in ("config_hash", "build_id"):
+            if not isinstance(state[key], str):
+                raise StateError(f"the state's {key} must be a string, got {show(state[key])} "
+                                 f"({type(state[key]).__name__})")
+        build_id, config_hash = self._identity
+        for key, saved, mine in (("build_id", state["build_id"], build_id), ("config_hash", state["config_hash"], config_hash),
+                                 ("num_samples", num_samples, n), ("seed", seed, self.seed), ("shuffle", shuffle, self.shuffle)):
+            if saved != mine:
+                raise StateError(f"the saved state is for {key}={show(saved)}, this dataset has {show(mine)} "
+                                 f"(cache {self.cache.root}); resume with the same cache, seed and shuffle")
+        position = check_int(state["position"], "the state's position", 0, n, error=StateError)
+        step = self.batch_size * self.world_size
+        if position < n and position % step:
+            raise StateError(
+                f"cannot resume at sample {position} of epoch {epoch} with world_size="
+                f"{self.world_size} × batch_size={self.batch_size}: it is not a multiple of {step}. "
+                "Resume with a global batch that divides the position (e.g. the saved one).")
+        return epoch, position
 
     def __repr__(self) -> str:
         return (f"StreamingDataset({str(self.cache.root)!r}, batch_size={self.batch_size}, "

@@ -3,6 +3,8 @@
 Reader threads (``num_workers``) gather whole batches from the memory-mapped shards straight into a
 ring of host buffers (pinned when the device is CUDA) — numpy's gathers and torch's kernels release
 the GIL, so threads scale without the extra copy through shared memory that worker processes cost.
+With ``num_workers=0`` there are no reader threads: each batch is read in the loop's thread when the
+loop asks for it (for a debugger), and the stream, the state and the statistics are the same.
 
 * On CUDA, the main thread copies each batch to the device with ``non_blocking=True`` on a side
   stream and records an event; the consuming stream waits on that event, and a host buffer is only
@@ -20,6 +22,7 @@ counts batches handed to the loop, so ``state_dict()`` never counts prefetched b
 from __future__ import annotations
 
 import atexit
+import math
 import queue
 import threading
 import time
@@ -31,7 +34,8 @@ import torch
 from torch import nn
 
 from .augment import IMAGENET_MEAN, IMAGENET_STD, BatchAugment, _normalize_float, normalize_uint8
-from .dataset import StreamingDataset
+from .dataset import StreamingDataset, check_bool, check_int, show
+from .errors import ArgumentError
 from .stats import StallMeter
 
 
@@ -109,8 +113,9 @@ class DeviceLoader:
     Args:
         dataset: the streaming dataset (its batch size, shuffle, seed and rank are used).
         device: ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or ``"auto"`` (CUDA when available).
-        num_workers: reader threads (at least 1).
-        prefetch: batches read ahead of the loop, beyond one per reader.
+        num_workers: reader threads; 0 reads each batch in the loop's thread when it is asked for
+            (no threads at all: for a debugger), with the same batches, state and statistics.
+        prefetch: batches read ahead of the loop, beyond one per reader (unused with 0 readers).
         augment: ``datapipe.augment.train(224)`` / ``eval(224)``, any ``nn.Module`` taking float
             [B, 3, H, W] in [0, 1] (its random state is seeded per batch), or None.
         channels_last: return NCHW tensors in channels_last memory format.
@@ -120,6 +125,9 @@ class DeviceLoader:
             CPU such a batch is a view of a reused buffer, valid until the next batch is requested.
         log_every: log images/s and the waiting share every N batches (logger ``datapipe``).
         timeout: seconds to wait for one batch before raising (a stuck reader never hangs the loop).
+
+    Raises:
+        ArgumentError: an argument of the wrong type or out of range (the message names it).
 
     Yields:
         ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64 [B] — or
@@ -131,21 +139,28 @@ class DeviceLoader:
                  dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                  output: str = "float", log_every: int = 0, timeout: float = 300.0) -> None:
         if not isinstance(dataset, StreamingDataset):
-            raise TypeError(f"DeviceLoader reads a datapipe.StreamingDataset, got {type(dataset).__name__}")
-        if num_workers < 1 or prefetch < 0:
-            raise ValueError(f"need num_workers >= 1 and prefetch >= 0, got {num_workers}, {prefetch}")
+            raise ArgumentError(f"DeviceLoader reads a datapipe.StreamingDataset, got {type(dataset).__name__}")
+        self.num_workers = check_int(num_workers, "num_workers", 0, 1024)
+        self.prefetch = check_int(prefetch, "prefetch", 0, 1024)
         if output not in ("float", "uint8"):
-            raise ValueError(f"output must be 'float' or 'uint8', got {output!r}")
+            raise ArgumentError(f"output must be 'float' or 'uint8', got {show(output)}")
         if output == "uint8" and augment is not None:
-            raise ValueError("output='uint8' hands out raw batches; pass augment=None with it")
+            raise ArgumentError("output='uint8' hands out raw batches; pass augment=None with it")
+        if augment is not None and not (isinstance(augment, (nn.Module, BatchAugment)) or callable(augment)):
+            raise ArgumentError(f"augment must be datapipe.augment.train/eval, an nn.Module or None, "
+                                f"got {show(augment)} ({type(augment).__name__})")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, bfloat16, float16), got {show(dtype)}")
         self.dataset = dataset
         self.device = _resolve_device(device)
         self.cuda = self.device.type == "cuda"
-        self.num_workers, self.prefetch = int(num_workers), int(prefetch)
-        self.augment, self.channels_last, self.dtype = augment, channels_last, dtype
-        self.normalize, self.mean, self.std, self.output = normalize, tuple(mean), tuple(std), output
-        self.timeout = float(timeout)
-        self.meter = StallMeter(log_every=log_every)
+        self.augment, self.dtype = augment, dtype
+        self.channels_last = check_bool(channels_last, "channels_last")
+        self.normalize = check_bool(normalize, "normalize")
+        self.mean, self.std = _channel_triple(mean, "mean"), _channel_triple(std, "std", nonzero=True)
+        self.output = output
+        self.timeout = _positive_seconds(timeout)
+        self.meter = StallMeter(log_every=check_int(log_every, "log_every", 0))
         self._threads: list[threading.Thread] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -156,7 +171,8 @@ class DeviceLoader:
         self._inflight = 0
         self._consumed = 0
         self._closed = False
-        self._pool = _OutputPool(self.num_workers + self.prefetch + 2)
+        self._started = False
+        self._pool = _OutputPool(self._num_slots() + 2)
         # On the CPU the readers also augment — unless the augmentation is a generic module, whose
         # random state is torch's global generator: that runs in the loop's thread, batch by batch.
         self._reader_transforms = not self.cuda and (augment is None or isinstance(augment, BatchAugment))
@@ -180,6 +196,11 @@ class DeviceLoader:
         return self.dataset.state_dict(batches_consumed=self._consumed)
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved state; every field is checked first (see StreamingDataset.load_state_dict).
+
+        Raises:
+            StateError: a malformed state, or one for another cache, seed or shuffle.
+        """
         self.dataset.load_state_dict(state)
         self._consumed = 0
 
@@ -252,13 +273,22 @@ class DeviceLoader:
                     self._generation += 1
 
     # ----------------------------------------------------------------- plumbing
+    def _num_slots(self) -> int:
+        """Host buffers: one per reader plus the prefetched; without readers, the batch being read."""
+        return self.num_workers + self.prefetch if self.num_workers else 1
+
+    def _slot_rows(self) -> int:
+        """Samples a buffer holds: a batch never holds more than the cache does."""
+        return max(1, min(self.dataset.batch_size, len(self.dataset.cache)))
+
     def _start_threads(self) -> None:
-        if self._threads:
+        if self._started:
             return
-        b, shape = self.dataset.batch_size, self.dataset.sample_shape
+        self._started = True
+        b, shape = self._slot_rows(), self.dataset.sample_shape
         pin = self.cuda
         _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
-        for _ in range(self.num_workers + self.prefetch):
+        for _ in range(self._num_slots()):
             slot = _Slot(
                 images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
                 labels=torch.empty(b, dtype=torch.int64, pin_memory=pin),
@@ -275,7 +305,10 @@ class DeviceLoader:
     def _submit(self, gen: int, j: int, indices: np.ndarray, slot: _Slot, seed: int) -> None:
         with self._cond:
             self._inflight += 1
-        self._jobs.put((gen, j, indices, slot, seed))
+        if self.num_workers:
+            self._jobs.put((gen, j, indices, slot, seed))
+        else:  # no reader threads: read it here, now (the loop asked for it)
+            self._handle((gen, j, indices, slot, seed))
 
     def _release(self, slot: _Slot) -> None:
         self._free.append(slot)
@@ -355,7 +388,7 @@ class DeviceLoader:
         return self._transform((images, labels, index), seed, on_device=True)
 
     def _out_buffer(self, n: int, h: int, w: int, channels_last: bool) -> torch.Tensor | None:
-        buf = self._pool.get((self.dataset.batch_size, 3, h, w), channels_last)
+        buf = self._pool.get((self._slot_rows(), 3, h, w), channels_last)
         return None if buf is None else buf[:n]
 
     def _transform(self, batch, seed: int, on_device: bool = False):
@@ -407,9 +440,38 @@ def _reader_loop(ref, jobs: queue.SimpleQueue, single_thread: bool) -> None:
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise ArgumentError(f"device must be 'cuda', 'cuda:N', 'cpu' or 'auto', got {show(device)} ({type(device).__name__})")
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ArgumentError(f"device must be 'cuda', 'cuda:N', 'cpu' or 'auto', got {show(device)} "
+                            f"({' '.join(str(exc).split())[:80]})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ArgumentError(f"device must be 'cuda', 'cuda:N', 'cpu' or 'auto', got {show(device)}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={str(device)!r} but CUDA is not available here; use device='cpu' or 'auto'")
+        raise ArgumentError(f"device={str(device)!r} but CUDA is not available here; use device='cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ArgumentError(f"device={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def _channel_triple(values, what: str, *, nonzero: bool = False) -> tuple[float, float, float]:
+    """Three finite per-channel numbers (RGB), for ``mean`` and ``std``."""
+    try:
+        triple = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        triple = ()
+    if len(triple) != 3 or not all(math.isfinite(v) and (v != 0 or not nonzero) for v in triple):
+        need = "three finite, non-zero numbers" if nonzero else "three finite numbers"
+        raise ArgumentError(f"{what} must be {need} (R, G, B), got {show(values)}")
+    return triple
+
+
+def _positive_seconds(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ArgumentError(f"timeout must be a positive, finite number of seconds, got {show(timeout)}")
+    return float(timeout)
