@@ -6,15 +6,23 @@ and return a normalised float NCHW batch. Parameters are drawn first, from a ``t
 seeded by the caller (the DeviceLoader derives it from (seed, epoch, batch position)), so a
 resumed run augments identically and no two batches share random numbers.
 
-Two ways to apply the same parameters:
+Two ways to apply the same parameters, which give the same pixels as torchvision's
+RandomResizedCrop (half-pixel centres, antialiased bilinear resize):
 
-* ``kornia`` (the default on CUDA): the batch is converted to float on the device and Kornia crops
-  and resizes all samples in one batched call (``crop_and_resize``); flips and jitter are batched too.
+* ``device`` (the default on CUDA; ``kornia`` is its former name): the whole batch is cropped and
+  resized in two batched matrix products (:func:`crop_and_resize`: per-sample weight matrices of
+  torch's antialiased bilinear filter, built on the device for the whole batch at once), the flip
+  folded into the weights; colour jitter (Kornia) and normalisation run batched in float32, and the
+  result is cast to the output dtype at the end.
 * ``uint8`` (the default on CPU): each crop is resized on uint8 with an antialiased bilinear kernel,
   then mirrored, converted and normalised into its slot of the batch in one pass (both the compiled
   kernels of :mod:`datapipe.native`, or torch's kernels, which give the same values, where they are
   not built) — converting a full 256² batch to float first costs more than the whole augmentation
   on a CPU.
+
+Both equal ``F.interpolate(crop, mode="bilinear", antialias=True, align_corners=False)`` of each
+crop: the device path to float precision, the uint8 path to its rounding (mean ~0.001 in [0, 1]
+units on photographs and noise).
 
 Shape:
     input: uint8 [B, H, W, 3] (on any device); output: float [B, 3, size, size], normalised.
@@ -38,7 +46,7 @@ from . import native
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-Path_ = Literal["auto", "uint8", "kornia"]
+Path_ = Literal["auto", "uint8", "device", "kornia"]
 # A batch: uint8 [B, H, W, 3], or a list of uint8 [H, W, 3] samples (views into the cache's shard
 # files, which the CPU loader hands over so that only the cropped pixels are ever read).
 Batch = torch.Tensor | list[torch.Tensor]
@@ -129,6 +137,12 @@ def _scale_shift(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(scale, device=device).view(3, 1, 1), torch.tensor(shift, device=device).view(3, 1, 1)
 
 
+def _scale_shift_(x: torch.Tensor, mean, std) -> torch.Tensor:
+    """In place: float [B, 3, h, w] in 0..255 units -> normalised, with the scale and shift the CPU kernel uses."""
+    scale, shift = _scale_shift(mean, std, x.device)
+    return x.mul_(scale).add_(shift)
+
+
 def _normalize_float(x: torch.Tensor, mean, std) -> torch.Tensor:
     m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
@@ -181,6 +195,89 @@ def sample_resized_crops(batch: int, height: int, width: int, *, scale=(0.08, 1.
     return torch.where(found[:, None], params, fb[None])
 
 
+def _taps(longest: int, out: int) -> int:
+    """Taps per output of torch's antialiased bilinear filter for the longest crop side of a batch:
+    ``2 * ceil(support) + 1`` with support = max(in / out, 1) (aten's ``_compute_weights_aa`` bound)."""
+    return 2 * math.ceil(max(longest / out, 1.0)) + 1
+
+
+def resize_weights(start: torch.Tensor, length: torch.Tensor, size: int, out: int, taps: int) -> torch.Tensor:
+    """Dense per-sample weights of torch's antialiased bilinear resize along one axis.
+
+    Row ``i`` of sample ``b`` holds the weights that output ``i`` gives the input indices
+    ``start[b] .. start[b] + length[b] - 1`` of an axis of ``size`` pixels — the triangle filter
+    centred on ``(i + 0.5) * length / out`` (half-pixel centres), its support widened by the scale
+    when downscaling (antialiasing), normalised to sum 1: the same doubles as aten's
+    ``_compute_indices_min_size_weights_aa`` (and datapipe/_native.c). They are computed as a band
+    of ``taps`` per output (vectorised over the batch, in float64) and scattered into zeros.
+
+    Shape:
+        start, length: int64 [B] on the device; returns float32 [B, out, size] there.
+    """
+    dev = start.device
+    n = length.to(torch.float64)[:, None]  # [B, 1]
+    scale = n / out
+    inv = 1.0 / scale.clamp(min=1.0)  # 1 / support (support = 1 when upscaling)
+    center = scale * (torch.arange(out, device=dev, dtype=torch.float64) + 0.5)  # [B, out]
+    first = torch.floor(center - scale.clamp(min=1.0) + 0.5).clamp_(min=0.0)  # [B, out]
+    stop = torch.minimum(torch.floor(center + scale.clamp(min=1.0) + 0.5), n)  # [B, out]
+    j = first[..., None] + torch.arange(taps, device=dev, dtype=torch.float64)  # [B, out, taps]
+    w = (1.0 - ((j - center[..., None] + 0.5) * inv[..., None]).abs_()).clamp_(min=0.0)
+    w = torch.where(j < stop[..., None], w, 0.0)  # taps past the crop's edge
+    w = w / w.sum(-1, keepdim=True)
+    index = (j.to(torch.int64) + start[:, None, None]).clamp_(max=size - 1)  # unused taps (weight 0) stay inside
+    dense = torch.zeros((start.shape[0], out, size), dtype=torch.float32, device=dev)
+    return dense.scatter_add_(2, index, w.to(torch.float32))  # add: the clamped taps may repeat an index
+
+
+def crop_and_resize(images: torch.Tensor, crops: torch.Tensor, size: int | tuple[int, int], *,
+                    flip: torch.Tensor | None = None) -> torch.Tensor:
+    """Crop every sample of a batch at its own box and resize it, antialiased, in two batched matmuls.
+
+    The result equals ``F.interpolate(crop, size, mode="bilinear", antialias=True,
+    align_corners=False)`` of each sample's crop (torchvision's RandomResizedCrop), to float
+    precision, for downscales and upscales alike. The filter is separable and linear, so with
+    per-sample weight matrices Wy [B, h, H] and Wx [B, w, W] (:func:`resize_weights`) the batch is
+    ``Wy @ image @ Wxᵀ`` per channel: one batched matrix product per axis, no loop over samples. A
+    flip is the same product with Wx's rows reversed. The products run in float32 (with TF32 where
+    the caller allows it: ``torch.backends.cuda.matmul.allow_tf32``).
+
+    Args:
+        images: uint8 [B, H, W, 3], on any device.
+        crops: int64 [B, 4] (top, left, height, width), best on the CPU (its largest box sets the
+            filter's band width; a device tensor costs a synchronisation to read it).
+        size: output side, or (height, width).
+        flip: bool [B], mirror these samples horizontally.
+
+    Returns:
+        float32 [B, 3, h, w] on the images' device, in 0..255 units (not divided by 255).
+
+    Raises:
+        ValueError: a box outside the image, or shapes that do not match.
+    """
+    out_h, out_w = (size, size) if isinstance(size, int) else size
+    b, height, width, _ = images.shape
+    boxes = crops.to("cpu", torch.int64)
+    if boxes.shape != (b, 4):
+        raise ValueError(f"crops must be int64 [{b}, 4] (top, left, height, width), got {tuple(crops.shape)}")
+    top, left, h, w = boxes.unbind(1)
+    bad = (top < 0) | (left < 0) | (h < 1) | (w < 1) | (top + h > height) | (left + w > width)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"crop {boxes[i].tolist()} (top, left, height, width) of sample {i} is outside "
+                         f"its image of {height}x{width}")
+    dev = images.device
+    c = boxes.to(dev, non_blocking=True)
+    wy = resize_weights(c[:, 0], c[:, 2], height, out_h, _taps(int(h.max()) if b else 1, out_h))  # [B, h, H]
+    wx = resize_weights(c[:, 1], c[:, 3], width, out_w, _taps(int(w.max()) if b else 1, out_w))  # [B, w, W]
+    if flip is not None:
+        wx = torch.where(flip.to(dev, non_blocking=True)[:, None, None], wx.flip(1), wx)
+    x = images.reshape(b, height, width * 3).to(torch.float32)  # [B, H, W*3]
+    t = torch.bmm(x.transpose(1, 2), wy.transpose(1, 2))  # [B, W*3, h]: rows resized, laid out (x, c, y)
+    t = t.view(b, width, 3 * out_h).transpose(1, 2)  # [B, 3h, W] (a view)
+    return torch.bmm(t, wx.transpose(1, 2)).view(b, 3, out_h, out_w)  # [B, 3, h, w]
+
+
 class BatchAugment(nn.Module):
     """Base of the presets: uint8 NHWC in, normalised float NCHW out, parameters from a seed."""
 
@@ -189,8 +286,8 @@ class BatchAugment(nn.Module):
         super().__init__()
         if size < 1:
             raise ValueError(f"size must be positive, got {size}")
-        if path not in ("auto", "uint8", "kornia"):
-            raise ValueError(f"path must be 'auto', 'uint8' or 'kornia', got {path!r}")
+        if path not in ("auto", "uint8", "device", "kornia"):
+            raise ValueError(f"path must be 'auto', 'uint8' or 'device', got {path!r}")
         self.size, self.mean, self.std = int(size), tuple(mean), tuple(std)
         self.dtype, self.channels_last, self.path = dtype, channels_last, path
 
@@ -270,7 +367,10 @@ class TrainAugment(BatchAugment):
             crops = self._crop_uint8(images, params["crops"], params["flip"])
             x = crops.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         else:
-            x = self._crop_kornia(_stack(images), params["crops"], params["flip"])
+            x = crop_and_resize(_stack(images), params["crops"], self.size, flip=params["flip"])  # 0..255
+            if "jitter" not in params:
+                return self._finish(_scale_shift_(x, self.mean, self.std))
+            x = x.mul_(1.0 / 255.0).clamp_(0.0, 1.0)
         if "jitter" in params:
             x = _jitter(x, params["jitter"].to(x.device))
         return self._finish(_normalize_float(x, self.mean, self.std))
@@ -307,19 +407,6 @@ class TrainAugment(BatchAugment):
                 out[b] = out[b].flip(1)
         return out
 
-    def _crop_kornia(self, images, crops, flip) -> torch.Tensor:
-        from kornia.geometry.transform import crop_and_resize
-
-        x = images.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
-        c = crops.to(images.device, torch.float32)
-        top, left, h, w = c[:, 0], c[:, 1], c[:, 2], c[:, 3]
-        x0, y0, x1, y1 = left, top, left + w - 1, top + h - 1
-        boxes = torch.stack([torch.stack([x0, y0], 1), torch.stack([x1, y0], 1),
-                             torch.stack([x1, y1], 1), torch.stack([x0, y1], 1)], dim=1)  # [B, 4, 2]
-        x = crop_and_resize(x, boxes, (self.size, self.size), mode="bilinear", align_corners=True)
-        f = flip.to(images.device)[:, None, None, None]
-        return torch.where(f, x.flip(-1), x)
-
 
 def _jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """Brightness, contrast, saturation, hue with per-sample factors [B, 4], on [0, 1] floats."""
@@ -333,7 +420,10 @@ def _jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
 
 
 class EvalAugment(BatchAugment):
-    """Center crop to ``size`` (resizing up first if the samples are smaller), normalised."""
+    """Center crop to ``size`` (samples smaller than ``size`` are resized to it instead), normalised.
+
+    The same values on both paths: a crop is copied, a resize is the antialiased bilinear one.
+    """
 
     def forward(self, images: Batch, seed: int | None = None, params=None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -341,13 +431,17 @@ class EvalAugment(BatchAugment):
         s = self.size
         if b == 0:
             return torch.empty((0, 3, s, s), dtype=self.dtype, device=device)
+        if not self._use_uint8(device):  # the batched device path (CUDA), also runnable on CPU tensors
+            x = _stack(images)
+            if h >= s and w >= s:
+                top, left = (h - s) // 2, (w - s) // 2
+                x = x[:, top : top + s, left : left + s].permute(0, 3, 1, 2).to(torch.float32)
+            else:
+                x = crop_and_resize(x, torch.tensor([[0, 0, h, w]], dtype=torch.int64).expand(b, 4), s)
+            return self._finish(_scale_shift_(x, self.mean, self.std))
         if h >= s and w >= s:
-            top, left = (h - s) // 2, (w - s) // 2
-            if device.type != "cpu":
-                crop = _stack(images)[:, top : top + s, left : left + s]
-                return normalize_uint8(crop, self.mean, self.std, dtype=self.dtype,
-                                       channels_last=self.channels_last, out=out)
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
+            top, left = (h - s) // 2, (w - s) // 2
             out = self._float_out(b, out)
             _normalize_into(images, out, self.mean, self.std, top, left)
             return self._as_dtype(out)
