@@ -1,0 +1,469 @@
+"""What a hostile or careless user can hand the loader: saved states, arguments, broken shards.
+
+A saved state is checked field by field before anything changes (generated states by the
+thousand: only one-line DatapipeErrors, never another exception), names the cache it belongs to,
+and a valid one resumes the exact uninterrupted stream. ``DeviceLoader(num_workers=0)`` reads in
+the loop's thread, with the same batches as reader threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loader_fixtures import index_cache_info
+from torch.utils.data import DataLoader
+
+import datapipe
+from datapipe import augment
+from datapipe.dataset import ORDER_LIMIT, STATE_KEYS, STATE_VERSION
+from datapipe.errors import ArgumentError, DatapipeError, StateError
+from datapipe.testing import build_index_cache
+
+B = 8
+N = 101
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="session")
+def index_cache(tmp_path_factory):
+    return index_cache_info(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """Another cache of the same size and configuration: other images (texture seed), same shape."""
+    return build_index_cache(tmp_path_factory.mktemp("twin"), N, shard_size=7, seed=1)
+
+
+def dataset(info_or_path, **kwargs) -> datapipe.StreamingDataset:
+    kwargs.setdefault("batch_size", B)
+    kwargs.setdefault("seed", 3)
+    kwargs.setdefault("return_index", True)
+    return datapipe.StreamingDataset(getattr(info_or_path, "path", info_or_path), **kwargs)
+
+
+def indices_of(ds, k: int | None = None) -> list[list[int]]:
+    """Global indices of the batches of one pass in the main process (at most ``k`` batches)."""
+    return [b[2].tolist() for b in itertools.islice(iter(ds), k)]
+
+
+def one_line_refusal(exc: BaseException) -> None:
+    assert isinstance(exc, DatapipeError), f"{type(exc).__name__}: {exc}"
+    text = str(exc)
+    assert text and "\n" not in text and len(text) < 400, text
+
+
+@pytest.fixture(scope="module")
+def saved(index_cache):
+    """A valid state: epoch 5, after 3 batches."""
+    ds = dataset(index_cache)
+    ds.set_epoch(5)
+    indices_of(ds, 3)
+    return ds.state_dict()
+
+
+# ----------------------------------------------------------------------------- the state's contents
+
+
+def test_the_state_names_the_cache_and_stays_small(index_cache, saved):
+    import json
+
+    assert tuple(saved) == STATE_KEYS and saved["version"] == STATE_VERSION == 2
+    cache = datapipe.open(index_cache.path)
+    assert saved["num_samples"] == N and saved["position"] == 3 * B and saved["epoch"] == 5
+    assert saved["config_hash"] == (cache.manifest["config_hash"] if isinstance(cache.manifest, dict)
+                                    else cache.manifest.config_hash)
+    assert isinstance(saved["build_id"], str) and saved["build_id"]
+    build_id = getattr(cache, "build_id", "")
+    if build_id:
+        assert saved["build_id"] == build_id
+    assert len(json.dumps(saved)) < 400
+
+
+NAMED_BAD = {
+    "negative position": {"position": -8},
+    "position past the end": {"position": N + 8},
+    "position far past the end": {"position": 2**70},
+    "epoch 2**70": {"epoch": 2**70},
+    "epoch 2**32 (aliases epoch 0)": {"epoch": 2**32},
+    "negative epoch": {"epoch": -1},
+    "seed 2**32 + 3 (aliases seed 3)": {"seed": 2**32 + 3},
+    "negative seed": {"seed": -1},
+    "bool position": {"position": True},
+    "float position": {"position": 8.0},
+    "string position": {"position": "8"},
+    "string epoch": {"epoch": "5"},
+    "float epoch": {"epoch": 5.0},
+    "None epoch": {"epoch": None},
+    "int shuffle": {"shuffle": 1},
+    "bytes build id": {"build_id": b"x"},
+    "other build": {"build_id": "0" * 32},
+    "other config": {"config_hash": "0" * 16},
+    "other size": {"num_samples": N + 1},
+    "bool num_samples": {"num_samples": True},
+    "other seed": {"seed": 4},
+    "other shuffle": {"shuffle": False},
+    "version 3": {"version": 3},
+    "version as string": {"version": "2"},
+    "version True": {"version": True},
+    "position not on a step": {"position": 3},
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED_BAD))
+def test_named_bad_states_are_refused_and_change_nothing(index_cache, saved, name):
+    ds = dataset(index_cache)
+    ds.set_epoch(1)
+    before = indices_of(ds)
+    with pytest.raises(StateError) as excinfo:
+        ds.load_state_dict({**saved, **NAMED_BAD[name]})
+    one_line_refusal(excinfo.value)
+    assert ds.epoch == 1 and indices_of(ds) == before  # nothing was applied
+
+
+@pytest.mark.parametrize("state", [None, [], "state", 7, [("version", 2)], {}],
+                         ids=["None", "list", "str", "int", "pairs", "empty"])
+def test_non_states_are_refused(index_cache, state):
+    with pytest.raises(StateError) as excinfo:
+        dataset(index_cache).load_state_dict(state)
+    one_line_refusal(excinfo.value)
+
+
+def test_missing_and_extra_keys_are_refused(index_cache, saved):
+    for key in STATE_KEYS[1:]:
+        with pytest.raises(StateError, match=f"lacks {key}"):
+            dataset(index_cache).load_state_dict({k: v for k, v in saved.items() if k != key})
+    with pytest.raises(StateError, match="unknown keys 'batch_size'"):
+        dataset(index_cache).load_state_dict({**saved, "batch_size": 8})
+    with pytest.raises(StateError, match="unknown keys 1"):
+        dataset(index_cache).load_state_dict({**saved, 1: 2})
+
+
+def test_a_version_1_state_says_how_to_resume(index_cache, saved):
+    v1 = {k: v for k, v in saved.items() if k != "build_id"} | {"version": 1}
+    with pytest.raises(StateError, match=r"version 1.*set_epoch\(5\)") as excinfo:
+        dataset(index_cache).load_state_dict(v1)
+    one_line_refusal(excinfo.value)
+
+
+def test_a_state_of_another_cache_of_the_same_shape_is_refused(index_cache, twin, saved):
+    other = dataset(twin)
+    assert len(other) == len(dataset(index_cache)) and other.cache.shape == datapipe.open(index_cache.path).shape
+    assert other.state_dict()["config_hash"] == saved["config_hash"]  # same configuration, other images
+    with pytest.raises(StateError, match="build_id") as excinfo:
+        other.load_state_dict(saved)
+    one_line_refusal(excinfo.value)
+    # and the other way round
+    other.set_epoch(5)
+    indices_of(other, 3)
+    with pytest.raises(StateError, match="build_id"):
+        dataset(index_cache).load_state_dict(other.state_dict())
+
+
+def test_numpy_integers_are_integers(index_cache, saved):
+    ds = dataset(index_cache)
+    ds.load_state_dict({**saved, "epoch": np.int64(5), "position": np.int32(3 * B), "seed": np.uint32(3)})
+    assert ds.epoch == 5 and ds.start == 3 * B
+
+
+def test_the_end_of_an_epoch_resumes_to_an_empty_remainder(index_cache, saved):
+    ds = dataset(index_cache)
+    ds.load_state_dict({**saved, "position": N})
+    assert indices_of(ds) == []
+    whole = dataset(index_cache)
+    whole.set_epoch(5)
+    assert indices_of(ds) == indices_of(whole)  # the next pass over the epoch is whole again
+
+
+# ----------------------------------------------------------------------------- generated states
+
+_ANY = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=True), st.text(max_size=20), st.binary(max_size=8),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1).map(np.int64),
+    st.sampled_from([np.float64(8.0), np.bool_(True), torch.tensor(8), float("inf"), 10**400, "2", b"\xff"]),
+)
+_NEAR = st.one_of(st.integers(min_value=-3, max_value=N + 3), st.sampled_from([0, B, 2 * B, N, 2**31, 2**32 - 1,
+                                                                              2**32, 2**32 + 3, 2**63, 2**64]))
+
+
+@st.composite
+def states(draw, saved: dict):
+    """A valid state with some fields replaced (near and far values, wrong types), keys dropped or
+    added, or something that is not a state at all."""
+    if draw(st.integers(0, 19)) == 0:
+        return draw(_ANY)
+    state = dict(saved)
+    for key in draw(st.lists(st.sampled_from(STATE_KEYS), max_size=4, unique=True)):
+        action = draw(st.integers(0, 9))
+        if action == 0:
+            del state[key]
+        elif action < 5:
+            state[key] = draw(_NEAR)
+        else:
+            state[key] = draw(_ANY)
+    if draw(st.integers(0, 9)) == 0:
+        state[draw(st.one_of(st.text(max_size=8), st.integers()))] = draw(_ANY)
+    return state
+
+
+def _is_valid(state, saved: dict) -> bool:
+    """The reference rule, written independently: exactly the saved state's identity, in-range ints."""
+    def real_int(v):
+        return type(v) is int or (isinstance(v, np.integer) and not isinstance(v, np.bool_))
+
+    if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
+        return False
+    if not all(real_int(state[k]) for k in ("version", "epoch", "position", "seed", "num_samples")):
+        return False
+    shuffle = state["shuffle"]
+    if not isinstance(shuffle, (bool, np.bool_)) or bool(shuffle) != saved["shuffle"]:
+        return False
+    same = all(isinstance(state[k], str) and state[k] == saved[k] for k in ("config_hash", "build_id"))
+    return (same and state["version"] == 2 and state["seed"] == saved["seed"] and state["num_samples"] == N
+            and 0 <= state["epoch"] < ORDER_LIMIT and 0 <= state["position"] <= N
+            and (state["position"] % B == 0 or state["position"] == N))
+
+
+def test_thousands_of_generated_states_are_accepted_exactly_when_valid(index_cache, saved):
+    ds = dataset(index_cache)
+    accepted = []
+
+    @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(states(saved))
+    def check(state):
+        try:
+            ds.load_state_dict(state)
+        except DatapipeError as exc:
+            one_line_refusal(exc)
+            assert not _is_valid(state, saved), f"a valid state was refused: {state!r}: {exc}"
+        else:
+            assert _is_valid(state, saved), f"an invalid state was accepted: {state!r}"
+            assert (ds.epoch, ds.start) == (int(state["epoch"]), int(state["position"]))
+            accepted.append(state)
+
+    check()
+    assert accepted  # the generator reaches valid states too
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(epoch=st.one_of(st.integers(0, 5), st.integers(0, ORDER_LIMIT - 1)), k=st.integers(0, -(-N // B)),
+       shuffle=st.booleans(), batch=st.sampled_from([1, 4, 8, 13]))
+def test_a_valid_state_resumes_the_uninterrupted_stream(index_cache, epoch, k, shuffle, batch):
+    whole = dataset(index_cache, shuffle=shuffle, batch_size=batch)
+    whole.set_epoch(epoch)
+    stream = indices_of(whole)
+    first = dataset(index_cache, shuffle=shuffle, batch_size=batch)
+    first.set_epoch(epoch)
+    assert indices_of(first, k) == stream[:k]
+    resumed = dataset(index_cache, shuffle=shuffle, batch_size=batch)
+    resumed.load_state_dict(first.state_dict())
+    assert indices_of(resumed) == stream[k:]
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("epoch", [-1, 2**32, 2**70, 1.0, "1", True, None])
+def test_set_epoch_takes_only_epochs_the_order_tells_apart(index_cache, epoch):
+    ds = dataset(index_cache)
+    with pytest.raises(ArgumentError, match="epoch") as excinfo:
+        ds.set_epoch(epoch)
+    one_line_refusal(excinfo.value)
+    ds.set_epoch(2**32 - 1)
+    ds.set_epoch(np.int64(7))
+    assert ds.epoch == 7
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"seed": -1}, {"seed": 2**32}, {"seed": 1.5}, {"seed": "0"}, {"batch_size": 0}, {"batch_size": 8.0},
+    {"batch_size": True}, {"batch_size": "8"}, {"shuffle": "no"}, {"shuffle": 1}, {"drop_last": None},
+    {"return_index": 0}, {"rank": 2, "world_size": 2}, {"rank": -1, "world_size": 2}, {"rank": 0.0, "world_size": 1},
+])
+def test_dataset_arguments_are_checked(index_cache, kwargs):
+    with pytest.raises(ArgumentError) as excinfo:
+        dataset(index_cache, **kwargs)
+    one_line_refusal(excinfo.value)
+    assert next(iter(kwargs)) in str(excinfo.value)
+
+
+def test_ranks_from_a_broken_environment_are_refused(index_cache, monkeypatch):
+    monkeypatch.setenv("RANK", "zero")
+    with pytest.raises(ArgumentError, match="RANK") as excinfo:
+        dataset(index_cache)
+    one_line_refusal(excinfo.value)
+
+
+def test_a_cache_that_is_no_path_is_refused():
+    with pytest.raises(ArgumentError, match="cache"):
+        datapipe.StreamingDataset(42)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_workers": -1}, {"num_workers": 2.0}, {"num_workers": "2"}, {"num_workers": True}, {"prefetch": -1},
+    {"prefetch": None}, {"timeout": 0}, {"timeout": -1}, {"timeout": float("nan")}, {"timeout": float("inf")},
+    {"timeout": "5"}, {"log_every": -1}, {"dtype": torch.int8}, {"dtype": "float32"}, {"device": "tpu"},
+    {"device": 3}, {"device": "cuda:99"}, {"output": "int"}, {"mean": (0.5, 0.5)}, {"std": (0.2, 0.0, 0.2)},
+    {"channels_last": "yes"}, {"augment": "train"},
+])
+def test_device_loader_arguments_are_checked(index_cache, kwargs):
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(ArgumentError) as excinfo:
+        datapipe.DeviceLoader(dataset(index_cache), **kwargs)
+    one_line_refusal(excinfo.value)
+
+
+def test_batches_consumed_is_checked(index_cache):
+    ds = dataset(index_cache)
+    for k in (-1, 2**70, 2.0, "3", True, len(ds) + 1):
+        with pytest.raises(StateError, match="batches_consumed") as excinfo:
+            ds.state_dict(batches_consumed=k)
+        one_line_refusal(excinfo.value)
+    assert ds.state_dict(batches_consumed=len(ds))["position"] == N
+
+
+def test_a_batch_larger_than_the_cache_needs_no_buffer_of_that_size(index_cache):
+    loader = datapipe.DeviceLoader(dataset(index_cache, batch_size=2**40), device="cpu", num_workers=2,
+                                   output="uint8")
+    try:
+        [(images, labels, index)] = [tuple(t.clone() for t in b) for b in loader]
+    finally:
+        loader.close()
+    assert sorted(index.tolist()) == list(range(N)) and images.shape[0] == N
+
+
+# ----------------------------------------------------------------------------- DeviceLoader state
+
+
+def test_the_device_loader_refuses_what_the_dataset_refuses(index_cache, twin, saved):
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=0)
+    for change in ({"position": -8}, {"epoch": 2**32}, {"version": 1}, {"build_id": "x"}):
+        with pytest.raises(StateError) as excinfo:
+            loader.load_state_dict({**saved, **change})
+        one_line_refusal(excinfo.value)
+    with pytest.raises(StateError, match="build_id"):
+        datapipe.DeviceLoader(dataset(twin), device="cpu", num_workers=0).load_state_dict(saved)
+    loader.load_state_dict(saved)
+    rest = [b[2].tolist() for b in loader]
+    whole = dataset(index_cache)
+    whole.set_epoch(5)
+    assert rest == indices_of(whole)[3:]
+
+
+# ----------------------------------------------------------------------------- num_workers=0
+
+
+def _reader_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("datapipe-reader")]
+
+
+def _run(info, workers: int, *, k: int | None = None, state=None, seen_threads=None, **kwargs):
+    ds = dataset(info, **{key: kwargs.pop(key) for key in ("batch_size", "shuffle") if key in kwargs})
+    loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=workers, **kwargs)
+    try:
+        loader.set_epoch(2)
+        if state is not None:
+            loader.load_state_dict(state)
+        out = []
+        for batch in loader:
+            out.append(tuple(t.clone() for t in batch))
+            if seen_threads is not None:
+                seen_threads.append((threading.active_count(), _reader_threads()))
+            if k is not None and len(out) == k:
+                break
+        return out, loader.state_dict(), loader.stats()
+    finally:
+        loader.close()
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(all(torch.equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"augment": augment.train(24, color_jitter=0.4)},
+    {"augment": augment.eval(20), "channels_last": True},
+    {"output": "uint8"},
+    {"augment": torch.nn.Dropout(0.3), "dtype": torch.bfloat16},
+    {"batch_size": 13, "shuffle": False, "normalize": False},
+], ids=["normalise", "train", "eval-channels-last", "uint8", "generic-module", "unshuffled"])
+def test_num_workers_0_reads_in_the_loops_thread_with_the_same_batches(index_cache, kwargs):
+    assert not _reader_threads()
+    before = threading.active_count()
+    seen: list = []
+    inline, state0, stats0 = _run(index_cache, 0, seen_threads=seen, **dict(kwargs))
+    threaded, state2, stats2 = _run(index_cache, 2, **dict(kwargs))
+    assert _same(inline, threaded) and len(inline) == -(-N // kwargs.get("batch_size", B))
+    assert state0 == state2 and stats0["batches"] == stats2["batches"] == len(inline)
+    assert all(count <= before and names == [] for count, names in seen), seen  # no thread was started
+
+
+def test_num_workers_0_state_and_resume_match_threads(index_cache):
+    kwargs = {"augment": augment.train(24)}
+    head, state, _ = _run(index_cache, 0, k=4, **kwargs)
+    assert state["position"] == 4 * B and state["epoch"] == 2
+    head2, state2, _ = _run(index_cache, 3, k=4, **kwargs)
+    assert state == state2 and _same(head, head2)
+    tail, _, _ = _run(index_cache, 0, state=state, **kwargs)
+    whole, _, _ = _run(index_cache, 2, **kwargs)
+    assert _same(head + tail, whole)
+
+
+def test_num_workers_0_delivers_a_readers_exception_with_its_traceback(index_cache, monkeypatch):
+    ds = dataset(index_cache)
+    original = ds.cache.read_batch
+    calls = []
+
+    def failing(indices, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("injected failure in the second read")
+        return original(indices, *args, **kwargs)
+
+    monkeypatch.setattr(ds.cache, "read_batch", failing)
+    loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0)
+    with pytest.raises(KeyError, match="second read") as excinfo:
+        for _ in loader:
+            pass
+    assert any(entry.name == "failing" for entry in excinfo.traceback)
+    assert len(calls) == 2  # nothing was read ahead of the loop
+
+
+# ----------------------------------------------------------------------------- a shard breaks mid-epoch
+
+
+def _break_shard(cache_dir, name: str) -> None:
+    data = max((p for p in (cache_dir / "shards" / name).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("how", ["device-0", "device-2", "dataloader-2"])
+def test_a_shard_that_breaks_after_opening_is_named(index_cache, tmp_path, how):
+    copy = shutil.copytree(index_cache.path, tmp_path / "cache")
+    ds = dataset(copy, shuffle=False)
+    _break_shard(copy, "000005.zarr")  # after the dataset was opened (its sizes were fine then)
+    kind, workers = how.split("-")
+    if kind == "device":
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=int(workers))
+    else:
+        loader = DataLoader(ds, batch_size=None, num_workers=int(workers), multiprocessing_context="fork")
+    got = 0
+    with pytest.raises(DatapipeError) as excinfo:
+        for batch in loader:
+            got += int(batch[1].shape[0])
+    assert "000005.zarr" in str(excinfo.value)
+    assert "shared memory" not in str(excinfo.value)
+    if kind == "device":
+        one_line_refusal(excinfo.value)
+        assert got == 32  # the batches before the broken shard (samples 35..41) arrived
+        loader.close()
