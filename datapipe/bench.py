@@ -170,16 +170,16 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
 
         what = f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"
     else:
-        # The CPU loader does not gather a batch: each crop is resized straight out of the memory
-        # maps into reused output buffers. Measure exactly that (so it includes the reading).
+        # The CPU loader reads the batch's samples into its reused buffer and resizes each crop from
+        # there into reused output buffers. Measure exactly that (so it includes the reading).
         stages["assemble"]["on_this_path"] = False
-        stages["assemble"]["what"] += " (not on the CPU path: crops are read straight from the maps)"
+        stages["assemble"]["what"] += " (on the CPU path it is part of the augment stage)"
         out_buf = torch.empty((b, 3, crop, crop))
 
         def run_aug():  # a fresh shuffled batch each time, as in an epoch
-            aug(cache.sample_views(rng.choice(len(cache), b, replace=False), lab), seed=1, out=out_buf)
+            aug(cache.sample_views(rng.choice(len(cache), b, replace=False), lab, out=out), seed=1, out=out_buf)
 
-        what = f"RandomResizedCrop({crop}) + flip + normalise, each crop read from the memory maps"
+        what = f"read the batch + RandomResizedCrop({crop}) + flip + normalise"
     sec = _timeit(run_aug)
     if timers is not None:
         timers["augment"] = (run_aug, b)
@@ -304,7 +304,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
 
     timers: dict = {}
     stages = measure_stages(cache, batch_size=batch_size, crop=crop, device=dev, timers=timers)
-    stages["bytes_on_disk_per_image"] = sum(s["nbytes"] for s in cache.manifest["shards"]) / max(len(cache), 1)
+    stages["bytes_on_disk_per_image"] = cache.manifest.nbytes / max(len(cache), 1)
 
     systems: dict[str, Measurement] = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train")}
     loaders: dict[str, object] = {}

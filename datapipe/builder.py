@@ -24,6 +24,7 @@ import numpy as np
 
 from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
+from .records import FileRecord, Manifest, ShardRecord, SourceRecord
 from .errors import (BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError,
                      describe_quarantine, quarantine_counts, unreadable)
 from .sources import Listing, plan_shards, scan
@@ -475,7 +476,7 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
     return report
 
 
-def _write_index(out: Path, listing: Listing, plans, records, config, chash) -> None:
+def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, build_id: str = "") -> None:
     label_of = dict(zip(listing.paths, listing.labels))  # a shard's samples are its plan's surviving files
     paths = [p for r in records for p in r["paths"]]
     labels = np.fromiter((label_of[p] for p in paths), np.int64, count=len(paths))
@@ -486,32 +487,23 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash) -> 
     atomic_write_text(out / mf.PATHS, json.dumps(paths, ensure_ascii=False))
     shards, first = [], 0
     for r in records:
-        shards.append({"name": shard_name(r["shard"]), "count": r["count"], "first": first,
-                       "nbytes": r["nbytes"], "crc32c": r["crc32c"], "inputs_hash": r["inputs_hash"]})
+        shards.append(ShardRecord(name=shard_name(r["shard"]), count=r["count"], first=first, nbytes=r["nbytes"],
+                                  crc32c=r["crc32c"], inputs_hash=r["inputs_hash"]))
         first += r["count"]
     # Shards left from an earlier, larger source are ours and no longer part of the cache; so are
     # temporary folders of attempts that died with a lost worker.
     remove_stale_temps(out / SHARDS_DIR)
-    keep = {s["name"] for s in shards}
+    keep = {s.name for s in shards}
     for entry in (out / SHARDS_DIR).iterdir():
         if entry.name.endswith(".zarr") and entry.name not in keep:
             shutil.rmtree(entry, ignore_errors=True)
-    manifest = {
-        "format": mf.FORMAT,
-        "version": mf.VERSION,
-        "config": config,
-        "config_hash": chash,
-        "sample": {"shape": [config["size"], config["size"], 3], "dtype": "uint8",
-                   "layout": "zarr-v3-sharded, chunk = one sample, uncompressed (memory-mappable)"},
-        "num_samples": first,
-        "classes": listing.classes,
-        "source": {"root": str(listing.root.absolute()), "kind": listing.kind},
-        "files": {
-            "labels": {"name": mf.LABELS, "crc32c": file_crc32c(out / mf.LABELS)},
-            "paths": {"name": mf.PATHS, "crc32c": file_crc32c(out / mf.PATHS)},
-        },
-        "shards": shards,
-    }
+    manifest = Manifest(
+        config=config, config_hash=chash, num_samples=first, classes=tuple(listing.classes),
+        source=SourceRecord(root=str(listing.root.absolute()), kind=listing.kind),
+        files={"labels": FileRecord(name=mf.LABELS, crc32c=file_crc32c(out / mf.LABELS)),
+               "paths": FileRecord(name=mf.PATHS, crc32c=file_crc32c(out / mf.PATHS))},
+        shards=tuple(shards), build_id=build_id,
+    )
     mf.write_manifest(out, manifest)
 
 

@@ -1,24 +1,102 @@
 """Random access to a finished cache: ``datapipe.open(path)`` and the batch reader under the loader.
 
-Opening reads the manifest and checks every shard file's size (O(number of shards), no sample is
-touched). Samples are read from memory-mapped shard files: a batch is one sorted gather per shard
-it touches, straight into the caller's buffer.
+Opening parses the manifest into a checked :class:`~datapipe.records.Manifest` and stats every
+shard file (O(number of shards), no sample is touched), recording each file's identity. Samples are
+read with positioned reads (``os.preadv``) straight into the caller's buffer, through a bounded set
+of file descriptors opened lazily: a file that shrinks under a reader is a short read, an error
+naming the shard — never a SIGBUS, as a memory map would raise. A shard whose identity (device,
+inode, size, mtime) differs from what was recorded at open was rebuilt or altered since; reading
+it is refused, so a reader keeps reading the build it opened or stops with a clear error, and
+never pairs one build's images with another's labels.
 """
 
 from __future__ import annotations
 
-import json
+import io
+import os
+import stat
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from . import manifest as mf
 from .errors import CacheError, CorruptShardError
-from .storage import SHARDS_DIR, expected_file_size, file_crc32c, images_path, open_images
+from .records import Manifest, parse_json
+from .storage import SHARDS_DIR, file_crc32c, images_path, read_shard_metadata, shard_labels_path
+
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
 
-_OPEN_LOCK = threading.Lock()
+def _identity(st: os.stat_result) -> Identity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _fd_limit() -> int:
+    """Shard files held open at once: a quarter of the soft descriptor limit, between 16 and 1024."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 256
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, soft // 4))
+
+
+class _ShardFiles:
+    """Descriptors of shard data files, opened on first use, least recently used closed beyond ``limit``.
+
+    A descriptor in use by a reader thread is never closed under it (a closed number could be
+    reused by another open and read the wrong file): eviction skips descriptors with users.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: OrderedDict[int, list[int]] = OrderedDict()  # shard -> [fd, users]
+        self._lock = threading.Lock()
+
+    def acquire(self, shard: int, opener) -> int:
+        with self._lock:
+            entry = self._open.get(shard)
+            if entry is not None:
+                self._open.move_to_end(shard)
+                entry[1] += 1
+                return entry[0]
+        fd = opener()  # outside the lock: opening may block on slow storage
+        with self._lock:
+            entry = self._open.get(shard)
+            if entry is not None:  # another thread opened it meanwhile
+                os.close(fd)
+                entry[1] += 1
+                return entry[0]
+            self._open[shard] = [fd, 1]
+            self._evict()
+            return fd
+
+    def release(self, shard: int) -> None:
+        with self._lock:
+            entry = self._open.get(shard)
+            if entry is not None:
+                entry[1] -= 1
+                self._evict()
+
+    def _evict(self) -> None:
+        if len(self._open) <= self.limit:
+            return
+        for shard in [s for s, (_, users) in self._open.items() if not users][: len(self._open) - self.limit]:
+            os.close(self._open.pop(shard)[0])
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, _ in self._open.values():
+                os.close(fd)
+            self._open.clear()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 class Cache:
@@ -26,35 +104,51 @@ class Cache:
 
     ``len(cache)`` samples; ``cache[i]`` is ``(image, label)`` with image a uint8 H×W×3 RGB array;
     ``cache.path(i)`` the source file of sample i relative to the source root; ``cache.classes``
-    the class names. The object pickles small (path and manifest only; memory maps are reopened).
+    the class names; ``cache.manifest`` the checked manifest; ``cache.build_id`` the build that
+    wrote it ("" for caches written before builds had ids). The object pickles small (path,
+    manifest and the identities recorded at open; descriptors are reopened and checked).
     """
 
     def __init__(self, path: str | Path, *, check_sizes: bool = True) -> None:
         self.root = Path(path).expanduser().absolute()
-        self.manifest = mf.read_manifest(self.root)
-        shards = self.manifest["shards"]
-        self.size = int(self.manifest["config"]["size"])
-        self.shape = tuple(self.manifest["sample"]["shape"])
-        self.classes: list[str] = list(self.manifest["classes"])
-        self.shard_names = [s["name"] for s in shards]
-        self.counts = np.array([s["count"] for s in shards], np.int64)
-        self.starts = np.array([s["first"] for s in shards], np.int64)
-        self.num_samples = int(self.manifest["num_samples"])
-        if int(self.counts.sum()) != self.num_samples:
-            raise CacheError(f"{self.root / mf.MANIFEST}: shard counts add up to {int(self.counts.sum())}, "
-                             f"num_samples says {self.num_samples}; rebuild the cache")
+        self.manifest: Manifest = mf.read_manifest(self.root)
+        m = self.manifest
+        self.build_id: str = m.build_id
+        self.size = m.size
+        self.shape = m.shape
+        self.sample_bytes = self.size * self.size * 3
+        self.classes: list[str] = list(m.classes)
+        self.shard_names = [s.name for s in m.shards]
+        self.counts = np.array([s.count for s in m.shards], np.int64)
+        self.starts = np.array([s.first for s in m.shards], np.int64)
+        self.num_samples = m.num_samples
+        self._identities: dict[int, Identity] = {}  # shard -> identity of its data file at open
+        self._file_identities = {key: self._stat_identity(self.root / rec.name) for key, rec in m.files.items()}
         if check_sizes:
             self.check_sizes()
-        self._maps: dict[int, np.ndarray] = {}
-        self._views: dict[int, object] = {}  # shard -> torch uint8 [count, H, W, 3] over the same file
+        self._init_readers()
+
+    def _init_readers(self) -> None:
+        self._files = _ShardFiles(_fd_limit())
+        self._lock = threading.Lock()
         self._labels: np.ndarray | None = None
         self._paths: list[str] | None = None
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state.update(_maps={}, _views={}, _labels=None, _paths=None)
+        for key in ("_files", "_lock", "_labels", "_paths"):
+            state.pop(key, None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_readers()
+
+    def __del__(self) -> None:
+        files = self.__dict__.get("_files")
+        if files is not None:
+            files.close()
 
     def __len__(self) -> int:
         return self.num_samples
@@ -63,28 +157,88 @@ class Cache:
         return (f"Cache({str(self.root)!r}, samples={self.num_samples:,}, shards={len(self.counts)}, "
                 f"shape={self.shape}, classes={len(self.classes)})")
 
+    # ----------------------------------------------------------------- index files
     @property
     def labels(self) -> np.ndarray:
-        """All labels, int64 [num_samples] (memory-mapped)."""
+        """All labels, int64 [num_samples], read and checked (size, checksum, range) on first use."""
         if self._labels is None:
-            with _OPEN_LOCK:  # np.load parses the header with ast, which is not thread-safe on 3.11
-                labels = self._labels if self._labels is not None else np.load(self.root / mf.LABELS, mmap_mode="r")
-            if labels.shape != (self.num_samples,):
-                raise CorruptShardError(f"{self.root / mf.LABELS} holds {labels.shape} labels, the manifest "
-                                        f"says {self.num_samples}; rebuild the cache")
-            self._labels = labels
+            with self._lock:
+                if self._labels is None:
+                    self._labels = self._load_labels()
         return self._labels
 
     def path(self, index: int) -> str:
         """The source file of sample ``index``, relative to the source root."""
+        i = self._check_index(index)
         if self._paths is None:
-            self._paths = json.loads((self.root / mf.PATHS).read_text(encoding="utf-8"))
-        return self._paths[self._check_index(index)]
+            with self._lock:
+                if self._paths is None:
+                    self._paths = self._load_paths()
+        return self._paths[i]
 
+    @staticmethod
+    def _stat_identity(path: Path) -> Identity | None:
+        try:
+            return _identity(os.stat(path))
+        except OSError:
+            return None
+
+    def _read_index_file(self, key: str, limit: int) -> tuple[Path, bytes]:
+        """The bytes of index file ``key`` (labels, paths), checked to be the file seen at open and
+        to match the manifest's checksum."""
+        rec = self.manifest.files[key]
+        path = self.root / rec.name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise CorruptShardError(f"{path} cannot be opened ({exc.strerror or exc}); rerun the same "
+                                    "`datapipe build` to rewrite it") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptShardError(f"{path} is not a regular file; rerun the same `datapipe build` to rewrite it")
+            if _identity(st) != self._file_identities.get(key):
+                raise CorruptShardError(_changed(path, f"{key} file"))
+            if st.st_size > limit:
+                raise CorruptShardError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} its "
+                                        f"{self.num_samples:,} samples need; rerun the same `datapipe build` to rewrite it")
+            data = bytearray(st.st_size)
+            got = _pread_full(fd, memoryview(data), 0)
+        finally:
+            os.close(fd)
+        if got != len(data):
+            raise CorruptShardError(_changed(path, f"{key} file"))
+        crc = _crc32c_hex(data)
+        if crc != rec.crc32c:
+            raise CorruptShardError(f"{path}: checksum {crc} differs from the manifest's {rec.crc32c} (altered after "
+                                    "the build); rerun the same `datapipe build` to rewrite it")
+        return path, bytes(data)
+
+    def _load_labels(self) -> np.ndarray:
+        n = self.num_samples
+        path, data = self._read_index_file("labels", 8 * n + 65536)
+        labels = _parse_labels(data, n, path)
+        if n and (int(labels.min()) < 0 or int(labels.max()) >= len(self.classes)):
+            bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+            raise CorruptShardError(f"{path} holds label {bad}, outside the {len(self.classes)} classes of the "
+                                    "manifest; rerun the same `datapipe build` to rewrite it")
+        return labels
+
+    def _load_paths(self) -> list[str]:
+        path, data = self._read_index_file("paths", 4096 * self.num_samples + 65536)
+        paths = parse_json(data, path)
+        if not isinstance(paths, list) or len(paths) != self.num_samples or not all(isinstance(p, str) for p in paths):
+            raise CorruptShardError(f"{path} is not a list of {self.num_samples:,} paths (one string per sample); "
+                                    "rerun the same `datapipe build` to rewrite it")
+        return paths
+
+    # ----------------------------------------------------------------- samples
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        index = self._check_index(index)
-        shard = int(np.searchsorted(self.starts, index, side="right") - 1)
-        return np.array(self.images(shard)[index - self.starts[shard]]), int(self.labels[index])
+        i = self._check_index(index)
+        out = np.empty((1, *self.shape), np.uint8)
+        label = np.empty(1, np.int64)
+        self.read_batch(np.array([i]), out, label)
+        return out[0], int(label[0])
 
     def _check_index(self, index: int) -> int:
         i = int(index)
@@ -94,109 +248,263 @@ class Cache:
             raise IndexError(f"sample index {index} out of range for a cache of {self.num_samples} samples")
         return i
 
-    def images(self, shard: int) -> np.ndarray:
-        """Shard ``shard``'s samples as a read-only memory map, uint8 [count, H, W, 3]."""
-        mm = self._maps.get(shard)
-        if mm is None:
-            mm = open_images(self.root / SHARDS_DIR / self.shard_names[shard], int(self.counts[shard]),
-                             self.size, name=self.shard_names[shard])
-            self._maps[shard] = mm
-        return mm
-
     def read_batch(self, indices: np.ndarray, out: np.ndarray, labels_out: np.ndarray,
                    index_out: np.ndarray | None = None) -> int:
-        """Gather samples ``indices`` into ``out`` [>=n, H, W, 3], sorted by index; returns n.
+        """Read samples ``indices`` into ``out`` [>=n, H, W, 3], sorted by index; returns n.
 
-        ``mode="clip"`` is safe (indices come from the partition) and keeps numpy from buffering
-        ``out`` through a temporary, which would double the copy.
+        Runs of consecutive indices in one shard are one positioned read each, straight into
+        ``out``; each shard file touched is checked (one fstat) to be the file seen at open.
+        ``labels_out`` (and ``index_out``) receive the labels (and global indices) in the same order.
 
-        One ``np.take`` per shard touched, each reading its rows in file order. ``labels_out`` (and
-        ``index_out``) receive the labels (and global indices) in the same order.
+        Raises:
+            IndexError: an index is outside [0, len(cache)) (nothing is read).
+            CorruptShardError: a shard file was truncated, replaced or altered since the cache was opened.
         """
         idx, shard_of = self._locate(indices, labels_out, index_out)
         n = idx.shape[0]
         if n == 0:
             return 0
-        cuts = np.flatnonzero(np.diff(shard_of)) + 1  # boundaries between shards
-        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [n]])):
-            s = int(shard_of[a])
-            np.take(self.images(s), idx[a:b] - self.starts[s], axis=0, out=out[a:b], mode="clip")
+        if out.shape[0] < n or out.shape[1:] != self.shape or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 [>={n}, {', '.join(map(str, self.shape))}], got {out.shape} {out.dtype}")
+        target = out if out.flags.c_contiguous else np.empty((n, *self.shape), np.uint8)
+        self._read_runs(idx, shard_of, target)
+        if target is not out:
+            out[:n] = target
         return n
 
     def _locate(self, indices, labels_out: np.ndarray, index_out: np.ndarray | None):
-        """Sorted indices [n] and the shard of each; their labels (and the indices) written out."""
-        idx = np.sort(np.asarray(indices, np.int64))  # [n]
-        np.take(self.labels, idx, out=labels_out[: idx.shape[0]], mode="clip")
+        """Sorted, range-checked indices [n] and the shard of each; their labels (and the indices) written out."""
+        idx = np.sort(np.asarray(indices, np.int64).reshape(-1))  # [n]
+        n = idx.shape[0]
+        if n and (idx[0] < 0 or idx[-1] >= self.num_samples):
+            bad = int(idx[0]) if idx[0] < 0 else int(idx[-1])
+            raise IndexError(f"sample index {bad} out of range for a cache of {self.num_samples} samples ({self.root})")
+        labels_out[:n] = self.labels[idx]
         if index_out is not None:
-            index_out[: idx.shape[0]] = idx
+            index_out[:n] = idx
         return idx, np.searchsorted(self.starts, idx, side="right") - 1
 
+    def _read_runs(self, idx: np.ndarray, shard_of: np.ndarray, out: np.ndarray) -> None:
+        """One positioned read per run of consecutive samples of one shard, into ``out``."""
+        n = idx.shape[0]
+        breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(shard_of) != 0)) + 1
+        begins = np.concatenate(([0], breaks)).tolist()
+        ends = np.concatenate((breaks, [n])).tolist()
+        local = (idx - self.starts[shard_of]).tolist()
+        shards = shard_of.tolist()
+        flat = memoryview(out.reshape(-1)).cast("B") if out.size else None
+        per = self.sample_bytes
+        held, fd = -1, -1
+        try:
+            for a, b in zip(begins, ends):
+                s = shards[a]
+                if s != held:
+                    if held >= 0:
+                        self._files.release(held)
+                        held = -1
+                    fd = self._files.acquire(s, lambda s=s: self._open_shard(s))
+                    held = s
+                    self._check_fd(s, fd)
+                want = (b - a) * per
+                if _pread_full(fd, flat[a * per : b * per], local[a] * per) != want:
+                    raise CorruptShardError(self._shard_changed(s, "is shorter than when the cache was opened"))
+        finally:
+            if held >= 0:
+                self._files.release(held)
+
     def sample_views(self, indices: np.ndarray, labels_out: np.ndarray,
-                     index_out: np.ndarray | None = None) -> list:
-        """Samples ``indices`` as uint8 [H, W, 3] torch views into the shard files, sorted by index.
+                     index_out: np.ndarray | None = None, out=None) -> list:
+        """Samples ``indices`` as uint8 [H, W, 3] torch tensors, sorted by index (views into ``out``).
 
-        Nothing is copied: a consumer that reads only part of each sample (a random crop) reads
-        straight from the page cache, which is what the CPU loader does instead of gathering the
-        whole batch first. Labels (and indices) land in ``labels_out`` in the same order, as with
-        :meth:`read_batch`. The views are for reading: the maps are private, so even a write would
-        never reach the file.
+        The samples are read into ``out`` (a uint8 [>=n, H, W, 3] torch tensor or numpy array the
+        caller reuses: the loader passes its batch buffer) or into a new buffer, with the checks of
+        :meth:`read_batch`; the list is what the CPU augmentation presets take. Labels (and
+        indices) land in ``labels_out`` in the same order.
         """
-        idx, shard_of = self._locate(indices, labels_out, index_out)
-        views = []
-        for s, i in zip(shard_of.tolist(), (idx - self.starts[shard_of]).tolist()):
-            t = self._views.get(s)
-            if t is None:
-                t = self._open_view(s)
-            views.append(t[i])
-        return views
-
-    def _open_view(self, shard: int):
         import torch
 
-        mm = self.images(shard)  # checks the file's size against the manifest
-        if mm.shape[0] == 0:
-            t = torch.from_numpy(np.empty(mm.shape, np.uint8))
-        else:  # copy-on-write map: writable for torch, never written back
-            t = torch.from_numpy(np.memmap(mm.filename, dtype=np.uint8, mode="c", shape=mm.shape))
-        self._views[shard] = t
-        return t
+        n = int(np.asarray(indices).size)
+        if out is None:
+            out = torch.empty((n, *self.shape), dtype=torch.uint8)
+        elif isinstance(out, np.ndarray):
+            out = torch.from_numpy(out)
+        n = self.read_batch(indices, out.numpy(), labels_out, index_out)
+        return list(out[:n].unbind(0))
+
+    # ----------------------------------------------------------------- shard files
+    def _shard_path(self, shard: int) -> Path:
+        return images_path(self.root / SHARDS_DIR / self.shard_names[shard])
+
+    def _shard_changed(self, shard: int, what: str) -> str:
+        return _changed(self._shard_path(shard), f"shard {self.shard_names[shard]}", what)
+
+    def _open_shard(self, shard: int) -> int:
+        path = self._shard_path(shard)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CorruptShardError(self._shard_changed(shard, "is gone")) from None
+        except OSError as exc:
+            raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) cannot be opened "
+                                    f"({exc.strerror or exc}); check the storage, then reopen the cache") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) is not a regular file; "
+                                        "rerun the same `datapipe build` to rewrite it")
+            with self._lock:
+                seen = self._identities.setdefault(shard, _identity(st))
+            if seen != _identity(st):
+                raise CorruptShardError(self._shard_changed(shard, "was replaced or altered"))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_fd(self, shard: int, fd: int) -> None:
+        """The open file is still the one seen at open: same size and modification time."""
+        if _identity(os.fstat(fd)) != self._identities[shard]:
+            raise CorruptShardError(self._shard_changed(shard, "was truncated or altered"))
 
     def check_sizes(self) -> None:
-        """Raise CorruptShardError naming the first shard whose file size differs from the manifest."""
-        for name, count, rec in zip(self.shard_names, self.counts, self.manifest["shards"]):
-            path = images_path(self.root / SHARDS_DIR / name)
-            expected = expected_file_size(int(count), self.size)
-            if count == 0 and rec["nbytes"] == 0:
+        """Raise CorruptShardError naming the first shard whose file size differs from the manifest,
+        and record every shard file's identity (what later reads check against)."""
+        for s, rec in enumerate(self.manifest.shards):
+            if rec.count == 0:
                 continue  # every file of this shard was quarantined: there is no data file
-            actual = path.stat().st_size if path.exists() else -1
-            if actual != expected or rec["nbytes"] != expected:
-                what = "missing" if actual < 0 else f"{actual:,} bytes, expected {expected:,}"
+            path = self._shard_path(s)
+            try:
+                st = os.stat(path)
+                actual = st.st_size if stat.S_ISREG(st.st_mode) else -2
+            except OSError:
+                actual = -1
+            if actual != rec.nbytes:
+                what = {-1: "missing", -2: "not a regular file"}.get(actual, f"{actual:,} bytes, expected {rec.nbytes:,}")
                 raise CorruptShardError(
-                    f"shard {name} ({path}) is {what}: truncated or altered after the build. "
+                    f"shard {rec.name} ({path}) is {what}: truncated or altered after the build. "
                     "Rerun the same `datapipe build` to rewrite damaged shards, or `datapipe verify` "
                     "to check every checksum.")
+            self._identities[s] = _identity(st)
 
+    # ----------------------------------------------------------------- verify
     def verify(self, *, progress: bool = False) -> list[str]:
-        """Check every shard's and index file's crc32c against the manifest; return the problems."""
+        """Check every file of the cache against the manifest; return the problems, one line each.
+
+        The index files (labels, paths: checksum, shape, range), and for each shard its data
+        file's checksum, the record in its ``zarr.json`` (count, size, checksum) and its own labels
+        chunk against labels.npy.
+        """
         from tqdm import tqdm
 
-        problems = []
-        for rec in tqdm(self.manifest["shards"], desc="verify", unit="shard", disable=not progress):
-            path = images_path(self.root / SHARDS_DIR / rec["name"])
-            if rec["count"] == 0:
-                continue
-            if not path.exists():
-                problems.append(f"shard {rec['name']}: {path} is missing")
-                continue
-            crc = file_crc32c(path)
-            if crc != rec["crc32c"]:
-                problems.append(f"shard {rec['name']}: checksum {crc} != manifest {rec['crc32c']} ({path}); "
-                                "`datapipe build SOURCE OUTPUT --verify` rewrites it")
-        for key, info in self.manifest["files"].items():
-            path = self.root / info["name"]
-            if not path.exists() or file_crc32c(path) != info["crc32c"]:
-                problems.append(f"{key} file {path} is missing or its checksum differs from the manifest")
+        problems: list[str] = []
+        labels = self._verify_step(problems, self._load_labels)
+        paths = self._verify_step(problems, self._load_paths)
+        for key, rec in self.manifest.files.items():
+            if key not in ("labels", "paths"):
+                path = self.root / rec.name
+                if self._verify_step(problems, lambda path=path: file_crc32c(path)) not in (None, rec.crc32c):
+                    problems.append(f"{key} file {path}: checksum differs from the manifest")
+        for s, rec in enumerate(tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress)):
+            problems.extend(self._verify_shard(s, labels, paths))
         return problems
+
+    @staticmethod
+    def _verify_step(problems: list[str], fn):
+        try:
+            return fn()
+        except (CacheError, OSError) as exc:
+            problems.append(str(exc) if isinstance(exc, CacheError) else f"{exc.filename}: {exc.strerror or exc}")
+            return None
+
+    def _verify_shard(self, s: int, labels: np.ndarray | None, paths: list[str] | None) -> list[str]:
+        rec = self.manifest.shards[s]
+        shard_dir = self.root / SHARDS_DIR / rec.name
+        name = f"shard {rec.name}"
+        try:
+            meta = read_shard_metadata(shard_dir)
+        except CacheError as exc:
+            return [f"{name}: {exc}"]
+        problems = [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
+                    "`datapipe build SOURCE OUTPUT --verify` rewrites it"
+                    for key, want in (("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c))
+                    if meta.get(key) != want]
+        if paths is not None and meta.get("paths") != paths[rec.first : rec.first + rec.count]:
+            problems.append(f"{name}: the paths in {shard_dir / 'zarr.json'} differ from paths.json")
+        if rec.count:
+            problems.extend(self._verify_shard_labels(s, labels))
+            path = self._shard_path(s)
+            try:
+                crc = file_crc32c(path)
+            except (CacheError, OSError) as exc:
+                return [*problems, f"{name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc})"]
+            if crc != rec.crc32c:
+                problems.append(f"{name}: checksum {crc} != manifest {rec.crc32c} ({path}); "
+                                "`datapipe build SOURCE OUTPUT --verify` rewrites it")
+        return problems
+
+    def _verify_shard_labels(self, s: int, labels: np.ndarray | None) -> list[str]:
+        rec = self.manifest.shards[s]
+        path = shard_labels_path(self.root / SHARDS_DIR / rec.name)
+        try:
+            data = _read_regular(path, 8 * rec.count + 1)
+        except OSError as exc:
+            return [f"shard {rec.name}: labels chunk {path} cannot be read ({exc.strerror or exc})"]
+        if len(data) != 8 * rec.count:
+            return [f"shard {rec.name}: labels chunk {path} holds {len(data)} bytes, expected {8 * rec.count}"]
+        if labels is not None and not np.array_equal(np.frombuffer(data, "<i8"), labels[rec.first : rec.first + rec.count]):
+            return [f"shard {rec.name}: labels chunk {path} differs from {mf.LABELS}; rerun the same `datapipe build` "
+                    "with --verify to rewrite it"]
+        return []
+
+
+def _changed(path: Path, what: str, how: str = "changed") -> str:
+    return (f"{what} ({path}) {how} since the cache was opened: the cache was rebuilt or altered. "
+            "Reopen it (a new datapipe.open / dataset), or rerun the same `datapipe build` if it is damaged")
+
+
+def _pread_full(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``offset``; returns the bytes read (fewer only at the end of the file)."""
+    got, want = 0, len(buf)
+    while got < want:
+        k = os.preadv(fd, [buf[got:]], offset + got)
+        if k == 0:
+            break
+        got += k
+    return got
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """Up to ``limit`` bytes of a regular file (a FIFO or device in its place is an OSError, never waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file", str(path))
+        buf = bytearray(limit)
+        return bytes(buf[: _pread_full(fd, memoryview(buf), 0)])
+    finally:
+        os.close(fd)
+
+
+def _crc32c_hex(data) -> str:
+    import google_crc32c
+
+    return f"{google_crc32c.value(bytes(data)):08x}"
+
+
+def _parse_labels(data: bytes, n: int, path: Path) -> np.ndarray:
+    """The int64 [n] array of a .npy file's bytes; CorruptShardError for anything else."""
+    f = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+    except Exception as exc:  # noqa: BLE001 - numpy raises several kinds for a damaged header
+        raise CorruptShardError(f"{path} is not a .npy array ({type(exc).__name__}); rerun the same `datapipe build` "
+                                "to rewrite it") from None
+    if dtype != np.dtype("<i8") or fortran or shape != (n,) or len(data) - f.tell() != 8 * n:
+        raise CorruptShardError(f"{path} holds {shape} {dtype} in {len(data) - f.tell()} bytes, the manifest says "
+                                f"{n} int64 labels; rerun the same `datapipe build` to rewrite it")
+    return np.frombuffer(data, "<i8", count=n, offset=f.tell())
 
 
 def open(path: str | Path) -> Cache:  # noqa: A001 - the public name is datapipe.open

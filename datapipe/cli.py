@@ -117,22 +117,23 @@ def _info(args) -> int:
         if not args.cache:
             return 0
     from .cache import Cache
+    from .records import read_report
 
     cache = Cache(args.cache)
+    report = read_report(cache.root)  # checked before anything is printed
     m = cache.manifest
-    size_on_disk = sum(s["nbytes"] for s in m["shards"])
+    size_on_disk = m.nbytes
     print(f"cache      {cache.root}")
-    print(f"format     {m['format']} v{m['version']} (config {m['config_hash']})")
+    print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
     print(f"samples    {cache.num_samples:,} of shape {cache.shape} uint8 in {len(cache.counts)} shards")
     print(f"classes    {len(cache.classes)}: {', '.join(cache.classes[:8])}{' …' if len(cache.classes) > 8 else ''}")
-    print(f"config     {json.dumps(m['config'])}")
-    print(f"source     {m['source']['root']} ({m['source']['kind']})")
+    print(f"config     {json.dumps(m.config)}")
+    print(f"source     {m.source.root} ({m.source.kind})")
     print(f"on disk    {size_on_disk / 2**20:,.1f} MiB ({size_on_disk / max(cache.num_samples, 1) / 1024:,.1f} KiB/sample)")
-    report = cache.root / "report.json"
-    if report.exists():
-        r = json.loads(report.read_text())
-        print(f"last build {r['status']}: {describe_quarantine(r['quarantined'])}, "
-              f"{r['images_per_second']:,.0f} img/s on {r['workers']} workers (every file and reason: {report})")
+    if report is not None:
+        print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
+              f"{report.images_per_second:,.0f} img/s on {report.workers} workers "
+              f"(every file and reason: {cache.root / 'report.json'})")
     return 0
 
 

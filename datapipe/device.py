@@ -354,7 +354,7 @@ class DeviceLoader:
                 slot.event = None
             cache = self.dataset.cache
             if self._direct:
-                images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy())
+                images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy(), out=slot.images)
                 n = len(images)
             else:
                 n = cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())

@@ -1,12 +1,12 @@
-"""Shards on disk: one Zarr v3 group per shard whose image array is memory-mappable.
+"""Shards on disk: one Zarr v3 group per shard whose image array is plain bytes at known offsets.
 
 A shard is the folder ``shards/NNNNNN.zarr``, a Zarr v3 group holding
 
 * ``images``: uint8 [n, S, S, 3], sharding codec, chunk = one sample, no compression — so the one
   shard file ``images/c/0/0/0/0`` is the n samples back to back, followed by the shard index
   (n × (offset, nbytes) little-endian uint64) and the index's crc32c, exactly as the Zarr v3 sharding
-  spec lays it out. zarr-python reads it; the loader memory-maps the first n·S·S·3 bytes instead,
-  which turns a batch into one numpy gather rather than one zarr call per image.
+  spec lays it out. zarr-python reads it; the loader reads the first n·S·S·3 bytes with positioned reads instead,
+  which turns a batch into one read per run of samples rather than one zarr call per image.
 * ``labels``: int64 [n], one uncompressed chunk.
 * group attributes: the shard's source paths, its plan hash, quarantined files and the data file's
   crc32c.
@@ -21,13 +21,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from .errors import CorruptShardError
+from .errors import CacheError
+from .records import read_json
 
 SHARDS_DIR = "shards"
 TMP_PREFIX = ".tmp-"
@@ -215,43 +217,55 @@ def _group_metadata(count: int, size: int) -> dict:
     return json.loads(_zarr_metadata(count, size)[GROUP_META])
 
 
+def shard_labels_path(shard_dir: Path) -> Path:
+    return shard_dir.joinpath(*LABELS_FILE)
+
+
+def read_shard_metadata(shard_dir: Path) -> dict:
+    """The datapipe attributes of a shard's ``zarr.json`` (count, nbytes, crc32c, paths, ...), checked
+    to be an object whose count, nbytes and crc32c have the right types.
+
+    Raises:
+        CacheError: the file is missing, not a regular file, not JSON, or lacks the record.
+    """
+    path = shard_dir / GROUP_META
+    hint = "rerun the same `datapipe build` to rewrite the shard"
+    meta = read_json(path, hint=hint)
+    record = meta.get("attributes") if isinstance(meta, dict) else None
+    record = record.get("datapipe") if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        raise CacheError(f"{path} holds no datapipe shard record (attributes.datapipe); {hint}")
+    for key, kind in (("count", int), ("nbytes", int), ("crc32c", str)):
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise CacheError(f"{path}: field 'attributes.datapipe.{key}' is missing or not {kind.__name__}; {hint}")
+    return record
+
+
 def read_shard_record(shard_dir: Path) -> dict | None:
     """The record a finished shard carries in its group attributes, or None if it is not whole."""
     try:
-        meta = json.loads((shard_dir / GROUP_META).read_text())
-        record = meta["attributes"]["datapipe"]
-    except (OSError, ValueError, KeyError):
+        record = read_shard_metadata(shard_dir)
+    except CacheError:
         return None
-    data = images_path(shard_dir)
-    actual = data.stat().st_size if data.exists() else 0
-    return record if actual == record.get("nbytes") else None
+    try:
+        st = os.stat(images_path(shard_dir))
+        actual = st.st_size if stat.S_ISREG(st.st_mode) else -1
+    except OSError:
+        actual = 0
+    return record if actual == record["nbytes"] else None
 
 
 def file_crc32c(path: Path, chunk: int = 1 << 24) -> str:
-    crc = 0
-    with open(path, "rb") as f:
+    """The crc32c of a regular file (opened non-blocking: a FIFO in its place is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CacheError(f"{path} is not a regular file; rerun the same `datapipe build` to rewrite it")
+        crc = 0
         while block := f.read(chunk):
             crc = _crc32c(block, crc)
     return f"{crc:08x}"
-
-
-def open_images(shard_dir: Path, count: int, size: int, *, name: str = "") -> np.ndarray:
-    """Memory-map a shard's samples as uint8 [count, size, size, 3], checking the file's size."""
-    path = images_path(shard_dir)
-    expected = expected_file_size(count, size)
-    if count == 0:
-        return np.empty((0, size, size, 3), np.uint8)
-    try:
-        actual = path.stat().st_size
-    except FileNotFoundError:
-        raise CorruptShardError(
-            f"shard {name or shard_dir.name}: file {path} is missing; rebuild the cache "
-            f"(datapipe build … rewrites only damaged shards)") from None
-    if actual != expected:
-        raise CorruptShardError(
-            f"shard {name or shard_dir.name}: file {path} has {actual:,} bytes, the manifest says "
-            f"{expected:,} (truncated or altered); run `datapipe verify` and rebuild the cache")
-    return np.memmap(path, dtype=np.uint8, mode="r", shape=(count, size, size, 3))
 
 
 def remove_stale_temps(shards_dir: Path) -> int:

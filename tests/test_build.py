@@ -184,7 +184,7 @@ def test_output_layout_and_manifest(built, source):
         assert re.fullmatch(r"[0-9a-f]{8}", s["crc32c"])
     assert m["files"]["labels"]["name"] == "labels.npy" and m["files"]["paths"]["name"] == "paths.json"
     cache = datapipe.open(out)
-    assert cache.manifest == m
+    assert cache.manifest.to_json() == m
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     assert report["status"] == "ok" and report["num_samples"] == n and report["quarantined"] == []
     lock = json.loads((out / "build.json").read_text())
@@ -200,7 +200,7 @@ def test_shards_readable_by_zarr_python(built):
 
     out, _ = built
     cache = datapipe.open(out)
-    for rec in cache.manifest["shards"]:
+    for rec in (s.to_json() for s in cache.manifest.shards):
         group = zarr.open_group(str(out / "shards" / rec["name"]), mode="r")
         images, labels = group["images"], group["labels"]
         assert images.shape == (rec["count"], SIZE, SIZE, 3) and images.dtype == np.uint8
@@ -343,7 +343,7 @@ def test_shard_with_only_bad_files(tmp_path, imaging):
     report = build(root, tmp_path / "out", shard_size=4, max_bad_fraction=0.5)
     assert report.status == "ok" and report.num_samples == 4 and report.shards_total == 2
     cache = datapipe.open(tmp_path / "out")
-    assert len(cache) == 4 and [s["count"] for s in cache.manifest["shards"]] == [4, 0]
+    assert len(cache) == 4 and [s.count for s in cache.manifest.shards] == [4, 0]
     assert cache.verify() == []
 
 
@@ -383,7 +383,7 @@ def test_csv_source(tmp_path, imaging):
     assert kinds == {"pics/missing.jpg": "unreadable", twice: "duplicate"}
     cache = datapipe.open(tmp_path / "out")
     assert cache.classes == ["ant", "bird", "cat"]
-    assert cache.manifest["config"]["source_kind"] == "csv"
+    assert cache.manifest.config["source_kind"] == "csv"
     assert len(cache) == len(labels)
     assert [cache.path(i) for i in range(len(cache))] == sorted(labels)
     for i in range(len(cache)):
@@ -464,7 +464,7 @@ def test_other_config_refused_then_forced(built_copy, source):
     report = build(source[0], built_copy, size=40, force=True)
     assert report.status == "ok" and report.shards_built == report.shards_total
     cache = datapipe.open(built_copy)
-    assert cache.manifest["config"]["size"] == 40
+    assert cache.manifest.size == 40
     assert cache[0][0].shape == (40, 40, 3)
     check_cache_matches_source(built_copy, source[0], source[1], DecodeSpec(size=40))
     assert cache.verify() == []
@@ -719,7 +719,7 @@ def test_cli_fit_pad_and_stretch(tmp_path, imaging, fit):
     spec = DecodeSpec(size=SIZE, fit=fit)
     check_cache_matches_source(out, root, files, spec)
     cache = datapipe.open(out)
-    assert cache.manifest["config"]["fit"] == fit
+    assert cache.manifest.config["fit"] == fit
     corners = np.stack([cache[i][0][0, 0] for i in range(len(cache))])
     assert (corners == 255).all(axis=1).any() == (fit == "pad")  # white borders only when padded
     crop = decode_sample((root / cache.path(0)).read_bytes(), DecodeSpec(size=SIZE))
