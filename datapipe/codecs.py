@@ -243,7 +243,9 @@ def _packed(img: np.ndarray) -> np.ndarray:
     rows, pixels, channels = img.strides
     if pixels == 3 and channels == 1 and rows >= 3 * img.shape[1] and img.dtype == np.uint8:
         return img
-    return np.ascontiguousarray(img, dtype=np.uint8)
+    # a fresh array, not np.ascontiguousarray: numpy calls a view with a dimension of 1 contiguous
+    # whatever that dimension's stride (a 1-row crop of a mirrored image keeps a negative one)
+    return np.array(img, dtype=np.uint8, order="C", copy=True)
 
 
 def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None) -> np.ndarray:
@@ -515,11 +517,13 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
             _check_pixels(img.width, img.height, spec)
             if fmt == "jpeg":
                 factor = dct_factor(img.height, img.width, spec)
-                if factor > 1:
-                    img.draft(img.mode, (-(-img.width // factor), -(-img.height // factor)))
+                if factor > 1:  # Pillow picks the largest scale whose result is at least this size
+                    img.draft(img.mode, (max(1, img.width // factor), max(1, img.height // factor)))
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
             orientation = jpeg_orientation(data) if fmt == "jpeg" else _pillow_orientation(img)
+            if fmt == "png":
+                _scale_low_depth_gray_trns(img, data)
             rgb = _to_rgb(img)
     except DecodeError:
         raise
@@ -531,6 +535,15 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
             ZeroDivisionError, OverflowError, MemoryError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
     return apply_orientation(rgb, orientation)
+
+
+def _scale_low_depth_gray_trns(img, data: bytes) -> None:
+    """Pillow scales 2- and 4-bit gray PNG samples to 8 bits but keeps the tRNS gray value at the
+    file's depth, so the wrong level (or none) would turn transparent; scale the value the same way."""
+    depth, color_type = data[24], data[25]  # IHDR, which a PNG must start with
+    value = img.info.get("transparency")
+    if img.mode == "L" and color_type == 0 and depth in (2, 4) and isinstance(value, int):
+        img.info["transparency"] = value * (255 // (2**depth - 1))
 
 
 def _pillow_orientation(img) -> int:
