@@ -25,11 +25,13 @@ import numpy as np
 from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord
-from .errors import (BuildError, ConfigMismatchError, DecodeError, OutputError, TooManyBadFilesError,
-                     describe_quarantine, quarantine_counts, unreadable)
-from .sources import Listing, plan_shards, scan
+from .bounded import Watchdog, max_file_bytes, read_file
+from .errors import (BuildError, DecodeError, OutputError, TooManyBadFilesError, describe_quarantine,
+                     quarantine_counts, unreadable)
+from .output import Output, prepare, remove_shards, shard_build_id
+from .sources import Listing, plan_shards, scan, shown
 from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path,
-                      read_shard_record, remove_stale_temps, shard_name)
+                      read_shard_record, shard_name)
 
 TARGET_SHARD_BYTES = 100 * 2**20
 
@@ -61,6 +63,7 @@ class BuildReport:
     bytes_per_sample: float = 0.0
     peak_worker_rss_mb: float = 0.0
     config: dict = field(default_factory=dict)
+    build_id: str = ""
 
     def quarantine_counts(self) -> dict[str, int]:
         """Quarantined files by class (``error``: see datapipe.errors.QUARANTINE_KINDS), most first."""
@@ -77,45 +80,71 @@ class BuildReport:
 # ----------------------------------------------------------------------------- the task
 
 
-def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, verify: bool = False,
-                isolate: bool = False) -> dict:
+def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str) -> dict | None:
+    """The record of this plan's shard when it is already on disk, whole, from the same inputs,
+    configuration and build (its zarr.json and one stat: no data is read)."""
+    existing = read_shard_record(Path(output) / SHARDS_DIR / shard_name(plan["shard"]))
+    if (existing and existing.get("inputs_hash") == plan["inputs_hash"] and existing.get("config_hash") == config_hash
+            and existing.get("build_id") == build_id):
+        return existing
+    return None
+
+
+# How a file that never finishes ends the process: a worker dies (the shard is then rebuilt with every
+# file isolated, see _run); a serial build ends with one line naming the file.
+WORKER_TIMEOUT = ("datapipe build worker: reading and decoding {path} did not finish within {timeout:g} s "
+                  "(DATAPIPE_FILE_TIMEOUT); ending this worker so that its shard is rebuilt with every file isolated")
+SERIAL_TIMEOUT = ("datapipe build: error: reading and decoding {path} did not finish within {timeout:g} s "
+                  "(DATAPIPE_FILE_TIMEOUT); remove or fix the file (or raise the limit) and rerun to resume: "
+                  "finished shards are kept")
+
+
+def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str = "",
+                verify: bool = False, isolate: bool = False, serial: bool = False) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
-    A finished shard of the same inputs and configuration is kept (with ``verify``, only if its
-    data file's checksum still matches). With ``isolate`` (after this shard's task killed a worker)
-    every file is first decoded in a separate process; one that crashes it or never finishes is
-    quarantined.
+    A finished shard of the same inputs, configuration and build is kept (with ``verify``, only if
+    its data file's checksum still matches). With ``isolate`` (after this shard's task killed a
+    worker) every file is first decoded in a separate process; one that crashes it or never
+    finishes is quarantined. A file that takes longer than DATAPIPE_FILE_TIMEOUT ends the process
+    (see :mod:`datapipe.bounded`); ``serial`` says the process is the build's own.
     """
     import resource
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
-    existing = read_shard_record(final)
-    if (existing and existing.get("inputs_hash") == plan["inputs_hash"]
-            and existing.get("config_hash") == config_hash
-            and (not verify or existing["count"] == 0 or file_crc32c(images_path(final)) == existing["crc32c"])):
+    existing = finished_shard(plan, output=output, config_hash=config_hash, build_id=build_id)
+    if existing and (not verify or existing["count"] == 0 or file_crc32c(images_path(final)) == existing["crc32c"]):
         return {**existing, "skipped": True, "seconds": 0.0}
-    if final.exists():  # a shard of ours from other inputs or a damaged one: replace it
+    if os.path.lexists(final):  # a shard of this build from other inputs, or a damaged one: replace it
+        if shard_build_id(final) != build_id or final.is_symlink():
+            raise BuildError(f"{final} is in the way and was not written by this build; datapipe does not delete "
+                             "what it did not write: move it away and rerun")
         stale = final.with_name(f".tmp-stale-{final.name}-{os.getpid()}")
         os.rename(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
     decode_spec = DecodeSpec(**spec)
+    limit = max_file_bytes(decode_spec.max_pixels)
     quarantined: list[dict] = []
     start = time.perf_counter()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     sample = np.empty((decode_spec.size, decode_spec.size, 3), np.uint8)  # reused for every image
-    with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc():
+    message = SERIAL_TIMEOUT if serial else WORKER_TIMEOUT
+    watchdog = Watchdog(lambda path, timeout: message.format(path=shown(path), timeout=timeout), 2 if serial else 70)
+    with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc(), watchdog:
         for path, label in zip(plan["paths"], plan["labels"]):
             file = os.path.join(root, path)
             failure = _probe(file, spec) if isolate else None
             if failure is not None:
                 quarantined.append({"path": path, **failure})
                 continue
-            image = _load(file, decode_spec, path, quarantined, sample)
+            watchdog.watch(path)
+            image = _load(file, decode_spec, path, quarantined, sample, limit)
+            watchdog.watch(None)
             if image is not None:
                 writer.add(image, label, path)
         record = writer.commit({
             "shard": plan["shard"], "inputs_hash": plan["inputs_hash"], "config_hash": config_hash,
-            "quarantined": quarantined,
+            "build_id": build_id, "quarantined": quarantined,
         })
     record["paths"] = writer.paths
     record["skipped"] = False
@@ -166,11 +195,11 @@ def _probe(file: str, spec: dict) -> dict | None:
             "reason": f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
-def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray) -> np.ndarray | None:
+def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray,
+          limit: int) -> np.ndarray | None:
     """Read and decode one file into ``out``; on failure record why in ``quarantined`` and return None."""
     try:
-        with open(file, "rb", buffering=0) as f:  # unbuffered: one read() of the whole file,
-            data = f.read()  # 0.02 ms for 80 KB against 0.08 ms through a BufferedReader
+        data = read_file(file, limit)  # a regular file only, one unbuffered read, at most ``limit`` bytes
         return decode_sample(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
@@ -241,54 +270,48 @@ def build(
     out = Path(output).expanduser().absolute()
     config = {**asdict(spec), "shard_size": shard_size, "source_kind": listing.kind}
     chash = mf.config_hash(config)
-    _prepare_output(out, config, chash, force)
+    target = prepare(out, config, chash, listing.identity, force)
+    try:
+        return _build_locked(target, listing, config, chash, spec, shard_size, max_bad_fraction=max_bad_fraction,
+                             workers=workers, scheduler=scheduler, verify=verify, progress=progress, log=log, t0=t0)
+    except BaseException:
+        target.discard_if_untouched()  # a build that failed before its first shard leaves nothing behind
+        raise
+    finally:
+        target.lock.release()
+
+
+def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: DecodeSpec, shard_size: int, *,
+                  max_bad_fraction: float, workers, scheduler, verify: bool, progress: bool, log, t0: float) -> BuildReport:
+    """The build proper, run while holding the output's lock."""
+    out = target.path
     plans = plan_shards(listing, shard_size)
     _retire_stale_manifest(out, plans, chash)
     t_scan = time.perf_counter() - t0
     log(f"datapipe build: {len(listing):,} files in {len(listing.classes)} classes from {listing.root} "
-        f"-> {len(plans)} shards of up to {shard_size} samples at {size}x{size} ({fit})")
-
+        f"-> {len(plans)} shards of up to {shard_size} samples at {spec.size}x{spec.size} ({spec.fit})")
     kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec), "config_hash": chash,
-              "verify": verify}
-    timing = {"scan": t_scan}
+              "build_id": target.build_id, "verify": verify}
+    # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
+    # unchanged rerun imports no Dask and starts no worker.
+    done: dict[int, dict] = {}
+    if not verify:
+        for plan in plans:
+            rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=target.build_id)
+            if rec is not None:
+                done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
+    todo = [p for p in plans if p["shard"] not in done]
+    timing = {"scan": t_scan, "shards": 0.0}
     t1 = time.perf_counter()
-    records, n_workers, dashboard = _run(plans, kwargs, workers=workers, scheduler=scheduler,
-                                         progress=progress, log=log, timing=timing)
+    n_workers, dashboard = 0, None
+    if todo:
+        built, n_workers, dashboard = _run(todo, kwargs, workers=workers, scheduler=scheduler, progress=progress,
+                                           log=log, timing=timing)
+        done.update((rec["shard"], rec) for rec in built)
     timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
+    records = [done[p["shard"]] for p in plans]
     return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,
-                   workers=n_workers, dashboard=dashboard, t0=t0, log=log)
-
-
-def _prepare_output(out: Path, config: dict, chash: str, force: bool) -> None:
-    lock = out / mf.BUILD_LOCK
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create output folder {out}: {exc.strerror or exc}") from None
-    if lock.exists():
-        try:
-            previous = json.loads(lock.read_text())
-        except ValueError:
-            previous = {}
-        if previous.get("config_hash") != chash:
-            if not force:
-                raise ConfigMismatchError(
-                    f"{out} holds a build with another configuration ({_diff(previous.get('config', {}), config)}); "
-                    "choose another output folder, or pass --force to rebuild it")
-            _remove_build(out)
-    elif any(out.iterdir()):
-        raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
-                          "or new folder (datapipe never deletes files it did not create)")
-    try:
-        (out / SHARDS_DIR).mkdir(exist_ok=True)
-        atomic_write_text(lock, json.dumps({"format": mf.FORMAT, "version": mf.VERSION,
-                                            "config": config, "config_hash": chash}, indent=1))
-    except OSError as exc:
-        raise OutputError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
-    removed = remove_stale_temps(out / SHARDS_DIR)
-    if removed:
-        print(f"datapipe build: removed {removed} unfinished shard(s) left by an interrupted build",
-              file=sys.stderr)
+                   workers=n_workers, dashboard=dashboard, t0=t0, log=log, build_id=target.build_id)
 
 
 def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
@@ -297,6 +320,7 @@ def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
     A build that replaces, adds or removes any shard would otherwise leave, if it is stopped or
     fails, a manifest that no longer matches the shards (and labels) on disk. Without one the cache
     reads as unfinished until a rerun completes it; a rerun that changes nothing keeps it.
+    (The output's preparation has checked that this manifest carries this build's id.)
     """
     path = out / mf.MANIFEST
     if not path.exists():
@@ -310,22 +334,6 @@ def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
     if not same:
         path.unlink()
         fsync_dir(out)
-
-
-def _diff(old: dict, new: dict) -> str:
-    parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    return ", ".join(parts) or "unknown configuration"
-
-
-def _remove_build(out: Path) -> None:
-    """Remove what an earlier datapipe build wrote here (and nothing else)."""
-    for name in (mf.MANIFEST, mf.REPORT, mf.LABELS, mf.PATHS, mf.BUILD_LOCK):
-        (out / name).unlink(missing_ok=True)
-    shards = out / SHARDS_DIR
-    if shards.is_dir():
-        for entry in shards.iterdir():
-            if entry.name.endswith(".zarr") or entry.name.startswith(".tmp-"):
-                shutil.rmtree(entry, ignore_errors=True)
 
 
 # Dask makes workers hand freed memory back to the OS at once (MALLOC_TRIM_THRESHOLD_=64 KiB), and
@@ -351,23 +359,24 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
 
     if scheduler == "sync":
         log("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
-        bar = progress_bar()
         records = []
         t_start = time.perf_counter()
-        for plan in plans:
-            records.append(build_shard(plan, **kwargs))
-            bar.update()
-        bar.close()
+        with progress_bar() as bar:  # closed before any error line is printed
+            for plan in plans:
+                records.append(build_shard(plan, serial=True, **kwargs))
+                bar.update()
         timing["shards"] = time.perf_counter() - t_start
         return records, 1, None
     from dask.distributed import Client, LocalCluster, as_completed
 
     cluster = None
     if scheduler:
+        wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
         try:
-            client = Client(scheduler, timeout="20s")
-        except OSError as exc:
-            raise OutputError(f"cannot reach the Dask scheduler at {scheduler}: {exc}") from None
+            client = Client(scheduler, timeout=f"{float(wait):g}s")
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"cannot reach the Dask scheduler at {scheduler} within {wait} s "
+                              f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
     else:
         n = workers or os.cpu_count() or 1
         import dask
@@ -379,7 +388,12 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
             cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":8787",
                                    silence_logs=40)
         client = Client(cluster)
+    bar = None
     try:
+        if cluster is not None:  # our own workers leave Ctrl-C to this process, which stops them
+            from .dask_plugins import IgnoreSigint
+
+            client.register_plugin(IgnoreSigint(), name="datapipe-ignore-sigint")
         client.run(_warm_up)  # imports on every worker before the clock for shards starts
         n_workers = len(client.scheduler_info()["workers"])
         dashboard = _dashboard(client)
@@ -417,13 +431,44 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
                 continue
             records[rec["shard"]] = rec
             bar.update()
-        bar.close()
         timing["shards"] = time.perf_counter() - t_start
         return [records[p["shard"]] for p in plans], n_workers, dashboard
+    except BaseException:
+        _quiet_dask()  # stopping early: the cluster's shutdown has nothing to tell the user
+        raise
     finally:
+        if bar is not None:
+            bar.close()
+        _close(client, cluster)
+
+
+def _close(client, cluster) -> None:
+    """Close the client and our LocalCluster; after an interrupted close, end its worker processes
+    that are still running (none may outlive the build)."""
+    procs = []
+    if cluster is not None:
+        for nanny in list(getattr(cluster, "workers", {}).values()):
+            proc = getattr(getattr(getattr(nanny, "process", None), "process", None), "_process", None)
+            if proc is not None:  # the multiprocessing.Process of the worker
+                procs.append(proc)
+    try:
         client.close()
         if cluster is not None:
-            cluster.close()
+            cluster.close(timeout=15)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                if proc.is_alive():
+                    proc.kill()
+
+
+def _quiet_dask() -> None:
+    """Silence Dask's loggers: after Ctrl-C or an error, closing the cluster logs tracebacks of the
+    tasks it cancels, which would bury the build's one line saying what happened."""
+    import logging
+
+    for name in ("distributed", "tornado", "asyncio", "bokeh"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 def _dashboard(client) -> str | None:
@@ -438,7 +483,7 @@ def _dashboard(client) -> str | None:
 
 
 def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_fraction, *, seconds,
-            workers, dashboard, t0, log) -> BuildReport:
+            workers, dashboard, t0, log, build_id: str) -> BuildReport:
     quarantined = list(listing.dropped)
     for rec in records:
         quarantined.extend(rec.get("quarantined", []))
@@ -451,7 +496,7 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
         ignored=len(listing.ignored), shards_total=len(plans), shards_built=len(built),
         shards_skipped=len(records) - len(built), workers=workers, dashboard=dashboard, config=config,
         bytes_on_disk=on_disk, bytes_per_sample=on_disk / max(n_samples, 1),
-        peak_worker_rss_mb=max((r.get("peak_rss_mb", 0.0) for r in built), default=0.0),
+        peak_worker_rss_mb=max((r.get("peak_rss_mb", 0.0) for r in built), default=0.0), build_id=build_id,
     )
     built_images = sum(r["count"] + len(r["quarantined"]) for r in built)
     report.page_faults_per_image = sum(r.get("page_faults", 0) for r in built) / max(built_images, 1)
@@ -468,7 +513,10 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
             f"is in {out / mf.REPORT}; finished shards are kept, so fixing the files or raising the "
             "budget and rerunning resumes the build.")
     t_fin = time.perf_counter()
-    _write_index(out, listing, plans, records, config, chash)
+    # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
+    # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
+    remove_shards(out, build_id, keep={shard_name(p["shard"]) for p in plans})
+    _write_index(out, listing, plans, records, config, chash, build_id=build_id)
     seconds["finalize"] = time.perf_counter() - t_fin
     report.seconds = {**seconds, "total": time.perf_counter() - t0}
     _write_report(out, report)
@@ -490,13 +538,6 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, 
         shards.append(ShardRecord(name=shard_name(r["shard"]), count=r["count"], first=first, nbytes=r["nbytes"],
                                   crc32c=r["crc32c"], inputs_hash=r["inputs_hash"]))
         first += r["count"]
-    # Shards left from an earlier, larger source are ours and no longer part of the cache; so are
-    # temporary folders of attempts that died with a lost worker.
-    remove_stale_temps(out / SHARDS_DIR)
-    keep = {s.name for s in shards}
-    for entry in (out / SHARDS_DIR).iterdir():
-        if entry.name.endswith(".zarr") and entry.name not in keep:
-            shutil.rmtree(entry, ignore_errors=True)
     manifest = Manifest(
         config=config, config_hash=chash, num_samples=first, classes=tuple(listing.classes),
         source=SourceRecord(root=str(listing.root.absolute()), kind=listing.kind),

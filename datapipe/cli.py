@@ -84,8 +84,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that the command stops the way Ctrl-C stops it."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return _COMMANDS[args.command](args)
     except (DatapipeError, ValueError) as exc:
@@ -96,10 +109,20 @@ def main(argv: list[str] | None = None) -> int:
         then = "; finished shards are kept: fix it and rerun to resume" if args.command == "build" else ""
         print(f"datapipe {args.command}: error: {exc.strerror or exc}{where}{then}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"datapipe {args.command}: interrupted; finished shards are kept, rerun to resume",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        _quiet()
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        then = "; finished shards are kept, rerun to resume" if args.command == "build" else ""
+        print(f"\ndatapipe {args.command}: {what}{then}", file=sys.stderr, flush=True)
+        return 143 if isinstance(exc, Terminated) else 130
+
+
+def _quiet() -> None:
+    """After Ctrl-C or SIGTERM the one line above is all the user needs: nothing more from the
+    loggers of the libraries still shutting down (Dask's cluster) or from interpreter exit."""
+    import logging
+
+    logging.disable(logging.CRITICAL)
 
 
 def _build(args) -> int:
@@ -166,9 +189,14 @@ def _verify(args) -> int:
 
 
 def _sample(args) -> int:
-    from .sample import make_sample_dataset
+    from .sample import make_sample_dataset, sample_is_complete
 
-    root = make_sample_dataset(args.output, images=args.images, classes=args.classes, seed=args.seed)
+    params = {"images": args.images, "classes": args.classes, "seed": args.seed}
+    if sample_is_complete(args.output, **params):
+        print(f"{args.output} already holds this sample ({args.images} images in {args.classes} classes, "
+              f"seed {args.seed}): nothing to do")
+        return 0
+    root = make_sample_dataset(args.output, **params)
     print(f"wrote {args.images} images in {args.classes} classes to {root}")
     return 0
 

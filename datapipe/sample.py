@@ -9,12 +9,15 @@ pixels and 60–110 KB per file on average. The output is a pure function of ``s
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["make_sample_dataset", "PHOTOS"]
+__all__ = ["make_sample_dataset", "sample_is_complete", "PHOTOS"]
+
+MARKER = ".datapipe-sample.json"  # the parameters of the sample a folder holds (hidden: not a class)
 
 # (name, is_colour) — the real photographs shipped inside the scikit-image wheel.
 PHOTOS = (
@@ -83,14 +86,53 @@ def _write_range(root: Path, start: int, stop: int, classes: int, seed: int) -> 
         (folder / f"img_{i:06d}.jpg").write_bytes(_one_image(photos, grain, cls, np.random.default_rng([seed, i])))
 
 
+def _files(images: int, classes: int) -> list[str]:
+    return [f"class_{i % classes:03d}/img_{i:06d}.jpg" for i in range(images)]
+
+
+def _marker(root: Path) -> dict | None:
+    try:
+        doc = json.loads((root / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def sample_is_complete(root: str | os.PathLike, *, images: int, classes: int, seed: int) -> bool:
+    """Whether ``root`` already holds exactly the sample of these parameters, every file written."""
+    root = Path(root)
+    params = {"images": images, "classes": classes, "seed": seed}
+    marker = _marker(root)
+    return (marker is not None and marker.get("params") == params and marker.get("complete") is True
+            and all((root / f).is_file() for f in _files(images, classes)))
+
+
+def _claim(root: Path, params: dict) -> None:
+    """Refuse a folder that holds anything but a sample of the same parameters (finished or not)."""
+    from .errors import OutputError
+
+    if root.exists() and not root.is_dir():
+        raise OutputError(f"sample output {root} is a file, not a folder; choose a new or empty folder")
+    if not root.exists() or not any(root.iterdir()):
+        return
+    marker = _marker(root)
+    if marker is None:
+        raise OutputError(f"sample output {root} is not empty; choose a new or empty folder (datapipe sample never "
+                          "overwrites or adds to a folder it did not write)")
+    if marker.get("params") != params:
+        raise OutputError(f"{root} holds another sample ({marker.get('params')}); choose a new or empty folder, "
+                          f"or rerun with those parameters")
+
+
 def make_sample_dataset(
     root: str | os.PathLike, *, images: int = 2000, classes: int = 10, seed: int = 0, workers: int = 1
 ) -> Path:
     """Write ``images`` JPEGs into ``root/<class>/<n>.jpg`` (ImageNet layout).
 
     Args:
-        root: output folder; created if missing. Files already there with the same names are
-            overwritten, nothing else is touched.
+        root: output folder; created if missing. It must be empty or hold a sample of the same
+            parameters (then a finished one is left as it is, an interrupted one completed); the
+            parameters are recorded in ``root/.datapipe-sample.json``.
         images: number of images in total, spread evenly over the classes.
         classes: number of class folders.
         seed: the output is a pure function of (images, classes, seed).
@@ -98,14 +140,28 @@ def make_sample_dataset(
 
     Returns:
         The root folder.
+
+    Raises:
+        OutputError: ``root`` holds anything else (a dataset of the user's, another sample).
     """
     if images < 1 or classes < 1:
         raise ValueError(f"images and classes must be >= 1, got images={images}, classes={classes}")
     root = Path(root)
+    params = {"images": images, "classes": classes, "seed": seed}
+    if sample_is_complete(root, **params):
+        return root
+    _claim(root, params)
     root.mkdir(parents=True, exist_ok=True)
+    (root / MARKER).write_text(json.dumps({"params": params, "complete": False}), encoding="utf-8")
+    _generate(root, images, classes, seed, workers)
+    (root / MARKER).write_text(json.dumps({"params": params, "complete": True}), encoding="utf-8")
+    return root
+
+
+def _generate(root: Path, images: int, classes: int, seed: int, workers: int) -> None:
     if workers <= 1:
         _write_range(root, 0, images, classes, seed)
-        return root
+        return
     from concurrent.futures import ProcessPoolExecutor
 
     step = -(-images // (workers * 4))
@@ -114,4 +170,3 @@ def make_sample_dataset(
                 for a in range(0, images, step)]
         for job in jobs:
             job.result()
-    return root

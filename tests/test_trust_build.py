@@ -1,0 +1,427 @@
+"""What a user may trust of `datapipe build` and `datapipe sample`, checked against real things.
+
+Real FIFOs, real symlink loops, real non-UTF-8 file names, two real build processes into one output,
+a real SIGKILL of a build holding the lock, real signals mid-build, a port nobody listens on, and a
+user's own folder that must survive ``--force`` byte for byte. Builds use ``scheduler="sync"`` except
+where the claim is about Dask.
+
+To stop a build at a known point, a few tests run the real CLI with one test hook: reading one named
+source file first waits on a FIFO the test holds (``GATED``). Everything else is the shipped code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import datapipe
+from datapipe.bounded import read_file
+from datapipe.cli import main as cli_main
+from datapipe.errors import CacheError, ConfigMismatchError, DecodeError, OutputError, SourceError
+
+SIZE = 32
+
+GATED = """
+import os, sys
+import datapipe.builder as builder
+real = builder.read_file
+def gated(path, limit):
+    if path.endswith(os.environ["GATE_FILE"]):
+        with open(os.environ["GATE"], "rb") as gate:
+            gate.read()
+    return real(path, limit)
+builder.read_file = gated
+from datapipe.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def build(source, output, **kwargs) -> datapipe.BuildReport:
+    kwargs = {"size": SIZE, "shard_size": 4, "scheduler": "sync", "progress": False, "log": lambda line: None, **kwargs}
+    return datapipe.build(source, output, **kwargs)
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "datapipe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def one_line(stderr: str, command: str = "build") -> str:
+    """The single line a failed command prints (after any progress output)."""
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith(f"datapipe {command}: error: "), stderr
+    assert not any("error" in line.lower() for line in lines[:-1]), stderr
+    return lines[-1]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def blocked_on_fifo(pid: int) -> bool:
+    try:
+        return any((t / "wchan").read_text() == "wait_for_partner" for t in Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+
+
+def gated_build(src: Path, out: Path, gate: Path, gate_file: str, *extra: str) -> subprocess.Popen:
+    if not gate.exists():
+        os.mkfifo(gate)
+    env = {**os.environ, "GATE": str(gate), "GATE_FILE": gate_file}
+    return subprocess.Popen([sys.executable, "-c", GATED, "build", str(src), str(out), "--size", str(SIZE),
+                             "--shard-size", "4", "--scheduler", "sync", "--quiet", *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def small(tmp_path, imaging) -> Path:
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 5, "b": 5}, variety=False)
+    return src
+
+
+# ----------------------------------------------------------------------------- silent wrong labels
+
+
+@pytest.mark.parametrize("text,encoding", [
+    ("path,label\n{a},cat\n{b},dog\n", "utf-8-sig"),                 # Excel's "CSV UTF-8"
+    ("\ufeffFilename,Class\r\n{a},cat\r\n{b},dog\r\n", "utf-8"),      # BOM as text, CRLF, other names
+    ('"path","label"\n"{a}","cat"\n"{b}","dog"\n', "utf-8-sig"),     # quoted header and cells
+    ("  Image , Label \n {a} , cat \n{b},dog\n", "utf-8"),            # whitespace
+    ("# listing\n\nfile,label\n{a},cat\n{b},dog\n", "utf-8-sig"),    # comment and blank line first
+    ("{a},cat\n{b},dog\n", "utf-8-sig"),                             # no header, BOM
+], ids=["bom", "crlf-filename-class", "quoted", "spaces", "comment-first", "no-header"])
+def test_csv_header_and_bom_never_become_a_class(tmp_path, imaging, text, encoding):
+    files = sorted(imaging.write_source(tmp_path / "pics", {"x": 2}, variety=False))
+    rows = text.format(a=f"pics/{files[0]}", b=f"pics/{files[1]}")
+    (tmp_path / "list.csv").write_bytes(rows.encode(encoding))
+    report = build(tmp_path / "list.csv", tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["cat", "dog"] and report.num_samples == 2 and report.quarantined == []
+    assert [cache.classes[cache[i][1]] for i in range(2)] == ["cat", "dog"]
+
+
+def test_a_header_like_first_row_naming_a_real_file_is_data(tmp_path, imaging):
+    arr = imaging.gradient(40, 52)
+    (tmp_path / "image").write_bytes(imaging.jpeg(arr))  # a file really named "image"
+    (tmp_path / "b.jpg").write_bytes(imaging.jpeg(arr))
+    (tmp_path / "list.csv").write_text("image,cat\nb.jpg,dog\n")
+    build(tmp_path / "list.csv", tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert [cache.path(i) for i in range(len(cache))] == ["b.jpg", "image"]
+
+
+@pytest.mark.parametrize("codec,name", [("utf-16", "UTF-16"), ("utf-16-be", None), ("utf-32", "UTF-32")])
+def test_csv_in_another_encoding_is_refused_by_name(tmp_path, codec, name):
+    data = "path,label\na.jpg,cat\n".encode(codec)
+    if name is None:  # a UTF-16 file with its byte-order mark written big-endian
+        data, name = b"\xfe\xff" + data, "UTF-16"
+    (tmp_path / "list.csv").write_bytes(data)
+    with pytest.raises(SourceError, match=name):
+        build(tmp_path / "list.csv", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("row", ["/etc/hostname,cat", "../outside.jpg,cat", "a/../../outside.jpg,cat", "~/x.jpg,cat"])
+def test_csv_rows_outside_the_csv_folder_are_refused(tmp_path, imaging, row):
+    (tmp_path / "outside.jpg").write_bytes(imaging.jpeg(imaging.gradient(40, 52)))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "list.csv").write_text(f"path,label\n{row}\n")
+    with pytest.raises(SourceError, match=r"list.csv:2: .*(outside|absolute)"):
+        build(tmp_path / "data" / "list.csv", tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "build.json"])
+def test_a_class_folder_holding_a_json_file_of_that_name_stays_a_class(small, tmp_path, name):
+    (small / "a" / name).write_text('{"format": "mine"}')
+    report = build(small, tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["a", "b"] and report.num_samples == 10
+    assert sum(1 for i in range(10) if cache[i][1] == 1) == 5  # b keeps its index
+
+
+def test_symlink_loops_end_and_each_real_file_enters_once(tmp_path, imaging):
+    src = tmp_path / "src"
+    files = imaging.write_source(src, {"a": 2, "b": 2, "c": 1}, variety=False)
+    os.symlink(".", src / "a" / "self")
+    os.symlink("..", src / "a" / "parent")
+    os.symlink(str(tmp_path), src / "b" / "ancestor")  # outside the source, but leads back into it
+    os.symlink("../c", src / "b" / "to-c")  # into a sibling class
+    os.symlink("../b", src / "c" / "to-b")  # ... and back: two links into each other
+    (src / "c" / "sub").mkdir()
+    os.symlink("../../c", src / "c" / "sub" / "up-two")
+    proc = subprocess.run([sys.executable, "-c", "import sys, datapipe.sources as s; l = s.scan(sys.argv[1]); "
+                           "print(len(l.paths), len(l.ignored))", str(src)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr  # the scan ends
+    report = build(src, tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert sorted(cache.path(i) for i in range(len(cache))) == sorted(files)  # each file once, by its real path
+    assert report.num_samples == 5 and report.ignored == 6  # every link not followed is counted
+
+
+def test_a_link_outside_the_source_is_followed_once(tmp_path, imaging):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 1, "b": 1}, variety=False)
+    extra = tmp_path / "elsewhere"
+    imaging.write_source(extra, {"more": 2}, variety=False)
+    os.symlink(str(extra / "more"), src / "a" / "more")
+    os.symlink(str(extra / "more"), src / "b" / "same-again")
+    report = build(src, tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    paths = [cache.path(i) for i in range(len(cache))]
+    assert report.num_samples == 4 and sum(p.startswith("a/more/") for p in paths) == 2
+    assert report.ignored == 1
+
+
+def test_fifo_socket_and_unreadable_names_are_quarantined_not_waited_on(tmp_path, imaging):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 4, "b": 4}, variety=False)
+    os.mkfifo(src / "a" / "pipe.jpg")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(src / "b" / "sock.png"))
+    fd = os.open(os.fsencode(src / "b") + b"/caf\xe9-\xff.jpg", os.O_CREAT | os.O_WRONLY)
+    os.write(fd, imaging.jpeg(imaging.gradient(40, 52)))
+    os.close(fd)
+    (src / "b" / "notes.txt").write_text("not an image")
+    out = tmp_path / "out"
+    proc = cli("build", str(src), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
+               "--max-bad-fraction", "0.5", timeout=90)
+    sock.close()
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    reasons = {q["path"]: (q["error"], q["reason"]) for q in report["quarantined"]}
+    assert reasons["a/pipe.jpg"] == ("unreadable", "not a regular file: a named pipe (FIFO)")
+    assert reasons["b/sock.png"] == ("unreadable", "not a regular file: a socket")
+    assert reasons["b/caf\\xe9-\\xff.jpg"][0] == "unreadable" and "UTF-8" in reasons["b/caf\\xe9-\\xff.jpg"][1]
+    # nothing lost: every image file is a sample or quarantined, the rest counted as ignored
+    assert report["scanned"] == report["num_samples"] + len(report["quarantined"]) == 11
+    assert report["num_samples"] == 8 and report["ignored"] == 1
+
+
+def test_a_file_swapped_for_a_fifo_after_the_scan_is_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "late.jpg")
+    with pytest.raises(DecodeError, match="named pipe") as info:
+        read_file(str(tmp_path / "late.jpg"), 1 << 20)
+    assert info.value.kind == "unreadable"
+    (tmp_path / "big.jpg").write_bytes(b"\xff" * 5000)
+    with pytest.raises(DecodeError, match="5,000 bytes") as info:
+        read_file(str(tmp_path / "big.jpg"), 4096)
+    assert info.value.kind == "too-large"
+    assert read_file(str(tmp_path / "big.jpg"), 5000) == b"\xff" * 5000
+
+
+def test_a_file_that_takes_too_long_ends_a_serial_build_with_one_line(tmp_path, imaging):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "slow.png").write_bytes(imaging.encode(imaging.gradient(60, 80).repeat(100, 0).repeat(100, 1), "PNG"))
+    out = tmp_path / "out"
+    proc = cli("build", str(src), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
+               env={"DATAPIPE_FILE_TIMEOUT": "0.2"})  # a 6000x8000 PNG takes seconds to decode
+    assert proc.returncode == 2
+    line = one_line(proc.stderr)
+    assert "a/slow.png" in line and "DATAPIPE_FILE_TIMEOUT" in line
+
+
+# ----------------------------------------------------------------------------- user files never deleted
+
+
+def test_a_users_folder_with_datapipe_names_survives_force(small, tmp_path, imaging):
+    mine = tmp_path / "mine"
+    (mine / "shards" / "000000.zarr").mkdir(parents=True)
+    (mine / "shards" / "000000.zarr" / "zarr.json").write_text('{"my": "data"}')
+    for name, text in {"build.json": '{"project": "mine", "steps": [1, 2]}', "manifest.json": "[1, 2, 3]",
+                       "report.json": "my report", "paths.json": "[]", "labels.npy": "x"}.items():
+        (mine / name).write_text(text)
+    before = imaging.tree_bytes(mine, skip=())
+    for force in (False, True):
+        with pytest.raises(OutputError, match="not a datapipe cache"):
+            build(small, mine, force=force)
+    assert imaging.tree_bytes(mine, skip=()) == before
+    assert not (mine / ".datapipe.lock").exists()
+
+
+def test_force_removes_only_the_files_of_the_earlier_build(small, tmp_path):
+    out = tmp_path / "out"
+    first = build(small, out)
+    (out / "shards" / "notes.txt").write_text("mine")
+    (out / "shards" / "999999.zarr").mkdir()  # a shard-like folder without this build's id
+    (out / "shards" / "999999.zarr" / "zarr.json").write_text('{"attributes": {"datapipe": {"build_id": "0"}}}')
+    (out / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigMismatchError, match="size: 32 -> 40"):
+        build(small, out, size=40)
+    second = build(small, out, size=40, force=True)
+    assert second.build_id != first.build_id and len(datapipe.open(out)) == 10
+    assert (out / "shards" / "notes.txt").read_text() == "mine" and (out / "mine.txt").read_text() == "keep"
+    assert (out / "shards" / "999999.zarr" / "zarr.json").exists()
+    for shard in (out / "shards").glob("00000*.zarr"):
+        assert json.loads((shard / "zarr.json").read_text())["attributes"]["datapipe"]["build_id"] == second.build_id
+
+
+def test_another_source_into_a_cache_is_refused_naming_both(small, tmp_path, imaging):
+    other = tmp_path / "other"
+    imaging.write_source(other, {"a": 5, "b": 5}, variety=False, seed=9)
+    out = tmp_path / "out"
+    build(small, out)
+    manifest = (out / "manifest.json").read_bytes()
+    with pytest.raises(ConfigMismatchError, match=rf"another source.*{small}.*{other}.*--force"):
+        build(other, out)
+    assert (out / "manifest.json").read_bytes() == manifest
+    assert build(other, out, force=True).shards_built == 3
+    assert datapipe.open(out).manifest.source.root == str(other)
+
+
+@pytest.mark.parametrize("doc", ["[]", "null", '{"format": "datapipe-cache", "version": 1, "config": []}',
+                                 '{"format": "datapipe-cache", "version": 1, "config": {"size": "32"}, "config_hash": 5}',
+                                 '{"format": "datapipe-cache", "version": "1"}'])
+def test_malformed_build_json_is_one_line(small, tmp_path, capsys, doc):
+    out = tmp_path / "out"
+    build(small, out)
+    (out / "build.json").write_text(doc)
+    code = cli_main(["build", str(small), str(out), "--size", str(SIZE), "--shard-size", "4", "--scheduler", "sync",
+                     "--quiet"])
+    assert code == 2
+    line = one_line(capsys.readouterr().err)
+    assert "build.json" in line or "not a datapipe cache" in line
+
+
+def test_sample_refuses_a_folder_it_did_not_write(tmp_path, imaging):
+    mine = tmp_path / "mine"
+    imaging.write_source(mine, {"class_000": 1}, variety=False)
+    before = imaging.tree_bytes(mine, skip=())
+    proc = cli("sample", str(mine), "--images", "3", "--classes", "2")
+    assert proc.returncode == 2 and "not empty" in one_line(proc.stderr, "sample")
+    assert imaging.tree_bytes(mine, skip=()) == before
+    fresh = tmp_path / "fresh"
+    assert cli("sample", str(fresh), "--images", "3", "--classes", "2").returncode == 0
+    written = imaging.tree_bytes(fresh, skip=())
+    again = cli("sample", str(fresh), "--images", "3", "--classes", "2")  # the same sample: a no-op
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    other = cli("sample", str(fresh), "--images", "4", "--classes", "2")
+    assert other.returncode == 2 and "another sample" in one_line(other.stderr, "sample")
+    assert imaging.tree_bytes(fresh, skip=()) == written
+
+
+# ----------------------------------------------------------------------------- one writer, resume
+
+
+def test_two_builds_into_one_output_then_sigkill_and_resume(small, tmp_path, imaging):
+    """A second build fails at once naming the holder; the holder killed with SIGKILL leaves its lock
+    file, whose lock the kernel released: a rerun takes it and ends as an uninterrupted build."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    first = gated_build(small, out, gate, "b/img001.jpg")  # shard 0 finished, shard 1 half-written
+    try:
+        wait_for(lambda: blocked_on_fifo(first.pid) or first.poll() is not None, 60, "the first build to hold the lock")
+        assert first.poll() is None
+        second = cli("build", str(small), str(out), "--size", str(SIZE), "--shard-size", "4", "--scheduler", "sync",
+                     "--quiet")
+        assert second.returncode == 2
+        line = one_line(second.stderr)
+        assert f"pid {first.pid} on host {socket.gethostname()}" in line and "another datapipe build" in line
+        os.kill(first.pid, signal.SIGKILL)
+        assert first.wait(30) == -signal.SIGKILL
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(30)
+        first.stderr.close()
+    assert (out / ".datapipe.lock").exists() and not (out / "manifest.json").exists()
+    assert (out / "shards" / "000000.zarr").exists()
+    report = build(small, out)
+    assert report.shards_skipped == 1 and report.num_samples == 10
+    ref = tmp_path / "ref"
+    build(small, ref)
+    assert imaging.tree_bytes(out) == imaging.tree_bytes(ref)
+    assert not (out / ".datapipe.lock").exists()
+
+
+def test_sigterm_mid_build_is_one_line_and_resumable(small, tmp_path):
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    proc = gated_build(small, out, gate, "b/img001.jpg")
+    try:
+        wait_for(lambda: blocked_on_fifo(proc.pid) or proc.poll() is not None, 60, "the build to block")
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGTERM)  # interrupts the wait on the gate (PEP 475: the handler runs)
+        assert proc.wait(30) == 143
+        stderr = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stderr.close()
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "datapipe build: terminated; finished shards are kept, rerun to resume"
+    assert not (out / ".datapipe.lock").exists() and (out / "shards" / "000000.zarr").exists()
+    report = build(small, out)
+    assert report.shards_skipped == 1 and report.shards_built == 2 and report.num_samples == 10
+
+
+# ----------------------------------------------------------------------------- hangs and crashes
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_scheduler_leaves_nothing_behind(small, tmp_path):
+    out = tmp_path / "new" / "out"
+    proc = cli("build", str(small), str(out), "--scheduler", f"tcp://127.0.0.1:{closed_port()}", "--quiet",
+               env={"DATAPIPE_SCHEDULER_TIMEOUT": "1"})
+    assert proc.returncode == 2
+    assert "cannot reach the Dask scheduler" in one_line(proc.stderr)
+    assert list((tmp_path / "new").iterdir()) == []  # no output folder, no shards/, no lock file
+
+
+def test_an_unchanged_rerun_starts_no_cluster(small, tmp_path):
+    out = tmp_path / "out"
+    build(small, out)
+    code = ("import json, sys, datapipe; r = datapipe.build(sys.argv[1], sys.argv[2], size=32, shard_size=4, "
+            "progress=False, log=lambda line: None); "
+            "print(json.dumps([r.shards_built, r.shards_skipped, r.workers, 'distributed' in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(small), str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [0, 3, 0, False]
+
+
+@pytest.mark.distributed
+def test_ctrl_c_mid_build_prints_one_line_and_leaves_no_process(tmp_path, imaging):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 40, "b": 40}, variety=False, shape=(300, 400))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(src), str(out), "--size", str(SIZE),
+                             "--shard-size", "2", "--workers", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: any((out / "shards").glob("*.zarr")) or proc.poll() is not None, 120, "the first shard")
+        assert proc.poll() is None
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C does: the whole process group
+        stderr = proc.stderr.read()
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        proc.stderr.close()
+    assert "Traceback" not in stderr, stderr
+    after = stderr.split("shard/s]")[-1].strip().splitlines()  # what follows the progress bar
+    assert after == ["datapipe build: interrupted; finished shards are kept, rerun to resume"], stderr
+    assert any((out / "shards").glob("*.zarr"))
+    wait_for(lambda: subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1, 30,
+             "every process of the build to end")
+    with pytest.raises(CacheError, match="did not finish"):
+        datapipe.open(out)
