@@ -6,6 +6,13 @@ palette images expanded, alpha composited onto a fixed background and 16-bit dat
 clipped). JPEGs go through libjpeg-turbo (``simplejpeg``, which ships the library in its wheel) with
 DCT-domain downscaling by powers of two when the source is at least twice the target; every other
 format (and CMYK/YCCK JPEGs, which libjpeg-turbo cannot convert to RGB) goes through Pillow.
+
+What is kept and what is quarantined follows Pillow (with ``LOAD_TRUNCATED_IMAGES`` off): a file is
+kept when it decodes fully. For JPEGs, a libjpeg-turbo *warning* that leaves the pixels intact (junk
+bytes between markers, a bad ICC chunk, ...) is not corruption, and the file is kept. Truncated data
+(``Premature end of JPEG file``, even when only the end marker is missing) is refused, as Pillow
+refuses it; so is scan data that ends early or does not decode, which Pillow would keep with grey or
+garbage blocks in place of the picture.
 """
 
 from __future__ import annotations
