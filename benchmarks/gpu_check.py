@@ -18,9 +18,10 @@
 Writes gpu_check.json into --out (default: $OUT, else ./gpu_check_out), after every stage, so a run
 cut short still reports what it measured. Runs from a checkout without installing datapipe. Needs
 no torchvision (ResNet-50 is defined below), no Dask (a missing Dask builds in this process) and no
-Kornia (without it the colour-jitter checks are skipped and reported so). On the device machine::
+Kornia (without it the colour-jitter checks are skipped and reported so): a machine with torch and
+CUDA alone runs it (the build then runs in this process and decodes with Pillow), e.g.::
 
-    python3 benchmarks/gpu_check.py   # carry kornia's wheels (.whl) to include the jitter checks
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out "$OUT"
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from datapipe import augment  # noqa: E402
 
 MEAN_TOL, P99_TOL = 0.003, 0.01  # [0, 1] units, as tests/test_gpu_parity.py
 FLOAT_MAX = 1e-4  # the device path against the float reference, fp32 matmuls
-TF32_MAX = 0.003  # the same with TF32 matmuls
+TF32_MAX = 0.006  # the same with TF32 matmuls (10-bit weights and intermediate; the mean stays <= MEAN_TOL)
 # Presets below take path="device": what "auto" is on CUDA, and the same code on CPU tensors (--cpu-smoke).
 ROUNDING = {torch.float32: 0.0, torch.float16: 0.0005, torch.bfloat16: 0.0025}  # output dtype's rounding, [0, 1] units
 
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.bfloat16):
         aug = augment.train(size, channels_last=True, dtype=dtype, path="device")
         res["deviceloader"][f"train{size}_{str(dtype).split('.')[-1]}"] = loader_rate(
-            cache, dev, args, epochs=loader_epochs, augment=aug)
+            cache, dev, args, epochs=loader_epochs, augment=aug, dtype=dtype, channels_last=True)
     save("deviceloader", t)
 
     t = time.perf_counter()

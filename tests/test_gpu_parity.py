@@ -220,60 +220,62 @@ def test_resize_weights_are_torchs_filter():
         torch.testing.assert_close(w[b, :, s : s + n].double(), ref, rtol=0, atol=1e-7)  # torch's doubles, in fp32
 
 
-def test_device_path_through_the_loader_matches_the_cpu_path(tmp_path):
-    """DeviceLoader(device="cpu") with ``path="device"`` calls the preset as the CUDA loader does
-    (a whole batch, a per-batch seed); its batches match the default CPU path's."""
-    src = datapipe.make_sample_dataset(tmp_path / "src", images=24, classes=3)
-    datapipe.build(src, tmp_path / "cache", size=96, shard_size=8, scheduler="sync", progress=False,
-                   log=lambda _line: None)
-    batches = {}
-    for path in ("uint8", "device"):
-        ds = datapipe.StreamingDataset(tmp_path / "cache", batch_size=8, shuffle=True, seed=5)
-        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=2, augment=augment.train(64, path=path))
-        try:
-            batches[path] = list(loader)
-        finally:
-            loader.close()
-    assert len(batches["uint8"]) == len(batches["device"]) == 3
-    for (a, la), (b, lb) in zip(batches["uint8"], batches["device"]):
-        assert torch.equal(la, lb)
-        figures = stats(unit(a), unit(b))
-        assert figures["mean"] <= MEAN_TOL and figures["p99"] <= P99_TOL, figures
-
-
-# ----------------------------------------------------------------------------- on a GPU
-
-
-@pytest.fixture(scope="module")
-def photo_cache(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("photo-cache")
-    src = datapipe.make_sample_dataset(tmp / "src", images=96, classes=4)
-    datapipe.build(src, tmp / "cache", size=256, shard_size=16, scheduler="sync", progress=False,
+def photo_cache(tmp, images: int, side: int):
+    src = datapipe.make_sample_dataset(tmp / "src", images=images, classes=3)
+    datapipe.build(src, tmp / "cache", size=side, shard_size=16, scheduler="sync", progress=False,
                    log=lambda _line: None)
     return tmp / "cache"
 
 
-def _epoch(cache, device: str, aug, **kwargs) -> list:
+def loader_epoch(cache, device: str, path: str, size: int, *, dtype=torch.float32, jitter=None) -> list:
+    """One epoch of augmented batches (on the CPU), from a DeviceLoader with the train preset."""
     ds = datapipe.StreamingDataset(cache, batch_size=32, shuffle=True, seed=11)
-    loader = datapipe.DeviceLoader(ds, device=device, num_workers=4, prefetch=4, augment=aug, **kwargs)
+    aug = augment.train(size, color_jitter=jitter, dtype=dtype, channels_last=True, path=path)
+    loader = datapipe.DeviceLoader(ds, device=device, num_workers=4, prefetch=4, augment=aug, dtype=dtype,
+                                   channels_last=True)
     try:
         return [tuple(t.cpu() for t in batch) for batch in loader]
     finally:
         loader.close()
 
 
+def assert_same_batches(a: list, b: list, dtype, jitter) -> None:
+    assert len(a) == len(b) == 3
+    for (x, lx), (y, ly) in zip(a, b):
+        assert x.dtype == y.dtype == dtype and torch.equal(lx, ly)
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        figures = stats(unit(x), unit(y))
+        # jitter amplifies the uint8 path's rounding; fp16/bf16 add their own
+        assert figures["mean"] <= MEAN_TOL and figures["p99"] <= (2 if jitter else 1) * P99_TOL + 0.0025, figures
+
+
+@pytest.mark.parametrize(("dtype", "jitter"), [(torch.float32, None), (torch.bfloat16, 0.4)])
+def test_device_path_through_the_loader_matches_the_cpu_path(tmp_path, dtype, jitter):
+    """DeviceLoader(device="cpu") with ``path="device"`` calls the preset as the CUDA loader does
+    (a gathered batch, a per-batch seed); its batches match the default CPU path's."""
+    cache = photo_cache(tmp_path, 96, 96)
+    device = loader_epoch(cache, "cpu", "device", 64, dtype=dtype, jitter=jitter)
+    assert_same_batches(device, loader_epoch(cache, "cpu", "uint8", 64, dtype=dtype, jitter=jitter), dtype, jitter)
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+@pytest.fixture(scope="module")
+def photo_cache_256(tmp_path_factory):
+    return photo_cache(tmp_path_factory.mktemp("photo-cache"), 96, 256)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("jitter", [None, 0.4])
-def test_cuda_loader_gives_the_cpu_loaders_batches(photo_cache, dtype, jitter):
-    on_gpu = _epoch(photo_cache, "cuda", augment.train(224, color_jitter=jitter, dtype=dtype, channels_last=True))
-    on_cpu = _epoch(photo_cache, "cpu", augment.train(224, color_jitter=jitter, dtype=dtype, channels_last=True))
-    assert len(on_gpu) == len(on_cpu) == 3
-    for (a, la), (b, lb) in zip(on_gpu, on_cpu):
-        assert a.dtype == b.dtype == dtype and torch.equal(la, lb)
-        figures = stats(unit(a), unit(b))
-        assert figures["mean"] <= MEAN_TOL and figures["p99"] <= (2 if jitter else 1) * P99_TOL + 0.0025, figures
+def test_cuda_loader_gives_the_cpu_loaders_batches(photo_cache_256, dtype, jitter):
+    """Pinned ring, side-stream copy, events, then the device path and Kornia's jitter on the GPU:
+    the same batches as the CPU loader's (same seeds, so the same crops, flips and jitter)."""
+    on_gpu = loader_epoch(photo_cache_256, "cuda", "auto", 224, dtype=dtype, jitter=jitter)
+    on_cpu = loader_epoch(photo_cache_256, "cpu", "auto", 224, dtype=dtype, jitter=jitter)
+    assert_same_batches(on_gpu, on_cpu, dtype, jitter)
 
 
 @pytest.mark.cuda
@@ -290,7 +292,10 @@ def test_cuda_crop_and_resize_matches_the_reference(tf32):
             out = augment.crop_and_resize(images, crops, size, flip=flip) / 255.0
             ref = reference(images.cpu(), crops, flip, size)
             figures = stats(out.double().cpu(), ref)
-            assert figures["max"] <= (0.003 if tf32 else DEVICE_MAX), figures
+            if tf32:  # TF32 rounds the weights and the intermediate to 10 bits (the pixels, integers, stay exact)
+                assert figures["mean"] <= 0.001 and figures["max"] <= 0.006, figures
+            else:
+                assert figures["max"] <= DEVICE_MAX, figures
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
