@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import struct
+import subprocess
+import sys
+import tarfile
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -645,3 +649,35 @@ def test_truncated_png_and_gif_are_refused_like_pillow(imaging):
         ours, reason = ours_or_reason(cut)
         ref, _ = oracle_or_reason(cut)
         assert ours is None and ref is None, (fmt, reason)
+
+
+# ----------------------------------------------------------------------------- the whole of Pillow's test images
+
+
+@pytest.mark.skipif(not os.environ.get("DATAPIPE_WILD_SDIST"), reason="set DATAPIPE_WILD_SDIST=1 to fetch Pillow's "
+                    "sdist (~47 MB) from PyPI and check all of its Tests/images")
+def test_every_image_in_pillows_sdist_matches_pillow(tmp_path):
+    """The committed corpus is a subset; this checks every file of the installed Pillow version's
+    Tests/images with a README-listed extension the same way (kept: matches; quarantined: Pillow refuses)."""
+    import PIL
+
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--quiet",
+                    f"pillow=={PIL.__version__}", "-d", str(tmp_path)], check=True, timeout=600)
+    with tarfile.open(next(tmp_path.glob("pillow-*.tar.gz"))) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and "/Tests/images/" in m.name
+                   and Path(m.name).suffix.lower() in EXTENSIONS]
+        problems = []
+        for member in members:
+            data = tar.extractfile(member).read()
+            ours, reason = ours_or_reason(data)
+            ref, refusal = oracle_or_reason(data)
+            if ours is None and ref is not None:
+                problems.append(f"{member.name}: quarantined ({reason}) but Pillow decodes it")
+            elif ours is not None and ref is None:
+                problems.append(f"{member.name}: kept, but Pillow refuses it ({refusal})")
+            elif ours is not None:
+                psnr, mad = agreement(ours, ref) if ours.shape == ref.shape else (0.0, 255.0)
+                if psnr < 40 and mad > 1:
+                    problems.append(f"{member.name}: PSNR {psnr:.1f} dB, mean abs diff {mad:.2f}")
+    assert len(members) > 500
+    assert not problems, "\n".join(problems)
