@@ -1,7 +1,10 @@
 """`datapipe bench`: where the time goes, and how far ahead of today's loaders, on this machine.
 
-Every system reads the same data and produces the same output — float [B, 3, crop, crop] batches
-after RandomResizedCrop and a horizontal flip — with the same number of workers and batch size.
+Every system reads the same data — exactly the cache's samples: the peers decode the source files
+the cache was built from, never one the build quarantined — and produces the same output — float
+[B, 3, crop, crop] batches after RandomResizedCrop and a horizontal flip — with the same number of
+workers and batch size. A system that fails is reported as failed (the others still run), and the
+command's exit code says so.
 Warm-up passes are excluded; systems are measured in interleaved rounds so that drift on a shared
 machine hits them alike; each ratio is computed per round, then the median is reported.
 """
@@ -28,8 +31,9 @@ class Measurement:
     """Repeated measurements of one system: images/s per round, with median and spread."""
 
     name: str
-    status: str = "ok"  # "ok" or "skipped"
+    status: str = "ok"  # "ok", "failed", or "skipped" (a peer of --against all that is not installed)
     reason: str | None = None
+    samples: int | None = None  # samples this system reads per epoch (the cache's, for every system)
     install: str | None = None
     images_per_s: list[float] = field(default_factory=list)
     median: float = 0.0
@@ -265,6 +269,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         cache: a cache folder written by ``datapipe build``.
         source: the source image folder (needed by every peer).
         against: peer names (``dataloader``, ``webdataset``, ``litdata``, ``streaming``) or ``["all"]``.
+            A named peer that cannot run here fails; with ``all``, peers not installed are skipped.
         batch_size, workers, crop: the same for every system.
         repeats: measured rounds; each round runs every system once, interleaved.
         batches: batches per pass (default: one epoch, at most 40).
@@ -273,7 +278,12 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         work_dir: where peers write their shards (default: next to the cache).
 
     Returns:
-        A :class:`BenchResult` (``.to_dict()`` is what ``--json`` writes).
+        A :class:`BenchResult` (``.to_dict()`` is what ``--json`` writes); a system that failed has
+        ``status == "failed"`` and the reason.
+
+    Raises:
+        SourceError: ``source`` is missing, or does not hold the cache's samples (see
+            :func:`datapipe.peers.cache_samples`).
     """
     import torch
     from tqdm import tqdm
@@ -286,17 +296,18 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     cache = Cache(cache)
     dev = _resolve_device(device)
-    names = list(peer_mod.PEERS) if list(against) == ["all"] else [a for a in against if a]
+    every = list(against) == ["all"]
+    names = list(peer_mod.PEERS) if every else [a for a in against if a]
     for name in names:
         peer_mod.get_peer(name)  # raises ValueError naming the choices
     if names and source is None:
         raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
-    if source is not None and not Path(source).is_dir():
-        raise SourceError(f"source {source} is not a folder of class folders")
+    listing = peer_mod.cache_samples(cache, source) if names else None  # refuses a source that is not the cache's
     work = Path(work_dir) if work_dir else cache.root.parent / f"{cache.root.name}-bench-work"
     epoch_batches = -(-len(cache) // batch_size)
     batches = batches or min(epoch_batches, 40)
-    config = {"cache": str(cache.root), "source": str(source) if source else None, "batch_size": batch_size,
+    config = {"cache": str(cache.root), "source": str(source) if source else None, "samples": len(cache),
+              "batch_size": batch_size,
               "workers": workers, "repeats": repeats, "batches_per_pass": batches, "crop": crop,
               "device": str(dev), "output": f"float32 [B, 3, {crop}, {crop}] after RandomResizedCrop + flip"}
     log(f"datapipe bench: {len(cache):,} samples, batch {batch_size}, {workers} workers, {repeats} rounds "
@@ -306,7 +317,8 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
     stages = measure_stages(cache, batch_size=batch_size, crop=crop, device=dev, timers=timers)
     stages["bytes_on_disk_per_image"] = cache.manifest.nbytes / max(len(cache), 1)
 
-    systems: dict[str, Measurement] = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train")}
+    systems: dict[str, Measurement] = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train",
+                                                           samples=len(cache))}
     loaders: dict[str, object] = {}
     sync = torch.cuda.synchronize if dev.type == "cuda" else None
     loaders[SYSTEM] = _datapipe_loader(cache, batch_size=batch_size, workers=workers, crop=crop, device=dev)
@@ -315,16 +327,19 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         m = Measurement(name, install=peer.install)
         systems[name] = m
         reason = peer.unavailable()
-        if reason is None:
-            try:
-                log(f"datapipe bench: preparing {name} …")
-                m.prepare_s = peer.prepare(Path(source), work)
-                loaders[name] = peer.loader(Path(source), work, batch_size=batch_size, workers=workers)
-            except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
-                reason = f"{type(exc).__name__}: {exc}"
-        if reason is not None:
+        if reason is not None and every:  # "all": the peers installed here
             m.status, m.reason = "skipped", reason
             log(f"datapipe bench: {name} skipped: {reason} (install: {peer.install})")
+            continue
+        try:
+            if reason is not None:
+                raise RuntimeError(f"{reason}; install it with: {peer.install}")
+            log(f"datapipe bench: preparing {name} …")
+            m.prepare_s = peer.prepare(listing, work)
+            loaders[name] = peer.loader(listing, work, batch_size=batch_size, workers=workers)
+            m.samples = len(listing)
+        except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+            _failed(m, exc, log)
 
     runnable = list(loaders)
     bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress, file=sys.stderr)
@@ -336,8 +351,8 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         for name in (runnable[::-1] if rnd == 0 else list(runnable)):
             try:
                 n_img, wall, cpu_s = _pass(loaders[name], batches, sync=sync)
-            except Exception as exc:  # noqa: BLE001
-                systems[name].status, systems[name].reason = "skipped", f"failed: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
+                _failed(systems[name], exc, log)
                 runnable.remove(name)
                 continue
             if rnd:
@@ -364,6 +379,14 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
             close()
     return BenchResult(machine=describe_machine(), config=config, stages=stages, systems=systems,
                        attribution=attribution)
+
+
+def _failed(m: Measurement, exc: BaseException, log) -> None:
+    """Mark a system failed with a one-line reason (a DataLoader's worker traceback is cut to its first line)."""
+    text = " ".join(str(exc).strip().splitlines()[0].split()) if str(exc).strip() else ""
+    m.status, m.reason = "failed", f"{type(exc).__name__}: {text}"[:300].rstrip(": ")
+    m.images_per_s = []
+    log(f"datapipe bench: {m.name} failed: {m.reason}")
 
 
 def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: int = 3) -> dict:
@@ -429,9 +452,13 @@ def format_table(result: BenchResult) -> str:
     c = result.config
     lines.append(f"same output for all: {c['output']}; batch {c['batch_size']}, {c['workers']} workers, "
                  f"{c['repeats']} rounds of {c['batches_per_pass']} batches")
+    lines.append(f"same samples for all: the cache's {c['samples']:,} (the peers read their source files)")
     lines.append("")
     lines.append(f"{'system':<12} {'images/s (median)':>18} {'min..max':>18} {'datapipe ×':>11} {'prep s':>8} {'CPU ms/img':>11}")
     for s in result.systems.values():
+        if s.status == "failed":
+            lines.append(f"{s.name:<12} FAILED: {s.reason}")
+            continue
         if s.status != "ok":
             lines.append(f"{s.name:<12} skipped: {s.reason} (install: {s.install})")
             continue
@@ -513,4 +540,8 @@ def main(args) -> int:
     if args.plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
+    failed = [s.name for s in result.systems.values() if s.status == "failed"]
+    if failed:
+        print(f"datapipe bench: {len(failed)} system(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0

@@ -63,5 +63,7 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
         if peer.ratio:
             print(f"\ndatapipe delivered {res.systems['datapipe'].median:,.0f} img/s, {peer.ratio:.1f}x the plain "
                   f"DataLoader's {peer.median:,.0f} img/s on this machine.")
+        else:
+            print(f"\nno comparison: the plain DataLoader {peer.status}: {peer.reason}")
         result["bench"] = res
     return result

@@ -1,8 +1,9 @@
 """The data loaders people use today, run on the same data with the same output.
 
-``datapipe bench`` compares itself against these peers. Every peer reads the same source folder
-(the ImageNet layout: one folder per class, class index = position in the sorted folder names,
-files sorted, exactly like torchvision's ``ImageFolder``) and yields the same batches:
+``datapipe bench`` compares itself against these peers. Every peer reads exactly the cache's
+samples — the source files the cache holds (``cache.path(i)`` under the source root, with the
+cache's labels; never a file the build quarantined), see :func:`cache_samples` — and yields the
+same batches:
 ``(images, labels)`` with ``images`` a float32 tensor ``[B, 3, 224, 224]`` in ``[0, 1]`` and
 ``labels`` an int64 tensor ``[B]``.
 
@@ -58,8 +59,10 @@ __all__ = [
     "LitDataPeer",
     "Peer",
     "PeerResult",
+    "SampleList",
     "StreamingPeer",
     "WebDatasetPeer",
+    "cache_samples",
     "collate_pairs",
     "get_peer",
     "list_image_folder",
@@ -80,6 +83,78 @@ _WRITE_SEED = 0
 # --------------------------------------------------------------------------------------------
 # Source listing
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleList:
+    """The files a peer reads: ``(absolute path, label)`` in order, under the source ``root``."""
+
+    root: Path
+    samples: tuple[tuple[Path, int], ...]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def cache_samples(cache, source: str | os.PathLike, *, check: int = 8) -> SampleList:
+    """A cache's own samples as the source files they were built from, for the peers to read.
+
+    Every peer then decodes exactly the files the cache holds, with the cache's labels: files the
+    build quarantined are not read, and a source other than the one the cache was built from is
+    refused instead of measured.
+
+    Args:
+        cache: an opened :class:`~datapipe.Cache`.
+        source: the folder the cache was built from (or its CSV list: paths are relative to the
+            CSV's folder). It may have moved; its files must be the cache's.
+        check: this many samples, spread over the cache, are decoded again with the build's
+            configuration and must give the cache's pixels byte for byte.
+
+    Raises:
+        SourceError: a sample's file is missing under ``source``, or its content is not the
+            cache's (another dataset with the same file names, a file changed since the build).
+    """
+    from .errors import SourceError
+
+    src = Path(source).expanduser()
+    root = src.parent if src.is_file() else src
+    if not root.is_dir():
+        raise SourceError(f"--source {src} is not a folder (or a CSV list); pass the source the cache was built from")
+    rel = [cache.path(i) for i in range(len(cache))]
+    labels = [int(v) for v in cache.labels]
+    missing = [p for p in rel if not (root / p).is_file()]
+    built_from = cache.manifest.source.root
+    if missing:
+        raise SourceError(f"--source {src} does not hold the cache's samples: {len(missing):,} of {len(rel):,} files are "
+                          f"missing (first: {missing[0]}); pass the source the cache was built from ({built_from})")
+    for i in sorted({round(k * (len(rel) - 1) / max(check - 1, 1)) for k in range(check)} if rel else ()):
+        if not _same_pixels(cache, i, root / rel[i]):
+            raise SourceError(f"--source {src}: {rel[i]} is not the file sample {i} of the cache was built from (its "
+                              f"pixels differ); pass the source the cache was built from ({built_from}), or rebuild")
+    return SampleList(root=root, samples=tuple((root / p, lab) for p, lab in zip(rel, labels)))
+
+
+def _same_pixels(cache, index: int, file: Path) -> bool:
+    """Does ``file``, decoded as the build decoded it, give sample ``index``'s pixels?"""
+    from .codecs import DecodeSpec, decode_sample
+    from .errors import DecodeError
+
+    config = cache.manifest.config
+    spec = DecodeSpec(size=int(config["size"]), fit=config["fit"], max_pixels=int(config["max_pixels"]))
+    try:
+        with open(file, "rb") as f:
+            pixels = decode_sample(f.read(), spec)
+    except (DecodeError, OSError):
+        return False
+    return bool((pixels == cache[index][0]).all())
+
+
+def _as_samples(source: str | os.PathLike | SampleList) -> SampleList:
+    """A SampleList as is; a folder listed the way torchvision's ImageFolder lists it."""
+    if isinstance(source, SampleList):
+        return source
+    _, samples = list_image_folder(source)
+    return SampleList(root=Path(source), samples=tuple(samples))
 
 
 def list_image_folder(source: str | os.PathLike) -> tuple[list[str], list[tuple[Path, int]]]:
@@ -110,6 +185,7 @@ def list_image_folder(source: str | os.PathLike) -> tuple[list[str], list[tuple[
 
 
 def _fingerprint(source: Path, samples: Sequence[tuple[Path, int]]) -> str:
+    """The peer's shards are reused only for the same files (relative paths) with the same labels."""
     digest = hashlib.sha1()
     for path, label in samples:
         digest.update(f"{os.path.relpath(path, source)}\t{label}\n".encode())
@@ -391,18 +467,19 @@ class Peer:
         """Where this peer's shards live."""
         return Path(workdir) / self.name
 
-    def prepare(self, source: Path, workdir: Path) -> float:
-        """Write this peer's shards from ``source`` into ``workdir/<name>/``, unless they are
-        already there and complete. Returns the seconds spent writing (0.0 if nothing was written)."""
+    def prepare(self, source: Path | SampleList, workdir: Path) -> float:
+        """Write this peer's shards of ``source`` (a :class:`SampleList`, or a folder listed like
+        ImageFolder) into ``workdir/<name>/``, unless they are already there and complete.
+        Returns the seconds spent writing (0.0 if nothing was written)."""
         self._require()
-        source = Path(source)
+        listing = _as_samples(source)
+        samples = list(listing.samples)
         out = self.folder(workdir)
-        _, samples = list_image_folder(source)
         expected = {
             "peer": self.name,
-            "source": str(source.resolve()),
+            "source": str(listing.root.resolve()),
             "samples": len(samples),
-            "fingerprint": _fingerprint(source, samples),
+            "fingerprint": _fingerprint(listing.root, samples),
         }
         if self._is_complete(out, expected):
             return 0.0
@@ -433,9 +510,10 @@ class Peer:
         return out
 
     def loader(
-        self, source: Path, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """An iterable of ``(images, labels)`` batches; each iteration is one epoch."""
+        """An iterable of ``(images, labels)`` batches over ``source``'s samples (as prepared);
+        each iteration is one epoch."""
         raise NotImplementedError
 
 
@@ -464,9 +542,9 @@ class DataLoaderPeer(Peer):
     install = "pip install torch"
     modules = ("torch", "PIL", "numpy")
 
-    def prepare(self, source: Path, workdir: Path) -> float:
+    def prepare(self, source: Path | SampleList, workdir: Path) -> float:
         self._require()
-        list_image_folder(source)  # fail early on a bad source
+        _as_samples(source)  # fail early on a bad source
         return 0.0
 
     def loader(self, source, workdir, *, batch_size, workers, seed=0):
@@ -475,9 +553,8 @@ class DataLoaderPeer(Peer):
         import torch
         from torch.utils.data import DataLoader
 
-        _, samples = list_image_folder(source)
         return DataLoader(
-            _FolderDataset(samples, ImageFolderTransform()),
+            _FolderDataset(_as_samples(source).samples, ImageFolderTransform()),
             batch_size=batch_size,
             shuffle=True,
             num_workers=workers,
@@ -660,7 +737,7 @@ def get_peer(name: str) -> Peer:
 
 def measure(
     peer: Peer | str,
-    source: Path,
+    source: Path | SampleList,
     workdir: Path,
     *,
     batch_size: int = 256,
@@ -674,8 +751,9 @@ def measure(
         peer = get_peer(peer)
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
-    prepare_s = peer.prepare(Path(source), Path(workdir))
-    loader = peer.loader(Path(source), Path(workdir), batch_size=batch_size, workers=workers, seed=seed)
+    listing = _as_samples(source)
+    prepare_s = peer.prepare(listing, Path(workdir))
+    loader = peer.loader(listing, Path(workdir), batch_size=batch_size, workers=workers, seed=seed)
     for _ in range(warmup_epochs):
         for _batch in loader:
             pass
