@@ -274,6 +274,8 @@ def photo_cache_256(tmp_path_factory):
 def test_cuda_loader_gives_the_cpu_loaders_batches(photo_cache_256, dtype, jitter):
     """Pinned ring, side-stream copy, events, then the device path and Kornia's jitter on the GPU:
     the same batches as the CPU loader's (same seeds, so the same crops, flips and jitter)."""
+    if jitter:
+        pytest.importorskip("kornia")
     on_gpu = loader_epoch(photo_cache_256, "cuda", "auto", 224, dtype=dtype, jitter=jitter)
     on_cpu = loader_epoch(photo_cache_256, "cpu", "auto", 224, dtype=dtype, jitter=jitter)
     assert_same_batches(on_gpu, on_cpu, dtype, jitter)
