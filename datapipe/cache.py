@@ -307,7 +307,7 @@ class Cache:
                     self._check_fd(s, fd)
                 want = (b - a) * per
                 if _pread_full(fd, flat[a * per : b * per], local[a] * per) != want:
-                    raise CorruptShardError(self._shard_changed(s, "is shorter than when the cache was opened"))
+                    raise CorruptShardError(self._shard_changed(s, "ends early"))
         finally:
             if held >= 0:
                 self._files.release(held)
@@ -457,9 +457,9 @@ class Cache:
         return []
 
 
-def _changed(path: Path, what: str, how: str = "changed") -> str:
-    return (f"{what} ({path}) {how} since the cache was opened: the cache was rebuilt or altered. "
-            "Reopen it (a new datapipe.open / dataset), or rerun the same `datapipe build` if it is damaged")
+def _changed(path: Path, what: str, how: str = "differs from the file seen at open") -> str:
+    return (f"{what} ({path}) {how}: the cache changed since it was opened (rebuilt or altered); reopen it "
+            "(a new datapipe.open / dataset), or rerun the same `datapipe build` if it is damaged")
 
 
 def _pread_full(fd: int, buf: memoryview, offset: int) -> int:

@@ -187,7 +187,8 @@ def _check_marker(f: _Fields) -> None:
                          f"{f.hint}")
     version = f.get("version")
     if isinstance(version, bool) or version != VERSION:
-        raise CacheError(f"{f.path} was written by cache format version {_kind(version)}; this datapipe reads version "
+        shown = version if isinstance(version, int) and not isinstance(version, bool) else _kind(version)
+        raise CacheError(f"{f.path} was written by cache format version {shown}; this datapipe reads version "
                          f"{VERSION}. Install a datapipe that matches, or rebuild the cache with this one.")
 
 

@@ -1,0 +1,519 @@
+"""A cache's files are trusted only after they are checked, and no reader dies of a signal.
+
+Malformed or inconsistent manifest.json, build.json and report.json end ``datapipe.open``,
+``datapipe info`` and ``datapipe verify`` with one CacheError line naming the file and the field;
+shard names never lead outside the cache; indices out of range are refused; a shard truncated or
+replaced under a running loader (threads or DataLoader worker processes) is an error naming the
+shard, never SIGBUS, and never pairs one build's images with another's labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import datapipe
+from datapipe import cli
+from datapipe.errors import CacheError, CorruptShardError, DatapipeError
+from datapipe.records import config_hash, is_datapipe_output, read_build_record
+from datapipe.storage import images_path, shard_labels_path
+from datapipe.testing import build_index_cache, index_map, index_of
+
+N, SHARD = 40, 7  # 6 shards: 5 of 7 samples and one of 5
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    return build_index_cache(tmp_path_factory.mktemp("trust"), N, shard_size=SHARD)
+
+
+@pytest.fixture(scope="module")
+def ids(built) -> np.ndarray:
+    return index_map(built)
+
+
+@pytest.fixture
+def cache_dir(built, tmp_path) -> Path:
+    """A private copy of the built cache, free to damage."""
+    return Path(shutil.copytree(built, tmp_path / "cache"))
+
+
+def edit_json(path: Path, change) -> None:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    result = change(doc)
+    if isinstance(result, tuple) and result[:1] == ("whole",):  # the document replaced as a whole
+        doc = result[1]
+    path.write_text(json.dumps(doc), encoding="utf-8")
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """Run the CLI in-process: exit code 2 and exactly one line on stderr, no traceback."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def _set(path: list, value):
+    def change(doc):
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+    return change
+
+
+def _delete(path: list):
+    def change(doc):
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+    return change
+
+
+# (description, change to the manifest document, the field the message must name)
+MANIFEST_CASES = [
+    ("a list", lambda doc: ("whole", [doc]), "JSON object"),
+    ("null", lambda doc: ("whole", None), "JSON object"),
+    ("shards null", _set(["shards"], None), "shards"),
+    ("shards an object", _set(["shards"], {"0": 1}), "shards"),
+    ("a shard null", _set(["shards", 2], None), "shards[2]"),
+    ("offsets restart", _set(["shards", 1, "first"], 0), "shards[1].first"),
+    ("offsets skip", _set(["shards", 3, "first"], 22), "shards[3].first"),
+    ("negative count", _set(["shards", 0, "count"], -7), "shards[0].count"),
+    ("bool count", _set(["shards", 0, "count"], True), "shards[0].count"),
+    ("float count", _set(["shards", 0, "count"], 7.0), "shards[0].count"),
+    ("string count", _set(["shards", 0, "count"], "7"), "shards[0].count"),
+    ("count without nbytes", _set(["shards", 5, "count"], 6), "shards[5].nbytes"),
+    ("nbytes off by one", lambda doc: doc["shards"][4].update(nbytes=doc["shards"][4]["nbytes"] + 1), "shards[4].nbytes"),
+    ("num_samples disagrees", _set(["num_samples"], N + 1), "num_samples"),
+    ("num_samples negative", _set(["num_samples"], -1), "num_samples"),
+    ("num_samples missing", _delete(["num_samples"]), "num_samples"),
+    ("crc32c short", _set(["shards", 0, "crc32c"], "abc"), "shards[0].crc32c"),
+    ("crc32c not hex", _set(["shards", 0, "crc32c"], "zzzzzzzz"), "shards[0].crc32c"),
+    ("crc32c a number", _set(["shards", 0, "crc32c"], 12345678), "shards[0].crc32c"),
+    ("size zero", _set(["config", "size"], 0), "config.size"),
+    ("size huge", _set(["config", "size"], 10**9), "config.size"),
+    ("size bool", _set(["config", "size"], True), "config.size"),
+    ("size null", _set(["config", "size"], None), "config.size"),
+    ("config a list", _set(["config"], [32]), "config"),
+    ("config altered", _set(["config", "fit"], "pad"), "config_hash"),
+    ("config_hash missing", _delete(["config_hash"]), "config_hash"),
+    ("sample shape", _set(["sample", "shape"], [32, 32, 4]), "sample.shape"),
+    ("sample dtype", _set(["sample", "dtype"], "float32"), "sample.dtype"),
+    ("classes repeated", _set(["classes"], ["a", "a", "b"]), "classes[1]"),
+    ("classes not strings", _set(["classes"], [0, 1, 2]), "classes[0]"),
+    ("classes a string", _set(["classes"], "abc"), "classes"),
+    ("source null", _set(["source"], None), "source"),
+    ("files without labels", _delete(["files", "labels"]), "files.labels"),
+    ("labels file outside", _set(["files", "labels", "name"], "../labels.npy"), "files.labels.name"),
+    ("paths file absolute", _set(["files", "paths", "name"], "/etc/passwd"), "files.paths.name"),
+    ("shard name climbs out", _set(["shards", 0, "name"], "../../x"), "shards[0].name"),
+    ("shard name absolute", _set(["shards", 0, "name"], "/tmp/000000.zarr"), "shards[0].name"),
+    ("shard name nested", _set(["shards", 1, "name"], "000000.zarr/../000001.zarr"), "shards[1].name"),
+    ("shard name repeated", _set(["shards", 1, "name"], "000000.zarr"), "shards[1].name"),
+    ("build_id malformed", _set(["build_id"], "not-an-id"), "build_id"),
+    ("format missing", _delete(["format"]), "format"),
+]
+
+
+@pytest.mark.parametrize("what, change, field", MANIFEST_CASES, ids=[c[0] for c in MANIFEST_CASES])
+def test_malformed_manifest_is_one_error_line_naming_the_field(cache_dir, capsys, what, change, field):
+    manifest = cache_dir / "manifest.json"
+    edit_json(manifest, change)
+    with pytest.raises(CacheError) as err:
+        datapipe.open(cache_dir)
+    message = str(err.value)
+    assert "\n" not in message and str(manifest) in message and field in message, message
+    assert "datapipe build" in message or "datapipe" in message  # says what to do
+    for command in ("info", "verify"):
+        line = one_line_error(capsys, [command, str(cache_dir)])
+        assert str(manifest) in line and field in line
+
+
+@pytest.mark.parametrize("text", ["", "{", "NaN", '{"format": NaN}', "[" * 100_000, '{"num_samples": Infinity}',
+                                  "\xff\xfe", '{"format": "datapipe-cache", "version": 1, "num_samples": 1e400}'])
+def test_manifest_that_is_not_strict_json(cache_dir, capsys, text):
+    (cache_dir / "manifest.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(CacheError, match="manifest.json"):
+        datapipe.open(cache_dir)
+    assert "manifest.json" in one_line_error(capsys, ["info", str(cache_dir)])
+
+
+def test_other_version_and_format_are_named(cache_dir):
+    edit_json(cache_dir / "manifest.json", _set(["version"], 2))
+    with pytest.raises(CacheError, match="version 2"):
+        datapipe.open(cache_dir)
+    edit_json(cache_dir / "manifest.json", _set(["format"], "something-else"))
+    with pytest.raises(CacheError, match="not a datapipe manifest.json"):
+        datapipe.open(cache_dir)
+
+
+def test_manifest_that_is_a_fifo_is_refused_without_waiting(cache_dir):
+    (cache_dir / "manifest.json").unlink()
+    os.mkfifo(cache_dir / "manifest.json")
+    with pytest.raises(CacheError, match="not a regular file"):
+        datapipe.open(cache_dir)
+
+
+def test_cli_in_a_real_process_prints_one_line(cache_dir):
+    edit_json(cache_dir / "manifest.json", _set(["shards", 1, "first"], 0))
+    for command in ("info", "verify"):
+        done = subprocess.run([sys.executable, "-m", "datapipe.cli", command, str(cache_dir)], capture_output=True,
+                              text=True, timeout=120)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and "shards[1].first" in lines[0], done.stderr
+
+
+def test_shard_name_traversal_reads_nothing_outside(cache_dir, tmp_path, monkeypatch):
+    """A manifest naming a shard outside the cache is refused before any file is opened there, even
+    when a file of exactly the right size waits at that path."""
+    outside = tmp_path / "outside.zarr"
+    shutil.copytree(cache_dir / "shards" / "000000.zarr", outside)
+    edit_json(cache_dir / "manifest.json", _set(["shards", 0, "name"], "../../outside.zarr"))
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
+    with pytest.raises(CacheError, match=r"shards\[0\].name"):
+        datapipe.open(cache_dir)
+    assert all(Path(p).resolve().is_relative_to(cache_dir.resolve()) for p in opened), opened
+
+
+def test_typed_manifest_round_trips(built):
+    cache = datapipe.open(built)
+    m = cache.manifest
+    assert m.to_json() == json.loads((built / "manifest.json").read_text(encoding="utf-8"))
+    assert [s.first for s in m.shards] == [0, 7, 14, 21, 28, 35] and m.num_samples == N
+    assert len(cache.build_id) in (0, 32) and cache.build_id == m.build_id
+
+
+# ----------------------------------------------------------------------------- build.json, report.json
+
+
+def _build_doc(**extra) -> dict:
+    config = {"size": 32, "fit": "crop"}
+    return {"format": "datapipe-cache", "version": 1, "config": config, "config_hash": config_hash(config), **extra}
+
+
+@pytest.mark.parametrize("doc", [
+    {"format": "my-project", "version": 1}, {"name": "my dataset"}, [], None, "datapipe-cache", 3,
+    {"format": "datapipe-cache"}, {"format": "datapipe-cache", "version": "1"}, {"format": "datapipe-cache", "version": True},
+    {"format": "datapipe-cache", "version": 1, "build_id": "xyz"},
+], ids=repr)
+def test_a_users_own_build_or_manifest_json_is_not_a_datapipe_output(tmp_path, doc):
+    for name in ("build.json", "manifest.json"):
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        (folder / name).write_text(json.dumps(doc))
+        assert not is_datapipe_output(folder)
+        assert read_build_record(folder) is None
+
+
+def test_user_files_that_are_not_json_are_not_datapipe_outputs(tmp_path):
+    (tmp_path / "build.json").write_bytes(b"\x00\x01 not json")
+    os.mkfifo(tmp_path / "manifest.json")
+    assert not is_datapipe_output(tmp_path) and read_build_record(tmp_path) is None
+    assert not is_datapipe_output(tmp_path / "missing")
+
+
+def test_build_records_are_recognised_and_checked(tmp_path, built):
+    assert is_datapipe_output(built)
+    (tmp_path / "build.json").write_text(json.dumps(_build_doc()))
+    assert is_datapipe_output(tmp_path) and read_build_record(tmp_path).build_id == ""
+    build_id = "0123456789abcdef0123456789abcdef"
+    (tmp_path / "build.json").write_text(json.dumps(_build_doc(build_id=build_id, source={"root": "/data", "kind": "folder"})))
+    record = read_build_record(tmp_path)
+    assert record.build_id == build_id and record.source["kind"] == "folder" and record.config["size"] == 32
+    for damage, field in ((dict(config=None), "config"), (dict(config_hash="0" * 16), "config_hash"),
+                          (dict(config={"size": -1, "fit": "crop"}), "config.size"), (dict(version=9), "version 9"),
+                          (dict(source=[1]), "source")):
+        (tmp_path / "build.json").write_text(json.dumps({**_build_doc(), **damage}))
+        assert is_datapipe_output(tmp_path)  # still ours: the build may replace it
+        with pytest.raises(CacheError) as err:
+            read_build_record(tmp_path)
+        assert "build.json" in str(err.value) and field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_build_into_an_output_with_a_damaged_build_record(cache_dir, capsys):
+    edit_json(cache_dir / "build.json", _set(["config"], None))
+    source = cache_dir.parent / "source"
+    shutil.copytree(Path(datapipe.open(cache_dir).manifest.source.root), source)
+    done = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(source), str(cache_dir), "--size", "32",
+                           "--shard-size", str(SHARD), "--scheduler", "sync", "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in done.stderr and done.returncode in (0, 2), done.stderr
+    if done.returncode == 2:
+        assert "build.json" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda doc: ("whole", [doc]), "JSON object"),
+    (_set(["status"], None), "status"),
+    (_set(["quarantined"], None), "quarantined"),
+    (_set(["quarantined"], [{"path": 1, "reason": "x"}]), "quarantined[0].path"),
+    (_set(["quarantined"], ["bad.jpg"]), "quarantined[0]"),
+    (_set(["images_per_second"], "fast"), "images_per_second"),
+    (_set(["images_per_second"], -1), "images_per_second"),
+    (_set(["workers"], 1.5), "workers"),
+    (_set(["workers"], False), "workers"),
+    (_delete(["workers"]), "workers"),
+])
+def test_malformed_report_is_one_line_from_info(cache_dir, capsys, change, field):
+    edit_json(cache_dir / "report.json", change)
+    line = one_line_error(capsys, ["info", str(cache_dir)])
+    assert "report.json" in line and field in line
+    assert capsys.readouterr().out == ""  # nothing half-printed before the error
+    datapipe.open(cache_dir)  # the cache itself is still readable
+
+
+def test_info_reads_a_valid_report(built, capsys):
+    assert cli.main(["info", str(built)]) == 0
+    out = capsys.readouterr().out
+    assert "last build ok: 0 quarantined" in out and f"{N:,} of shape" in out
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def test_verify_checks_index_files_and_each_shards_own_records(cache_dir):
+    assert datapipe.open(cache_dir).verify() == []
+    # a shard's zarr.json record disagreeing with the manifest
+    meta = cache_dir / "shards" / "000002.zarr" / "zarr.json"
+    edit_json(meta, lambda doc: doc["attributes"]["datapipe"].update(crc32c="00000000"))
+    problems = datapipe.open(cache_dir).verify()
+    assert len(problems) == 1 and "000002.zarr" in problems[0] and "crc32c" in problems[0]
+    # a shard's own labels chunk disagreeing with labels.npy
+    chunk = shard_labels_path(cache_dir / "shards" / "000003.zarr")
+    labels = np.frombuffer(chunk.read_bytes(), "<i8").copy()
+    labels[0] += 1
+    chunk.write_bytes(labels.tobytes())
+    problems = datapipe.open(cache_dir).verify()
+    assert len(problems) == 2 and "000003.zarr" in problems[1] and "labels chunk" in problems[1]
+    # a zarr.json that is no JSON
+    (cache_dir / "shards" / "000004.zarr" / "zarr.json").write_text("[")
+    assert any("000004.zarr" in p and "zarr.json" in p for p in datapipe.open(cache_dir).verify())
+
+
+def test_verify_reports_paths_json_that_is_not_a_list_of_paths(cache_dir):
+    from datapipe.storage import file_crc32c
+
+    (cache_dir / "paths.json").write_text(json.dumps({"a": 1}))
+    edit_json(cache_dir / "manifest.json", _set(["files", "paths", "crc32c"], file_crc32c(cache_dir / "paths.json")))
+    cache = datapipe.open(cache_dir)
+    problems = cache.verify()
+    assert len(problems) == 1 and "paths.json" in problems[0] and "list of" in problems[0]
+    with pytest.raises(CacheError, match="paths.json"):
+        cache.path(0)
+
+
+def test_labels_out_of_the_class_range_are_refused(cache_dir):
+    from datapipe.storage import file_crc32c
+
+    labels = np.load(cache_dir / "labels.npy")
+    labels[5] = 3  # 3 classes
+    np.save(cache_dir / "labels.npy", labels)
+    edit_json(cache_dir / "manifest.json", _set(["files", "labels", "crc32c"], file_crc32c(cache_dir / "labels.npy")))
+    with pytest.raises(CorruptShardError, match="label 3"):
+        _ = datapipe.open(cache_dir).labels
+
+
+# ----------------------------------------------------------------------------- indices
+
+
+@pytest.mark.parametrize("bad", [[N], [0, N], [-1], [0, -N - 1], [2**40], [-(2**40)]])
+def test_out_of_range_indices_are_refused_not_clipped(built, bad):
+    cache = datapipe.open(built)
+    out, labels = np.zeros((len(bad), 32, 32, 3), np.uint8), np.zeros(len(bad), np.int64)
+    with pytest.raises(IndexError, match="out of range"):
+        cache.read_batch(np.array(bad), out, labels)
+    with pytest.raises(IndexError, match="out of range"):
+        cache.sample_views(np.array(bad), labels)
+    assert not out.any()
+
+
+def test_batches_pair_every_image_with_its_label(built, ids):
+    cache = datapipe.open(built)
+    order = np.random.default_rng(0).permutation(N)
+    out, labels, index = np.empty((N, 32, 32, 3), np.uint8), np.empty(N, np.int64), np.empty(N, np.int64)
+    assert cache.read_batch(order, out, labels, index) == N
+    assert np.array_equal(index, np.arange(N)) and np.array_equal(index_of(out), ids) and np.array_equal(labels, ids % 3)
+    views = cache.sample_views(order[:9], labels)
+    assert np.array_equal(index_of(np.stack([v.numpy() for v in views])), ids[np.sort(order[:9])])
+
+
+# ----------------------------------------------------------------------------- files changing under a reader
+
+
+def test_labels_truncated_after_open_are_an_error_not_label_zero(cache_dir):
+    cache = datapipe.open(cache_dir)
+    os.truncate(cache_dir / "labels.npy", 128 + 8 * 10)
+    out, labels = np.empty((4, 32, 32, 3), np.uint8), np.full(4, -1, np.int64)
+    with pytest.raises(CorruptShardError, match="labels.npy"):
+        cache.read_batch(np.array([30, 31, 32, 33]), out, labels)
+    with pytest.raises(CorruptShardError, match="labels.npy"):
+        datapipe.open(cache_dir).labels
+
+
+def test_labels_rewritten_after_open_are_an_error(cache_dir):
+    cache = datapipe.open(cache_dir)
+    labels = np.load(cache_dir / "labels.npy")
+    np.save(cache_dir / "labels.npy", (labels + 1) % 3)  # same size, other content
+    with pytest.raises(CorruptShardError, match="changed since it was opened"):
+        _ = cache.labels
+
+
+@pytest.mark.parametrize("size", [0, 100, "half"])
+def test_shard_truncated_after_open_is_an_error_naming_it(cache_dir, size):
+    cache = datapipe.open(cache_dir)
+    data = images_path(cache_dir / "shards" / "000001.zarr")
+    os.truncate(data, data.stat().st_size // 2 if size == "half" else size)
+    out, labels = np.empty((2, 32, 32, 3), np.uint8), np.empty(2, np.int64)
+    with pytest.raises(CorruptShardError, match="000001.zarr") as err:
+        cache.read_batch(np.array([7, 13]), out, labels)
+    assert "changed since it was opened" in str(err.value) and "\n" not in str(err.value)
+    cache.read_batch(np.array([0, 14]), out, labels)  # other shards still read
+
+
+def test_shard_truncated_after_its_file_was_opened(cache_dir):
+    """The open descriptor sees the shrink: one fstat per shard per batch, and a short read."""
+    cache = datapipe.open(cache_dir)
+    out, labels = np.empty((2, 32, 32, 3), np.uint8), np.empty(2, np.int64)
+    cache.read_batch(np.array([7, 13]), out, labels)
+    os.truncate(images_path(cache_dir / "shards" / "000001.zarr"), 3072 * 3)
+    with pytest.raises(CorruptShardError, match="000001.zarr"):
+        cache.read_batch(np.array([7, 13]), out, labels)
+
+
+def _build_other(tmp: Path) -> Path:
+    """A build of the same number of samples and shard sizes whose samples sit in other places."""
+    return build_index_cache(tmp, N, classes=5, shard_size=SHARD)
+
+
+def test_shard_replaced_by_a_rebuild_never_pairs_new_images_with_old_labels(cache_dir, tmp_path, ids):
+    other = _build_other(tmp_path / "other")
+    cache = datapipe.open(cache_dir)
+    out, labels, index = np.empty((N, 32, 32, 3), np.uint8), np.empty(N, np.int64), np.empty(N, np.int64)
+    cache.read_batch(np.arange(0, 7), out, labels, index)  # shard 0's file is open from here on
+    for name in ("000000.zarr", "000001.zarr"):  # a rebuild: new folders renamed into place
+        staged = cache_dir / "shards" / f".tmp-{name}"
+        shutil.copytree(other / "shards" / name, staged)
+        shutil.rmtree(cache_dir / "shards" / name)
+        os.rename(staged, cache_dir / "shards" / name)
+    shutil.copy(other / "labels.npy", cache_dir / ".tmp-labels.npy")
+    os.replace(cache_dir / ".tmp-labels.npy", cache_dir / "labels.npy")
+    n = cache.read_batch(np.arange(0, 7), out, labels, index)  # the open file: the build it opened
+    assert np.array_equal(index_of(out[:n]), ids[:7]) and np.array_equal(labels[:n], ids[:7] % 3)
+    with pytest.raises(CorruptShardError, match="000001.zarr.*changed since it was opened"):
+        cache.read_batch(np.arange(7, 14), out, labels)
+    cache._files.limit = 0  # descriptors closed as soon as they are idle: shard 0 must be reopened
+    cache.read_batch(np.arange(14, 21), out, labels)
+    with pytest.raises(CorruptShardError, match="000000.zarr"):
+        cache.read_batch(np.arange(0, 7), out, labels)
+
+
+def test_many_shards_hold_a_bounded_number_of_descriptors(tmp_path, ids):
+    cache_dir = build_index_cache(tmp_path, 60, shard_size=1)  # 60 shards
+    cache = datapipe.open(cache_dir)
+    cache._files.limit = 8
+    before = len(os.listdir("/proc/self/fd"))
+    out, labels = np.empty((60, 32, 32, 3), np.uint8), np.empty(60, np.int64)
+    for _ in range(3):
+        cache.read_batch(np.random.default_rng(1).permutation(60), out, labels)
+    assert len(cache._files) <= 8 and len(os.listdir("/proc/self/fd")) <= before + 8
+    assert np.array_equal(index_of(out), index_map(cache_dir))
+
+
+READER = textwrap.dedent("""
+    import sys, numpy as np, torch, datapipe
+    from datapipe.errors import DatapipeError
+    from datapipe.testing import index_map, index_of
+    cache, mode = sys.argv[1], sys.argv[2]
+    ids = index_map(cache)
+    ds = datapipe.StreamingDataset(cache, batch_size=4, seed=1, return_index=True)
+    if mode == "device":
+        loader = datapipe.DeviceLoader(ds, device="cpu", output="uint8", num_workers=2, prefetch=1)
+    else:
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=1)
+    told = False
+    try:
+        for epoch in range(6):
+            ds.set_epoch(epoch) if mode != "device" else loader.set_epoch(epoch)
+            for images, labels, index in loader:
+                i = index.numpy()
+                # every batch pairs the images and labels of one build
+                assert np.array_equal(index_of(images.numpy()), ids[i]) and np.array_equal(labels.numpy(), ids[i] % 3)
+                if not told:
+                    print("ready", flush=True)
+                    sys.stdin.readline()  # the test damages the cache now
+                    told = True
+    except DatapipeError as exc:
+        print("ERROR", type(exc).__name__, str(exc).splitlines()[0] if mode == "device" else str(exc), flush=True)
+        sys.exit(3)
+    print("DONE", flush=True)
+""")
+
+
+def _run_reader(cache_dir: Path, mode: str, damage) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-c", READER, str(cache_dir), mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        damage()
+        out, err = proc.communicate("go\n", timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("mode", ["device", "dataloader"])
+def test_shard_truncated_under_a_running_loader_is_an_error_not_sigbus(cache_dir, mode):
+    data = images_path(cache_dir / "shards" / "000003.zarr")
+    done = _run_reader(cache_dir, mode, lambda: os.truncate(data, data.stat().st_size // 3))
+    assert done.returncode == 3, (done.returncode, done.stdout, done.stderr[-2000:])  # not -7 (SIGBUS) or 135
+    assert "CorruptShardError" in done.stdout and "000003.zarr" in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["device", "dataloader"])
+def test_cache_rebuilt_under_a_running_loader_never_mixes_builds(cache_dir, tmp_path, mode):
+    other = _build_other(tmp_path / "other")
+
+    def rebuild():
+        for name in sorted(os.listdir(cache_dir / "shards")):
+            staged = cache_dir / "shards" / f".tmp-{name}"
+            shutil.copytree(other / "shards" / name, staged)
+            shutil.rmtree(cache_dir / "shards" / name)
+            os.rename(staged, cache_dir / "shards" / name)
+        for name in ("labels.npy", "paths.json", "manifest.json"):
+            shutil.copy(other / name, cache_dir / f".tmp-{name}")
+            os.replace(cache_dir / f".tmp-{name}", cache_dir / name)
+
+    done = _run_reader(cache_dir, mode, rebuild)
+    # The reader's own check (index_of(images) == ids, labels == ids % 3 of the build it opened)
+    # would end it with an AssertionError (rc 1); it ends with the old data or the clear error.
+    assert done.returncode in (0, 3), (done.returncode, done.stdout, done.stderr[-2000:])
+    if done.returncode == 3:
+        assert "changed since it was opened" in done.stdout
+
+
+def test_a_pickled_cache_checks_the_files_it_was_opened_with(cache_dir):
+    import pickle
+
+    cache = datapipe.open(cache_dir)
+    copy = pickle.loads(pickle.dumps(cache))
+    data = images_path(cache_dir / "shards" / "000002.zarr")
+    os.truncate(data, 10)
+    out, labels = np.empty((1, 32, 32, 3), np.uint8), np.empty(1, np.int64)
+    with pytest.raises(CorruptShardError, match="000002.zarr"):
+        copy.read_batch(np.array([15]), out, labels)
+    assert isinstance(CorruptShardError("x"), DatapipeError)
