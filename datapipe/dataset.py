@@ -72,16 +72,11 @@ def cache_identity(cache: Cache) -> tuple[str, str]:
     id. A cache written before build ids gets a digest of its checksums instead.
     """
     m = cache.manifest
-    field = (lambda key: m.get(key, "")) if isinstance(m, Mapping) else (lambda key: getattr(m, key, ""))
-    build_id = getattr(cache, "build_id", "") or field("build_id") or ""
+    build_id = cache.build_id
     if not build_id:
-        def crc(rec) -> object:
-            return rec["crc32c"] if isinstance(rec, Mapping) else rec.crc32c
-
-        files = field("files") or {}
-        blob = json.dumps([[crc(s) for s in field("shards")], {k: crc(v) for k, v in sorted(files.items())}])
+        blob = json.dumps([[s.crc32c for s in m.shards], {k: f.crc32c for k, f in sorted(m.files.items())}])
         build_id = "crc32c-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
-    return str(build_id), str(field("config_hash"))
+    return build_id, m.config_hash
 
 
 def _check_shm(batch_bytes: int, worker_info, path: str = "/dev/shm") -> None:
