@@ -76,6 +76,25 @@ def read_file(path: str, limit: int) -> bytes:
         os.close(fd)
 
 
+def warm_up() -> None:
+    """Decode a tiny JPEG and PNG once, so that the one-time costs of a process's first decode (imports,
+    loading the decoders and the resize kernel: up to seconds on a busy machine) are not charged to
+    the first file under the watchdog."""
+    import io
+
+    import numpy as np
+    import simplejpeg
+    from PIL import Image
+
+    from .codecs import DecodeSpec, decode_sample
+
+    pixels = np.full((16, 24, 3), 128, np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, "PNG")
+    for data in (simplejpeg.encode_jpeg(pixels), png.getvalue()):
+        decode_sample(data, DecodeSpec(size=8))
+
+
 class Watchdog:
     """Ends the process when one file takes longer than ``timeout`` seconds.
 

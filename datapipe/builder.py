@@ -25,7 +25,7 @@ import numpy as np
 from . import manifest as mf
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord
-from .bounded import Watchdog, max_file_bytes, read_file
+from .bounded import Watchdog, max_file_bytes, read_file, warm_up
 from .errors import (BuildError, DecodeError, OutputError, TooManyBadFilesError, describe_quarantine,
                      quarantine_counts, unreadable)
 from .output import Output, prepare, remove_shards, shard_build_id
@@ -122,6 +122,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         stale = final.with_name(f".tmp-stale-{final.name}-{os.getpid()}")
         os.rename(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
+    _warm_up()  # before the watchdog: waits for imports another thread of this worker may be running
     decode_spec = DecodeSpec(**spec)
     limit = max_file_bytes(decode_spec.max_pixels)
     quarantined: list[dict] = []
@@ -345,10 +346,19 @@ def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
 WORKER_ENV = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(16 << 20)}
 
 
+_warmed = False
+
+
 def _warm_up() -> None:
-    import simplejpeg  # noqa: F401
+    """Import and load everything decoding needs, once per process, so that the first file is timed
+    like any other (on a busy machine these one-time costs take seconds)."""
+    global _warmed
     import torch  # noqa: F401
     import zarr  # noqa: F401
+
+    if not _warmed:
+        warm_up()
+        _warmed = True
 
 
 def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
@@ -360,6 +370,7 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
     if scheduler == "sync":
         log("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
         records = []
+        warm_up()
         t_start = time.perf_counter()
         with progress_bar() as bar:  # closed before any error line is printed
             for plan in plans:

@@ -14,7 +14,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    from .bounded import Watchdog, max_file_bytes, read_file
+    from .bounded import Watchdog, max_file_bytes, read_file, warm_up
     from .codecs import DecodeSpec, decode_sample
     from .errors import DecodeError, unreadable
 
@@ -24,6 +24,7 @@ def main(argv: list[str]) -> int:
         return json.dumps({"error": "timeout", "reason": f"reading and decoding did not finish within {timeout:g} s "
                                                          "(DATAPIPE_FILE_TIMEOUT; isolated after its shard killed a worker)"})
 
+    warm_up()
     try:
         with Watchdog(timed_out, 3, fd=sys.stdout.fileno()) as watchdog:
             watchdog.watch(path)

@@ -146,20 +146,30 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
     """Kill `datapipe build` with SIGKILL while a shard is being written; the rerun finishes the
     same bytes as an uninterrupted build.
 
-    To kill at a known point, one source file is a named pipe: the build blocks reading it, in the
-    middle of the shard that holds it (four of its samples already written), with the earlier
-    shards finished and no manifest written.
+    To kill at a known point, the build runs with one test hook: reading one source file first
+    waits on a named pipe the test holds (a FIFO in the source itself is quarantined at scan, and
+    never opened), in the middle of the shard that holds it (four of its samples already written),
+    with the earlier shards finished and no manifest written.
     """
     from datapipe.storage import images_path
 
     src = tmp_path / "src"
     imaging.write_source(src, {"a": 50, "b": 50, "c": 50, "d": 50}, variety=False, shape=(40, 52))
-    fifo = src / "b" / "img004-blocker.jpg"  # sorts before img004.jpg: sample 54, the fifth of shard 5
-    os.mkfifo(fifo)
+    blocker = src / "b" / "img004-blocker.jpg"  # sorts before img004.jpg: sample 54, the fifth of shard 5
+    blocker.write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=4242)))
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    hook = ("import os, sys\nimport datapipe.builder as b\nreal = b.read_file\n"
+            "def gated(path, limit):\n"
+            "    if path.endswith('img004-blocker.jpg'):\n"
+            "        open(os.environ['GATE'], 'rb').read()\n"
+            "    return real(path, limit)\n"
+            "b.read_file = gated\nfrom datapipe.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "datapipe.cli", "build", str(src), str(out), "--size", "32",
+    cmd = [sys.executable, "-c", hook, "build", str(src), str(out), "--size", "32",
            "--shard-size", "10", "--scheduler", "sync", "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "GATE": str(gate)})
     try:
         def shard_5_half_written() -> bool:
             files = [images_path(out / "shards" / t) for t in temps(out)]
@@ -184,8 +194,6 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
     with pytest.raises(CacheError, match="did not finish"):
         datapipe.open(out)
 
-    fifo.unlink()
-    fifo.write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=4242)))
     report = datapipe.build(src, out, size=32, shard_size=10, scheduler="sync", progress=False,
                             log=lambda line: None)
     assert report.status == "ok" and report.num_samples == 201
