@@ -109,6 +109,7 @@ def test_local_cluster_equals_serial(dist_source, serial, tmp_path, imaging):
 
     out = tmp_path / "parallel"
     import dask
+    import distributed  # noqa: F401 - its config defaults loaded first: leaving the set() below must not drop them
 
     # the source's files total ~100 MB: a graph that carried them would pass a 1 MB threshold
     with warnings.catch_warnings(record=True) as caught, \
