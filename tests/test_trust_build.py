@@ -227,10 +227,10 @@ def test_a_file_swapped_for_a_fifo_after_the_scan_is_not_waited_on(tmp_path):
 def test_a_file_that_takes_too_long_ends_a_serial_build_with_one_line(tmp_path, imaging):
     src = tmp_path / "src"
     (src / "a").mkdir(parents=True)
-    (src / "a" / "slow.png").write_bytes(imaging.encode(imaging.gradient(60, 80).repeat(100, 0).repeat(100, 1), "PNG"))
+    (src / "a" / "slow.png").write_bytes(imaging.encode(imaging.gradient(60, 80).repeat(50, 0).repeat(50, 1), "PNG"))
     out = tmp_path / "out"
     proc = cli("build", str(src), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
-               env={"DATAPIPE_FILE_TIMEOUT": "0.2"})  # a 6000x8000 PNG takes seconds to decode
+               env={"DATAPIPE_FILE_TIMEOUT": "0.1"})  # a 3000x4000 PNG takes about a second to decode
     assert proc.returncode == 2
     line = one_line(proc.stderr)
     assert "a/slow.png" in line and "DATAPIPE_FILE_TIMEOUT" in line
