@@ -110,11 +110,12 @@ class StreamingDataset(IterableDataset):
         seed: the order is a pure function of (seed, epoch, position).
         drop_last: drop the epoch's last partial global step (so every batch is full); otherwise
             every sample comes exactly once and the last batch of each rank may be smaller.
-        rank, world_size: override what torch.distributed or RANK/WORLD_SIZE say.
+        rank: this process's rank; default: what torch.distributed or RANK say.
+        world_size: the number of ranks; default: what torch.distributed or WORLD_SIZE say.
         return_index: also yield the global sample indices (as ``datapipe.open(cache)[i]`` numbers them).
 
-    Yields:
-        ``images`` uint8 [B, H, W, 3], ``labels`` int64 [B] (and ``indices`` int64 [B]).
+    Iterating yields ``images`` uint8 [B, H, W, 3] and ``labels`` int64 [B] (and ``indices``
+    int64 [B]).
     """
 
     def __init__(self, cache: str | Path | Cache, /, *, batch_size: int = 256, shuffle: bool = True,
