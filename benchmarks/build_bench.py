@@ -146,11 +146,11 @@ def main() -> None:
     try:
         if args.only != "scaling":
             pil, dp, pil_cpu, dp_cpu = per_core(source, tmp, shard_size, args.rounds)
-            per_core_ratio = statistics.median(d / q for d, q in zip(dp, pil))
-            per_cpu = statistics.median(d / q for d, q in zip(dp_cpu, pil_cpu))
+            per_core_ratio = statistics.median(d / q for d, q in zip(dp, pil, strict=True))
+            per_cpu = statistics.median(d / q for d, q in zip(dp_cpu, pil_cpu, strict=True))
             print(f"per core: Pillow loop {statistics.median(pil):,.0f} img/s, datapipe shard tasks (1 process) "
                   f"{statistics.median(dp):,.0f} img/s -> {per_core_ratio:.2f}x (per round: "
-                  f"{', '.join(f'{d / q:.2f}' for d, q in zip(dp, pil))})")
+                  f"{', '.join(f'{d / q:.2f}' for d, q in zip(dp, pil, strict=True))})")
             print(f"per CPU-second (every thread): Pillow loop {statistics.median(pil_cpu):,.0f}, "
                   f"datapipe {statistics.median(dp_cpu):,.0f} -> {per_cpu:.2f}x")
             results.update({"pillow_loop": pil, "datapipe_shards": dp, "per_core_ratio": per_core_ratio,
@@ -161,7 +161,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 one.append(datapipe_build(source, tmp / "w1", workers=1, shard_size=shard_size))
                 two.append(datapipe_build(source, tmp / "w2", workers=2, shard_size=shard_size))
-            ratios = [b["images_per_s"] / a["images_per_s"] for a, b in zip(one, two)]
+            ratios = [b["images_per_s"] / a["images_per_s"] for a, b in zip(one, two, strict=True)]
             scale = statistics.median(ratios)
             print(f"LocalCluster: 1 worker {statistics.median(r['images_per_s'] for r in one):,.0f} img/s, "
                   f"2 workers {statistics.median(r['images_per_s'] for r in two):,.0f} img/s -> {scale:.2f}x "

@@ -116,7 +116,7 @@ def textured(n: int, size: int, seed: int = 0) -> torch.Tensor:
     """uint8 [n, size, size, 3]: half windows of scikit-image's photographs, half noise."""
     import numpy as np
 
-    from datapipe.sample import _load_photos
+    from datapipe.bench.sample import _load_photos
 
     rng = np.random.default_rng(seed)
     pics = [p for p in _load_photos() if min(p.shape[:2]) >= size]
@@ -139,7 +139,7 @@ def mixed_crops(n: int, side: int) -> torch.Tensor:
 def reference(images: torch.Tensor, crops: torch.Tensor, flip: torch.Tensor, size: int) -> torch.Tensor:
     """torchvision's RandomResizedCrop + flip in [0, 1], computed on the images' device: float64 on the CPU."""
     out = []
-    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist()):
+    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist(), strict=True):
         crop = x[top : top + h, left : left + w].permute(2, 0, 1)[None].to(torch.float32) / 255.0
         r = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         out.append(r.flip(-1) if f else r)

@@ -53,7 +53,7 @@ def main() -> None:
     args = p.parse_args()
 
     import datapipe
-    from datapipe.peers import get_peer
+    from datapipe.bench.peers import get_peer
 
     sample_bytes = int(np.prod(datapipe.open(args.cache).shape))
 
@@ -80,7 +80,7 @@ def main() -> None:
         if rnd:
             copy.append(memcpy_gbps())
     med = {k: statistics.median(v) for k, v in rates.items()}
-    ratio = {k: statistics.median(a / b for a, b in zip(v, rates["pillow"])) for k, v in rates.items()}
+    ratio = {k: statistics.median(a / b for a, b in zip(v, rates["pillow"], strict=True)) for k, v in rates.items()}
     gbps = {k: med[k] * sample_bytes / 1e9 for k in ("uint8", "dataloader-uint8")}
     for k in rates:
         extra = f", {gbps[k]:.2f} GB/s = {gbps[k] / statistics.median(copy):.0%} of one-core memcpy" if k in gbps else ""

@@ -46,7 +46,7 @@ def main() -> None:
 
     def zarr_per_image(idx):
         shard, local = locate(idx)
-        return np.stack([arrays[s][int(i)] for s, i in zip(shard, local)])
+        return np.stack([arrays[s][int(i)] for s, i in zip(shard, local, strict=True)])
 
     def memmap(idx):
         cache.read_batch(idx, out, lab)

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
 from pathlib import Path
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ def show(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer]:
     """A real integer: Python's or numpy's, never a bool, a float or a string."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 

@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 from .errors import CacheError
-from .records import (BUILD_LOCK, FORMAT, LABELS, MANIFEST, PATHS, REPORT, VERSION, Manifest, config_hash,
-                      parse_manifest)
+from .records import BUILD_LOCK, FORMAT, LABELS, MANIFEST, PATHS, REPORT, VERSION, Manifest, config_hash, parse_manifest
 from .records import read_manifest as _read_manifest
 from .storage import atomic_write_text
 

@@ -15,6 +15,7 @@ SIGKILL is resumed by a rerun (the file it leaves is locked anew).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -74,10 +75,8 @@ class BuildLock:
         it is no longer the file at that name and locks the new one (see ``acquire``)."""
         if self.fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)
-        except OSError:
-            pass
         os.close(self.fd)  # closing the last descriptor releases the flock
         self.fd = None
 
@@ -128,10 +127,8 @@ class Output:
                 remove_dir = False
         self.lock.release()
         if remove_dir:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.rmdir()
-            except OSError:
-                pass
 
 
 def _entries(out: Path) -> list[str]:

@@ -172,7 +172,8 @@ def _kind(value: Any) -> str:
         return f"a number ({value})"
     if isinstance(value, str):
         return f"a string ({_show(value)})"
-    return {list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    kinds: dict[type, str] = {list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _show(value: str) -> str:

@@ -28,13 +28,13 @@ from pathlib import Path
 from .errors import SourceError
 
 IMAGE_EXTENSIONS = frozenset(
-    ".jpg .jpeg .jpe .jfif .png .gif .bmp .dib .tif .tiff .webp".split()
+    [".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".bmp", ".dib", ".tif", ".tiff", ".webp"]
 )
 # A CSV's first row is a header when its first cell (stripped, case-folded) is one of these names
 # and no file of that name exists beside the CSV.
 HEADER_NAMES = frozenset(
-    "path paths file files filename file_name filepath file_path image images image_path image_name img "
-    "relpath rel_path relative_path name fname".split()
+    ["path", "paths", "file", "files", "filename", "file_name", "filepath", "file_path", "image", "images", "image_path",
+     "image_name", "img", "relpath", "rel_path", "relative_path", "name", "fname"]
 )
 MAX_CSV_BYTES = 1 << 30  # a listing of ~10 M rows; anything larger is not a path,label list
 

@@ -25,6 +25,7 @@ import stat
 import threading
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -72,15 +73,15 @@ class ShardWriter:
         self.labels: list[int] = []
         self.paths: list[str] = []
         self._crc = 0
-        self._file = None
+        self._file: BinaryIO | None = None  # open between __enter__ and commit
         self._unsynced = 0  # bytes written since the last background flush was started
         self._flusher: threading.Thread | None = None
         self._flush_error: OSError | None = None
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         data = images_path(self.tmp_dir)
         data.parent.mkdir(parents=True)
-        self._file = open(data, "wb")  # noqa: SIM115 - closed in commit/__exit__
+        self._file = open(data, "wb")  # closed in commit/__exit__
         return self
 
     def add(self, image: np.ndarray, label: int, path: str) -> None:
@@ -88,7 +89,7 @@ class ShardWriter:
             raise ValueError(f"sample {path!r} has shape {image.shape} {image.dtype}, expected "
                              f"({self.size}, {self.size}, 3) uint8")
         buf = np.ascontiguousarray(image)
-        self._file.write(buf.data)
+        self._writing().write(buf.data)
         self._crc = _crc32c(buf, self._crc)
         self.labels.append(int(label))
         self.paths.append(path)
@@ -101,11 +102,17 @@ class ShardWriter:
         final ``fsync`` of the shard only waits for its last few megabytes."""
         if self._flusher is not None and self._flusher.is_alive():
             return  # one flush at a time; a later sample starts the next
-        self._file.flush()
+        file = self._writing()
+        file.flush()
         self._unsynced = 0
-        self._flusher = threading.Thread(target=self._sync, args=(self._file.fileno(),), daemon=True,
+        self._flusher = threading.Thread(target=self._sync, args=(file.fileno(),), daemon=True,
                                          name="datapipe-shard-sync")
         self._flusher.start()
+
+    def _writing(self) -> BinaryIO:
+        """The open images file (a ShardWriter is written inside its ``with`` block only)."""
+        assert self._file is not None, "ShardWriter used outside its with block"
+        return self._file
 
     def _sync(self, fd: int) -> None:
         try:
@@ -123,18 +130,19 @@ class ShardWriter:
     def commit(self, attributes: dict) -> dict:
         """Finish the files, rename the folder into place and return the shard's record."""
         n, chunk = len(self.labels), self.size * self.size * 3
+        file = self._writing()
         if n:
             index = np.empty((n, 2), "<u8")
             index[:, 0] = np.arange(n, dtype=np.uint64) * chunk
             index[:, 1] = chunk
             raw = index.tobytes()
             tail = raw + _crc32c(raw).to_bytes(4, "little")
-            self._file.write(tail)
+            file.write(tail)
             self._crc = _crc32c(tail, self._crc)
-        self._file.flush()
+        file.flush()
         self._join_flusher()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        os.fsync(file.fileno())
+        file.close()
         if not n:
             images_path(self.tmp_dir).unlink()
         _write_zarr_metadata(self.tmp_dir, n, self.size, np.asarray(self.labels, np.int64))

@@ -131,7 +131,7 @@ def index_map(cache: str | os.PathLike) -> np.ndarray:
     """
     from .cache import Cache
 
-    c = Cache(cache)
+    c = Cache(os.fspath(cache))
     return np.array([int(Path(c.path(g)).stem) for g in range(len(c))], np.int64)
 
 
@@ -157,5 +157,5 @@ def build_index_cache(tmp: str | os.PathLike, n: int, *, classes: int = 3, size:
     tmp = Path(tmp)
     source = make_index_dataset(tmp / "source", n, classes=classes, size=size, seed=seed)
     out = tmp / "cache"
-    build(source, out, size=size, shard_size=shard_size, scheduler="sync", progress=False, log=lambda _line: None)
+    build(source, out, size=size, shard_size=shard_size, scheduler="sync", progress=False)
     return out

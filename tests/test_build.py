@@ -22,13 +22,13 @@ import datapipe
 from datapipe.cli import main as cli_main
 from datapipe.codecs import DecodeSpec, decode_sample
 from datapipe.errors import (
+    QUARANTINE_KINDS,
     CacheError,
     ConfigMismatchError,
     CorruptShardError,
     OutputError,
     SourceError,
     TooManyBadFilesError,
-    QUARANTINE_KINDS,
 )
 
 SIZE = 32

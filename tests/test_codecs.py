@@ -11,8 +11,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from datapipe import codecs
-from datapipe.codecs import (DecodeSpec, apply_orientation, decode_rgb, decode_sample, fit_image, jpeg_orientation,
-                             sniff)
+from datapipe.codecs import DecodeSpec, apply_orientation, decode_rgb, decode_sample, fit_image, jpeg_orientation, sniff
 from datapipe.errors import DecodeError
 
 FULL = DecodeSpec(size=8192)  # large enough that no DCT downscaling happens

@@ -151,7 +151,7 @@ def test_two_gloo_ranks_read_each_sample_once_per_epoch(index_cache, tmp_path):
         seen = np.concatenate([np.concatenate(batches) for batches in per_rank])
         assert np.array_equal(np.sort(seen), np.arange(n)), f"epoch {epoch}: not exactly once"
         # The global order: step by step, rank 0's batch then rank 1's.
-        orders.append(np.concatenate([np.concatenate(step) for step in zip(*per_rank)]))
+        orders.append(np.concatenate([np.concatenate(step) for step in zip(*per_rank, strict=True)]))
     assert not np.array_equal(orders[0], orders[1]), "epochs must be shuffled differently"
     assert results[0]["gathered_counts"] == results[1]["gathered_counts"]
 

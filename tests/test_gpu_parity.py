@@ -44,7 +44,7 @@ MEAN_TOL, P99_TOL = 0.003, 0.01
 
 def photos(n: int, size: int = 256, seed: int = 0) -> torch.Tensor:
     """uint8 [n, size, size, 3]: random windows of scikit-image's photographs (edges, fine texture)."""
-    from datapipe.sample import _load_photos
+    from datapipe.bench.sample import _load_photos
 
     rng = np.random.default_rng(seed)
     pics = [p for p in _load_photos() if min(p.shape[:2]) >= size]
@@ -72,7 +72,7 @@ def textured(n: int = 16, size: int = 256, seed: int = 0) -> torch.Tensor:
 def reference(images: torch.Tensor, crops: torch.Tensor, flip: torch.Tensor, size: int) -> torch.Tensor:
     """torchvision's RandomResizedCrop + flip on floats in [0, 1]: float64 [B, 3, size, size]."""
     out = []
-    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist()):
+    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist(), strict=True):
         crop = x[top : top + h, left : left + w].permute(2, 0, 1)[None].to(torch.float32) / 255.0
         r = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         out.append(r.flip(-1) if f else r)
@@ -197,7 +197,7 @@ def test_crop_and_resize_any_output_shape_and_errors():
     crops = torch.tensor([[0, 0, 64, 64], [5, 6, 30, 50], [0, 0, 2, 64], [10, 3, 40, 3]])
     out = augment.crop_and_resize(images, crops, (48, 20))
     assert out.shape == (4, 3, 48, 20) and out.dtype == torch.float32
-    for x, (t, left, h, w), o in zip(images, crops.tolist(), out):
+    for x, (t, left, h, w), o in zip(images, crops.tolist(), out, strict=True):
         ref = F.interpolate(x[t : t + h, left : left + w].permute(2, 0, 1)[None].float(), size=(48, 20),
                             mode="bilinear", antialias=True, align_corners=False)[0]
         torch.testing.assert_close(o, ref, rtol=0, atol=0.02)  # 0..255 units
@@ -214,7 +214,7 @@ def test_resize_weights_are_torchs_filter():
     start, length = torch.tensor([0, 7, 100, 3]), torch.tensor([256, 30, 2, 200])
     w = augment.resize_weights(start, length, 256, 112, augment._taps(256, 112))
     torch.testing.assert_close(w.sum(-1), torch.ones(4, 112))
-    for b, (s, n) in enumerate(zip(start.tolist(), length.tolist())):
+    for b, (s, n) in enumerate(zip(start.tolist(), length.tolist(), strict=True)):
         assert w[b, :, :s].abs().sum() == 0 and w[b, :, s + n :].abs().sum() == 0
         eye = torch.eye(n, dtype=torch.float64)[None, None]  # column j: the response to input pixel j
         ref = F.interpolate(eye, size=(112, n), mode="bilinear", antialias=True, align_corners=False)[0, 0]
@@ -242,7 +242,7 @@ def loader_epoch(cache, device: str, path: str, size: int, *, dtype=torch.float3
 
 def assert_same_batches(a: list, b: list, dtype, jitter) -> None:
     assert len(a) == len(b) == 3
-    for (x, lx), (y, ly) in zip(a, b):
+    for (x, lx), (y, ly) in zip(a, b, strict=True):
         assert x.dtype == y.dtype == dtype and torch.equal(lx, ly)
         assert x.is_contiguous(memory_format=torch.channels_last)
         figures = stats(unit(x), unit(y))

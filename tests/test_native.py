@@ -15,7 +15,6 @@ import platform
 import shutil
 import subprocess
 import sys
-
 import threading
 
 import numpy as np
@@ -124,7 +123,7 @@ def test_presets_give_the_torch_values(monkeypatch, channels_last):
     monkeypatch.setattr(native, "converter", lambda mean, std: None)
     monkeypatch.setattr(native, "resizer", lambda: None)
     slow = run_all()
-    for a, b in zip(fast, slow):
+    for a, b in zip(fast, slow, strict=True):
         assert a.shape == b.shape and a.stride() == b.stride()
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
 

@@ -184,7 +184,7 @@ def test_resume_at_a_step_boundary_is_the_tail(ranks):
                 tail = rank_batches(n, ranks=ranks, rank=rank, batch=batch, drop_last=drop_last, order=order,
                                     start=start)
                 assert len(tail) == nb - k
-                for x, y in zip(full[k:], tail):
+                for x, y in zip(full[k:], tail, strict=True):
                     assert np.array_equal(x, y), (n, batch, ranks, drop_last, k, rank)
 
 

@@ -381,7 +381,7 @@ def _run(info, workers: int, *, k: int | None = None, state=None, seen_threads=N
 
 
 def _same(a, b) -> bool:
-    return len(a) == len(b) and all(all(torch.equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+    return len(a) == len(b) and all(all(torch.equal(x, y) for x, y in zip(p, q, strict=True)) for p, q in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("kwargs", [

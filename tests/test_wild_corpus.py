@@ -323,7 +323,7 @@ def random_image(mode: str, seed: int = 0, size=(23, 17)) -> Image.Image:
         return Image.fromarray(raw, "LA").convert("La")  # Pillow premultiplies
     if mode == "PA":
         img = Image.new("PA", size)
-        img.putdata([(int(i) % 64, int(a)) for i, a in zip(raw[..., 0].ravel(), raw[..., 1].ravel())])
+        img.putdata([(int(i) % 64, int(a)) for i, a in zip(raw[..., 0].ravel(), raw[..., 1].ravel(), strict=True)])
         img.putpalette(rng.integers(0, 256, 768).astype(np.uint8).tobytes())
         return img
     return Image.frombuffer(mode, size, raw.tobytes(), "raw", mode, 0, 1)
@@ -457,7 +457,7 @@ def test_palette_transparency_as_int_or_bytes(transparency):
 def gif_frames(transparent_first: bool, disposal: int) -> bytes:
     rng = np.random.default_rng(disposal)
     frames = []
-    for i in range(3):
+    for _ in range(3):
         idx = rng.integers(0, 8, (16, 20)).astype(np.uint8)
         idx[4:10, 5:12] = 7  # the transparent index
         frame = Image.fromarray(idx, "P")
