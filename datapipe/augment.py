@@ -294,6 +294,18 @@ class BatchAugment(nn.Module):
     def _use_uint8(self, device: torch.device) -> bool:
         return self.path == "uint8" or (self.path == "auto" and device.type == "cpu")
 
+    def reads_in_place(self, height: int, width: int) -> bool:
+        """True when this preset reads CPU samples of ``height`` x ``width`` only through the guarded
+        kernels of :mod:`datapipe.native` (so they may be views of memory-mapped shard files, see
+        ``Cache.sample_views``). Exactly the library's presets, on their uint8 path."""
+        if not self._use_uint8(torch.device("cpu")) or not native.guard_available():
+            return False
+        if type(self) is TrainAugment:  # every sample goes through _resize_crop: the resize kernel
+            return native.resizer() is not None
+        if type(self) is EvalAugment:  # a center crop through the conversion kernel (smaller samples are stacked)
+            return height >= self.size and width >= self.size and native.converter(self.mean, self.std) is not None
+        return False
+
     def _float_out(self, batch: int, out: torch.Tensor | None) -> torch.Tensor:
         """The float32 [batch, 3, size, size] tensor the CPU paths write into: ``out`` or a new one."""
         if out is not None:

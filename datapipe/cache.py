@@ -1,13 +1,20 @@
 """Random access to a finished cache: ``datapipe.open(path)`` and the batch reader under the loader.
 
 Opening parses the manifest into a checked :class:`~datapipe.records.Manifest` and stats every
-shard file (O(number of shards), no sample is touched), recording each file's identity. Samples are
-read with positioned reads (``os.preadv``) straight into the caller's buffer, through a bounded set
-of file descriptors opened lazily: a file that shrinks under a reader is a short read, an error
-naming the shard — never a SIGBUS, as a memory map would raise. A shard whose identity (device,
-inode, size, mtime) differs from what was recorded at open was rebuilt or altered since; reading
-it is refused, so a reader keeps reading the build it opened or stops with a clear error, and
-never pairs one build's images with another's labels.
+shard file (O(number of shards), no sample is touched), recording each file's identity. Shard files
+are opened lazily through a bounded set of descriptors. A shard whose identity (device, inode,
+size, mtime) differs from what was recorded at open was rebuilt or altered since; reading it is
+refused, so a reader keeps reading the build it opened or stops with a clear error, and never
+pairs one build's images with another's labels.
+
+Samples are copied out of memory maps of the shard files where the compiled kernel's SIGBUS guard
+is in place (:func:`datapipe.native.guard_available`): a batch is one guarded gather per shard, and
+``sample_views(..., mapped=True)`` hands out views of the maps for a consumer that reads only the
+pixels of its crops, through the guarded kernels. A file that shrinks under a reader faults inside
+the guard and becomes an error naming the shard, never a SIGBUS. Without the kernel
+(``DATAPIPE_NATIVE=0``, no compiler) samples are read with positioned reads (``os.preadv``) into
+the caller's buffer, where a shrunk file is a short read and the same error — correct, but slower:
+pread copies out of the page cache at a third of the speed of a copy from a mapped file here.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ import os
 import stat
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from . import manifest as mf
-from .errors import CacheError, CorruptShardError
+from . import native
+from .errors import CacheError, CorruptShardError, MappedReadError
 from .records import Manifest, parse_json
 from .storage import SHARDS_DIR, file_crc32c, images_path, read_shard_metadata, shard_labels_path
 
@@ -46,53 +55,65 @@ def _fd_limit() -> int:
     return max(16, min(1024, soft // 4))
 
 
+class _Shard:
+    """An open shard data file: its descriptor, its memory map (None on the positioned-read path,
+    or where mapping failed) and the map as a torch [count, H, W, 3] tensor, made on first use."""
+
+    __slots__ = ("fd", "users", "mapping", "tensor")
+
+    def __init__(self, fd: int, mapping: native.Mapping | None) -> None:
+        self.fd, self.users, self.mapping, self.tensor = fd, 1, mapping, None
+
+
 class _ShardFiles:
-    """Descriptors of shard data files, opened on first use, least recently used closed beyond ``limit``.
+    """Shard data files, opened (and mapped) on first use, least recently used closed beyond ``limit``.
 
     A descriptor in use by a reader thread is never closed under it (a closed number could be
-    reused by another open and read the wrong file): eviction skips descriptors with users.
+    reused by another open and read the wrong file): eviction skips shards with users. An evicted
+    map is unmapped once the last view of it is gone (the views hold it).
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._open: OrderedDict[int, list[int]] = OrderedDict()  # shard -> [fd, users]
+        self._open: OrderedDict[int, _Shard] = OrderedDict()
         self._lock = threading.Lock()
 
-    def acquire(self, shard: int, opener) -> int:
+    def acquire(self, shard: int, opener) -> _Shard:
+        """The open shard (its user count raised; pair with :meth:`release`); ``opener()`` makes one."""
         with self._lock:
             entry = self._open.get(shard)
             if entry is not None:
                 self._open.move_to_end(shard)
-                entry[1] += 1
-                return entry[0]
-        fd = opener()  # outside the lock: opening may block on slow storage
+                entry.users += 1
+                return entry
+        fresh = opener()  # outside the lock: opening may block on slow storage
         with self._lock:
             entry = self._open.get(shard)
             if entry is not None:  # another thread opened it meanwhile
-                os.close(fd)
-                entry[1] += 1
-                return entry[0]
-            self._open[shard] = [fd, 1]
+                os.close(fresh.fd)
+                entry.users += 1
+                return entry
+            self._open[shard] = fresh
             self._evict()
-            return fd
+            return fresh
 
     def release(self, shard: int) -> None:
         with self._lock:
             entry = self._open.get(shard)
             if entry is not None:
-                entry[1] -= 1
+                entry.users -= 1
                 self._evict()
 
     def _evict(self) -> None:
         if len(self._open) <= self.limit:
             return
-        for shard in [s for s, (_, users) in self._open.items() if not users][: len(self._open) - self.limit]:
-            os.close(self._open.pop(shard)[0])
+        for shard in [s for s, e in self._open.items() if not e.users][: len(self._open) - self.limit]:
+            os.close(self._open.pop(shard).fd)
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._open.values():
-                os.close(fd)
+            for entry in self._open.values():
+                os.close(entry.fd)
             self._open.clear()
 
     def __len__(self) -> int:
@@ -133,11 +154,14 @@ class Cache:
         self._lock = threading.Lock()
         self._labels: np.ndarray | None = None
         self._paths: list[str] | None = None
+        # memory maps only under the SIGBUS guard; positioned reads otherwise
+        self.mapped: bool = native.guard_available()
+        self._map_ranges: dict[int, tuple[int, int]] = {}  # shard -> (address, length) of its latest map
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_files", "_lock", "_labels", "_paths"):
+        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges"):
             state.pop(key, None)
         return state
 
@@ -252,9 +276,10 @@ class Cache:
                    index_out: np.ndarray | None = None) -> int:
         """Read samples ``indices`` into ``out`` [>=n, H, W, 3], sorted by index; returns n.
 
-        Runs of consecutive indices in one shard are one positioned read each, straight into
-        ``out``; each shard file touched is checked (one fstat) to be the file seen at open.
-        ``labels_out`` (and ``index_out``) receive the labels (and global indices) in the same order.
+        One guarded gather per shard out of its memory map (where the guard is in place), or one
+        positioned read per run of consecutive indices, straight into ``out``; each shard file
+        touched is checked (one fstat) to be the file seen at open. ``labels_out`` (and
+        ``index_out``) receive the labels (and global indices) in the same order.
 
         Raises:
             IndexError: an index is outside [0, len(cache)) (nothing is read).
@@ -267,7 +292,10 @@ class Cache:
         if out.shape[0] < n or out.shape[1:] != self.shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 [>={n}, {', '.join(map(str, self.shape))}], got {out.shape} {out.dtype}")
         target = out if out.flags.c_contiguous else np.empty((n, *self.shape), np.uint8)
-        self._read_runs(idx, shard_of, target)
+        if self.mapped:
+            self._gather(idx, shard_of, target)
+        else:
+            self._read_runs(idx, shard_of, target)
         if target is not out:
             out[:n] = target
         return n
@@ -302,9 +330,8 @@ class Cache:
                     if held >= 0:
                         self._files.release(held)
                         held = -1
-                    fd = self._files.acquire(s, lambda s=s: self._open_shard(s))
+                    fd = self._acquire(s).fd
                     held = s
-                    self._check_fd(s, fd)
                 want = (b - a) * per
                 if _pread_full(fd, flat[a * per : b * per], local[a] * per) != want:
                     raise CorruptShardError(self._shard_changed(s, "ends early"))
@@ -312,17 +339,59 @@ class Cache:
             if held >= 0:
                 self._files.release(held)
 
-    def sample_views(self, indices: np.ndarray, labels_out: np.ndarray,
-                     index_out: np.ndarray | None = None, out=None) -> list:
-        """Samples ``indices`` as uint8 [H, W, 3] torch tensors, sorted by index (views into ``out``).
+    def _gather(self, idx: np.ndarray, shard_of: np.ndarray, out: np.ndarray) -> None:
+        """One guarded gather per shard out of its memory map, into ``out`` (C-contiguous)."""
+        n, per = idx.shape[0], self.sample_bytes
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        offsets = (idx - self.starts[shard_of]) * per  # bytes into each sample's shard file
+        base = out.ctypes.data
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+            s = int(shard_of[a])
+            entry = self._acquire(s)
+            try:
+                if entry.mapping is None:  # the map could not be made: positioned reads for this shard
+                    self._read_runs(idx[a:b], shard_of[a:b], out[a:b])
+                    continue
+                native.gather(base + a * per, entry.mapping, offsets[a:b], per)
+                # A file truncated during the copy may have read as zeros in its last page instead
+                # of faulting: the copy counts only if the file is still the one seen at open.
+                self._check_fd(s, entry.fd)
+            except MappedReadError:
+                raise CorruptShardError(self._shard_changed(s, "ends early")) from None
+            finally:
+                self._files.release(s)
 
-        The samples are read into ``out`` (a uint8 [>=n, H, W, 3] torch tensor or numpy array the
-        caller reuses: the loader passes its batch buffer) or into a new buffer, with the checks of
-        :meth:`read_batch`; the list is what the CPU augmentation presets take. Labels (and
-        indices) land in ``labels_out`` in the same order.
+    def _acquire(self, shard: int) -> _Shard:
+        """The open shard (release it with ``self._files.release``), checked (one fstat) to be the file seen at open."""
+        entry = self._files.acquire(shard, lambda: self._open_shard(shard))
+        try:
+            self._check_fd(shard, entry.fd)
+        except BaseException:
+            self._files.release(shard)
+            raise
+        return entry
+
+    def sample_views(self, indices: np.ndarray, labels_out: np.ndarray,
+                     index_out: np.ndarray | None = None, out=None, *, mapped: bool = False) -> list:
+        """Samples ``indices`` as uint8 [H, W, 3] torch tensors, sorted by index.
+
+        With ``mapped=True`` where the cache reads through memory maps (:attr:`mapped`), the
+        tensors are views of the shard files' maps and nothing is copied: a consumer that reads only
+        part of each sample (a random crop) reads only those pixels. Such views may be read ONLY
+        through the guarded kernels of :mod:`datapipe.native` (the CPU presets' resize and
+        conversion; ``TrainAugment.reads_in_place`` says when a preset does): anything else reading
+        a page of a file truncated meanwhile dies of SIGBUS. A guarded read that faults raises
+        MappedReadError; :meth:`shard_error` turns it into the error naming the shard.
+
+        Otherwise the samples are read into ``out`` (a uint8 [>=n, H, W, 3] torch tensor or numpy
+        array the caller reuses: the loader passes its batch buffer) or into a new buffer, with the
+        checks of :meth:`read_batch`. The list is what the CPU augmentation presets take. Labels
+        (and indices) land in ``labels_out`` in the same order.
         """
         import torch
 
+        if mapped and self.mapped:
+            return self._mapped_views(indices, labels_out, index_out)
         n = int(np.asarray(indices).size)
         if out is None:
             out = torch.empty((n, *self.shape), dtype=torch.uint8)
@@ -331,6 +400,60 @@ class Cache:
         n = self.read_batch(indices, out.numpy(), labels_out, index_out)
         return list(out[:n].unbind(0))
 
+    def _mapped_views(self, indices, labels_out: np.ndarray, index_out: np.ndarray | None) -> list:
+        import torch
+
+        idx, shard_of = self._locate(indices, labels_out, index_out)
+        views: list = []
+        n = idx.shape[0]
+        if n == 0:
+            return views
+        native.guard_arm()  # the handler is (again) the first to see a SIGBUS while these views are read
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        local = (idx - self.starts[shard_of]).tolist()
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+            s = int(shard_of[a])
+            entry = self._acquire(s)
+            try:
+                if entry.mapping is None:  # the map could not be made: read these samples
+                    buf = torch.empty((b - a, *self.shape), dtype=torch.uint8)
+                    self._read_runs(idx[a:b], shard_of[a:b], buf.numpy())
+                    views.extend(buf.unbind(0))
+                    continue
+                if entry.tensor is None:
+                    count = int(self.counts[s])
+                    entry.tensor = torch.from_numpy(entry.mapping.array()[: count * self.sample_bytes].reshape(count, *self.shape))
+                t = entry.tensor  # each view holds the map (not the descriptor) alive
+                views.extend(t[i] for i in local[a:b])
+            finally:
+                self._files.release(s)
+        return views
+
+    @contextmanager
+    def mapped_reads(self, indices: np.ndarray):
+        """Around the reads of mapped views of samples ``indices`` (``sample_views(mapped=True)``):
+        a guarded read that faulted becomes the error naming the shard (:meth:`shard_error`), and
+        when the reads are done each shard file they touched is checked (one fstat) to be the file
+        seen at open — a file truncated meanwhile may read as zeros in its last page instead of
+        faulting."""
+        try:
+            yield
+        except MappedReadError as exc:
+            raise self.shard_error(exc) from None
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        for s in np.unique(np.searchsorted(self.starts, idx, side="right") - 1).tolist():
+            self._acquire(s)  # raises CorruptShardError naming a shard that changed
+            self._files.release(s)
+
+    def shard_error(self, exc: MappedReadError) -> CorruptShardError:
+        """The error naming the shard whose map a guarded read faulted in (``exc.address``)."""
+        with self._lock:
+            ranges = list(self._map_ranges.items())
+        for s, (address, length) in ranges:
+            if address <= exc.address < address + length:
+                return CorruptShardError(self._shard_changed(s, "ends early"))
+        return exc
+
     # ----------------------------------------------------------------- shard files
     def _shard_path(self, shard: int) -> Path:
         return images_path(self.root / SHARDS_DIR / self.shard_names[shard])
@@ -338,7 +461,7 @@ class Cache:
     def _shard_changed(self, shard: int, what: str) -> str:
         return _changed(self._shard_path(shard), f"shard {self.shard_names[shard]}", what)
 
-    def _open_shard(self, shard: int) -> int:
+    def _open_shard(self, shard: int) -> _Shard:
         path = self._shard_path(shard)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -356,10 +479,28 @@ class Cache:
                 seen = self._identities.setdefault(shard, _identity(st))
             if seen != _identity(st):
                 raise CorruptShardError(self._shard_changed(shard, "was replaced or altered"))
+            return _Shard(fd, self._map(shard, fd))
         except BaseException:
             os.close(fd)
             raise
-        return fd
+
+    def _map(self, shard: int, fd: int) -> native.Mapping | None:
+        """A memory map of the shard's samples (None on the positioned-read path, or when mapping
+        fails: then this shard is read with positioned reads). It spans the samples the manifest
+        counts, whatever the file's size: a page past the file's end faults inside the guard."""
+        size = int(self.counts[shard]) * self.sample_bytes
+        if not self.mapped or size < 1 or os.fstat(fd).st_size < size:  # a short file: short reads name it
+            return None
+        try:
+            mapping = native.Mapping(fd, size)
+        except OSError:
+            return None
+        with self._lock:  # forget maps of other shards that were unmapped from this address range
+            for s, (address, length) in list(self._map_ranges.items()):
+                if address < mapping.address + mapping.length and mapping.address < address + length:
+                    del self._map_ranges[s]
+            self._map_ranges[shard] = (mapping.address, mapping.length)
+        return mapping
 
     def _check_fd(self, shard: int, fd: int) -> None:
         """The open file is still the one seen at open: same size and modification time."""

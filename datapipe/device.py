@@ -22,6 +22,7 @@ counts batches handed to the loop, so ``state_dict()`` never counts prefetched b
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import queue
 import threading
@@ -353,15 +354,20 @@ class DeviceLoader:
                 slot.event.synchronize()  # the GPU has finished copying this buffer out
                 slot.event = None
             cache = self.dataset.cache
-            if self._direct:
-                images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy(), out=slot.images)
+            mapped = False
+            if self._direct:  # views of the shard files' maps when only the guarded kernels read them
+                mapped = cache.mapped and self.augment.reads_in_place(*self.dataset.sample_shape[:2])
+                images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy(), out=slot.images,
+                                            mapped=mapped)
                 n = len(images)
             else:
                 n = cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
                 images = slot.images[:n]
             batch = (images, slot.labels[:n], slot.index[:n])
             if self._reader_transforms:
-                batch = self._transform(batch, seed)
+                # a shard file that shrank under a crop's read is an error naming it
+                with cache.mapped_reads(slot.index[:n].numpy()) if mapped else contextlib.nullcontext():
+                    batch = self._transform(batch, seed)
             result: object = (slot, batch, seed)
         except BaseException as exc:  # noqa: BLE001 - delivered to the training loop
             result = _Failure(exc)

@@ -88,3 +88,12 @@ def describe_quarantine(entries) -> str:
 def unreadable(exc: OSError) -> dict[str, str]:
     """The quarantine class and reason of a file that cannot be opened or read."""
     return {"error": "unreadable", "reason": f"unreadable: {type(exc).__name__}: {exc.strerror or exc}"}
+
+
+class MappedReadError(CorruptShardError):
+    """A memory-mapped file shrank under a guarded read: the page at ``address`` is gone. The cache
+    turns it into a CorruptShardError naming the shard."""
+
+    def __init__(self, message: str, address: int = 0) -> None:
+        super().__init__(message)
+        self.address = address

@@ -8,6 +8,13 @@
   (``F.interpolate(..., mode="bilinear", antialias=True)`` on uint8), reading a crop in place:
   ~0.10 against ~0.17 ms for the 340² -> 256² of a build, ~0.05 against ~0.07 ms for the loader's
   crops to 224².
+* Guarded reads of memory-mapped files: :class:`Mapping` maps a shard file, :func:`gather` copies
+  samples out of it, and the resize and conversion above read their source under the same guard. A
+  page that vanished under the read (the file was truncated) raises :class:`~datapipe.errors.MappedReadError`
+  instead of killing the process with SIGBUS; every other SIGBUS goes on to the handler installed
+  before (Python's faulthandler, or the default action). :func:`guard_available` says whether the
+  guard is in place; the cache reads through memory maps only then, and with positioned reads
+  otherwise.
 
 ``pip install`` builds it when a C compiler is present; the extension is optional, so an install
 without a compiler still succeeds and the augment presets use the torch kernels, which give the
@@ -33,9 +40,12 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
-ABI = 2  # must match DATAPIPE_NATIVE_ABI in _native.c
+from .errors import MappedReadError
+
+ABI = 3  # must match DATAPIPE_NATIVE_ABI in _native.c
 
 
 @lru_cache(maxsize=1)
@@ -49,7 +59,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if path is None:
         return None, "not built (no C compiler at install time): torch kernels"
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path), use_errno=True)
         abi = lib.datapipe_native_abi()
     except (OSError, AttributeError) as exc:
         return None, f"unusable ({path.name}: {exc}): torch kernels"
@@ -61,10 +71,24 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     f.restype = None
     f.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_int,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    r = lib.datapipe_resize_rgb
-    r.restype = ctypes.c_ssize_t
-    r.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t,
-                  ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_ssize_t]
+    f = lib.datapipe_u8_to_f32_guarded
+    f.restype = ctypes.c_int
+    f.argtypes = lib.datapipe_u8_to_f32.argtypes
+    for name in ("datapipe_resize_rgb", "datapipe_resize_rgb_guarded"):
+        r = getattr(lib, name)
+        r.restype = ctypes.c_ssize_t
+        r.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_void_p,
+                      ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_ssize_t]
+    g = lib.datapipe_gather
+    g.restype = ctypes.c_int
+    g.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_size_t]
+    lib.datapipe_guard_arm.restype = ctypes.c_int
+    lib.datapipe_guard_fault.restype = ctypes.c_size_t
+    lib.datapipe_guard_faults.restype = ctypes.c_long
+    lib.datapipe_map.restype = ctypes.c_void_p
+    lib.datapipe_map.argtypes = [ctypes.c_int, ctypes.c_size_t]
+    lib.datapipe_unmap.restype = ctypes.c_int
+    lib.datapipe_unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return lib, f"{path.name} (AVX2 uint8 resize and uint8 -> float conversion)"
 
 
@@ -93,7 +117,7 @@ class Converter:
     """
 
     def __init__(self, lib: ctypes.CDLL, mean, std) -> None:
-        self._fn = lib.datapipe_u8_to_f32
+        self._fn = lib.datapipe_u8_to_f32_guarded
         self._params = torch.tensor(scale_shift(mean, std), dtype=torch.float32)  # [2, 3], kept alive with self
         self._scale = self._params.data_ptr()
         self._shift = self._scale + 3 * 4
@@ -105,7 +129,7 @@ class Converter:
             raise ValueError(f"expected packed uint8 [H, W, 3] pixels on the CPU, got {tuple(src.shape)} "
                              f"{src.dtype} strides {src.stride()}")
         base, _, planar = self.destination(dst[None], h, w)
-        self._fn(src.data_ptr(), h, w, rs, int(flip), planar, self._scale, self._shift, base, int(stream))
+        _check_read(self._fn(src.data_ptr(), h, w, rs, int(flip), planar, self._scale, self._shift, base, int(stream)))
 
     @staticmethod
     def destination(out: torch.Tensor, h: int, w: int) -> tuple[int, int, int]:
@@ -122,8 +146,10 @@ class Converter:
         return out.data_ptr(), out.stride(0) * 4, planar
 
     def raw(self, src: int, h: int, w: int, row_bytes: int, flip: bool, planar: int, dst: int) -> None:
-        """Unchecked call with addresses (``data_ptr()``), for a loop that checked its tensors once."""
-        self._fn(src, h, w, row_bytes, flip, planar, self._scale, self._shift, dst, 1)
+        """Unchecked call with addresses (``data_ptr()``), for a loop that checked its tensors once.
+
+        The source is read under the guard: MappedReadError when it is a mapped file that shrank."""
+        _check_read(self._fn(src, h, w, row_bytes, flip, planar, self._scale, self._shift, dst, 1))
 
 
 @lru_cache(maxsize=16)
@@ -137,11 +163,13 @@ class Resizer:
     """Antialiased bilinear resize of packed uint8 RGB (bit-identical to torch's uint8 kernel).
 
     :meth:`raw` takes addresses and row strides in bytes (pixels must be packed: 3 bytes apart). Each
-    thread gets its own scratch buffer, grown on demand and reused.
+    thread gets its own scratch buffer, grown on demand and reused. The source is read under the
+    guard (MappedReadError when it is a mapped file that shrank); the scratch buffer is the
+    caller's, so a read stopped by a fault leaves nothing half-allocated.
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.datapipe_resize_rgb
+        self._fn = lib.datapipe_resize_rgb_guarded
         self._local = threading.local()
 
     def _workspace(self, nbytes: int) -> torch.Tensor:
@@ -154,10 +182,10 @@ class Resizer:
             dst_row: int) -> None:
         """Unchecked call with addresses, for loops that checked their arrays."""
         ws = self._workspace(0)
-        need = self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel())
+        need = _check_read(self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel()))
         if need:
             ws = self._workspace(need)
-            self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel())
+            _check_read(self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel()))
 
 
 @lru_cache(maxsize=1)
@@ -193,3 +221,88 @@ def resize(src, out) -> bool:
                              f"packed pixels on the CPU, got shape {shape} strides {st}")
     r.raw(sp, sshape[0], sshape[1], sst[0], dp, dshape[0], dshape[1], dst[0])
     return True
+
+
+# ----------------------------------------------------------------------------- guarded reads
+
+
+def _check_read(rc: int) -> int:
+    """The result of a guarded kernel call; -1 (its source faulted) raises MappedReadError."""
+    if rc == -1:
+        raise fault_error()
+    if rc == -2:  # sigaction failed: never seen; the source is no mapped file then (the cache checks the guard)
+        raise OSError("datapipe: the SIGBUS guard cannot be installed")
+    return rc
+
+
+def fault_error() -> MappedReadError:
+    """The error for the fault this thread's last guarded call stopped at."""
+    address = int(_library()[0].datapipe_guard_fault())
+    return MappedReadError(f"a memory-mapped file shrank under a read (page at {address:#x} is gone); "
+                           "reopen the cache, or rerun the same `datapipe build` if it is damaged", address)
+
+
+@lru_cache(maxsize=1)
+def guard_available() -> bool:
+    """True when the SIGBUS guard is in place (the kernel is built and usable, and the handler installs)."""
+    lib = _library()[0]
+    return lib is not None and lib.datapipe_guard_arm() == 0
+
+
+def guard_arm() -> None:
+    """Check that the SIGBUS handler is still the one installed, and reinstall it over a newcomer
+    (faulthandler enabled since), which it then chains to. :func:`gather` arms on each call; the
+    per-sample resize and conversion do not (a sigaction call costs ~2 us): call this before a
+    batch of them reads mapped memory."""
+    if _library()[0].datapipe_guard_arm() != 0:
+        raise OSError("datapipe: the SIGBUS guard cannot be installed")
+
+
+def guard_faults() -> int:
+    """Faults the guard has caught in this process (0 without the kernel)."""
+    lib = _library()[0]
+    return 0 if lib is None else int(lib.datapipe_guard_faults())
+
+
+class Mapping:
+    """A private, copy-on-write mapping of a file's first ``length`` bytes (writes never reach the file).
+
+    ``array()`` is a uint8 [length] numpy view of it; the mapping lasts until this object and every
+    array (or torch tensor) over it are gone. Its pages must be read only through the guarded
+    kernels: a read elsewhere of a page the file no longer has is a SIGBUS.
+    """
+
+    def __init__(self, fd: int, length: int) -> None:
+        lib = _library()[0]
+        if lib is None or length < 1:
+            raise ValueError(f"Mapping needs the native kernel and a positive length, got {length}")
+        address = lib.datapipe_map(fd, length)
+        if not address:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self.address, self.length = int(address), int(length)
+        self._unmap = lib.datapipe_unmap
+        self.__array_interface__ = {"shape": (self.length,), "typestr": "|u1", "data": (self.address, False),
+                                    "version": 3}
+
+    def array(self) -> np.ndarray:
+        """The mapped bytes; the array keeps this mapping alive."""
+        return np.asarray(self)
+
+    def __contains__(self, address: int) -> bool:
+        return self.address <= address < self.address + self.length
+
+    def __del__(self) -> None:
+        if getattr(self, "address", 0):
+            self._unmap(self.address, self.length)
+            self.address = 0
+
+
+def gather(dst: int, mapping: Mapping, offsets: np.ndarray, nbytes: int) -> None:
+    """Copy ``len(offsets)`` samples of ``nbytes`` from ``mapping`` at ``offsets`` (int64, bytes) to ``dst``
+    (an address, sample i at dst + i * nbytes), under the guard; MappedReadError when a page faulted."""
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    rc = _library()[0].datapipe_gather(dst, mapping.address, mapping.length, offsets.ctypes.data, offsets.shape[0], nbytes)
+    if rc == -3:
+        raise ValueError(f"gather: an offset lies outside the mapping of {mapping.length} bytes")
+    _check_read(rc)
