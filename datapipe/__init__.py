@@ -19,7 +19,7 @@ _LAZY = {
     "DeviceLoader": ("datapipe.device", "DeviceLoader"),
     "augment": ("datapipe.augment", None),
     "bench": ("datapipe.bench", None),
-    "make_sample_dataset": ("datapipe.sample", "make_sample_dataset"),
+    "make_sample_dataset": ("datapipe.bench.sample", "make_sample_dataset"),
     "DatapipeError": ("datapipe.errors", "DatapipeError"),
 }
 
@@ -27,12 +27,12 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import augment, bench
+    from .bench.sample import make_sample_dataset
     from .builder import BuildReport, build
     from .cache import Cache, open
     from .dataset import StreamingDataset
     from .device import DeviceLoader
     from .errors import DatapipeError
-    from .sample import make_sample_dataset
 
 
 def __getattr__(name: str):

@@ -13,27 +13,32 @@ import contextlib
 import gc
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from . import manifest as mf
-from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
-from .records import FileRecord, Manifest, ShardRecord, SourceRecord
+from ._threads import torch_threads
 from .bounded import Watchdog, max_file_bytes, read_file, warm_up
-from .errors import (BuildError, DecodeError, OutputError, TooManyBadFilesError, describe_quarantine,
-                     quarantine_counts, unreadable)
+from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
+from .errors import (ArgumentError, BuildError, DatapipeError, DecodeError, OutputError, OutputWriteError,
+                     TooManyBadFilesError, describe_quarantine, quarantine_counts, unreadable)
 from .output import Output, prepare, remove_shards, shard_build_id
+from .records import FileRecord, Manifest, ShardRecord, SourceRecord
 from .sources import Listing, plan_shards, scan, shown
 from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path,
                       read_shard_record, shard_name)
+from .text import plural
 
 TARGET_SHARD_BYTES = 100 * 2**20
+log = logging.getLogger("datapipe.build")
 
 
 def default_shard_size(size: int) -> int:
@@ -71,7 +76,7 @@ class BuildReport:
 
     def summary(self) -> str:
         rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
-        return (f"{self.status}: {self.num_samples:,} samples in {self.shards_total} shards "
+        return (f"{self.status}: {plural(self.num_samples, 'sample')} in {plural(self.shards_total, 'shard')} "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
                 f"{describe_quarantine(self.quarantined)}, {rate}, "
                 f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
@@ -131,7 +136,9 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     sample = np.empty((decode_spec.size, decode_spec.size, 3), np.uint8)  # reused for every image
     message = SERIAL_TIMEOUT if serial else WORKER_TIMEOUT
     watchdog = Watchdog(lambda path, timeout: message.format(path=shown(path), timeout=timeout), 2 if serial else 70)
-    with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc(), watchdog:
+    # One intra-op thread: the workers already run one task per core, and torch's resize (the fallback of
+    # the compiled kernel) would otherwise start threads per image.
+    with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc(), torch_threads(1), watchdog:
         for path, label in zip(plan["paths"], plan["labels"]):
             file = os.path.join(root, path)
             failure = _probe(file, spec) if isolate else None
@@ -248,7 +255,8 @@ def build(
         verify: check the checksum of every finished shard before keeping it (reads the whole
             cache); a damaged shard is rebuilt.
         progress: show a progress bar on stderr.
-        log: a callable taking one line of text (default: print to stderr).
+        log: deprecated: progress lines go to the ``datapipe.build`` logger; a callable given here
+            still receives them.
 
     Returns:
         A :class:`BuildReport`; also written to ``output/report.json``.
@@ -258,14 +266,46 @@ def build(
         OutputError: the output cannot be written, or holds something that is not a datapipe cache.
         ConfigMismatchError: the output holds a build with another configuration (use ``force``).
         TooManyBadFilesError: more than ``max_bad_fraction`` of the files were quarantined.
+        OutputWriteError: writing failed part-way (disk full, read-only folder); finished shards are kept.
     """
-    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if log is not None:
+        warnings.warn("build(log=...) is deprecated: the lines go to the 'datapipe.build' logger", DeprecationWarning,
+                      stacklevel=2)
+    with _forwarded_to(log):
+        return _build(source, output, size=size, fit=fit, shard_size=shard_size, max_pixels=max_pixels,
+                      max_bad_fraction=max_bad_fraction, workers=workers, scheduler=scheduler, force=force,
+                      verify=verify, progress=progress)
+
+
+@contextlib.contextmanager
+def _forwarded_to(callback):
+    """While the block runs, hand the build's log lines to ``callback`` too (the deprecated ``log=``)."""
+    if callback is None:
+        yield
+        return
+
+    class Forward(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            callback(record.getMessage())
+
+    handler, level = Forward(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _build(source, output, *, size, fit, shard_size, max_pixels, max_bad_fraction, workers, scheduler, force, verify,
+           progress) -> BuildReport:
     if not 0.0 <= max_bad_fraction <= 1.0:
-        raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
+        raise ArgumentError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
     spec = DecodeSpec(size=size, fit=fit, max_pixels=max_pixels)
     shard_size = shard_size or default_shard_size(size)
     if shard_size < 1:
-        raise ValueError(f"shard_size must be >= 1, got {shard_size!r}")
+        raise ArgumentError(f"shard_size must be >= 1, got {shard_size!r}")
     t0 = time.perf_counter()
     listing = scan(source)
     out = Path(output).expanduser().absolute()
@@ -273,8 +313,9 @@ def build(
     chash = mf.config_hash(config)
     target = prepare(out, config, chash, listing.identity, force)
     try:
-        return _build_locked(target, listing, config, chash, spec, shard_size, max_bad_fraction=max_bad_fraction,
-                             workers=workers, scheduler=scheduler, verify=verify, progress=progress, log=log, t0=t0)
+        with _write_errors():
+            return _build_locked(target, listing, config, chash, spec, shard_size, max_bad_fraction=max_bad_fraction,
+                                 workers=workers, scheduler=scheduler, verify=verify, progress=progress, t0=t0)
     except BaseException:
         target.discard_if_untouched()  # a build that failed before its first shard leaves nothing behind
         raise
@@ -282,15 +323,29 @@ def build(
         target.lock.release()
 
 
+@contextlib.contextmanager
+def _write_errors():
+    """An OSError while the cache is written (the disk filling up, the folder turning read-only) is the
+    machine's state, not a bug: it becomes an OutputWriteError naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, DatapipeError):
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        raise OutputWriteError(f"{exc.strerror or exc}{where}; finished shards are kept: fix it and rerun to resume") from exc
+
+
 def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: DecodeSpec, shard_size: int, *,
-                  max_bad_fraction: float, workers, scheduler, verify: bool, progress: bool, log, t0: float) -> BuildReport:
+                  max_bad_fraction: float, workers, scheduler, verify: bool, progress: bool, t0: float) -> BuildReport:
     """The build proper, run while holding the output's lock."""
     out = target.path
     plans = plan_shards(listing, shard_size)
     _retire_stale_manifest(out, plans, chash)
     t_scan = time.perf_counter() - t0
-    log(f"datapipe build: {len(listing):,} files in {len(listing.classes)} classes from {listing.root} "
-        f"-> {len(plans)} shards of up to {shard_size} samples at {spec.size}x{spec.size} ({spec.fit})")
+    log.info(f"datapipe build: {plural(len(listing), 'file')} in {plural(len(listing.classes), 'class', 'classes')} "
+             f"from {listing.root} -> {plural(len(plans), 'shard')} of up to {plural(shard_size, 'sample')} "
+             f"at {spec.size}x{spec.size} ({spec.fit})")
     kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec), "config_hash": chash,
               "build_id": target.build_id, "verify": verify}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
@@ -307,12 +362,12 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     n_workers, dashboard = 0, None
     if todo:
         built, n_workers, dashboard = _run(todo, kwargs, workers=workers, scheduler=scheduler, progress=progress,
-                                           log=log, timing=timing)
+                                           timing=timing)
         done.update((rec["shard"], rec) for rec in built)
     timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
     records = [done[p["shard"]] for p in plans]
     return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,
-                   workers=n_workers, dashboard=dashboard, t0=t0, log=log, build_id=target.build_id)
+                   workers=n_workers, dashboard=dashboard, t0=t0, build_id=target.build_id)
 
 
 def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
@@ -361,14 +416,14 @@ def _warm_up() -> None:
         _warmed = True
 
 
-def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
+def _run(plans, kwargs, *, workers, scheduler, progress, timing):
     from tqdm import tqdm
 
     def progress_bar():
         return tqdm(total=len(plans), unit="shard", desc="shards", disable=not progress, file=sys.stderr)
 
     if scheduler == "sync":
-        log("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
+        log.info("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
         records = []
         warm_up()
         t_start = time.perf_counter()
@@ -409,7 +464,7 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
         n_workers = len(client.scheduler_info()["workers"])
         dashboard = _dashboard(client)
         where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
-        log(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
+        log.info(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
         t_start = time.perf_counter()
         out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
         keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
@@ -433,7 +488,7 @@ def _run(plans, kwargs, *, workers, scheduler, progress, log, timing):
                         f"a decoder crash) while decoding {files}, also with every file checked in a separate "
                         "process first. Finished shards are kept: remove or fix the offending file (a lower "
                         "--max-pixels catches huge images) and rerun to resume.") from None
-                log(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
+                log.warning(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
                     "separate processes to quarantine the culprit")
                 retry = client.submit(build_shard, plan, key=f"{future.key}-isolated", pure=False,
                                       isolate=True, **kwargs)
@@ -494,7 +549,7 @@ def _dashboard(client) -> str | None:
 
 
 def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_fraction, *, seconds,
-            workers, dashboard, t0, log, build_id: str) -> BuildReport:
+            workers, dashboard, t0, build_id: str) -> BuildReport:
     quarantined = list(listing.dropped)
     for rec in records:
         quarantined.extend(rec.get("quarantined", []))
@@ -531,7 +586,7 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
     seconds["finalize"] = time.perf_counter() - t_fin
     report.seconds = {**seconds, "total": time.perf_counter() - t0}
     _write_report(out, report)
-    log("datapipe build: " + report.summary())
+    log.info("datapipe build: " + report.summary())
     return report
 
 

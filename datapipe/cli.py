@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+from collections.abc import Iterator
 
+from .environment import environment
 from .errors import DatapipeError, describe_quarantine
+from .text import plural
+
+__all__ = ["environment", "main"]
 
 
 def _positive_int(text: str) -> int:
@@ -16,15 +23,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _check_build_args(args) -> None:
+    """Ranges argparse's types do not express, checked before anything starts; the message names the flag."""
+    from .errors import ArgumentError
+
+    if not 8 <= args.size <= 8192:  # the range datapipe.codecs.DecodeSpec accepts
+        raise ArgumentError(f"--size must be from 8 to 8192, got {args.size}")
+    if not 0.0 <= args.max_bad_fraction <= 1.0:
+        raise ArgumentError(f"--max-bad-fraction must be a share from 0 to 1, got {args.max_bad_fraction:g}")
+
+
 def _command(sub, name: str, **kwargs) -> argparse.ArgumentParser:
     """A subcommand that accepts full option names only (a renamed option must not live on as a prefix)."""
     return sub.add_parser(name, allow_abbrev=False, **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="datapipe", description="Decode images once on Dask; stream them at memory speed.",
                                 allow_abbrev=False)
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"datapipe {__version__}", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its options)")
 
     b = _command(sub, "build", help="decode a folder of images (or a CSV list) into a sharded cache")
     b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label")
@@ -50,25 +70,25 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--env", action="store_true", help="print the active decoders and library versions")
 
     v = _command(sub, "verify", help="check every shard's size and checksum against the manifest")
-    v.add_argument("cache")
+    v.add_argument("cache", help="cache folder")
 
     s = _command(sub, "sample", help="generate an ImageNet-like sample image folder")
-    s.add_argument("output")
-    s.add_argument("--images", type=_positive_int, default=2000)
-    s.add_argument("--classes", type=_positive_int, default=10)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("output", help="folder to write (new or empty; a rerun with the same options completes it)")
+    s.add_argument("--images", type=_positive_int, default=2000, help="number of images (default 2000)")
+    s.add_argument("--classes", type=_positive_int, default=10, help="number of class folders (default 10)")
+    s.add_argument("--seed", type=int, default=0, help="the output is a pure function of the options and this (default 0)")
 
     d = _command(sub, "demo", help="generate a sample dataset, build it on a LocalCluster, read it back, bench it")
     d.add_argument("--dir", default="datapipe-demo", help="working folder (default ./datapipe-demo)")
-    d.add_argument("--images", type=_positive_int, default=2000)
-    d.add_argument("--workers", type=_positive_int, default=None)
+    d.add_argument("--images", type=_positive_int, default=2000, help="sample images to generate (default 2000)")
+    d.add_argument("--workers", type=_positive_int, default=None, help="LocalCluster worker processes (default: one per core)")
     d.add_argument("--skip-bench", action="store_true", help="stop after reading the cache back")
 
     k = _command(sub, "bench", help="measure the loader stage by stage and against other loaders")
     k.add_argument("cache", help="cache folder written by `datapipe build`")
     k.add_argument("--source", default=None, help="the source image folder, for the peers that read it")
     k.add_argument("--against", default="", help="comma-separated peers: dataloader,webdataset,litdata,streaming or 'all'")
-    k.add_argument("--batch-size", type=_positive_int, default=256)
+    k.add_argument("--batch-size", type=_positive_int, default=256, help="samples per batch for every system (default 256)")
     k.add_argument("--workers", type=_positive_int, default=2, help="loader workers for every system (default 2)")
     k.add_argument("--repeats", type=_positive_int, default=3, help="measured repetitions per system (default 3)")
     k.add_argument("--batches", type=_positive_int, default=None,
@@ -99,22 +119,45 @@ def main(argv: list[str] | None = None) -> int:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
+    with _messages_to_stderr():
+        try:
+            return _COMMANDS[args.command](args)
+        except DatapipeError as exc:  # a user's mistake or the machine's state; anything else is a bug
+            print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
+            return getattr(exc, "exit_code", 2)
+        except KeyboardInterrupt as exc:
+            _quiet()
+            what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+            then = "; finished shards are kept, rerun to resume" if args.command == "build" else ""
+            print(f"\ndatapipe {args.command}: {what}{then}", file=sys.stderr, flush=True)
+            return 143 if isinstance(exc, Terminated) else 130
+
+
+class _Stderr(logging.Handler):
+    """Writes each message as it is, to whatever ``sys.stderr`` is at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging must never end the command
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _messages_to_stderr() -> Iterator[None]:
+    """The library's ``datapipe`` logger, shown on stderr as plain lines while a command runs."""
+    logger = logging.getLogger("datapipe")
+    level, handler = logger.level, _Stderr()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
     try:
-        return _COMMANDS[args.command](args)
-    except (DatapipeError, ValueError) as exc:
-        print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the disk filling up or a folder turning read-only mid-build
-        where = f": {exc.filename}" if exc.filename else ""
-        then = "; finished shards are kept: fix it and rerun to resume" if args.command == "build" else ""
-        print(f"datapipe {args.command}: error: {exc.strerror or exc}{where}{then}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as exc:
-        _quiet()
-        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
-        then = "; finished shards are kept, rerun to resume" if args.command == "build" else ""
-        print(f"\ndatapipe {args.command}: {what}{then}", file=sys.stderr, flush=True)
-        return 143 if isinstance(exc, Terminated) else 130
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _quiet() -> None:
@@ -128,6 +171,7 @@ def _quiet() -> None:
 def _build(args) -> int:
     from .builder import build
 
+    _check_build_args(args)
     build(args.source, args.output, size=args.size, fit=args.fit, shard_size=args.shard_size,
           workers=args.workers, scheduler=args.scheduler, max_bad_fraction=args.max_bad_fraction,
           max_pixels=args.max_pixels, force=args.force, verify=args.verify, progress=not args.quiet)
@@ -148,7 +192,7 @@ def _info(args) -> int:
     size_on_disk = m.nbytes
     print(f"cache      {cache.root}")
     print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
-    print(f"samples    {cache.num_samples:,} of shape {cache.shape} uint8 in {len(cache.counts)} shards")
+    print(f"samples    {cache.num_samples:,} of shape {cache.shape} uint8 in {plural(len(cache.counts), 'shard')}")
     print(f"classes    {len(cache.classes)}: {', '.join(cache.classes[:8])}{' …' if len(cache.classes) > 8 else ''}")
     print(f"config     {json.dumps(m.config)}")
     print(f"source     {m.source.root} ({m.source.kind})")
@@ -160,22 +204,6 @@ def _info(args) -> int:
     return 0
 
 
-def environment() -> dict:
-    import platform
-
-    from . import __version__, native
-    from .codecs import decoder_info
-
-    env = {"datapipe": __version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cpus": __import__("os").cpu_count(), "decoders": decoder_info(), "cpu_kernel": native.describe()}
-    for name in ("numpy", "torch", "kornia", "zarr", "dask", "distributed", "bokeh"):
-        try:
-            env[name] = __import__(name).__version__
-        except Exception as exc:  # noqa: BLE001
-            env[name] = f"unavailable ({type(exc).__name__})"
-    return env
-
-
 def _verify(args) -> int:
     from .cache import Cache
 
@@ -183,33 +211,34 @@ def _verify(args) -> int:
     problems = cache.verify(progress=True)
     for line in problems:
         print(line)
-    print(f"{cache.root}: {len(cache.counts)} shards, {cache.num_samples:,} samples: "
-          f"{'OK' if not problems else f'{len(problems)} problem(s); `datapipe build SOURCE OUTPUT --verify` rewrites damaged shards'}")
+    verdict = "OK" if not problems else (f"{plural(len(problems), 'problem')}; `datapipe build SOURCE OUTPUT --verify` "
+                                         "rewrites damaged shards")
+    print(f"{cache.root}: {plural(len(cache.counts), 'shard')}, {plural(cache.num_samples, 'sample')}: {verdict}")
     return 0 if not problems else 1
 
 
 def _sample(args) -> int:
-    from .sample import make_sample_dataset, sample_is_complete
+    from .bench.sample import make_sample_dataset, sample_is_complete
 
     params = {"images": args.images, "classes": args.classes, "seed": args.seed}
     if sample_is_complete(args.output, **params):
-        print(f"{args.output} already holds this sample ({args.images} images in {args.classes} classes, "
+        print(f"{args.output} already holds this sample ({plural(args.images, 'image')} in {plural(args.classes, 'class', 'classes')}, "
               f"seed {args.seed}): nothing to do")
         return 0
     root = make_sample_dataset(args.output, **params)
-    print(f"wrote {args.images} images in {args.classes} classes to {root}")
+    print(f"wrote {plural(args.images, 'image')} in {plural(args.classes, 'class', 'classes')} to {root}")
     return 0
 
 
 def _demo(args) -> int:
-    from .demo import run_demo
+    from .bench.demo import run_demo
 
     run_demo(args.dir, images=args.images, workers=args.workers, bench=not args.skip_bench)
     return 0
 
 
 def _bench(args) -> int:
-    from .bench import main as bench_main
+    from .bench.harness import main as bench_main
 
     return bench_main(args)
 

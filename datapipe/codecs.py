@@ -198,9 +198,6 @@ def apply_orientation(img: np.ndarray, orientation: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- geometry
 
 
-_torch_ready = False
-
-
 def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = None) -> np.ndarray:
     """Antialiased bilinear resize of a uint8 H×W×3 array: datapipe's compiled kernel
     (:func:`datapipe.native.resize`, ~0.10 ms for 340² -> 256² here) where it is built, else torch's
@@ -222,12 +219,8 @@ def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = N
         return out
     if not img.flags.writeable:  # torch.from_numpy needs writable memory
         img = img.copy()
-    global _torch_ready
-    import torch
+    import torch  # the build's shard loop runs this with one intra-op thread (builder.build_shard)
 
-    if not _torch_ready:  # build workers run one task per core: no intra-op threads
-        torch.set_num_threads(1)
-        _torch_ready = True
     src = torch.from_numpy(img).permute(2, 0, 1)[None]
     dst = torch.from_numpy(out).permute(2, 0, 1)[None]
     try:

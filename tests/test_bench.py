@@ -10,7 +10,8 @@ import sys
 import pytest
 
 import datapipe
-from datapipe import bench, cli, native
+from datapipe import cli, native
+from datapipe.bench import harness as bench
 from datapipe.errors import CacheError
 
 
@@ -18,8 +19,7 @@ from datapipe.errors import CacheError
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     source = datapipe.make_sample_dataset(root / "src", images=24, classes=3)
-    datapipe.build(source, root / "cache", size=64, shard_size=10, scheduler="sync", progress=False,
-                   log=lambda line: None)
+    datapipe.build(source, root / "cache", size=64, shard_size=10, scheduler="sync", progress=False)
     return root
 
 
@@ -76,8 +76,7 @@ def test_bench_json_chart_and_peers(tiny, tmp_path):
 
 
 def test_bench_table_mentions_every_system(tiny):
-    result = bench.run(tiny / "cache", batch_size=8, workers=1, repeats=1, batches=1, crop=48, progress=False,
-                       log=lambda line: None)
+    result = bench.run(tiny / "cache", batch_size=8, workers=1, repeats=1, batches=1, crop=48, progress=False)
     table = bench.format_table(result)
     assert "datapipe" in table and "img/s" in table
     assert result.systems["datapipe"].median > 0
@@ -94,9 +93,9 @@ def test_bench_bad_paths_give_one_clear_line(tmp_path):
 
 def test_bench_needs_source_for_peers(tiny):
     with pytest.raises(Exception, match="--source"):
-        bench.run(tiny / "cache", against=["dataloader"], progress=False, log=lambda line: None)
+        bench.run(tiny / "cache", against=["dataloader"], progress=False)
     with pytest.raises(ValueError, match="dataloader"):
-        bench.run(tiny / "cache", source=tiny / "src", against=["nope"], progress=False, log=lambda line: None)
+        bench.run(tiny / "cache", source=tiny / "src", against=["nope"], progress=False)
 
 
 def test_the_stage_breakdown_adds_up_to_the_end_to_end_time(tmp_path):

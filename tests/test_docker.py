@@ -344,7 +344,7 @@ def test_dockerfile_copies_sources_that_exist_and_installs_the_project():
                 copied[target.replace("/./", "/")] = src
         elif keyword == "RUN":
             words = shlex.split(args)
-            if "pip" in words and "install" in words and "." in words:
+            if "pip" in words and "install" in words and any(w == "." or w.startswith(".[") for w in words):
                 for needed in ("pyproject.toml", "datapipe"):
                     assert f"{workdir.rstrip('/')}/{needed}" in copied, (
                         f"`pip install .` in {workdir} but {needed} was not copied there: {copied}")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from datapipe import peers
-from datapipe.peers import ImageFolderTransform, get_peer, list_image_folder, random_resized_crop_params
-from datapipe.sample import make_sample_dataset
+from datapipe.bench import peers
+from datapipe.bench.peers import ImageFolderTransform, get_peer, list_image_folder, random_resized_crop_params
+from datapipe.bench.sample import make_sample_dataset
 
 IMAGES = 40
 CLASSES = 4
@@ -41,7 +41,7 @@ def _source_label_counts(source: Path) -> collections.Counter:
 
 def test_import_is_lazy():
     code = (
-        "import sys, datapipe.peers\n"
+        "import sys, datapipe.bench.peers\n"
         "bad = [m for m in ('torch', 'webdataset', 'litdata', 'streaming') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

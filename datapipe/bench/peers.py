@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..sources import IMAGE_EXTENSIONS
+from .timing import timed_pass
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from PIL import Image as PILImage
@@ -70,8 +73,8 @@ __all__ = [
     "random_resized_crop_params",
 ]
 
-#: File extensions that torchvision's ``ImageFolder`` accepts.
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+#: File extensions a folder source is listed with: the build's (:data:`datapipe.sources.IMAGE_EXTENSIONS`).
+IMG_EXTENSIONS = IMAGE_EXTENSIONS
 
 #: Name of the file written last into a peer's folder, once its shards are complete.
 _MARKER = "_datapipe_peer.json"
@@ -114,7 +117,7 @@ def cache_samples(cache, source: str | os.PathLike, *, check: int = 8) -> Sample
         SourceError: a sample's file is missing under ``source``, or its content is not the
             cache's (another dataset with the same file names, a file changed since the build).
     """
-    from .errors import SourceError
+    from ..errors import SourceError
 
     src = Path(source).expanduser()
     root = src.parent if src.is_file() else src
@@ -136,8 +139,8 @@ def cache_samples(cache, source: str | os.PathLike, *, check: int = 8) -> Sample
 
 def _same_pixels(cache, index: int, file: Path) -> bool:
     """Does ``file``, decoded as the build decoded it, give sample ``index``'s pixels?"""
-    from .codecs import DecodeSpec, decode_sample
-    from .errors import DecodeError
+    from ..codecs import DecodeSpec, decode_sample
+    from ..errors import DecodeError
 
     config = cache.manifest.config
     spec = DecodeSpec(size=int(config["size"]), fit=config["fit"], max_pixels=int(config["max_pixels"]))
@@ -158,30 +161,19 @@ def _as_samples(source: str | os.PathLike | SampleList) -> SampleList:
 
 
 def list_image_folder(source: str | os.PathLike) -> tuple[list[str], list[tuple[Path, int]]]:
-    """List an ImageNet-layout folder the way torchvision's ``ImageFolder`` does.
+    """List an ImageNet-layout folder exactly as ``datapipe build`` does (:func:`datapipe.sources.scan`).
 
     Returns:
         ``(classes, samples)``: the sorted class-folder names, and ``(path, class_index)`` for
-        every image file, classes in order and files sorted within each class (recursively).
+        every image file the build would read, sorted by path.
 
     Raises:
-        FileNotFoundError: if ``source`` has no class folder or no image file.
+        SourceError: ``source`` is missing or holds no image file (a ``FileNotFoundError``).
     """
-    root = Path(source)
-    if not root.is_dir():
-        raise FileNotFoundError(f"source folder not found: {root}")
-    classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-    if not classes:
-        raise FileNotFoundError(f"no class folders in {root} (expected one folder per class)")
-    samples: list[tuple[Path, int]] = []
-    for index, name in enumerate(classes):
-        for dirpath, _, fnames in sorted(os.walk(root / name, followlinks=True)):
-            for fname in sorted(fnames):
-                if fname.lower().endswith(IMG_EXTENSIONS):
-                    samples.append((Path(dirpath) / fname, index))
-    if not samples:
-        raise FileNotFoundError(f"no image files ({', '.join(IMG_EXTENSIONS)}) under {root}")
-    return classes, samples
+    from ..sources import scan
+
+    listing = scan(source)
+    return list(listing.classes), [(listing.root / p, label) for p, label in zip(listing.paths, listing.labels, strict=True)]
 
 
 def _fingerprint(source: Path, samples: Sequence[tuple[Path, int]]) -> str:
@@ -728,11 +720,13 @@ PEERS: dict[str, Peer] = {
 
 
 def get_peer(name: str) -> Peer:
-    """The peer called ``name``; ``ValueError`` naming the valid choices otherwise."""
+    """The peer called ``name``; :class:`~datapipe.errors.ArgumentError` naming the valid choices otherwise."""
+    from ..errors import ArgumentError
+
     try:
         return PEERS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown peer {name!r}; choose from: {', '.join(PEERS)}") from None
+        raise ArgumentError(f"--against: unknown peer {name!r}; choose from: {', '.join(PEERS)}") from None
 
 
 def measure(
@@ -755,14 +749,6 @@ def measure(
     prepare_s = peer.prepare(listing, Path(workdir))
     loader = peer.loader(listing, Path(workdir), batch_size=batch_size, workers=workers, seed=seed)
     for _ in range(warmup_epochs):
-        for _batch in loader:
-            pass
-    times = []
-    images = 0
-    for _ in range(epochs):
-        images = 0
-        start = time.perf_counter()
-        for batch_images, _labels in loader:
-            images += int(batch_images.shape[0])
-        times.append(time.perf_counter() - start)
-    return PeerResult(peer.name, batch_size, workers, prepare_s, tuple(times), images)
+        timed_pass(loader)
+    passes = [timed_pass(loader) for _ in range(epochs)]
+    return PeerResult(peer.name, batch_size, workers, prepare_s, tuple(p.seconds for p in passes), passes[-1].images)

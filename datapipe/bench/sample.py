@@ -109,7 +109,7 @@ def sample_is_complete(root: str | os.PathLike, *, images: int, classes: int, se
 
 def _claim(root: Path, params: dict) -> None:
     """Refuse a folder that holds anything but a sample of the same parameters (finished or not)."""
-    from .errors import OutputError
+    from ..errors import OutputError
 
     if root.exists() and not root.is_dir():
         raise OutputError(f"sample output {root} is a file, not a folder; choose a new or empty folder")
@@ -145,7 +145,9 @@ def make_sample_dataset(
         OutputError: ``root`` holds anything else (a dataset of the user's, another sample).
     """
     if images < 1 or classes < 1:
-        raise ValueError(f"images and classes must be >= 1, got images={images}, classes={classes}")
+        from ..errors import ArgumentError
+
+        raise ArgumentError(f"images and classes must be >= 1, got images={images}, classes={classes}")
     root = Path(root)
     params = {"images": images, "classes": classes, "seed": seed}
     if sample_is_complete(root, **params):

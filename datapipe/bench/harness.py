@@ -12,9 +12,9 @@ machine hits them alike; each ratio is computed per round, then the median is re
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -23,7 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..environment import environment
+from .timing import settle, timed_pass, timeit
+
 SYSTEM = "datapipe"
+log = logging.getLogger("datapipe.bench")
 
 
 @dataclass
@@ -75,8 +79,6 @@ def describe_machine() -> dict:
                 break
     except OSError:
         pass
-    from .cli import environment
-
     env = environment()
     return {
         "cpu": cpu,
@@ -94,30 +96,24 @@ def describe_machine() -> dict:
 # ----------------------------------------------------------------------------- stages
 
 
-def _timeit(fn, *, min_time: float = 0.3, max_reps: int = 50) -> float:
-    """Seconds per call of ``fn`` (after one warm-up call)."""
-    fn()
-    reps, start = 0, time.perf_counter()
-    while True:
-        fn()
-        reps += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_time or reps >= max_reps:
-            return elapsed / reps
-
-
 def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | None = None) -> dict:
     """Each stage on its own, one thread: read, assemble, decode, copy, augment.
 
     ``timers``, when given, receives ``{stage: (fn, images per call)}`` for the stages on the
     loader's path, so that the attribution can time them again beside the end-to-end passes.
     """
+    from .._threads import torch_threads
+
+    with torch_threads(1):
+        return _stages(cache, batch_size=batch_size, crop=crop, device=device, timers=timers)
+
+
+def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -> dict:
     import torch
 
-    from . import augment
-    from .storage import SHARDS_DIR, images_path
+    from .. import augment
+    from ..storage import SHARDS_DIR, images_path
 
-    torch.set_num_threads(1)
     stages: dict[str, dict] = {}
     per_image = cache.shape[0] * cache.shape[1] * cache.shape[2]
     # read: sequential bytes of the shard files (page cache or disk)
@@ -144,7 +140,7 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
     def assemble():
         cache.read_batch(rng.choice(len(cache), b, replace=False), out, lab)
 
-    sec = _timeit(assemble)
+    sec = timeit(assemble)
     stages["assemble"] = {"images_per_s": b / sec, "GB_per_s": b * per_image / sec / 1e9,
                           "what": "gather of a shuffled batch from memory-mapped shards"}
     stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
@@ -157,7 +153,7 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
             pinned.to(device, non_blocking=True)
             torch.cuda.synchronize()
 
-        sec = _timeit(copy)
+        sec = timeit(copy)
         if timers is not None:
             timers["assemble"], timers["h2d"] = (assemble, b), (copy, b)
         stages["h2d"] = {"GB_per_s": pinned.numel() / sec / 1e9, "images_per_s": b / sec,
@@ -184,11 +180,10 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
             aug(cache.sample_views(rng.choice(len(cache), b, replace=False), lab, out=out), seed=1, out=out_buf)
 
         what = f"read the batch + RandomResizedCrop({crop}) + flip + normalise"
-    sec = _timeit(run_aug)
+    sec = timeit(run_aug)
     if timers is not None:
         timers["augment"] = (run_aug, b)
     stages["augment"] = {"images_per_s": b / sec, "where": str(device), "what": what}
-    torch.set_num_threads(os.cpu_count() or 1)
     return stages
 
 
@@ -196,73 +191,17 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
 
 
 def _datapipe_loader(cache, *, batch_size, workers, crop, device, seed=0):
-    from . import augment
-    from .dataset import StreamingDataset
-    from .device import DeviceLoader
+    from .. import augment
+    from ..dataset import StreamingDataset
+    from ..device import DeviceLoader
 
     ds = StreamingDataset(cache, batch_size=batch_size, shuffle=True, seed=seed)
     return DeviceLoader(ds, device=device, num_workers=workers, prefetch=2, augment=augment.train(crop))
 
 
-def _settle(timeout: float = 10.0) -> None:
-    """Let the previous system's worker processes exit before the next one is timed, so that no
-    system is measured while another one's teardown still uses the cores."""
-    import gc
-
-    import psutil
-
-    def children_cpu() -> float:
-        total = 0.0
-        for child in psutil.Process().children(recursive=True):
-            try:
-                total += sum(child.cpu_times()[:2])
-            except psutil.Error:  # exited meanwhile
-                pass
-        return total
-
-    gc.collect()
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:  # helpers that stay (a resource tracker) idle: no wait
-        before = children_cpu()
-        time.sleep(0.1)
-        if children_cpu() - before < 0.01:
-            return
-
-
-def _pass(loader, batches: int | None, *, step_s: float = 0.0, sync=None) -> tuple[int, float, float]:
-    """Iterate up to ``batches`` batches; returns (images, wall seconds, CPU seconds)."""
-    images = 0
-    cpu0 = _cpu_seconds()
-    t0 = time.perf_counter()
-    for i, batch in enumerate(loader):
-        images += int(batch[0].shape[0])
-        if step_s:
-            time.sleep(step_s)
-        if batches is not None and i + 1 >= batches:
-            break
-    if sync:
-        sync()
-    return images, time.perf_counter() - t0, _cpu_seconds() - cpu0
-
-
-def _cpu_seconds() -> float:
-    """CPU seconds of this process, its live worker processes and its reaped children."""
-    import psutil
-
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
-    for child in me.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:
-            pass
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return total + kids.ru_utime + kids.ru_stime
-
-
 def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int = 2, repeats: int = 3,
         batches: int | None = None, crop: int = 224, step_ms: float = 0.0, device: str = "auto",
-        work_dir=None, progress: bool = True, log=None) -> BenchResult:
+        work_dir=None, progress: bool = True) -> BenchResult:
     """Measure datapipe stage by stage and against ``against`` peers on the same data.
 
     Args:
@@ -279,27 +218,26 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
 
     Returns:
         A :class:`BenchResult` (``.to_dict()`` is what ``--json`` writes); a system that failed has
-        ``status == "failed"`` and the reason.
+        ``status == "failed"`` and the reason. Progress lines go to the ``datapipe.bench`` logger.
 
     Raises:
         SourceError: ``source`` is missing, or does not hold the cache's samples (see
-            :func:`datapipe.peers.cache_samples`).
+            :func:`datapipe.bench.peers.cache_samples`).
     """
     import torch
     from tqdm import tqdm
 
+    from ..cache import Cache
+    from ..device import _resolve_device
+    from ..errors import SourceError
     from . import peers as peer_mod
-    from .cache import Cache
-    from .device import _resolve_device
-    from .errors import SourceError
 
-    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     cache = Cache(cache)
     dev = _resolve_device(device)
     every = list(against) == ["all"]
     names = list(peer_mod.PEERS) if every else [a for a in against if a]
     for name in names:
-        peer_mod.get_peer(name)  # raises ValueError naming the choices
+        peer_mod.get_peer(name)  # raises ArgumentError naming the choices
     if names and source is None:
         raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
     listing = peer_mod.cache_samples(cache, source) if names else None  # refuses a source that is not the cache's
@@ -310,7 +248,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
               "batch_size": batch_size,
               "workers": workers, "repeats": repeats, "batches_per_pass": batches, "crop": crop,
               "device": str(dev), "output": f"float32 [B, 3, {crop}, {crop}] after RandomResizedCrop + flip"}
-    log(f"datapipe bench: {len(cache):,} samples, batch {batch_size}, {workers} workers, {repeats} rounds "
+    log.info(f"datapipe bench: {len(cache):,} samples, batch {batch_size}, {workers} workers, {repeats} rounds "
         f"of {batches} batches on {dev}")
 
     timers: dict = {}
@@ -329,17 +267,17 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         reason = peer.unavailable()
         if reason is not None and every:  # "all": the peers installed here
             m.status, m.reason = "skipped", reason
-            log(f"datapipe bench: {name} skipped: {reason} (install: {peer.install})")
+            log.info(f"datapipe bench: {name} skipped: {reason} (install: {peer.install})")
             continue
         try:
             if reason is not None:
                 raise RuntimeError(f"{reason}; install it with: {peer.install}")
-            log(f"datapipe bench: preparing {name} …")
+            log.info(f"datapipe bench: preparing {name} …")
             m.prepare_s = peer.prepare(listing, work)
             loaders[name] = peer.loader(listing, work, batch_size=batch_size, workers=workers)
             m.samples = len(listing)
         except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
-            _failed(m, exc, log)
+            _failed(m, exc)
 
     runnable = list(loaders)
     bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress, file=sys.stderr)
@@ -350,15 +288,15 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         # a one-off cost that belongs in the warm-up, not in datapipe's first timed round.
         for name in (runnable[::-1] if rnd == 0 else list(runnable)):
             try:
-                n_img, wall, cpu_s = _pass(loaders[name], batches, sync=sync)
+                n_img, wall, cpu_s = timed_pass(loaders[name], batches, sync=sync)
             except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
-                _failed(systems[name], exc, log)
+                _failed(systems[name], exc)
                 runnable.remove(name)
                 continue
             if rnd:
                 systems[name].images_per_s.append(n_img / wall)
                 cpu[name].append(cpu_s / max(n_img, 1))
-            _settle()
+            settle()
             bar.update()
     bar.close()
     base = systems[SYSTEM]
@@ -381,12 +319,12 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
                        attribution=attribution)
 
 
-def _failed(m: Measurement, exc: BaseException, log) -> None:
+def _failed(m: Measurement, exc: BaseException) -> None:
     """Mark a system failed with a one-line reason (a DataLoader's worker traceback is cut to its first line)."""
     text = " ".join(str(exc).strip().splitlines()[0].split()) if str(exc).strip() else ""
     m.status, m.reason = "failed", f"{type(exc).__name__}: {text}"[:300].rstrip(": ")
     m.images_per_s = []
-    log(f"datapipe bench: {m.name} failed: {m.reason}")
+    log.warning(f"datapipe bench: {m.name} failed: {m.reason}")
 
 
 def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: int = 3) -> dict:
@@ -398,24 +336,23 @@ def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: in
     """
     import torch
 
+    from .._threads import torch_threads
+
     loader = _datapipe_loader(cache, batch_size=batch_size, workers=1, crop=crop, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    _pass(loader, batches, sync=sync)  # warm-up: output buffers allocated, memory maps faulted in
+    timed_pass(loader, batches, sync=sync)  # warm-up: output buffers allocated, memory maps faulted in
     per_round: list[dict[str, float]] = []
     ends: list[float] = []
     walls, counts = 0.0, 0
-    # The stages run here with one intra-op thread, as in the reader thread: with the default (one
-    # per core) torch's own ops in the augmentation waited on a busy core, doubling their time.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # One intra-op thread, as in the reader thread: more would compete with it for the cores.
     try:
-        for _ in range(rounds):
-            per_round.append({k: _timeit(fn) / images for k, (fn, images) in timers.items()})
-            n, wall, _ = _pass(loader, batches, sync=sync)
-            ends.append(wall / max(n, 1))
-            walls, counts = walls + wall, counts + n
+        with torch_threads(1):
+            for _ in range(rounds):
+                per_round.append({k: timeit(fn) / images for k, (fn, images) in timers.items()})
+                n, wall, _ = timed_pass(loader, batches, sync=sync)
+                ends.append(wall / max(n, 1))
+                walls, counts = walls + wall, counts + n
     finally:
-        torch.set_num_threads(threads)
         loader.close()
     ratios = [sum(p.values()) / e for p, e in zip(per_round, ends)]
     per_image = {k: statistics.median(p[k] for p in per_round) for k in timers}
@@ -433,9 +370,9 @@ def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: in
 
 def _with_step(cache, *, batch_size, workers, crop, device, batches, step_ms) -> dict:
     loader = _datapipe_loader(cache, batch_size=batch_size, workers=workers, crop=crop, device=device)
-    _pass(loader, min(batches, 2))
+    timed_pass(loader, min(batches, 2))
     loader.meter.reset()
-    _pass(loader, batches, step_s=step_ms / 1000.0)
+    timed_pass(loader, batches, step_s=step_ms / 1000.0)
     s = loader.stats()
     loader.close()
     return {"step_ms": step_ms, "images_per_s": s["images_per_s"], "wait_share": s["wait_share"]}

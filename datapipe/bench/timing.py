@@ -1,0 +1,88 @@
+"""The one way the benchmarks time a loader: images, wall seconds and CPU seconds of a pass."""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import NamedTuple
+
+
+class Pass(NamedTuple):
+    """One timed pass over a loader."""
+
+    images: int
+    seconds: float  # wall time
+    cpu_seconds: float  # this process, its workers and its reaped children
+
+
+def timed_pass(loader, batches: int | None = None, *, step_s: float = 0.0, sync=None) -> Pass:
+    """Iterate ``loader`` for up to ``batches`` batches (default: to its end, one epoch).
+
+    ``step_s`` sleeps after each batch, as a model step would; ``sync`` (e.g.
+    ``torch.cuda.synchronize``) is called before the clock stops so queued device work counts.
+    """
+    images = 0
+    cpu0 = cpu_seconds()
+    t0 = time.perf_counter()
+    for i, batch in enumerate(loader):
+        images += int(batch[0].shape[0])
+        if step_s:
+            time.sleep(step_s)
+        if batches is not None and i + 1 >= batches:
+            break
+    if sync:
+        sync()
+    seconds = time.perf_counter() - t0
+    return Pass(images, seconds, cpu_seconds() - cpu0)
+
+
+def timeit(fn, *, min_time: float = 0.3, max_reps: int = 50) -> float:
+    """Seconds per call of ``fn`` (after one warm-up call)."""
+    fn()
+    reps, start = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or reps >= max_reps:
+            return elapsed / reps
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process, its live worker processes and its reaped children."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:  # exited meanwhile
+            pass
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return total + kids.ru_utime + kids.ru_stime
+
+
+def settle(timeout: float = 10.0) -> None:
+    """Wait until the previous loader's worker processes have exited (or idle), so that no system is
+    timed while another one's teardown still uses the cores."""
+    import gc
+
+    import psutil
+
+    def children_cpu() -> float:
+        total = 0.0
+        for child in psutil.Process().children(recursive=True):
+            try:
+                total += sum(child.cpu_times()[:2])
+            except psutil.Error:  # exited meanwhile
+                pass
+        return total
+
+    gc.collect()
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:  # helpers that stay (a resource tracker) idle: no wait
+        before = children_cpu()
+        time.sleep(0.1)
+        if children_cpu() - before < 0.01:
+            return
