@@ -335,10 +335,13 @@ class ReportRecord:
 # ----------------------------------------------------------------------------- parsers
 
 
+def expected_file_size(count: int, size: int) -> int:
+    """Bytes of a shard's image file: samples, then the shard index and its crc32c."""
+    return count * size * size * 3 + 16 * count + 4 if count else 0
+
+
 def parse_manifest(doc: Any, path: Path) -> Manifest:
     """Check every field of a manifest document and cross-check counts, offsets, sizes and names."""
-    from .storage import expected_file_size
-
     f = _Fields(doc, path)
     _check_marker(f)
     config, chash = _config(f)

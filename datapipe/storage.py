@@ -30,7 +30,7 @@ from typing import BinaryIO
 import numpy as np
 
 from .errors import CacheError
-from .records import read_json
+from .records import expected_file_size, read_json
 
 SHARDS_DIR = "shards"
 TMP_PREFIX = ".tmp-"
@@ -52,11 +52,6 @@ def _crc32c(data, value: int = 0) -> int:
     import google_crc32c
 
     return google_crc32c.extend(value, data)
-
-
-def expected_file_size(count: int, size: int) -> int:
-    """Bytes of a shard's image file: samples, then the shard index and its crc32c."""
-    return count * size * size * 3 + 16 * count + 4 if count else 0
 
 
 class ShardWriter:

@@ -1,0 +1,142 @@
+"""The ``datapipe`` command's surface: help for every argument, --version, wording, errors that name the flag."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+
+import pytest
+
+import datapipe
+from datapipe import cli
+from datapipe.errors import DatapipeError, OutputWriteError
+from datapipe.text import plural
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli._parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_argument_of_every_command_has_help():
+    parser = cli._parser()
+    missing = [f"datapipe {a.dest}" for a in parser._actions if not (a.help or "").strip()]
+    for name, sub in subcommands().items():
+        missing += [f"datapipe {name} {a.option_strings or a.dest}" for a in sub._actions if not (a.help or "").strip()]
+    assert not missing, missing
+    assert set(subcommands()) == {"build", "info", "verify", "sample", "demo", "bench"}
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"datapipe {datapipe.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"datapipe {datapipe.__version__}"
+
+
+@pytest.mark.parametrize(("count", "noun", "plural_form", "text"), [
+    (0, "shard", None, "0 shards"), (1, "shard", None, "1 shard"), (2, "shard", None, "2 shards"),
+    (1, "class", "classes", "1 class"), (3, "class", "classes", "3 classes"), (1000, "sample", None, "1,000 samples"),
+])
+def test_plural(count, noun, plural_form, text):
+    assert plural(count, noun, plural_form) == text
+
+
+def test_build_summary_and_cache_lines_say_one_shard(tmp_path, capsys):
+    from datapipe.bench.sample import make_sample_dataset
+
+    source = make_sample_dataset(tmp_path / "src", images=3, classes=1)
+    out = tmp_path / "cache"
+    code = cli.main(["build", str(source), str(out), "--size", "32", "--shard-size", "10", "--scheduler", "sync",
+                     "--quiet"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "1 shard " in err and "1 shards" not in err and "1 class " in err, err
+    assert cli.main(["verify", str(out)]) == 0
+    verify = capsys.readouterr().out
+    assert "1 shard, 3 samples: OK" in verify, verify
+    assert cli.main(["info", str(out)]) == 0
+    info = capsys.readouterr().out
+    assert "in 1 shard\n" in info and "1 shards" not in info, info
+
+
+@pytest.mark.parametrize(("option", "flag"), [
+    (["--max-bad-fraction", "2"], "--max-bad-fraction"),
+    (["--max-bad-fraction", "-0.5"], "--max-bad-fraction"),
+    (["--size", "4"], "--size"),
+    (["--size", "9000"], "--size"),
+])
+def test_a_bad_build_value_is_one_line_naming_the_flag(tmp_path, capsys, option, flag):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    code = cli.main(["build", str(tmp_path / "src"), str(tmp_path / "o"), "--scheduler", "sync", "--quiet", *option])
+    assert code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("datapipe build: error: ") and flag in line
+    assert "max_bad_fraction" not in line and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("option", "flag"), [(["--shard-size", "0"], "--shard-size"),
+                                              (["--shard-size", "x"], "--shard-size"),
+                                              (["--workers", "-1"], "--workers")])
+def test_a_malformed_number_is_refused_by_the_parser_naming_the_flag(tmp_path, capsys, option, flag):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["build", str(tmp_path), str(tmp_path / "o"), *option])
+    assert stop.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_an_unknown_peer_names_the_flag(tmp_path, capsys):
+    from datapipe.bench.peers import get_peer
+
+    with pytest.raises(DatapipeError, match="--against"):
+        get_peer("nope")
+
+
+def test_the_cli_reports_a_bug_as_a_bug(monkeypatch):
+    """Only DatapipeError is a user-facing error: anything else keeps its traceback."""
+    def broken(args):
+        raise ValueError("a bug")
+
+    monkeypatch.setitem(cli._COMMANDS, "verify", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(["verify", "x"])
+
+
+def test_a_write_error_exits_with_1(monkeypatch, capsys):
+    def full(args):
+        raise OutputWriteError("No space left on device: /x/.tmp-000002; finished shards are kept")
+
+    monkeypatch.setitem(cli._COMMANDS, "verify", full)
+    assert cli.main(["verify", "x"]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "datapipe verify: error: No space left on device: /x/.tmp-000002; finished shards are kept"
+
+
+def test_library_messages_reach_stderr_only_while_a_command_runs(monkeypatch, capsys):
+    def talk(args):
+        logging.getLogger("datapipe.build").info("a progress line")
+        return 0
+
+    monkeypatch.setitem(cli._COMMANDS, "verify", talk)
+    assert cli.main(["verify", "x"]) == 0
+    assert capsys.readouterr().err == "a progress line\n"
+    logger = logging.getLogger("datapipe")
+    assert not [h for h in logger.handlers if isinstance(h, cli._Stderr)]
+    logging.getLogger("datapipe.build").info("after the command")
+    assert "after the command" not in capsys.readouterr().err
+
+
+def test_build_log_is_deprecated_but_still_receives_the_lines(tmp_path):
+    from datapipe.bench.sample import make_sample_dataset
+
+    source = make_sample_dataset(tmp_path / "src", images=2, classes=1)
+    lines: list[str] = []
+    with pytest.warns(DeprecationWarning, match="datapipe.build"):
+        datapipe.build(source, tmp_path / "cache", size=16, scheduler="sync", progress=False, log=lines.append)
+    assert any("1 shard " in line for line in lines), lines
