@@ -25,12 +25,12 @@ import torch
 
 
 def timed_epoch(loader, epoch: int) -> tuple[int, float]:
+    from datapipe.bench.timing import timed_pass
+
     if hasattr(loader, "set_epoch"):
         loader.set_epoch(epoch)
-    n, t = 0, time.perf_counter()
-    for batch in loader:
-        n += int(batch[0].shape[0])
-    return n, time.perf_counter() - t
+    images, seconds, _ = timed_pass(loader)
+    return images, seconds
 
 
 def memcpy_gbps() -> float:

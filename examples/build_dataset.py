@@ -11,6 +11,7 @@ re-encoded as JPEG) next to the output. A rerun is cheap: finished shards are ke
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,8 @@ def sample_source(folder: Path, images: int, classes: int) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logging.getLogger("datapipe").addHandler(logging.StreamHandler())  # the build's progress lines, on stderr
+    logging.getLogger("datapipe").setLevel(logging.INFO)
     output = Path(args.output).absolute()
     source = Path(args.source) if args.source else sample_source(output.parent / "images", args.images, args.classes)
     options = {"size": args.size, "shard_size": args.shard_size, "progress": not args.quiet}

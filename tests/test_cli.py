@@ -140,3 +140,21 @@ def test_build_log_is_deprecated_but_still_receives_the_lines(tmp_path):
     with pytest.warns(DeprecationWarning, match="datapipe.build"):
         datapipe.build(source, tmp_path / "cache", size=16, scheduler="sync", progress=False, log=lines.append)
     assert any("1 shard " in line for line in lines), lines
+
+
+def test_sample_that_cannot_be_written_is_one_line_exit_1(tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder should be")
+    assert cli.main(["sample", str(blocker / "out"), "--images", "2", "--classes", "1"]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("datapipe sample: error: cannot write the sample: ") and str(blocker) in line
+
+
+def test_bench_output_file_that_cannot_be_written_names_the_flag(tmp_path):
+    from datapipe.bench.harness import _writing
+    from datapipe.errors import OutputError
+
+    target = tmp_path / "blocker" / "result.json"
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(OutputError, match="--json .*result.json"), _writing("--json", target):
+        target.write_text("{}")

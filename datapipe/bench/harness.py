@@ -11,6 +11,7 @@ machine hits them alike; each ratio is computed per round, then the median is re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,7 +119,7 @@ def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -
     stages: dict[str, dict] = {}
     per_image = cache.shape[0] * cache.shape[1] * cache.shape[2]
     # read: sequential bytes of the shard files (page cache or disk)
-    files = [images_path(cache.root / SHARDS_DIR / n) for n, c in zip(cache.shard_names, cache.counts) if c]
+    files = [images_path(cache.root / SHARDS_DIR / n) for n, c in zip(cache.shard_names, cache.counts, strict=True) if c]
     buf = bytearray(1 << 24)
 
     def read_all() -> float:
@@ -305,7 +307,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         if cpu.get(name):
             m.cpu_s_per_image = statistics.median(cpu[name])
         if name != SYSTEM and m.images_per_s and base.images_per_s:
-            m.ratio = statistics.median(a / b for a, b in zip(base.images_per_s, m.images_per_s))
+            m.ratio = statistics.median(a / b for a, b in zip(base.images_per_s, m.images_per_s, strict=True))
 
     attribution = _attribution(cache, timers, batch_size=batch_size, crop=crop, device=dev, batches=batches)
     if step_ms > 0:
@@ -354,7 +356,7 @@ def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: in
                 walls, counts = walls + wall, counts + n
     finally:
         loader.close()
-    ratios = [sum(p.values()) / e for p, e in zip(per_round, ends)]
+    ratios = [sum(p.values()) / e for p, e in zip(per_round, ends, strict=True)]
     per_image = {k: statistics.median(p[k] for p in per_round) for k in timers}
     return {
         "one_reader_images_per_s": counts / walls,
@@ -464,6 +466,17 @@ def plot(result: BenchResult, path) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _writing(flag: str, path) -> Iterator[None]:
+    """A file the command was asked to write cannot be: one line naming the flag and the file."""
+    try:
+        yield
+    except OSError as exc:
+        from ..errors import OutputError
+
+        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; choose a writable path") from exc
+
+
 def main(args) -> int:
     """The ``datapipe bench`` command."""
     against = [a.strip() for a in args.against.split(",") if a.strip()]
@@ -472,10 +485,12 @@ def main(args) -> int:
                  device=args.device, work_dir=args.work_dir, progress=not args.quiet)
     print(format_table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        with _writing("--json", args.json):
+            Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
         print(f"wrote {args.json}")
     if args.plot:
-        plot(result, args.plot)
+        with _writing("--plot", args.plot):
+            plot(result, args.plot)
         print(f"wrote {args.plot}")
     failed = [s.name for s in result.systems.values() if s.status == "failed"]
     if failed:

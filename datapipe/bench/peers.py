@@ -134,7 +134,7 @@ def cache_samples(cache, source: str | os.PathLike, *, check: int = 8) -> Sample
         if not _same_pixels(cache, i, root / rel[i]):
             raise SourceError(f"--source {src}: {rel[i]} is not the file sample {i} of the cache was built from (its "
                               f"pixels differ); pass the source the cache was built from ({built_from}), or rebuild")
-    return SampleList(root=root, samples=tuple((root / p, lab) for p, lab in zip(rel, labels)))
+    return SampleList(root=root, samples=tuple((root / p, lab) for p, lab in zip(rel, labels, strict=True)))
 
 
 def _same_pixels(cache, index: int, file: Path) -> bool:
@@ -254,7 +254,7 @@ class ImageFolderTransform:
     what torchvision does: for the same torch seed the output is bit-identical to
     ``Compose([RandomResizedCrop(size), RandomHorizontalFlip(), ToTensor()])``. With
     ``resize_box=True`` it resizes straight from the full image (``img.resize(size, box=box)``),
-    about 0.1 ms faster per image; the interior is the same to within 1/255, but the filter then
+    which skips a copy; the interior is the same to within 1/255, but the filter then
     reads real pixels beyond the crop edges instead of repeating the edge, so the outermost
     1-2 pixel rows and columns differ from torchvision's.
     """

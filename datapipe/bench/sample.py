@@ -143,6 +143,7 @@ def make_sample_dataset(
 
     Raises:
         OutputError: ``root`` holds anything else (a dataset of the user's, another sample).
+        OutputWriteError: writing failed part-way (what was written is kept for the rerun).
     """
     if images < 1 or classes < 1:
         from ..errors import ArgumentError
@@ -153,10 +154,17 @@ def make_sample_dataset(
     if sample_is_complete(root, **params):
         return root
     _claim(root, params)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / MARKER).write_text(json.dumps({"params": params, "complete": False}), encoding="utf-8")
-    _generate(root, images, classes, seed, workers)
-    (root / MARKER).write_text(json.dumps({"params": params, "complete": True}), encoding="utf-8")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / MARKER).write_text(json.dumps({"params": params, "complete": False}), encoding="utf-8")
+        _generate(root, images, classes, seed, workers)
+        (root / MARKER).write_text(json.dumps({"params": params, "complete": True}), encoding="utf-8")
+    except OSError as exc:  # the disk filling up, a read-only folder: rerunning completes the sample
+        from ..errors import OutputWriteError
+
+        where = exc.filename or root
+        raise OutputWriteError(f"cannot write the sample: {exc.strerror or exc}: {where}; fix it and rerun to "
+                               "complete it") from exc
     return root
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from typing import NamedTuple
@@ -55,10 +56,8 @@ def cpu_seconds() -> float:
     me = psutil.Process()
     total = sum(me.cpu_times()[:2])
     for child in me.children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):  # exited meanwhile
             total += sum(child.cpu_times()[:2])
-        except psutil.Error:  # exited meanwhile
-            pass
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return total + kids.ru_utime + kids.ru_stime
 
@@ -73,10 +72,8 @@ def settle(timeout: float = 10.0) -> None:
     def children_cpu() -> float:
         total = 0.0
         for child in psutil.Process().children(recursive=True):
-            try:
+            with contextlib.suppress(psutil.Error):  # exited meanwhile
                 total += sum(child.cpu_times()[:2])
-            except psutil.Error:  # exited meanwhile
-                pass
         return total
 
     gc.collect()
