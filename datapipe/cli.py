@@ -238,9 +238,39 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench.harness import main as bench_main
+    from pathlib import Path
 
-    return bench_main(args)
+    from .bench.harness import format_table, plot, run
+
+    against = [a.strip() for a in args.against.split(",") if a.strip()]
+    result = run(args.cache, source=args.source, against=against, batch_size=args.batch_size, workers=args.workers,
+                 repeats=args.repeats, batches=args.batches, crop=args.crop, step_ms=args.step_ms,
+                 device=args.device, work_dir=args.work_dir, progress=not args.quiet)
+    print(format_table(result))
+    if args.json:
+        with _writing("--json", args.json):
+            Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        with _writing("--plot", args.plot):
+            plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [s.name for s in result.systems.values() if s.status == "failed"]
+    if failed:
+        print(f"datapipe bench: {plural(len(failed), 'system')} failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def _writing(flag: str, path) -> Iterator[None]:
+    """A file the command was asked to write cannot be: one line naming the flag and the file."""
+    from .errors import OutputError
+
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; choose a writable path") from exc
 
 
 _COMMANDS = {"build": _build, "info": _info, "verify": _verify, "sample": _sample, "demo": _demo, "bench": _bench}

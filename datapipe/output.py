@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -28,6 +29,7 @@ from pathlib import Path
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
 from .storage import SHARDS_DIR, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+from .text import plural
 
 LOCK_FILE = ".datapipe.lock"
 
@@ -183,8 +185,8 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         raise
     removed = remove_stale_temps(out / SHARDS_DIR)
     if removed:
-        print(f"datapipe build: removed {removed} unfinished shard(s) left by an interrupted build", flush=True,
-              file=__import__("sys").stderr)
+        logging.getLogger("datapipe.build").info(
+            f"datapipe build: removed {plural(removed, 'unfinished shard')} left by an interrupted build")
     return output
 
 

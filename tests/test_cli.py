@@ -151,7 +151,7 @@ def test_sample_that_cannot_be_written_is_one_line_exit_1(tmp_path, capsys):
 
 
 def test_bench_output_file_that_cannot_be_written_names_the_flag(tmp_path):
-    from datapipe.bench.harness import _writing
+    from datapipe.cli import _writing
     from datapipe.errors import OutputError
 
     target = tmp_path / "blocker" / "result.json"

@@ -11,15 +11,12 @@ machine hits them alike; each ratio is computed per round, then the median is re
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -464,36 +461,3 @@ def plot(result: BenchResult, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-@contextlib.contextmanager
-def _writing(flag: str, path) -> Iterator[None]:
-    """A file the command was asked to write cannot be: one line naming the flag and the file."""
-    try:
-        yield
-    except OSError as exc:
-        from ..errors import OutputError
-
-        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; choose a writable path") from exc
-
-
-def main(args) -> int:
-    """The ``datapipe bench`` command."""
-    against = [a.strip() for a in args.against.split(",") if a.strip()]
-    result = run(args.cache, source=args.source, against=against, batch_size=args.batch_size, workers=args.workers,
-                 repeats=args.repeats, batches=args.batches, crop=args.crop, step_ms=args.step_ms,
-                 device=args.device, work_dir=args.work_dir, progress=not args.quiet)
-    print(format_table(result))
-    if args.json:
-        with _writing("--json", args.json):
-            Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
-        print(f"wrote {args.json}")
-    if args.plot:
-        with _writing("--plot", args.plot):
-            plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    failed = [s.name for s in result.systems.values() if s.status == "failed"]
-    if failed:
-        print(f"datapipe bench: {len(failed)} system(s) failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
