@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -277,25 +278,39 @@ def build(
                       verify=verify, progress=progress)
 
 
+_forwarding = {"builds": 0, "level": logging.NOTSET}
+_forwarding_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _forwarded_to(callback):
-    """While the block runs, hand the build's log lines to ``callback`` too (the deprecated ``log=``)."""
+    """While the block runs, hand this thread's build log lines to ``callback`` too (the deprecated
+    ``log=``); builds running at once in other threads keep their own lines."""
     if callback is None:
         yield
         return
+    thread = threading.get_ident()
 
     class Forward(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            callback(record.getMessage())
+            if record.thread == thread:
+                callback(record.getMessage())
 
-    handler, level = Forward(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    handler = Forward()
+    with _forwarding_lock:
+        if _forwarding["builds"] == 0:
+            _forwarding["level"] = log.level
+            log.setLevel(logging.INFO)
+        _forwarding["builds"] += 1
+        log.addHandler(handler)
     try:
         yield
     finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+        with _forwarding_lock:
+            log.removeHandler(handler)
+            _forwarding["builds"] -= 1
+            if _forwarding["builds"] == 0:
+                log.setLevel(_forwarding["level"])
 
 
 def _build(source, output, *, size, fit, shard_size, max_pixels, max_bad_fraction, workers, scheduler, force, verify,

@@ -158,3 +158,28 @@ def test_bench_output_file_that_cannot_be_written_names_the_flag(tmp_path):
     (tmp_path / "blocker").write_text("x")
     with pytest.raises(OutputError, match="--json .*result.json"), _writing("--json", target):
         target.write_text("{}")
+
+
+def test_build_log_callbacks_of_builds_in_two_threads_stay_apart(tmp_path):
+    import threading
+
+    from datapipe.bench.sample import make_sample_dataset
+
+    source = make_sample_dataset(tmp_path / "src", images=2, classes=1)
+    lines: dict[str, list[str]] = {"one": [], "two": []}
+    gate = threading.Barrier(2)
+
+    def run(name: str) -> None:
+        gate.wait()
+        datapipe.build(source, tmp_path / name, size=16, scheduler="sync", progress=False, log=lines[name].append)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in lines]
+    with pytest.warns(DeprecationWarning):  # one catcher for both threads: catch_warnings is process-wide
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    for name, other in (("one", "two"), ("two", "one")):
+        assert any(str(tmp_path / name) in line for line in lines[name]), lines
+        assert not any(str(tmp_path / other) in line for line in lines[name]), lines
+    assert logging.getLogger("datapipe.build").level == logging.NOTSET
