@@ -217,7 +217,20 @@ def _verify(args) -> int:
     return 0 if not problems else 1
 
 
+def _require(extra: str, command: str, *modules: str) -> None:
+    """Refuse a command whose optional libraries are missing with one line naming the extra to install."""
+    import importlib.util
+
+    from .errors import MissingExtraError
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"`datapipe {command}` needs {', '.join(missing)}, which is not installed: "
+                                f"pip install 'datapipe[{extra}]'")
+
+
 def _sample(args) -> int:
+    _require("sample", "sample", "skimage")
     from .bench.sample import make_sample_dataset, sample_is_complete
 
     params = {"images": args.images, "classes": args.classes, "seed": args.seed}
@@ -231,6 +244,7 @@ def _sample(args) -> int:
 
 
 def _demo(args) -> int:
+    _require("bench", "demo", "skimage", "psutil")
     from .bench.demo import run_demo
 
     run_demo(args.dir, images=args.images, workers=args.workers, bench=not args.skip_bench)
@@ -239,6 +253,8 @@ def _demo(args) -> int:
 
 def _bench(args) -> int:
     from pathlib import Path
+
+    _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
 
     from .bench.harness import format_table, plot, run
 

@@ -97,3 +97,14 @@ class MappedReadError(CorruptShardError):
     def __init__(self, message: str, address: int = 0) -> None:
         super().__init__(message)
         self.address = address
+
+
+class OutputWriteError(OutputError):
+    """Writing the output failed part-way (the disk filled up, the folder turned read-only); what was
+    finished is kept and a rerun resumes. The command exits with 1, not 2: the machine, not the call."""
+
+    exit_code = 1
+
+
+class MissingExtraError(DatapipeError, ImportError):
+    """A command needs a library of an optional extra that is not installed (the message says which extra)."""

@@ -183,3 +183,18 @@ def test_build_log_callbacks_of_builds_in_two_threads_stay_apart(tmp_path):
         assert any(str(tmp_path / name) in line for line in lines[name]), lines
         assert not any(str(tmp_path / other) in line for line in lines[name]), lines
     assert logging.getLogger("datapipe.build").level == logging.NOTSET
+
+
+@pytest.mark.parametrize(("argv", "module", "extra"), [
+    (["sample", "out"], "skimage", "sample"),
+    (["demo"], "psutil", "bench"),
+    (["bench", "cache"], "psutil", "bench"),
+    (["bench", "cache", "--plot", "p.png"], "matplotlib", "bench"),
+])
+def test_a_command_without_its_extra_names_the_extra(tmp_path, monkeypatch, capsys, argv, module, extra):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert module in line and f"pip install 'datapipe[{extra}]'" in line
+    assert list(tmp_path.iterdir()) == []

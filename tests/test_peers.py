@@ -1,4 +1,4 @@
-"""The reference loaders of ``datapipe.peers``: same data, same output, each sample once an epoch."""
+"""The reference loaders of ``datapipe.bench.peers``: same data, same output, each sample once an epoch."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ __all__ = ["make_sample_dataset", "sample_is_complete", "PHOTOS"]
 
 MARKER = ".datapipe-sample.json"  # the parameters of the sample a folder holds (hidden: not a class)
 
-# (name, is_colour) — the real photographs shipped inside the scikit-image wheel.
+# The real photographs shipped inside the scikit-image wheel.
 PHOTOS = (
     "astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry",
     "retina", "stereo_motorcycle", "colorwheel", "camera", "moon", "brick", "grass", "gravel", "coins",
