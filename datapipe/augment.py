@@ -66,10 +66,7 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
     """
     b, h, w, _ = images.shape
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    if out is None:
-        out = torch.empty((b, 3, h, w), dtype=torch.float32, device=images.device, memory_format=fmt)
-    else:
-        out = out[:b]
+    out = torch.empty((b, 3, h, w), dtype=torch.float32, device=images.device, memory_format=fmt) if out is None else out[:b]
     if images.device.type == "cpu":
         _normalize_into(images, out, mean, std)
     else:
@@ -400,7 +397,7 @@ class TrainAugment(BatchAugment):
             (base, step, planar), src = conv.destination(out, s, s), tmp.data_ptr()
         else:
             scale, shift = _scale_shift(self.mean, self.std, out.device)
-        for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
+        for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist(), strict=True)):
             _resize_crop(images[i], top, left, h, w, tmp, resizer, resize)
             if conv is not None:
                 conv.raw(src, s, s, 3 * s, f, planar, base + i * step)
@@ -413,7 +410,7 @@ class TrainAugment(BatchAugment):
         s = self.size
         out = torch.empty((len(images), s, s, 3), dtype=torch.uint8, device=images[0].device)
         resizer, resize = native.resizer(), _resize_aa()
-        for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist())):
+        for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist(), strict=True)):
             _resize_crop(images[b], top, left, h, w, out[b], resizer, resize)
             if f:
                 out[b] = out[b].flip(1)
@@ -465,9 +462,12 @@ class EvalAugment(BatchAugment):
 def train(size: int = 224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
           color_jitter: tuple[float, float, float, float] | float | None = None, **kwargs) -> TrainAugment:
     """The ImageNet training preset. ``color_jitter=0.4`` means (0.4, 0.4, 0.4, 0.1)."""
-    if isinstance(color_jitter, (int, float)) and color_jitter:
-        color_jitter = (color_jitter, color_jitter, color_jitter, min(0.1, color_jitter))
-    return TrainAugment(size, scale=scale, ratio=ratio, flip=flip, color_jitter=color_jitter or None, **kwargs)
+    jitter: tuple[float, float, float, float] | None
+    if isinstance(color_jitter, (int, float)):
+        jitter = (color_jitter, color_jitter, color_jitter, min(0.1, color_jitter)) if color_jitter else None
+    else:
+        jitter = color_jitter or None
+    return TrainAugment(size, scale=scale, ratio=ratio, flip=flip, color_jitter=jitter, **kwargs)
 
 
 def eval(size: int = 224, **kwargs) -> EvalAugment:  # noqa: A001 - mirrors train()
