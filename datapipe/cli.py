@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 
@@ -255,6 +256,10 @@ def _bench(args) -> int:
     from pathlib import Path
 
     _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        from .errors import ArgumentError
+
+        raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {args.device!r}")
 
     from .bench.harness import format_table, plot, run
 

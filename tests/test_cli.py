@@ -198,3 +198,10 @@ def test_a_command_without_its_extra_names_the_extra(tmp_path, monkeypatch, caps
     [line] = capsys.readouterr().err.strip().splitlines()
     assert module in line and f"pip install 'datapipe[{extra}]'" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "CPU", ""])
+def test_a_bad_bench_device_names_the_flag(tmp_path, capsys, device):
+    assert cli.main(["bench", str(tmp_path / "cache"), "--device", device]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("datapipe bench: error: --device must be") and repr(device) in line
