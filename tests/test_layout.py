@@ -177,3 +177,28 @@ def test_make_sample_dataset_stays_a_lazy_attribute():
                            "assert 'skimage' not in sys.modules and 'psutil' not in sys.modules"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_core_install_pulls_none_of_the_harness_dependencies():
+    import re
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    extras = project["optional-dependencies"]
+
+    def closure(extra: str) -> set[str]:  # an extra's names, following datapipe[...] references
+        found = set()
+        for req in extras[extra]:
+            inner = re.fullmatch(r"datapipe\[(\w+)\]", req)
+            found |= closure(inner.group(1)) if inner else names([req])
+        return found
+
+    harness = {"psutil", "scikit-image", "matplotlib", "webdataset", "litdata", "mosaicml-streaming"}
+    assert not names(project["dependencies"]) & harness
+    assert {"psutil", "scikit-image", "matplotlib", "webdataset"} <= closure("bench")  # what `datapipe demo` runs
+    assert {"litdata", "mosaicml-streaming"} <= closure("peers")
+    assert closure("bench") <= closure("test")  # the tests run the harness
