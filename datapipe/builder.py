@@ -29,13 +29,22 @@ from . import manifest as mf
 from ._threads import torch_threads
 from .bounded import Watchdog, max_file_bytes, read_file, warm_up
 from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
-from .errors import (ArgumentError, BuildError, DatapipeError, DecodeError, OutputError, OutputWriteError,
-                     TooManyBadFilesError, describe_quarantine, quarantine_counts, unreadable)
+from .errors import (
+    ArgumentError,
+    BuildError,
+    DatapipeError,
+    DecodeError,
+    OutputError,
+    OutputWriteError,
+    TooManyBadFilesError,
+    describe_quarantine,
+    quarantine_counts,
+    unreadable,
+)
 from .output import Output, prepare, remove_shards, shard_build_id
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord
 from .sources import Listing, plan_shards, scan, shown
-from .storage import (SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path,
-                      read_shard_record, shard_name)
+from .storage import SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path, read_shard_record, shard_name
 from .text import plural
 
 TARGET_SHARD_BYTES = 100 * 2**20
