@@ -87,7 +87,7 @@ class _OutputPool:
         return None
 
 
-_LIVE: "weakref.WeakSet[DeviceLoader]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[DeviceLoader] = weakref.WeakSet()
 
 
 @atexit.register
@@ -221,10 +221,8 @@ class DeviceLoader:
         self._threads.clear()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     # ----------------------------------------------------------------- iteration
     def __iter__(self):
@@ -356,6 +354,7 @@ class DeviceLoader:
             cache = self.dataset.cache
             mapped = False
             if self._direct:  # views of the shard files' maps when only the guarded kernels read them
+                assert isinstance(self.augment, BatchAugment)  # _direct: one of the library's presets
                 mapped = cache.mapped and self.augment.reads_in_place(*self.dataset.sample_shape[:2])
                 images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy(), out=slot.images,
                                             mapped=mapped)
