@@ -126,8 +126,10 @@ class Cache:
     ``len(cache)`` samples; ``cache[i]`` is ``(image, label)`` with image a uint8 H×W×3 RGB array;
     ``cache.path(i)`` the source file of sample i relative to the source root; ``cache.classes``
     the class names; ``cache.manifest`` the checked manifest; ``cache.build_id`` the build that
-    wrote it ("" for caches written before builds had ids). The object pickles small (path,
-    manifest and the identities recorded at open; descriptors are reopened and checked).
+    wrote it ("" for caches written before builds had ids); ``cache.mapped`` whether samples are
+    copied out of memory maps under the SIGBUS guard (else positioned reads). The object pickles
+    small (path, manifest and the identities recorded at open; descriptors and maps are reopened
+    and checked).
     """
 
     def __init__(self, path: str | Path, *, check_sizes: bool = True) -> None:
