@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,7 +63,8 @@ class _Shard:
     __slots__ = ("fd", "users", "mapping", "tensor")
 
     def __init__(self, fd: int, mapping: native.Mapping | None) -> None:
-        self.fd, self.users, self.mapping, self.tensor = fd, 1, mapping, None
+        self.fd, self.users, self.mapping = fd, 1, mapping
+        self.tensor: Any = None  # torch.Tensor, once made (torch is imported only when views are asked for)
 
 
 class _ShardFiles:
@@ -322,11 +324,11 @@ class Cache:
         ends = np.concatenate((breaks, [n])).tolist()
         local = (idx - self.starts[shard_of]).tolist()
         shards = shard_of.tolist()
-        flat = memoryview(out.reshape(-1)).cast("B") if out.size else None
+        flat = out.reshape(-1).data.cast("B")  # n >= 1 samples: never empty
         per = self.sample_bytes
         held, fd = -1, -1
         try:
-            for a, b in zip(begins, ends):
+            for a, b in zip(begins, ends, strict=True):
                 s = shards[a]
                 if s != held:
                     if held >= 0:
@@ -547,7 +549,7 @@ class Cache:
                 path = self.root / rec.name
                 if self._verify_step(problems, lambda path=path: file_crc32c(path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
-        for s, rec in enumerate(tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress)):
+        for s, _ in enumerate(tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress)):
             problems.extend(self._verify_shard(s, labels, paths))
         return problems
 

@@ -103,7 +103,7 @@ def describe() -> str:
 
 def scale_shift(mean, std) -> tuple[list[float], list[float]]:
     """Per channel, (x * scale + shift) on 0..255 values == (x / 255 - mean) / std."""
-    return [1.0 / (255.0 * s) for s in std], [-m / s for m, s in zip(mean, std)]
+    return [1.0 / (255.0 * s) for s in std], [-m / s for m, s in zip(mean, std, strict=True)]
 
 
 class Converter:
@@ -226,6 +226,14 @@ def resize(src, out) -> bool:
 # ----------------------------------------------------------------------------- guarded reads
 
 
+def _loaded() -> ctypes.CDLL:
+    """The library, for calls that only run where it is loaded (a Mapping or a kernel exists)."""
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"datapipe's native kernel is not loaded: {describe()}")
+    return lib
+
+
 def _check_read(rc: int) -> int:
     """The result of a guarded kernel call; -1 (its source faulted) raises MappedReadError."""
     if rc == -1:
@@ -237,7 +245,7 @@ def _check_read(rc: int) -> int:
 
 def fault_error() -> MappedReadError:
     """The error for the fault this thread's last guarded call stopped at."""
-    address = int(_library()[0].datapipe_guard_fault())
+    address = int(_loaded().datapipe_guard_fault())
     return MappedReadError(f"a memory-mapped file shrank under a read (page at {address:#x} is gone); "
                            "reopen the cache, or rerun the same `datapipe build` if it is damaged", address)
 
@@ -254,7 +262,7 @@ def guard_arm() -> None:
     (faulthandler enabled since), which it then chains to. :func:`gather` arms on each call; the
     per-sample resize and conversion do not (a sigaction call costs ~2 us): call this before a
     batch of them reads mapped memory."""
-    if _library()[0].datapipe_guard_arm() != 0:
+    if _loaded().datapipe_guard_arm() != 0:
         raise OSError("datapipe: the SIGBUS guard cannot be installed")
 
 
@@ -302,7 +310,7 @@ def gather(dst: int, mapping: Mapping, offsets: np.ndarray, nbytes: int) -> None
     """Copy ``len(offsets)`` samples of ``nbytes`` from ``mapping`` at ``offsets`` (int64, bytes) to ``dst``
     (an address, sample i at dst + i * nbytes), under the guard; MappedReadError when a page faulted."""
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    rc = _library()[0].datapipe_gather(dst, mapping.address, mapping.length, offsets.ctypes.data, offsets.shape[0], nbytes)
+    rc = _loaded().datapipe_gather(dst, mapping.address, mapping.length, offsets.ctypes.data, offsets.shape[0], nbytes)
     if rc == -3:
         raise ValueError(f"gather: an offset lies outside the mapping of {mapping.length} bytes")
     _check_read(rc)
