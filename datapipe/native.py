@@ -97,8 +97,13 @@ def available() -> bool:
 
 
 def describe() -> str:
-    """One line for ``datapipe info --env``."""
-    return _library()[1]
+    """One line for ``datapipe info --env``: the kernel, and how the cache reads its shards."""
+    line = _library()[1]
+    if _library()[0] is None:
+        return line + "; shards read with positioned reads"
+    if not guard_available():
+        return line + "; shards read with positioned reads (the SIGBUS guard cannot be installed)"
+    return line + "; shards read from memory maps under a SIGBUS guard"
 
 
 def scale_shift(mean, std) -> tuple[list[float], list[float]]:
