@@ -1,4 +1,4 @@
-"""Shared fixtures: image bytes of every kind (good and bad) and small class-folder sources.
+"""Shared fixtures: image bytes of every kind (good and bad), small class-folder sources and their serial builds.
 
 Everything is generated in memory or under tmp_path with Pillow and numpy; no binary data is
 committed. Helpers are reached through the session fixture ``imaging`` (a namespace of functions).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import struct
 import types
 import zlib
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from build_fixtures import build, write_good_source
+
+import datapipe
 
 # ----------------------------------------------------------------------------- pixels and bytes
 
@@ -201,3 +205,42 @@ def imaging() -> types.SimpleNamespace:
         bad_inputs=bad_inputs, write_source=write_source, write_bad_files=write_bad_files,
         tree_bytes=tree_bytes,
     )
+
+
+# ----------------------------------------------------------------------------- builds shared by the build tests
+# A class-folder source and its serial build, good and with bad files: built once for test_builder,
+# test_sources, test_output and test_build_cli (helpers in build_fixtures.py).
+
+
+@pytest.fixture(scope="session")
+def source(tmp_path_factory, imaging) -> tuple[Path, dict[str, int]]:
+    root = tmp_path_factory.mktemp("src") / "images"
+    return root, write_good_source(root, imaging)
+
+
+@pytest.fixture(scope="session")
+def built(source, tmp_path_factory) -> tuple[Path, datapipe.BuildReport]:
+    out = tmp_path_factory.mktemp("built") / "cache"
+    return out, build(source[0], out)
+
+
+@pytest.fixture(scope="session")
+def bad_source(tmp_path_factory, imaging) -> tuple[Path, dict[str, int]]:
+    root = tmp_path_factory.mktemp("badsrc") / "images"
+    files = write_good_source(root, imaging)
+    imaging.write_bad_files(root / "dog")
+    return root, files
+
+
+@pytest.fixture(scope="session")
+def bad_built(bad_source, tmp_path_factory) -> tuple[Path, datapipe.BuildReport]:
+    out = tmp_path_factory.mktemp("badbuilt") / "cache"
+    return out, build(bad_source[0], out, max_bad_fraction=0.5)
+
+
+@pytest.fixture
+def built_copy(built, tmp_path) -> Path:
+    """A private copy of the built cache, to damage or rebuild."""
+    dst = tmp_path / "copy"
+    shutil.copytree(built[0], dst, symlinks=True)
+    return dst

@@ -1,0 +1,317 @@
+"""StreamingDataset on the CPU, checked sample by sample with index-encoding images.
+
+Requirements 1–6 and 8–12 (exactly once, equal counts, exact lengths, automatic rank detection,
+deterministic order, resume) and 15 (damaged shards named); DataLoader workers check shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from loader_fixtures import B, check_batches, concat, dataset, index_cache_info, same_stream, take
+from torch.utils.data import DataLoader
+
+import datapipe
+from datapipe.errors import CacheError, CorruptShardError, StateError
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers, 2 cores
+
+
+@pytest.fixture(scope="session")
+def index_cache(tmp_path_factory):
+    """101 index-encoding samples of 32×32 in shards of 7 (built once per session)."""
+    return index_cache_info(tmp_path_factory)
+
+
+# ----------------------------------------------------------------------------- exactly once, order
+
+
+@pytest.fixture(scope="module")
+def reference(index_cache):
+    """The main-process stream of epoch 0 (seed 3, batch 8)."""
+    return take(dataset(index_cache), 0)
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_exactly_once_and_same_stream_for_any_workers(index_cache, reference, workers):
+    ds = dataset(index_cache)
+    batches = take(ds, workers)
+    assert len(batches) == len(ds) == -(-index_cache.n // B)
+    idx = check_batches(index_cache, batches)
+    assert np.array_equal(np.sort(idx), np.arange(index_cache.n))
+    assert same_stream(batches, reference)
+    sizes = [len(b[1]) for b in batches]
+    assert sizes[:-1] == [B] * (len(sizes) - 1), "no per-worker partial batches"
+
+
+def test_the_dataset_pickles_small_and_reads_in_spawned_workers(index_cache, tmp_path_factory, reference):
+    """What a DataLoader sends each worker does not grow with the dataset (no per-sample Python
+    objects, no open maps), and workers started with spawn (macOS, Windows, CUDA users) read the
+    same stream as the main process."""
+    import pickle
+
+    small = dataset(index_cache)
+    big = datapipe.StreamingDataset(index_cache_info(tmp_path_factory, 3000, shard_size=500, size=8).path,
+                                    batch_size=B, seed=3)
+    for ds in (small, big):
+        next(iter(ds))  # opened: the shard maps exist in this process
+    assert len(pickle.dumps(big)) < len(pickle.dumps(small)) + 512 < 8192
+    it = iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    assert same_stream(list(it), reference)
+
+
+def test_epochs_differ_and_repeat(index_cache, reference):
+    ds = dataset(index_cache)
+    ds.set_epoch(1)
+    one = take(ds, 2)
+    assert not same_stream(one, reference)
+    assert np.array_equal(np.sort(concat(one, 2)), np.arange(index_cache.n))
+    ds.set_epoch(0)
+    assert same_stream(take(ds, 0), reference)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_simulated_ranks_split_exactly(index_cache, drop_last):
+    ranks, n = 3, index_cache.n  # 101 = 4·24 + 5
+    streams = [take(dataset(index_cache, rank=r, world_size=ranks, drop_last=drop_last), 0) for r in range(ranks)]
+    expected = n // (ranks * B) if drop_last else -(-n // (ranks * B))
+    for r, stream in enumerate(streams):
+        assert len(stream) == len(dataset(index_cache, rank=r, world_size=ranks, drop_last=drop_last)) == expected
+        check_batches(index_cache, stream)
+    seen = np.concatenate([concat(s, 2) for s in streams])
+    if drop_last:
+        assert len(seen) == n - n % (ranks * B) and len(np.unique(seen)) == len(seen)
+    else:
+        assert np.array_equal(np.sort(seen), np.arange(n))
+    # A rank read through DataLoader workers yields the same stream as in the main process.
+    assert same_stream(take(dataset(index_cache, rank=2, world_size=ranks, drop_last=drop_last), 2), streams[2])
+
+
+def test_rank_and_world_size_from_environment(index_cache, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ds = dataset(index_cache)
+    assert (ds.rank, ds.world_size) == (0, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    ds = dataset(index_cache)
+    assert (ds.rank, ds.world_size) == (1, 3)
+    assert len(ds) == len(dataset(index_cache, rank=1, world_size=3))
+    assert same_stream(take(ds, 0), take(dataset(index_cache, rank=1, world_size=3), 0))
+    assert dataset(index_cache, rank=2).rank == 2  # one argument overrides, the other is detected
+    with pytest.raises(ValueError, match="rank"):
+        dataset(index_cache, rank=3)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize(("k", "workers_before", "workers_after"),
+                         [(0, 2, 0), (1, 3, 0), (2, 3, 1), (5, 0, 2), (13, 2, 3)])
+def test_resume_into_a_fresh_dataset(index_cache, reference, k, workers_before, workers_after):
+    """k=0, k < W, mid-epoch and k = the last batch; the number of workers changes on resume."""
+    ds = dataset(index_cache)
+    before = take(ds, workers_before, k)
+    state = ds.state_dict() if workers_before == 0 else ds.state_dict(batches_consumed=k)
+    assert state["position"] == min(k * B, index_cache.n)
+    assert len(json.dumps(state)) < 1024
+    fresh = dataset(index_cache)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    after = take(fresh, workers_after)
+    assert len(after) == len(ds) - k
+    assert same_stream(before + after, reference)
+
+
+def test_two_resumes_in_one_epoch(index_cache, reference):
+    first = dataset(index_cache)
+    part1 = take(first, 0, 2)
+    second = dataset(index_cache)
+    second.load_state_dict(first.state_dict())
+    part2 = take(second, 2, 3)
+    third = dataset(index_cache)
+    third.load_state_dict(second.state_dict(batches_consumed=3))
+    assert third.start == 5 * B
+    part3 = take(third, 3)
+    assert same_stream(part1 + part2 + part3, reference)
+
+
+def test_resume_in_a_later_epoch(index_cache):
+    ds = dataset(index_cache)
+    ds.set_epoch(4)
+    full = take(ds, 0)
+    part1 = take(ds, 0, 6)
+    state = ds.state_dict()
+    assert state["epoch"] == 4
+    fresh = dataset(index_cache)
+    fresh.load_state_dict(state)
+    assert fresh.epoch == 4
+    assert same_stream(part1 + take(fresh, 0), full)
+
+
+def test_the_resumed_position_is_used_once(index_cache, reference):
+    ds = dataset(index_cache)
+    ds.load_state_dict({**dataset(index_cache).state_dict(), "position": 4 * B})
+    assert len(take(ds, 0)) == len(ds) - 4
+    assert same_stream(take(ds, 0), reference), "the next iteration of the epoch is whole again"
+
+
+def test_state_after_resume_and_next_epoch_with_workers(index_cache):
+    ds = dataset(index_cache)
+    ds.load_state_dict({**ds.state_dict(), "position": 3 * B})
+    take(ds, 2)  # the rest of epoch 0, read by workers
+    ds.set_epoch(1)
+    take(ds, 2, 2)
+    assert ds.state_dict(batches_consumed=2)["position"] == 2 * B
+
+
+def test_state_after_worker_reads_needs_the_consumed_count(index_cache):
+    """Workers cannot report how many batches the loop took: state_dict() without it is refused,
+    never a silent position 0; with it, the state resumes the same stream."""
+    ds = dataset(index_cache)
+    assert ds.state_dict()["position"] == 0  # nothing read yet
+    first = take(ds, 2, 2)
+    with pytest.raises(StateError, match="batches_consumed"):
+        ds.state_dict()
+    state = ds.state_dict(batches_consumed=2)
+    assert state["position"] == 2 * B
+    fresh = dataset(index_cache)
+    fresh.load_state_dict(state)
+    rest = take(fresh, 0)
+    assert same_stream(first + rest, take(dataset(index_cache), 0))
+    ds.set_epoch(1)  # a new epoch, not read yet: the default is right again
+    assert ds.state_dict()["position"] == 0 and ds.state_dict()["epoch"] == 1
+    take(ds, 0, 1)  # read in this process: counted here
+    assert ds.state_dict()["position"] == B
+
+
+def test_the_resumed_position_holds_until_the_epoch_changes_with_workers(index_cache):
+    """Documented: worker processes cannot report that they used the resumed position, so it holds
+    for the resumed epoch and a new epoch is whole."""
+    ds = dataset(index_cache)
+    ds.load_state_dict({**ds.state_dict(), "position": 4 * B})
+    assert len(take(ds, 2)) == len(ds) - 4
+    assert len(take(ds, 2)) == len(ds) - 4
+    ds.set_epoch(1)
+    assert len(take(ds, 2)) == len(ds)
+
+
+def test_elastic_resume_with_another_world_size(index_cache):
+    """R=2, B=8 for two steps, then R=4, B=4: the same global steps (32 samples in, 16 per step)."""
+    n = index_cache.n
+
+    def global_steps(ranks, batch, state=None):
+        streams = []
+        for r in range(ranks):
+            ds = dataset(index_cache, rank=r, world_size=ranks, batch_size=batch)
+            if state is not None:
+                ds.load_state_dict(state)
+            streams.append([b[2].numpy() for b in take(ds, 0)])
+        assert len({len(s) for s in streams}) == 1, "equal batch counts on every rank"
+        return [np.sort(np.concatenate(step)) for step in zip(*streams, strict=True)]  # samples of each global step
+
+    uninterrupted = global_steps(2, 8)
+    ds = dataset(index_cache, rank=1, world_size=2)
+    take(ds, 0, 2)
+    state = ds.state_dict()
+    assert state["position"] == 32
+    resumed = global_steps(4, 4, state)
+    assert len(resumed) == len(uninterrupted) - 2
+    for a, b in zip(uninterrupted[2:], resumed, strict=True):
+        assert np.array_equal(a, b)
+    head = np.concatenate(uninterrupted[:2])
+    assert np.array_equal(np.sort(np.concatenate([head, *resumed])), np.arange(n))
+
+
+def test_refused_states(index_cache):
+    ds = dataset(index_cache)
+    take(ds, 0, 1)
+    state = ds.state_dict()  # position 8
+    with pytest.raises(StateError, match="not a multiple of 6"):
+        dataset(index_cache, batch_size=3, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(StateError, match="version 999"):
+        dataset(index_cache).load_state_dict({**state, "version": 999})
+    with pytest.raises(StateError, match="version"):
+        dataset(index_cache).load_state_dict({"position": 0})
+    with pytest.raises(StateError, match="seed"):
+        dataset(index_cache, seed=4).load_state_dict(state)
+    assert issubclass(StateError, ValueError)
+
+
+def test_resume_seeks_without_reading_skipped_samples(index_cache, monkeypatch):
+    ds = dataset(index_cache)
+    take(ds, 0, 9)
+    fresh = dataset(index_cache)
+    fresh.load_state_dict(ds.state_dict())
+    reads: list[int] = []
+    original = fresh.cache.read_batch
+
+    def counting(indices, *args, **kwargs):
+        reads.append(len(indices))
+        return original(indices, *args, **kwargs)
+
+    monkeypatch.setattr(fresh.cache, "read_batch", counting)
+    rest = take(fresh, 0)
+    assert sum(reads) == index_cache.n - 9 * B == sum(len(b[1]) for b in rest)
+    assert len(reads) == len(rest) == len(ds) - 9
+
+
+# ----------------------------------------------------------------------------- damaged caches
+
+
+def test_truncated_shard_is_named_at_construction(index_cache, tmp_path):
+    copy = shutil.copytree(index_cache.path, tmp_path / "cache")
+    data = copy / "shards" / "000003.zarr" / "images" / "c" / "0" / "0" / "0" / "0"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 100)
+    with pytest.raises(CorruptShardError, match="000003.zarr"):
+        datapipe.StreamingDataset(copy, batch_size=B)
+
+
+def test_unknown_manifest_version_is_refused(index_cache, tmp_path):
+    copy = shutil.copytree(index_cache.path, tmp_path / "cache")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "version": 999}))
+    with pytest.raises(CacheError, match="999"):
+        datapipe.StreamingDataset(copy, batch_size=B)
+
+
+# ----------------------------------------------------------------------------- augment units
+
+
+def test_small_shared_memory_fails_fast_naming_the_fix(tmp_path):
+    """Docker's 64 MB /dev/shm cannot hold the batches in flight: a clear error, not a bus error."""
+    from types import SimpleNamespace
+
+    from datapipe.dataset import _check_shm
+    from datapipe.errors import DatapipeError
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    with pytest.raises(DatapipeError, match="--shm-size"):
+        _check_shm(2**62, SimpleNamespace(num_workers=2), str(small))  # more than any disk holds
+    _check_shm(1024, SimpleNamespace(num_workers=2), str(small))  # a small batch fits
+
+
+def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monkeypatch):
+    """The check runs in every DataLoader worker: with /dev/shm as small as Docker's default (64 MB)
+    and 24 MB batches (4 in flight with 2 workers), the first batch fails with the fix named."""
+    from types import SimpleNamespace
+
+    import datapipe.dataset as dataset_module
+    from datapipe.errors import DatapipeError
+
+    seen = []
+
+    def statvfs(path):
+        seen.append(path)
+        return SimpleNamespace(f_bavail=64 * 2**20 // 4096, f_frsize=4096)
+
+    monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs))  # inherited by forked workers
+    ds = dataset(index_cache, batch_size=8192)  # 24 MB per batch of 32x32 samples, ~128 images at 256x256
+    with pytest.raises(DatapipeError, match=r"/dev/shm has 64 MB free.*--shm-size"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))
+    assert next(iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2,
+                                multiprocessing_context="fork")))[0].shape[0] == B  # small batches fit
