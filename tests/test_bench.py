@@ -98,6 +98,7 @@ def test_bench_needs_source_for_peers(tiny):
         bench.run(tiny / "cache", source=tiny / "src", against=["nope"], progress=False)
 
 
+@pytest.mark.load_sensitive  # the ratio moves with the machine's load (0.60 in a full run, 1.99 beside a busy core)
 def test_the_stage_breakdown_adds_up_to_the_end_to_end_time(tmp_path):
     """On the CPU path (crops straight from the maps), the stages measured one by one account for
     the end-to-end time of one reader: the bench's goal is within 15%; this bound catches a stage
