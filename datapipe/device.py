@@ -130,9 +130,8 @@ class DeviceLoader:
     Raises:
         ArgumentError: an argument of the wrong type or out of range (the message names it).
 
-    Yields:
-        ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64 [B] — or
-        ``(images, labels, indices)`` when the dataset has ``return_index=True``.
+    Iterating yields ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64
+    [B] — or ``(images, labels, indices)`` when the dataset has ``return_index=True``.
     """
 
     def __init__(self, dataset: StreamingDataset, /, *, device: str | torch.device = "auto", num_workers: int = 2,
