@@ -149,7 +149,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     # One intra-op thread: the workers already run one task per core, and torch's resize (the fallback of
     # the compiled kernel) would otherwise start threads per image.
     with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc(), torch_threads(1), watchdog:
-        for path, label in zip(plan["paths"], plan["labels"]):
+        for path, label in zip(plan["paths"], plan["labels"], strict=True):
             file = os.path.join(root, path)
             failure = _probe(file, spec) if isolate else None
             if failure is not None:
@@ -448,15 +448,15 @@ def _run(plans, kwargs, *, workers, scheduler, progress, timing):
 
     if scheduler == "sync":
         log.info("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
-        records = []
+        serial_records = []
         warm_up()
         t_start = time.perf_counter()
         with progress_bar() as bar:  # closed before any error line is printed
             for plan in plans:
-                records.append(build_shard(plan, serial=True, **kwargs))
+                serial_records.append(build_shard(plan, serial=True, **kwargs))
                 bar.update()
         timing["shards"] = time.perf_counter() - t_start
-        return records, 1, None
+        return serial_records, 1, None
     from dask.distributed import Client, LocalCluster, as_completed
 
     cluster = None
@@ -488,14 +488,15 @@ def _run(plans, kwargs, *, workers, scheduler, progress, timing):
         n_workers = len(client.scheduler_info()["workers"])
         dashboard = _dashboard(client)
         where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
-        log.info(f"datapipe build: {n_workers} Dask workers at {client.scheduler.address}; dashboard: {where}")
+        log.info(f"datapipe build: {n_workers} Dask workers at {client.scheduler_info().get('address', scheduler or 'a LocalCluster')}; "
+                 f"dashboard: {where}")
         t_start = time.perf_counter()
         out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
         keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
         bar = progress_bar()
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         records: dict[int, dict] = {}
-        by_key = {f.key: (p, False) for f, p in zip(futures, plans)}
+        by_key = {f.key: (p, False) for f, p in zip(futures, plans, strict=True)}
         pending = as_completed(futures)
         for future in pending:
             try:
@@ -615,7 +616,7 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
 
 
 def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, build_id: str = "") -> None:
-    label_of = dict(zip(listing.paths, listing.labels))  # a shard's samples are its plan's surviving files
+    label_of = dict(zip(listing.paths, listing.labels, strict=True))  # a shard's samples are its plan's surviving files
     paths = [p for r in records for p in r["paths"]]
     labels = np.fromiter((label_of[p] for p in paths), np.int64, count=len(paths))
     lab_tmp = out / f".tmp-{mf.LABELS}"

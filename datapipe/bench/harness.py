@@ -271,6 +271,7 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
         try:
             if reason is not None:
                 raise RuntimeError(f"{reason}; install it with: {peer.install}")
+            assert listing is not None  # names is not empty, so the cache's samples were listed
             log.info(f"datapipe bench: preparing {name} …")
             m.prepare_s = peer.prepare(listing, work)
             loaders[name] = peer.loader(listing, work, batch_size=batch_size, workers=workers)

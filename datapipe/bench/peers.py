@@ -546,7 +546,7 @@ class DataLoaderPeer(Peer):
         from torch.utils.data import DataLoader
 
         return DataLoader(
-            _FolderDataset(_as_samples(source).samples, ImageFolderTransform()),
+            _FolderDataset(_as_samples(source).samples, ImageFolderTransform()),  # type: ignore[arg-type]  # map-style: __getitem__ + __len__
             batch_size=batch_size,
             shuffle=True,
             num_workers=workers,
