@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +45,7 @@ if importlib.util.find_spec("datapipe") is None:  # a checkout, not installed
 
 import datapipe  # noqa: E402
 from datapipe import augment  # noqa: E402
+from datapipe.testing import crop_reference  # noqa: E402
 
 MEAN_TOL, P99_TOL = 0.003, 0.01  # [0, 1] units, as tests/test_gpu_parity.py
 FLOAT_MAX = 1e-4  # the device path against the float reference, fp32 matmuls
@@ -136,16 +136,6 @@ def mixed_crops(n: int, side: int) -> torch.Tensor:
     return torch.tensor([boxes[i % len(boxes)] for i in range(n)], dtype=torch.int64)
 
 
-def reference(images: torch.Tensor, crops: torch.Tensor, flip: torch.Tensor, size: int) -> torch.Tensor:
-    """torchvision's RandomResizedCrop + flip in [0, 1], computed on the images' device: float64 on the CPU."""
-    out = []
-    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist(), strict=True):
-        crop = x[top : top + h, left : left + w].permute(2, 0, 1)[None].to(torch.float32) / 255.0
-        r = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        out.append(r.flip(-1) if f else r)
-    return torch.cat(out).to("cpu", torch.float64)
-
-
 def unit(images: torch.Tensor) -> torch.Tensor:
     mean = torch.tensor(augment.IMAGENET_MEAN, dtype=torch.float64).view(1, 3, 1, 1)
     std = torch.tensor(augment.IMAGENET_STD, dtype=torch.float64).view(1, 3, 1, 1)
@@ -174,7 +164,7 @@ def parity(dev: torch.device, n: int, side: int, sizes: tuple[int, ...]) -> tupl
         params = augment.train(size).sample(n, side, side, seed=size)
         k = max(1, n // 4)
         params["crops"][:k] = mixed_crops(k, side)  # upscales, slivers and 1x1 boxes in the same batch
-        ref = reference(on_dev, params["crops"], params["flip"], size)
+        ref = crop_reference(on_dev, params["crops"], params["flip"], size)
         for jitter in (None, 0.4) if have_kornia else (None,):
             p = dict(params)
             if jitter:

@@ -12,12 +12,12 @@ build with one line naming the file.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
 
 from .errors import DecodeError
+from .files import FileTooLarge, NotRegularFile, read_regular
 
 DEFAULT_FILE_TIMEOUT = 300.0  # seconds one file may take to read and decode (DATAPIPE_FILE_TIMEOUT)
 MAX_BYTES_PER_PIXEL = 8  # no image format datapipe reads stores more per pixel (16-bit RGBA, uncompressed)
@@ -40,12 +40,6 @@ def file_timeout() -> float:
     return value if value > 0 else DEFAULT_FILE_TIMEOUT
 
 
-def _kind(mode: int) -> str:
-    from .sources import not_regular
-
-    return not_regular(mode)["reason"]
-
-
 def read_file(path: str, limit: int) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them.
 
@@ -53,27 +47,15 @@ def read_file(path: str, limit: int) -> bytes:
         DecodeError: not a regular file (``unreadable``) or larger than ``limit`` (``too-large``).
         OSError: it cannot be opened or read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DecodeError(_kind(st.st_mode), kind="unreadable")
-        if st.st_size > limit:
-            raise DecodeError(f"file of {st.st_size:,} bytes, over the {limit:,}-byte limit for its max_pixels "
-                              "(raise --max-pixels to build it)", kind="too-large")
-        data = os.read(fd, st.st_size + 1)  # one read for the whole file (unbuffered: the fastest way)
-        if len(data) > st.st_size:  # it grew since fstat: read on, within the limit
-            parts = [data]
-            total = len(data)
-            while chunk := os.read(fd, min(1 << 24, limit + 1 - total)):
-                parts.append(chunk)
-                total += len(chunk)
-                if total > limit:
-                    raise DecodeError(f"file grew past the {limit:,}-byte limit while being read", kind="too-large")
-            data = b"".join(parts)
-        return data
-    finally:
-        os.close(fd)
+        return read_regular(path, limit)
+    except NotRegularFile as exc:
+        raise DecodeError(exc.what, kind="unreadable") from None
+    except FileTooLarge as exc:
+        if exc.grew:
+            raise DecodeError(f"file grew past the {limit:,}-byte limit while being read", kind="too-large") from None
+        raise DecodeError(f"file of {exc.size:,} bytes, over the {limit:,}-byte limit for its max_pixels "
+                          "(raise --max-pixels to build it)", kind="too-large") from None
 
 
 def warm_up() -> None:

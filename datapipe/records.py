@@ -15,12 +15,12 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import CacheError
+from .files import FileTooLarge, NotRegularFile, read_regular
 
 FORMAT = "datapipe-cache"
 VERSION = 1
@@ -59,25 +59,17 @@ def read_json(path: Path, *, hint: str | None = None) -> Any:
     file name cannot hang the reader; the size is bounded; NaN and Infinity are refused.
     """
     hint = hint or _HINTS.get(path.name, _REBUILD)
+    limit = MAX_JSON_BYTES.get(path.name, 256 << 20)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular(path, limit)
     except FileNotFoundError:
         raise CacheError(f"{path} is missing; {hint}") from None
-    except OSError as exc:
-        raise CacheError(f"{path} cannot be opened ({exc.strerror or exc}); {hint}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"{path} is not a regular file; {hint}")
-        limit = MAX_JSON_BYTES.get(path.name, 256 << 20)
-        if st.st_size > limit:
-            raise CacheError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} this file may hold; {hint}")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(limit + 1)
+    except NotRegularFile:
+        raise CacheError(f"{path} is not a regular file; {hint}") from None
+    except FileTooLarge as exc:
+        raise CacheError(f"{path} is {exc.size:,} bytes, more than the {limit:,} this file may hold; {hint}") from None
     except OSError as exc:
         raise CacheError(f"{path} cannot be read ({exc.strerror or exc}); {hint}") from None
-    finally:
-        os.close(fd)
     return parse_json(data, path, hint=hint)
 
 

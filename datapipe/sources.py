@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SourceError
+from .files import FileTooLarge, NotRegularFile, describe_mode, read_regular
 
 IMAGE_EXTENSIONS = frozenset(
     [".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".bmp", ".dib", ".tif", ".tiff", ".webp"]
@@ -122,18 +123,9 @@ def _valid_utf8(name: str) -> bool:
     return True
 
 
-def _kind_of(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return what
-    return "not a regular file"
-
-
 def not_regular(mode: int) -> dict[str, str]:
     """The quarantine entry of a path that is not a regular file (never opened: it could block)."""
-    return {"error": "unreadable", "reason": f"not a regular file: {_kind_of(mode)}"}
+    return {"error": "unreadable", "reason": f"not a regular file: {describe_mode(mode)}"}
 
 
 def bad_name(rel: str) -> dict[str, str]:
@@ -246,22 +238,14 @@ def _scan_folder(root: Path) -> Listing:
 def _csv_text(csv_path: Path) -> str:
     """The CSV's text: UTF-8 with or without a byte-order mark; other encodings refused by name."""
     try:
-        fd = os.open(csv_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular(csv_path, MAX_CSV_BYTES)
+    except NotRegularFile as exc:
+        raise SourceError(f"source {csv_path} is {exc.what}, not a CSV file") from None
+    except FileTooLarge as exc:
+        raise SourceError(f"source {csv_path} is {exc.size:,} bytes, over the {MAX_CSV_BYTES:,} a CSV of "
+                          "path,label rows may hold; is it the right file?") from None
     except OSError as exc:
         raise SourceError(f"source {csv_path} cannot be read: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SourceError(f"source {csv_path} is {_kind_of(st.st_mode)}, not a CSV file")
-        if st.st_size > MAX_CSV_BYTES:
-            raise SourceError(f"source {csv_path} is {st.st_size:,} bytes, over the {MAX_CSV_BYTES:,} a CSV of "
-                              "path,label rows may hold; is it the right file?")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_CSV_BYTES + 1)
-    except OSError as exc:
-        raise SourceError(f"source {csv_path} cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
     for bom, encoding in _OTHER_BOMS:
         if data.startswith(bom):
             raise SourceError(f"{csv_path} is {encoding} text; save it as UTF-8 (in Excel: 'CSV UTF-8') and rerun")

@@ -159,3 +159,24 @@ def build_index_cache(tmp: str | os.PathLike, n: int, *, classes: int = 3, size:
     out = tmp / "cache"
     build(source, out, size=size, shard_size=shard_size, scheduler="sync", progress=False)
     return out
+
+
+def crop_reference(images, crops, flip, size: int):
+    """torchvision's RandomResizedCrop + flip computed on floats in [0, 1], one sample at a time: the
+    reference both augmentation paths are held to. float64 [B, 3, size, size] on the CPU.
+
+    Args:
+        images: uint8 [B, H, W, 3] (any device).
+        crops: int64 [B, 4] boxes (top, left, height, width).
+        flip: bool [B], mirror the sample horizontally.
+        size: side of the output.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist(), strict=True):
+        crop = x[top : top + h, left : left + w].permute(2, 0, 1)[None].to(torch.float32) / 255.0
+        r = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        out.append(r.flip(-1) if f else r)
+    return torch.cat(out).to("cpu", torch.float64)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import datapipe
 from datapipe import augment
+from datapipe.testing import crop_reference
 
 MEAN = torch.tensor(augment.IMAGENET_MEAN, dtype=torch.float64).view(1, 3, 1, 1)
 STD = torch.tensor(augment.IMAGENET_STD, dtype=torch.float64).view(1, 3, 1, 1)
@@ -69,16 +70,6 @@ def textured(n: int = 16, size: int = 256, seed: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- reference and units
 
 
-def reference(images: torch.Tensor, crops: torch.Tensor, flip: torch.Tensor, size: int) -> torch.Tensor:
-    """torchvision's RandomResizedCrop + flip on floats in [0, 1]: float64 [B, 3, size, size]."""
-    out = []
-    for x, (top, left, h, w), f in zip(images, crops.tolist(), flip.tolist(), strict=True):
-        crop = x[top : top + h, left : left + w].permute(2, 0, 1)[None].to(torch.float32) / 255.0
-        r = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        out.append(r.flip(-1) if f else r)
-    return torch.cat(out).to(torch.float64)
-
-
 def unit(images: torch.Tensor) -> torch.Tensor:
     """A normalised batch (any float dtype, any device) back in [0, 1] units: float64 on the CPU."""
     return images.detach().to("cpu", torch.float64) * STD + MEAN
@@ -98,7 +89,7 @@ def both_paths(images, params, size: int, **kwargs) -> tuple[torch.Tensor, torch
 
 def check_parity(images, params, size: int, *, device_max: float = DEVICE_MAX, **kwargs) -> dict:
     """Each path against the float reference and against each other; returns the figures."""
-    ref = reference(images, params["crops"], params["flip"], size)
+    ref = crop_reference(images, params["crops"], params["flip"], size)
     cpu, dev = both_paths(images, params, size, **kwargs)
     figures = {"uint8": stats(unit(cpu), ref), "device": stats(unit(dev), ref), "between": stats(unit(cpu), unit(dev))}
     assert figures["device"]["max"] <= device_max, figures
@@ -141,7 +132,7 @@ def test_half_precision_and_channels_last_keep_parity(dtype, channels_last):
     images = textured(8)
     params = augment.train(112).sample(8, 256, 256, seed=7)
     params["crops"][:2] = mixed_crops(2, 256, 256)
-    ref = reference(images, params["crops"], params["flip"], 112)
+    ref = crop_reference(images, params["crops"], params["flip"], 112)
     cpu, dev = both_paths(images, params, 112, dtype=dtype, channels_last=channels_last)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     for out in (cpu, dev):
@@ -284,7 +275,7 @@ def test_cuda_loader_gives_the_cpu_loaders_batches(photo_cache_256, dtype, jitte
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tf32", [False, True])
-def test_cuda_crop_and_resize_matches_the_reference(tf32):
+def test_cuda_crop_and_resize_matches_the_crop_reference(tf32):
     images = textured(32).cuda()
     crops = torch.cat([augment.train(224).sample(24, 256, 256, seed=1)["crops"], mixed_crops(8, 256, 256)])
     flip = torch.arange(32) % 2 == 0
@@ -293,7 +284,7 @@ def test_cuda_crop_and_resize_matches_the_reference(tf32):
     try:
         for size in (224, 112):
             out = augment.crop_and_resize(images, crops, size, flip=flip) / 255.0
-            ref = reference(images.cpu(), crops, flip, size)
+            ref = crop_reference(images.cpu(), crops, flip, size)
             figures = stats(out.double().cpu(), ref)
             if tf32:  # TF32 rounds the weights and the intermediate to 10 bits (the pixels, integers, stay exact)
                 assert figures["mean"] <= 0.001 and figures["max"] <= 0.006, figures

@@ -21,7 +21,7 @@ HEAVY = ("matplotlib", "skimage", "psutil", "webdataset", "litdata", "streaming"
 
 # Lower layers first; a module may import its own layer or any layer before it, never a later one.
 LAYERS = [
-    {"errors", "text", "_threads", "world", "stats", "native"},
+    {"errors", "text", "_threads", "world", "stats", "native", "files"},
     {"records"},  # the format's documents, parsed and checked
     {"sources", "codecs", "bounded", "probe"},
     {"storage", "manifest"},
