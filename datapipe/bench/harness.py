@@ -11,6 +11,7 @@ machine hits them alike; each ratio is computed per round, then the median is re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -175,8 +176,13 @@ def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -
         stages["assemble"]["what"] += " (on the CPU path it is part of the augment stage)"
         out_buf = torch.empty((b, 3, crop, crop))
 
+        mapped = aug.reads_in_place(*cache.shape[:2])  # as the loader does: crops read from the maps
+
         def run_aug():  # a fresh shuffled batch each time, as in an epoch
-            aug(cache.sample_views(rng.choice(len(cache), b, replace=False), lab, out=out), seed=1, out=out_buf)
+            idx = rng.choice(len(cache), b, replace=False)
+            views = cache.sample_views(idx, lab, out=out, mapped=mapped)
+            with cache.mapped_reads(idx) if mapped else contextlib.nullcontext():
+                aug(views, seed=1, out=out_buf)
 
         what = f"read the batch + RandomResizedCrop({crop}) + flip + normalise"
     sec = timeit(run_aug)
