@@ -179,7 +179,7 @@ def _no_cyclic_gc():
 
     The loop makes no reference cycles (reference counting frees everything), but its small
     allocations keep triggering collections, and each full one walks the ~180,000 objects that
-    torch, zarr and dask leave behind: 1.5% of a build's time, measured.
+    torch, zarr and dask leave behind (a measurable share of a build's time).
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -418,8 +418,8 @@ def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
 
 # Dask makes workers hand freed memory back to the OS at once (MALLOC_TRIM_THRESHOLD_=64 KiB), and
 # setting that threshold at all freezes glibc's mmap threshold at 128 KiB: every buffer above it (a
-# decoded image, torch's resize scratch) is then a fresh mmap whose pages fault in on each use —
-# 7x the page faults of a plain process and ~25% slower decoding here. A build allocates the same
+# decoded image, torch's resize scratch) is then a fresh mmap whose pages fault in on each use, which
+# slows decoding (docs/build.md has the figures). A build allocates the same
 # few buffers per image, so its workers keep them: both thresholds raised, set before the spawn.
 # (Workers of an existing cluster: set both variables in their environment, as docker/ does.)
 WORKER_ENV = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(16 << 20)}

@@ -200,11 +200,11 @@ def apply_orientation(img: np.ndarray, orientation: int) -> np.ndarray:
 
 def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = None) -> np.ndarray:
     """Antialiased bilinear resize of a uint8 H×W×3 array: datapipe's compiled kernel
-    (:func:`datapipe.native.resize`, ~0.10 ms for 340² -> 256² here) where it is built, else torch's
-    AVX2 uint8 kernel (~0.2 ms), which gives the same pixels.
+    (:func:`datapipe.native.resize`) where it is built, else torch's AVX2 uint8 kernel, which gives
+    the same pixels (docs/build.md, *CPU kernel*, has the timings).
 
     Input and output stay channels-last (H×W×3 in memory): with an ``out=`` tensor in that layout
-    torch skips two transposing copies (0.2 ms instead of 0.5 ms). A cropped view is read in place;
+    torch skips two transposing copies. A cropped view is read in place;
     any other view (mirrored or transposed by EXIF orientation) is first copied, see :func:`_packed`.
     """
     if out is None:
@@ -215,7 +215,7 @@ def _resize(img: np.ndarray, height: int, width: int, out: np.ndarray | None = N
     from datapipe import native
 
     img = _packed(img)
-    if native.resize(img, out):  # the compiled kernel: the same pixels as torch's, ~1.7x faster
+    if native.resize(img, out):  # the compiled kernel: the same pixels as torch's, faster
         return out
     if not img.flags.writeable:  # torch.from_numpy needs writable memory
         img = img.copy()
