@@ -32,6 +32,7 @@ from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
 from .errors import (
     ArgumentError,
     BuildError,
+    CacheError,
     DatapipeError,
     DecodeError,
     OutputError,
@@ -406,10 +407,10 @@ def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
     if not path.exists():
         return
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-        same = old.get("config_hash") == chash and [(s["name"], s["inputs_hash"]) for s in old["shards"]] == [
+        old = mf.read_manifest(out)
+        same = old.config_hash == chash and [(s.name, s.inputs_hash) for s in old.shards] == [
             (shard_name(p["shard"]), p["inputs_hash"]) for p in plans]
-    except (OSError, ValueError, KeyError, TypeError):
+    except CacheError:  # damaged: it cannot describe this build's shards
         same = False
     if not same:
         path.unlink()
@@ -449,7 +450,7 @@ def _run(plans, kwargs, *, workers, scheduler, progress, timing):
     if scheduler == "sync":
         log.info("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
         serial_records = []
-        warm_up()
+        _warm_up()
         t_start = time.perf_counter()
         with progress_bar() as bar:  # closed before any error line is printed
             for plan in plans:
