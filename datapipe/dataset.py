@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset
 from . import partition as part
 from .cache import Cache
 from .errors import ArgumentError, DatapipeError, StateError
+from .text import show
 from .world import World, detect_ranks, detect_worker
 
 # Version 2 names the build of the cache a state belongs to (build_id); version 1 did not.
@@ -31,16 +32,6 @@ STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "num_samples", 
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
-
-
-def show(value: object, limit: int = 60) -> str:
-    """A short, one-line repr of a value from the user (a hostile state may hold anything)."""
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a repr that raises still gets a name
-        text = f"<{type(value).__name__}>"
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def is_int(value: object) -> TypeGuard[int | np.integer]:

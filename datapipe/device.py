@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from .augment import IMAGENET_MEAN, IMAGENET_STD, BatchAugment, _normalize_float, normalize_uint8
-from .dataset import StreamingDataset, check_bool, check_int, show
+from .dataset import StreamingDataset, check_bool, check_int
 from .errors import ArgumentError
 from .stats import StallMeter
+from .text import show
 
 
 def _seed_for(seed: int, epoch: int, position: int) -> int:

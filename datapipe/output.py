@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
-from .storage import SHARDS_DIR, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+from .storage import GROUP_META, SHARDS_DIR, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
 from .text import plural
 
 LOCK_FILE = ".datapipe.lock"
@@ -251,7 +251,7 @@ def _check_owned(out: Path, name: str, build_id: str) -> None:
 def shard_build_id(shard_dir: Path) -> str | None:
     """The build id in a shard's ``zarr.json`` attributes (whole or not); None if it carries none."""
     try:
-        doc = records.read_json(shard_dir / "zarr.json")
+        doc = records.read_json(shard_dir / GROUP_META)
         value = doc["attributes"]["datapipe"]["build_id"]
     except (CacheError, KeyError, TypeError):
         return None

@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import CacheError
 from .files import FileTooLarge, NotRegularFile, read_regular
+from .text import one_line, show
 
 FORMAT = "datapipe-cache"
 VERSION = 1
@@ -83,13 +84,8 @@ def parse_json(data: bytes, path: Path, *, hint: str | None = None) -> Any:
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        reason = _first_line(str(exc)) if not isinstance(exc, RecursionError) else "nested too deeply"
+        reason = one_line(str(exc)) if not isinstance(exc, RecursionError) else "nested too deeply"
         raise CacheError(f"{path} is not valid JSON ({reason}); {hint}") from None
-
-
-def _first_line(text: str, limit: int = 120) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 # ----------------------------------------------------------------------------- field checks
@@ -142,7 +138,7 @@ class _Fields:
         if not isinstance(value, str):
             self.fail(f"is {_kind(value)}, expected a string", key)
         if pattern is not None and not pattern.fullmatch(value):
-            self.fail(f"is {_show(value)}, expected {expect or 'a string matching ' + pattern.pattern}", key)
+            self.fail(f"is {show(value)}, expected {expect or 'a string matching ' + pattern.pattern}", key)
         return value
 
     def obj(self, key: str) -> _Fields:
@@ -163,20 +159,16 @@ def _kind(value: Any) -> str:
     if isinstance(value, (int, float)):
         return f"a number ({value})"
     if isinstance(value, str):
-        return f"a string ({_show(value)})"
+        return f"a string ({show(value)})"
     kinds: dict[type, str] = {list: "a list", dict: "an object"}
     return kinds.get(type(value), type(value).__name__)
-
-
-def _show(value: str) -> str:
-    return _first_line(repr(value), 60)
 
 
 def _check_marker(f: _Fields) -> None:
     """The format name and version, checked before anything else in the document."""
     fmt = f.get("format")
     if fmt != FORMAT:
-        raise CacheError(f"{f.path} is not a datapipe {f.path.name} (format={_show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
+        raise CacheError(f"{f.path} is not a datapipe {f.path.name} (format={show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
                          f"{f.hint}")
     version = f.get("version")
     if isinstance(version, bool) or version != VERSION:
@@ -341,7 +333,7 @@ def parse_manifest(doc: Any, path: Path) -> Manifest:
     sample = f.obj("sample")
     shape = sample.get("shape")
     if shape != [size, size, 3] or any(isinstance(v, bool) for v in shape):
-        sample.fail(f"is {_first_line(json.dumps(shape), 60)}, expected [{size}, {size}, 3] (config.size {size})", "shape")
+        sample.fail(f"is {one_line(json.dumps(shape), 60)}, expected [{size}, {size}, 3] (config.size {size})", "shape")
     sample.text("dtype", re.compile("uint8"), expect="'uint8'")
     layout = sample.text("layout") if sample.has("layout") else LAYOUT
     num_samples = f.integer("num_samples")
@@ -364,7 +356,7 @@ def _classes(f: _Fields) -> tuple[str, ...]:
         if not isinstance(c, str):
             f.fail(f"is {_kind(c)}, expected a class name (string)", f"classes[{i}]")
         if c in seen:
-            f.fail(f"repeats the class {_show(c)}", f"classes[{i}]")
+            f.fail(f"repeats the class {show(c)}", f"classes[{i}]")
         seen.add(c)
     return tuple(classes)
 
