@@ -42,11 +42,13 @@ from .errors import (
     quarantine_counts,
     unreadable,
 )
+from .files import atomic_write_text, file_crc32c, fsync_dir
 from .output import Output, prepare, remove_shards, shard_build_id
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord
+from .shards import SHARDS_DIR, images_path, read_shard_record, shard_name
 from .sources import Listing, plan_shards, scan, shown
-from .storage import SHARDS_DIR, ShardWriter, atomic_write_text, file_crc32c, fsync_dir, images_path, read_shard_record, shard_name
 from .text import plural
+from .writer import ShardWriter
 
 TARGET_SHARD_BYTES = 100 * 2**20
 log = logging.getLogger("datapipe.build")

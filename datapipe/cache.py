@@ -33,8 +33,9 @@ import numpy as np
 from . import manifest as mf
 from . import native
 from .errors import CacheError, CorruptShardError, MappedReadError
+from .files import file_crc32c
 from .records import Manifest, parse_json
-from .storage import SHARDS_DIR, file_crc32c, images_path, read_shard_metadata, shard_labels_path
+from .shards import SHARDS_DIR, images_path, read_shard_metadata, shard_labels_path
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 

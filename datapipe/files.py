@@ -1,15 +1,30 @@
-"""Reading a file that may be anything: only a regular file is read, never more than a limit.
+"""Files, whatever they hold: bounded reads of regular files, checksums, atomic writes.
 
 A path handed to datapipe — a source image, a CSV listing, a cache's JSON document — may name a
 FIFO (reading it would block forever), a device, a directory, or a file far larger than it should
 be. :func:`read_regular` opens it non-blocking, checks it with ``fstat`` before a byte is read, and
 reads at most ``limit`` bytes; each caller turns a refusal into its own one-line error.
+
+What datapipe writes goes through a temporary name (``TMP_PREFIX``) and a rename, fsynced, so a
+file or folder with its final name is always whole and a killed run leaves only names that
+:func:`remove_stale_temps` recognises.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import CacheError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+TMP_PREFIX = ".tmp-"  # every temporary file or folder datapipe writes starts with this
 
 _KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
@@ -69,3 +84,59 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
         return data
     finally:
         os.close(fd)
+
+
+def crc32c(data: bytes | np.ndarray, value: int = 0) -> int:
+    """The crc32c of ``data`` continued from ``value`` (the crc of what came before it); a contiguous
+    array is read in place, not copied (google_crc32c refuses a memoryview)."""
+    import google_crc32c
+
+    return google_crc32c.extend(value, data)
+
+
+def file_crc32c(path: Path, chunk: int = 1 << 24) -> str:
+    """The crc32c of a regular file (opened non-blocking: a FIFO in its place is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CacheError(f"{path} is not a regular file; rerun the same `datapipe build` to rewrite it")
+        crc = 0
+        while block := f.read(chunk):
+            crc = crc32c(block, crc)
+    return f"{crc:08x}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary name beside ``path``, fsync it and rename it over ``path``:
+    a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames and new entries of a folder durable (silently skipped where a folder
+    cannot be opened for it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(folder: Path) -> int:
+    """Remove the temporary folders a killed run left in ``folder`` (only ``TMP_PREFIX`` names);
+    return how many."""
+    removed = 0
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+    return removed

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from .errors import CacheError
+from .files import atomic_write_text
 from .records import BUILD_LOCK, FORMAT, LABELS, MANIFEST, PATHS, REPORT, VERSION, Manifest, config_hash, parse_manifest
 from .records import read_manifest as _read_manifest
-from .storage import atomic_write_text
 
 __all__ = ["BUILD_LOCK", "FORMAT", "LABELS", "MANIFEST", "PATHS", "REPORT", "VERSION", "Manifest", "config_hash",
            "read_manifest", "write_manifest"]

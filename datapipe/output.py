@@ -28,7 +28,8 @@ from pathlib import Path
 
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
-from .storage import GROUP_META, SHARDS_DIR, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+from .files import TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+from .shards import GROUP_META, SHARDS_DIR
 from .text import plural
 
 LOCK_FILE = ".datapipe.lock"

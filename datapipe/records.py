@@ -36,7 +36,7 @@ MAX_SIZE = 8192  # the largest sample side DecodeSpec accepts
 MAX_COUNT = 1 << 40  # far beyond any cache; keeps arithmetic on counts in int64
 MAX_JSON_BYTES = {MANIFEST: 256 << 20, BUILD_LOCK: 16 << 20, REPORT: 1 << 30}
 
-SHARD_NAME = re.compile(r"\d{6,9}\.zarr")  # what storage.shard_name writes
+SHARD_NAME = re.compile(r"\d{6,9}\.zarr")  # what shards.shard_name writes
 PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")  # a file directly inside the cache
 HEX8 = re.compile(r"[0-9a-f]{8}")
 HEX16 = re.compile(r"[0-9a-f]{16}")

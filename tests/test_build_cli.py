@@ -146,17 +146,17 @@ def test_cli_os_error_mid_build_is_one_line_and_keeps_finished_shards(tmp_path, 
     """The disk filling up in the third shard: one line naming the file, exit 1, two shards kept."""
     import errno
 
-    from datapipe import storage
+    from datapipe import shards, writer
 
-    add, calls = storage.ShardWriter.add, []
+    add, calls = writer.ShardWriter.add, []
 
     def add_until_full(self, image, label, path):
         calls.append(path)
         if len(calls) > 2 * SHARD:
-            raise OSError(errno.ENOSPC, "No space left on device", str(storage.images_path(self.tmp_dir)))
+            raise OSError(errno.ENOSPC, "No space left on device", str(shards.images_path(self.tmp_dir)))
         add(self, image, label, path)
 
-    monkeypatch.setattr(storage.ShardWriter, "add", add_until_full)
+    monkeypatch.setattr(writer.ShardWriter, "add", add_until_full)
     out = tmp_path / "out"
     args = ["build", str(source[0]), str(out), "--size", str(SIZE), "--shard-size", str(SHARD), "--scheduler",
             "sync", "--quiet"]
@@ -164,7 +164,7 @@ def test_cli_os_error_mid_build_is_one_line_and_keeps_finished_shards(tmp_path, 
     line = the_error_line(capsys.readouterr().err)  # after the build's progress lines
     assert "No space left on device" in line and ".tmp-000002" in line and "rerun to resume" in line
     assert sorted(p.name for p in (out / "shards").iterdir()) == ["000000.zarr", "000001.zarr"]
-    monkeypatch.setattr(storage.ShardWriter, "add", add)
+    monkeypatch.setattr(writer.ShardWriter, "add", add)
     assert cli_main(args) == 0  # the rerun builds only what is missing
     assert json.loads((out / "report.json").read_text(encoding="utf-8"))["shards_skipped"] == 2
 

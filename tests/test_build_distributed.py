@@ -152,7 +152,7 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
     never opened), in the middle of the shard that holds it (four of its samples already written),
     with the earlier shards finished and no manifest written.
     """
-    from datapipe.storage import images_path
+    from datapipe.shards import images_path
 
     src = tmp_path / "src"
     imaging.write_source(src, {"a": 50, "b": 50, "c": 50, "d": 50}, variety=False, shape=(40, 52))

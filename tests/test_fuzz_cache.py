@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import datapipe
 from datapipe.errors import DatapipeError
+from datapipe.files import file_crc32c
 from datapipe.records import is_datapipe_output, read_build_record, read_report
-from datapipe.storage import file_crc32c
 from datapipe.testing import build_index_cache, index_map
 
 N, SHARD = 20, 7

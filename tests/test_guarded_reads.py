@@ -30,7 +30,7 @@ import torch
 import datapipe
 from datapipe import augment, native
 from datapipe.errors import CorruptShardError
-from datapipe.storage import images_path
+from datapipe.shards import images_path
 from datapipe.testing import build_index_cache
 
 N, SHARD = 40, 7  # 6 shards of 32x32 samples: 5 of 7 and one of 5
@@ -295,7 +295,7 @@ import numpy as np, torch
 import datapipe
 from datapipe import augment, native
 from datapipe.errors import DatapipeError
-from datapipe.storage import images_path
+from datapipe.shards import images_path
 from datapipe.testing import index_map, index_of
 
 cache_dir, mode, when = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -24,8 +24,8 @@ LAYERS = [
     {"errors", "text", "_threads", "world", "stats", "native", "files"},
     {"records"},  # the format's documents, parsed and checked
     {"sources", "codecs", "bounded", "probe"},
-    {"storage", "manifest"},
-    {"output"},
+    {"shards", "manifest"},  # the shard layout and the manifest: names, paths, documents
+    {"writer", "output"},  # writing a shard; owning an output folder
     {"builder", "dask_plugins"},
     {"cache"},
     {"dataset", "partition"},

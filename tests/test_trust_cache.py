@@ -24,7 +24,7 @@ import datapipe
 from datapipe import cli
 from datapipe.errors import CacheError, CorruptShardError, DatapipeError
 from datapipe.records import config_hash, is_datapipe_output, read_build_record
-from datapipe.storage import images_path, shard_labels_path
+from datapipe.shards import images_path, shard_labels_path
 from datapipe.testing import build_index_cache, index_map, index_of
 
 N, SHARD = 40, 7  # 6 shards: 5 of 7 samples and one of 5
@@ -304,7 +304,7 @@ def test_verify_checks_index_files_and_each_shards_own_records(cache_dir):
 
 
 def test_verify_reports_paths_json_that_is_not_a_list_of_paths(cache_dir):
-    from datapipe.storage import file_crc32c
+    from datapipe.files import file_crc32c
 
     (cache_dir / "paths.json").write_text(json.dumps({"a": 1}))
     edit_json(cache_dir / "manifest.json", _set(["files", "paths", "crc32c"], file_crc32c(cache_dir / "paths.json")))
@@ -316,7 +316,7 @@ def test_verify_reports_paths_json_that_is_not_a_list_of_paths(cache_dir):
 
 
 def test_labels_out_of_the_class_range_are_refused(cache_dir):
-    from datapipe.storage import file_crc32c
+    from datapipe.files import file_crc32c
 
     labels = np.load(cache_dir / "labels.npy")
     labels[5] = 3  # 3 classes

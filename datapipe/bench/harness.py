@@ -112,7 +112,7 @@ def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -
     import torch
 
     from .. import augment
-    from ..storage import SHARDS_DIR, images_path
+    from ..shards import SHARDS_DIR, images_path
 
     stages: dict[str, dict] = {}
     per_image = cache.shape[0] * cache.shape[1] * cache.shape[2]

@@ -1,4 +1,4 @@
-"""The shard writer (datapipe.storage): metadata exactly as zarr writes it, flushes synced in the
+"""The shard writer (datapipe.writer): metadata exactly as zarr writes it, flushes synced in the
 background while decoding goes on, a failed sync keeps nothing half done.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 
 def _write_shard(final: Path, n: int, size: int = 8) -> tuple[dict, list[np.ndarray]]:
-    from datapipe.storage import ShardWriter
+    from datapipe.writer import ShardWriter
 
     rng = np.random.default_rng(n)
     images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(n)]
@@ -52,14 +52,14 @@ def test_shard_metadata_is_what_zarr_itself_writes(tmp_path, n):
 
 
 def test_large_shard_is_synced_in_background_steps(tmp_path, monkeypatch):
-    import datapipe.storage as storage
+    import datapipe.writer as writer
 
     started: list[int] = []  # bytes written when a background sync was started
     synced: list[int] = []
-    real, start = os.fdatasync, storage.ShardWriter._sync_in_background
-    monkeypatch.setattr(storage, "SYNC_EVERY_BYTES", 3 * 8 * 8 * 3)
-    monkeypatch.setattr(storage.ShardWriter, "_sync_in_background", lambda w: (started.append(w._file.tell()), start(w)))
-    monkeypatch.setattr(storage.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    real, start = os.fdatasync, writer.ShardWriter._sync_in_background
+    monkeypatch.setattr(writer, "SYNC_EVERY_BYTES", 3 * 8 * 8 * 3)
+    monkeypatch.setattr(writer.ShardWriter, "_sync_in_background", lambda w: (started.append(w._file.tell()), start(w)))
+    monkeypatch.setattr(writer.os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
     final = tmp_path / "000000.zarr"
     record, images = _write_shard(final, 10)
     # Started after whole samples, mid-shard; the sync itself runs whenever its thread gets the CPU.
@@ -70,13 +70,13 @@ def test_large_shard_is_synced_in_background_steps(tmp_path, monkeypatch):
 
 
 def test_failed_background_sync_fails_the_shard_and_keeps_nothing_half_done(tmp_path, monkeypatch):
-    import datapipe.storage as storage
+    import datapipe.writer as writer
 
     def broken(fd):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(storage, "SYNC_EVERY_BYTES", 192)
-    monkeypatch.setattr(storage.os, "fdatasync", broken)
+    monkeypatch.setattr(writer, "SYNC_EVERY_BYTES", 192)
+    monkeypatch.setattr(writer.os, "fdatasync", broken)
     final = tmp_path / "000000.zarr"
     with pytest.raises(OSError, match="Input/output error"):
         _write_shard(final, 4)

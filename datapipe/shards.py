@@ -1,0 +1,160 @@
+"""The shard format: one Zarr v3 group per shard whose image array is plain bytes at known offsets.
+
+A shard is the folder ``shards/NNNNNN.zarr``, a Zarr v3 group holding
+
+* ``images``: uint8 [n, S, S, 3], sharding codec, chunk = one sample, no compression — so the one
+  shard file ``images/c/0/0/0/0`` is the n samples back to back, followed by the shard index
+  (n × (offset, nbytes) little-endian uint64) and the index's crc32c, exactly as the Zarr v3 sharding
+  spec lays it out. zarr-python reads it; the loader reads the first n·S·S·3 bytes with positioned reads instead,
+  which turns a batch into one read per run of samples rather than one zarr call per image.
+* ``labels``: int64 [n], one uncompressed chunk.
+* group attributes: the shard's source paths, its plan hash, quarantined files and the data file's
+  crc32c.
+
+This module is the one place for that layout: the names and paths of a shard's files, the metadata
+documents as written and as read back. :mod:`datapipe.writer` writes shards with it, the cache and
+the build read them with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CacheError
+from .files import atomic_write_text, crc32c
+from .records import read_json
+
+SHARDS_DIR = "shards"
+IMAGES_FILE = ("images", "c", "0", "0", "0", "0")
+LABELS_FILE = ("labels", "c", "0")
+GROUP_META = "zarr.json"
+_REWRITE = "rerun the same `datapipe build` to rewrite the shard"
+
+# ----------------------------------------------------------------------------- names and paths
+
+
+def shard_name(index: int) -> str:
+    """The folder name of shard ``index`` under ``shards/`` (``records.SHARD_NAME`` checks it on read)."""
+    return f"{index:06d}.zarr"
+
+
+def images_path(shard_dir: Path) -> Path:
+    """The shard's data file: the samples back to back, then the shard index."""
+    return shard_dir.joinpath(*IMAGES_FILE)
+
+
+def shard_labels_path(shard_dir: Path) -> Path:
+    """The shard's labels chunk (int64 little endian)."""
+    return shard_dir.joinpath(*LABELS_FILE)
+
+
+# ----------------------------------------------------------------------------- writing the documents
+
+
+def shard_index(count: int, size: int) -> bytes:
+    """The tail of a data file of ``count`` samples: the Zarr v3 shard index (one (offset, nbytes)
+    pair of little-endian uint64 per sample) and its crc32c; empty for an empty shard."""
+    if not count:
+        return b""
+    chunk = size * size * 3
+    index = np.empty((count, 2), "<u8")
+    index[:, 0] = np.arange(count, dtype=np.uint64) * chunk
+    index[:, 1] = chunk
+    raw = index.tobytes()
+    return raw + crc32c(raw).to_bytes(4, "little")
+
+
+_METADATA: dict[tuple[int, int], dict[str, bytes]] = {}
+_METADATA_LOCK = threading.Lock()
+
+
+def _zarr_metadata(count: int, size: int) -> dict[str, bytes]:
+    """The metadata documents zarr-python writes for a shard of ``count`` samples (key -> bytes).
+
+    zarr-python itself writes them, into memory, once per (count, size) in a process; a build's
+    shards almost all share one count, so the ~10 ms zarr spends per group is paid once, not per
+    shard, and the files stay exactly what zarr writes.
+    """
+    key = (count, size)
+    with _METADATA_LOCK:
+        docs = _METADATA.get(key)
+        if docs is None:
+            import zarr
+            from zarr.storage import MemoryStore
+
+            written: dict[str, Any] = {}
+            store = MemoryStore(written)
+            group = zarr.create_group(store=store, zarr_format=3, overwrite=False)
+            group.create_array(
+                "images", shape=(count, size, size, 3), dtype="uint8",
+                chunks=(1, size, size, 3), shards=(max(count, 1), size, size, 3),
+                compressors=None, fill_value=0, write_data=False,
+            )
+            group.create_array("labels", shape=(count,), dtype="int64", chunks=(max(count, 1),),
+                               compressors=None, fill_value=-1)
+            docs = {k: bytes(v.to_bytes()) for k, v in written.items() if k.endswith(GROUP_META)}
+            _METADATA[key] = docs
+    return docs
+
+
+def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str, Any]) -> None:
+    """Write a shard's Zarr v3 documents and labels chunk into ``folder``: the arrays' metadata, the
+    labels, and last the group's ``zarr.json`` carrying ``record`` as ``attributes.datapipe``."""
+    count = len(labels)
+    docs = _zarr_metadata(count, size)
+    for key, doc in docs.items():
+        if key != GROUP_META:
+            target = folder / key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(doc)
+    if count:  # the labels chunk: codec "bytes" (little endian), no compressor
+        chunk = shard_labels_path(folder)
+        chunk.parent.mkdir(parents=True, exist_ok=True)
+        chunk.write_bytes(np.asarray(labels, "<i8").tobytes())
+    meta = json.loads(docs[GROUP_META])
+    meta["attributes"] = {"datapipe": record}
+    atomic_write_text(folder / GROUP_META, json.dumps(meta, indent=1, ensure_ascii=False))
+
+
+# ----------------------------------------------------------------------------- reading them back
+
+
+def read_shard_metadata(shard_dir: Path) -> dict[str, Any]:
+    """The datapipe attributes of a shard's ``zarr.json`` (count, nbytes, crc32c, paths, ...), checked
+    to be an object whose count, nbytes and crc32c have the right types.
+
+    Raises:
+        CacheError: the file is missing, not a regular file, not JSON, or lacks the record.
+    """
+    path = shard_dir / GROUP_META
+    meta = read_json(path, hint=_REWRITE)
+    record = meta.get("attributes") if isinstance(meta, dict) else None
+    record = record.get("datapipe") if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        raise CacheError(f"{path} holds no datapipe shard record (attributes.datapipe); {_REWRITE}")
+    for key, kind in (("count", int), ("nbytes", int), ("crc32c", str)):
+        value = record.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise CacheError(f"{path}: field 'attributes.datapipe.{key}' is missing or not {kind.__name__}; {_REWRITE}")
+    return record
+
+
+def read_shard_record(shard_dir: Path) -> dict[str, Any] | None:
+    """The record a finished shard carries in its group attributes, or None if it is not whole."""
+    try:
+        record = read_shard_metadata(shard_dir)
+    except CacheError:
+        return None
+    try:
+        st = os.stat(images_path(shard_dir))
+        actual = st.st_size if stat.S_ISREG(st.st_mode) else -1
+    except OSError:
+        actual = 0
+    return record if actual == record["nbytes"] else None

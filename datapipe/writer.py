@@ -1,0 +1,133 @@
+"""Writing one shard (the layout is :mod:`datapipe.shards`).
+
+A shard is written into a temporary folder beside its final name and renamed into place when
+complete, so a shard folder with the final name is always whole. The writer streams one sample at a
+time to the file: a worker never holds more than one decoded image.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from .files import TMP_PREFIX, crc32c, fsync_dir
+from .records import expected_file_size
+from .shards import GROUP_META, images_path, shard_index, write_metadata
+
+SYNC_EVERY_BYTES = 16 << 20  # a shard's data is flushed to disk in the background in steps of this
+
+
+class ShardWriter:
+    """Write one shard into a temporary folder, then rename it into place.
+
+    Use as ``with ShardWriter(final_dir, size=S) as w: w.add(img, label, path); info = w.commit(...)``.
+    Leaving the block without ``commit`` (an exception) removes the temporary folder.
+    """
+
+    def __init__(self, final_dir: Path, *, size: int) -> None:
+        self.final_dir = Path(final_dir)
+        self.size = size
+        self.tmp_dir = self.final_dir.parent / f"{TMP_PREFIX}{self.final_dir.stem}-{uuid.uuid4().hex[:8]}"
+        self.labels: list[int] = []
+        self.paths: list[str] = []
+        self._crc = 0
+        self._file: BinaryIO | None = None  # open between __enter__ and commit
+        self._unsynced = 0  # bytes written since the last background flush was started
+        self._flusher: threading.Thread | None = None
+        self._flush_error: OSError | None = None
+
+    def __enter__(self) -> ShardWriter:
+        data = images_path(self.tmp_dir)
+        data.parent.mkdir(parents=True)
+        self._file = open(data, "wb")  # closed in commit/__exit__
+        return self
+
+    def add(self, image: np.ndarray, label: int, path: str) -> None:
+        if image.shape != (self.size, self.size, 3) or image.dtype != np.uint8:
+            raise ValueError(f"sample {path!r} has shape {image.shape} {image.dtype}, expected "
+                             f"({self.size}, {self.size}, 3) uint8")
+        buf = np.ascontiguousarray(image)
+        self._writing().write(buf.data)
+        self._crc = crc32c(buf, self._crc)
+        self.labels.append(int(label))
+        self.paths.append(path)
+        self._unsynced += buf.nbytes
+        if self._unsynced >= SYNC_EVERY_BYTES:
+            self._sync_in_background()
+
+    def _sync_in_background(self) -> None:
+        """Start flushing what is written so far to disk while decoding goes on, so that the
+        final ``fsync`` of the shard only waits for its last few megabytes."""
+        if self._flusher is not None and self._flusher.is_alive():
+            return  # one flush at a time; a later sample starts the next
+        file = self._writing()
+        file.flush()
+        self._unsynced = 0
+        self._flusher = threading.Thread(target=self._sync, args=(file.fileno(),), daemon=True,
+                                         name="datapipe-shard-sync")
+        self._flusher.start()
+
+    def _writing(self) -> BinaryIO:
+        """The open images file (a ShardWriter is written inside its ``with`` block only)."""
+        assert self._file is not None, "ShardWriter used outside its with block"
+        return self._file
+
+    def _sync(self, fd: int) -> None:
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:  # raised by commit, in the writing thread
+            self._flush_error = exc
+
+    def _join_flusher(self, *, raise_error: bool = True) -> None:
+        if self._flusher is not None:
+            self._flusher.join()  # before the file is fsynced or closed: never sync a closed fd
+            self._flusher = None
+        if raise_error and self._flush_error is not None:
+            raise self._flush_error
+
+    def commit(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        """Finish the files, rename the folder into place and return the shard's record."""
+        n = len(self.labels)
+        file = self._writing()
+        if n:
+            tail = shard_index(n, self.size)
+            file.write(tail)
+            self._crc = crc32c(tail, self._crc)
+        file.flush()
+        self._join_flusher()
+        os.fsync(file.fileno())
+        file.close()
+        if not n:
+            images_path(self.tmp_dir).unlink()
+        record = {
+            "count": n,
+            "nbytes": expected_file_size(n, self.size),
+            "crc32c": f"{self._crc:08x}",
+            **attributes,
+        }
+        write_metadata(self.tmp_dir, self.size, np.asarray(self.labels, np.int64), {**record, "paths": self.paths})
+        fsync_dir(self.tmp_dir)
+        try:
+            os.rename(self.tmp_dir, self.final_dir)
+        except OSError:
+            # Another attempt at the same shard (a re-run task) finished first; both are identical.
+            if not (self.final_dir / GROUP_META).exists():
+                raise
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        fsync_dir(self.final_dir.parent)
+        return record
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._join_flusher(raise_error=False)  # the block is failing already
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        if self.tmp_dir.exists():
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
