@@ -348,10 +348,10 @@ def make_cache(args, dev) -> tuple[Path, dict]:
     gen = time.perf_counter() - t
     t = time.perf_counter()
     have_dask = importlib.util.find_spec("distributed") is not None
-    kw = {"workers": workers} if have_dask and not args.cpu_smoke else {"scheduler": "sync"}
-    datapipe.build(src, tmp / "cache", size=args.side, shard_size=64, progress=False, log=lambda _line: None, **kw)
+    cluster = datapipe.Cluster(workers=workers) if have_dask and not args.cpu_smoke else datapipe.Cluster(scheduler="sync")
+    datapipe.build(src, tmp / "cache", size=args.side, shard_size=64, progress=False, cluster=cluster)
     return tmp / "cache", {"images": args.images, "side": args.side, "generate_s": gen,
-                           "build_s": time.perf_counter() - t, "scheduler": "dask" if "workers" in kw else "sync"}
+                           "build_s": time.perf_counter() - t, "scheduler": "sync" if cluster.serial else "dask"}
 
 
 # ----------------------------------------------------------------------------- main
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.bfloat16):
         aug = augment.train(size, channels_last=True, dtype=dtype, path="device")
         res["deviceloader"][f"train{size}_{str(dtype).split('.')[-1]}"] = loader_rate(
-            cache, dev, args, epochs=loader_epochs, augment=aug, dtype=dtype, channels_last=True)
+            cache, dev, args, epochs=loader_epochs, augment=aug)
     save("deviceloader", t)
 
     t = time.perf_counter()

@@ -43,6 +43,9 @@ import torch
 from torch import nn
 
 from . import native
+from .dataset import check_bool, check_int
+from .errors import ArgumentError
+from .text import show
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -140,6 +143,18 @@ def _scale_shift_(x: torch.Tensor, mean, std) -> torch.Tensor:
     return x.mul_(scale).add_(shift)
 
 
+def _channel_triple(values, what: str, *, nonzero: bool = False) -> tuple[float, float, float]:
+    """Three finite per-channel numbers (RGB), for ``mean`` and ``std``."""
+    try:
+        triple = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        triple = ()
+    if len(triple) != 3 or not all(math.isfinite(v) and (v != 0 or not nonzero) for v in triple):
+        need = "three finite, non-zero numbers" if nonzero else "three finite numbers"
+        raise ArgumentError(f"{what} must be {need} (R, G, B), got {show(values)}")
+    return triple
+
+
 def _normalize_float(x: torch.Tensor, mean, std) -> torch.Tensor:
     m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
@@ -155,41 +170,60 @@ def _generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def sample_resized_crops(batch: int, height: int, width: int, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-                         generator: torch.Generator) -> torch.Tensor:
+def sample_resized_crops(batch: int, height: int | torch.Tensor, width: int | torch.Tensor, *, scale=(0.08, 1.0),
+                         ratio=(3 / 4, 4 / 3), generator: torch.Generator) -> torch.Tensor:
     """torchvision's RandomResizedCrop parameters for ``batch`` samples: int64 [B, 4] (top, left, h, w).
 
     Ten attempts per sample at a random area and log-uniform aspect ratio; the first that fits
     wins; otherwise a center crop with the aspect ratio clamped to ``ratio``.
+
+    ``height`` and ``width`` are one image size for the whole batch (ints) or each sample's own
+    (int64 [B]). The random draws are the same either way, so a tensor of equal sizes gives the
+    crops of the int form: one generator stream, whatever the samples' shapes.
     """
     if batch == 0:
         return torch.empty((0, 4), dtype=torch.int64)
+    per_sample = isinstance(height, torch.Tensor) or isinstance(width, torch.Tensor)
+    hs, ws = _sizes(height, batch, "height"), _sizes(width, batch, "width")  # int64 [B]
     tries = 10
-    area = height * width
+    # the ints stay Python ints: a scalar times the draws, exactly as before per-sample sizes
+    area = (hs * ws)[:, None] if per_sample else int(height) * int(width)
     target = area * torch.empty(batch, tries).uniform_(scale[0], scale[1], generator=generator)  # [B, 10]
     log_r = torch.empty(batch, tries).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=generator)
     aspect = torch.exp(log_r)
     w = torch.round(torch.sqrt(target * aspect)).to(torch.int64)  # [B, 10]
     h = torch.round(torch.sqrt(target / aspect)).to(torch.int64)
-    ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)  # [B, 10]
+    ok = (w > 0) & (w <= ws[:, None]) & (h > 0) & (h <= hs[:, None])  # [B, 10]
     first = torch.argmax(ok.to(torch.int8), dim=1)  # [B]: first attempt that fits
     found = ok.any(dim=1)
     rows = torch.arange(batch)
     h_sel, w_sel = h[rows, first], w[rows, first]  # [B]
     u = torch.rand(batch, 2, generator=generator)
-    top = torch.floor(u[:, 0] * (height - h_sel + 1).to(torch.float32)).to(torch.int64)
-    left = torch.floor(u[:, 1] * (width - w_sel + 1).to(torch.float32)).to(torch.int64)
-    # Fallback: whole image with the aspect ratio clamped into range, centered.
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        fw, fh = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        fh, fw = height, int(round(height * ratio[1]))
-    else:
-        fw, fh = width, height
-    fb = torch.tensor([(height - fh) // 2, (width - fw) // 2, fh, fw], dtype=torch.int64)
+    top = torch.floor(u[:, 0] * (hs - h_sel + 1).to(torch.float32)).to(torch.int64)
+    left = torch.floor(u[:, 1] * (ws - w_sel + 1).to(torch.float32)).to(torch.int64)
     params = torch.stack([top, left, h_sel, w_sel], dim=1)  # [B, 4]
-    return torch.where(found[:, None], params, fb[None])
+    return torch.where(found[:, None], params, _fallback_crops(hs, ws, ratio))
+
+
+def _sizes(size: int | torch.Tensor, batch: int, what: str) -> torch.Tensor:
+    """An image side as int64 [batch]: an int for every sample, or each sample's own."""
+    if not isinstance(size, torch.Tensor):
+        return torch.full((batch,), int(size), dtype=torch.int64)
+    if size.shape != (batch,) or size.dtype != torch.int64:
+        raise ValueError(f"{what} must be an int or an int64 tensor [{batch}], got {tuple(size.shape)} {size.dtype}")
+    return size.cpu()
+
+
+def _fallback_crops(hs: torch.Tensor, ws: torch.Tensor, ratio) -> torch.Tensor:
+    """Per sample: the whole image with its aspect ratio clamped into ``ratio``, centered: int64 [B, 4].
+
+    float64 and round-half-to-even, as Python's ``round`` of the same quotients."""
+    hf, wf = hs.to(torch.float64), ws.to(torch.float64)
+    in_ratio = wf / hf
+    narrow, wide = in_ratio < ratio[0], in_ratio > ratio[1]
+    fh = torch.where(narrow, torch.round(wf / ratio[0]).to(torch.int64), hs)
+    fw = torch.where(wide & ~narrow, torch.round(hf * ratio[1]).to(torch.int64), ws)
+    return torch.stack([(hs - fh) // 2, (ws - fw) // 2, fh, fw], dim=1)
 
 
 def _taps(longest: int, out: int) -> int:
@@ -276,17 +310,31 @@ def crop_and_resize(images: torch.Tensor, crops: torch.Tensor, size: int | tuple
 
 
 class BatchAugment(nn.Module):
-    """Base of the presets: uint8 NHWC in, normalised float NCHW out, parameters from a seed."""
+    """Base of the batch transforms: uint8 NHWC in, float NCHW out, parameters from a seed.
 
-    def __init__(self, size: int, *, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32,
+    It holds the output's form — ``dtype``, normalisation (``mean``, ``std``) and memory layout
+    (``channels_last``) — so the loader that calls it needs none of them.
+    """
+
+    #: forward takes a list of [H, W, 3] sample views, so the CPU loader hands over views of the
+    #: shard files instead of gathering the batch (the presets crop each sample straight out of them)
+    takes_views = True
+
+    def __init__(self, size: int | None, *, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32,
                  channels_last: bool = False, path: Path_ = "auto") -> None:
         super().__init__()
-        if size < 1:
-            raise ValueError(f"size must be positive, got {size}")
         if path not in ("auto", "uint8", "device", "kornia"):
-            raise ValueError(f"path must be 'auto', 'uint8' or 'device', got {path!r}")
-        self.size, self.mean, self.std = int(size), tuple(mean), tuple(std)
-        self.dtype, self.channels_last, self.path = dtype, channels_last, path
+            raise ArgumentError(f"path must be 'auto', 'uint8' or 'device', got {show(path)}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, bfloat16, float16), got {show(dtype)}")
+        # 0: each sample's own size (a plain conversion)
+        self.size = 0 if size is None else check_int(size, "size", 1)
+        self.mean, self.std = _channel_triple(mean, "mean"), _channel_triple(std, "std", nonzero=True)
+        self.dtype, self.channels_last, self.path = dtype, check_bool(channels_last, "channels_last"), path
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) of the output for samples of ``height`` x ``width``."""
+        return (self.size, self.size) if self.size else (height, width)
 
     def _use_uint8(self, device: torch.device) -> bool:
         return self.path == "uint8" or (self.path == "auto" and device.type == "cpu")
@@ -459,17 +507,76 @@ class EvalAugment(BatchAugment):
         return self._finish(_normalize_float(x, self.mean, self.std))
 
 
+class Convert(BatchAugment):
+    """uint8 NHWC -> float NCHW at the samples' own size, with no randomness of its own: the
+    batch transform of a loader without augmentation (``augment.convert``).
+
+    Normalised (``normalize=True``): on the CPU one pass per sample through the conversion kernel
+    into the loader's reused output buffer (:func:`normalize_uint8`). Otherwise divided by 255.
+    ``module``, any callable taking float [B, 3, H, W] in [0, 1] (a third-party augmentation),
+    runs between the division and the normalisation, with torch's global generator seeded from the
+    batch's seed (so it runs in the loop's thread, one batch at a time).
+    """
+
+    takes_views = False  # it converts a gathered batch
+
+    def __init__(self, *, dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN,
+                 std=IMAGENET_STD, channels_last: bool = False, module=None) -> None:
+        super().__init__(None, mean=mean, std=std, dtype=dtype, channels_last=channels_last)
+        self.normalize = check_bool(normalize, "normalize")
+        if module is not None and not callable(module):
+            raise ArgumentError(f"module must be an nn.Module or a callable on float [B, 3, H, W] batches, "
+                                f"got {show(module)} ({type(module).__name__})")
+        self.module = module
+
+    def forward(self, images: Batch, seed: int | None = None, params=None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Convert a uint8 [B, H, W, 3] batch; ``out`` (float32 [>=B, 3, H, W]) optionally receives
+        a normalised result (CPU reuse)."""
+        x = _stack(images)
+        if self.module is None and self.normalize:
+            return normalize_uint8(x, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last, out=out)
+        x = x.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
+        if self.module is not None:
+            x = self._run_module(x, seed)
+        return self._finish(_normalize_float(x, self.mean, self.std) if self.normalize else x)
+
+    def _run_module(self, x: torch.Tensor, seed: int | None) -> torch.Tensor:
+        """The module, its random state (torch's global generator) seeded from ``seed`` and then restored."""
+        if seed is None:
+            return self.module(x)
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return self.module(x)
+
+
+def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+            channels_last: bool = False, module=None) -> Convert:
+    """A plain conversion, no augmentation: float [B, 3, H, W] batches at the cache's own size,
+    normalised with ``mean``/``std`` (unless ``normalize=False``: [0, 1]), in ``dtype``, NCHW or
+    ``channels_last``. The loader's transform when it is given ``augment=None``; ``module`` applies
+    a third-party augmentation on [0, 1] floats first (see :class:`Convert`)."""
+    return Convert(dtype=dtype, normalize=normalize, mean=mean, std=std, channels_last=channels_last, module=module)
+
+
 def train(size: int = 224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
-          color_jitter: tuple[float, float, float, float] | float | None = None, **kwargs) -> TrainAugment:
-    """The ImageNet training preset. ``color_jitter=0.4`` means (0.4, 0.4, 0.4, 0.1)."""
+          color_jitter: tuple[float, float, float, float] | float | None = None, dtype: torch.dtype = torch.float32,
+          channels_last: bool = False, mean=IMAGENET_MEAN, std=IMAGENET_STD, path: Path_ = "auto") -> TrainAugment:
+    """The ImageNet training preset. ``color_jitter=0.4`` means (0.4, 0.4, 0.4, 0.1).
+
+    ``dtype``, ``channels_last``, ``mean`` and ``std`` set the output's form (see :class:`BatchAugment`);
+    ``path`` the implementation ("auto": "uint8" on the CPU, "device" elsewhere)."""
     jitter: tuple[float, float, float, float] | None
     if isinstance(color_jitter, (int, float)):
         jitter = (color_jitter, color_jitter, color_jitter, min(0.1, color_jitter)) if color_jitter else None
     else:
         jitter = color_jitter or None
-    return TrainAugment(size, scale=scale, ratio=ratio, flip=flip, color_jitter=jitter, **kwargs)
+    return TrainAugment(size, scale=scale, ratio=ratio, flip=flip, color_jitter=jitter, dtype=dtype,
+                        channels_last=channels_last, mean=mean, std=std, path=path)
 
 
-def eval(size: int = 224, **kwargs) -> EvalAugment:  # noqa: A001 - mirrors train()
-    """The ImageNet evaluation preset: center crop (a 256 cache + eval(224) is the usual 0.875 crop)."""
-    return EvalAugment(size, **kwargs)
+def eval(size: int = 224, *, dtype: torch.dtype = torch.float32, channels_last: bool = False,  # noqa: A001 - mirrors train()
+         mean=IMAGENET_MEAN, std=IMAGENET_STD, path: Path_ = "auto") -> EvalAugment:
+    """The ImageNet evaluation preset: center crop (a 256 cache + eval(224) is the usual 0.875 crop).
+    The output's form as in :func:`train`."""
+    return EvalAugment(size, dtype=dtype, channels_last=channels_last, mean=mean, std=std, path=path)

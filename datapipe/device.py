@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .augment import IMAGENET_MEAN, IMAGENET_STD, BatchAugment, _normalize_float, normalize_uint8
-from .dataset import StreamingDataset, check_bool, check_int
+from .augment import BatchAugment, Convert
+from .dataset import StreamingDataset, check_int
 from .errors import ArgumentError
 from .stats import StallMeter
 from .text import show
@@ -115,16 +115,16 @@ class DeviceLoader:
     Args:
         dataset: the streaming dataset (its batch size, shuffle, seed and rank are used).
         device: ``"cuda"``, ``"cuda:N"``, ``"cpu"`` or ``"auto"`` (CUDA when available).
+        augment: the batch transform, which also sets the output's dtype, normalisation and memory
+            layout: ``datapipe.augment.train(224)`` / ``eval(224)``, ``augment.convert(...)`` (no
+            augmentation), None (``augment.convert()``: normalised float32 NCHW at the cache's
+            size), or any ``nn.Module`` taking float [B, 3, H, W] in [0, 1] (its random state is
+            seeded per batch; ``augment.convert(module=m)`` with the defaults).
+        output: ``"float"`` (default) or ``"uint8"``: raw [B, H, W, 3] batches (no augment); on the
+            CPU such a batch is a view of a reused buffer, valid until the next batch is requested.
         num_workers: reader threads; 0 reads each batch in the loop's thread when it is asked for
             (no threads at all: for a debugger), with the same batches, state and statistics.
         prefetch: batches read ahead of the loop, beyond one per reader (unused with 0 readers).
-        augment: ``datapipe.augment.train(224)`` / ``eval(224)``, any ``nn.Module`` taking float
-            [B, 3, H, W] in [0, 1] (its random state is seeded per batch), or None.
-        channels_last: return NCHW tensors in channels_last memory format.
-        dtype: floating dtype of the images (float32, bfloat16 or float16).
-        normalize: subtract ``mean`` and divide by ``std`` (the presets always normalise).
-        output: ``"float"`` (default) or ``"uint8"``: raw [B, H, W, 3] batches (no augment); on the
-            CPU such a batch is a view of a reused buffer, valid until the next batch is requested.
         log_every: log images/s and the waiting share every N batches (logger ``datapipe``).
         timeout: seconds to wait for one batch before raising (a stuck reader never hangs the loop).
 
@@ -135,10 +135,9 @@ class DeviceLoader:
     [B] — or ``(images, labels, indices)`` when the dataset has ``return_index=True``.
     """
 
-    def __init__(self, dataset: StreamingDataset, /, *, device: str | torch.device = "auto", num_workers: int = 2,
-                 prefetch: int = 2, augment: nn.Module | None = None, channels_last: bool = False,
-                 dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                 output: str = "float", log_every: int = 0, timeout: float = 300.0) -> None:
+    def __init__(self, dataset: StreamingDataset, /, *, device: str | torch.device = "auto",
+                 augment: nn.Module | None = None, output: str = "float", num_workers: int = 2, prefetch: int = 2,
+                 log_every: int = 0, timeout: float = 300.0) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise ArgumentError(f"DeviceLoader reads a datapipe.StreamingDataset, got {type(dataset).__name__}")
         self.num_workers = check_int(num_workers, "num_workers", 0, 1024)
@@ -150,15 +149,11 @@ class DeviceLoader:
         if augment is not None and not (isinstance(augment, (nn.Module, BatchAugment)) or callable(augment)):
             raise ArgumentError(f"augment must be datapipe.augment.train/eval, an nn.Module or None, "
                                 f"got {show(augment)} ({type(augment).__name__})")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, bfloat16, float16), got {show(dtype)}")
         self.dataset = dataset
         self.device = _resolve_device(device)
         self.cuda = self.device.type == "cuda"
-        self.augment, self.dtype = augment, dtype
-        self.channels_last = check_bool(channels_last, "channels_last")
-        self.normalize = check_bool(normalize, "normalize")
-        self.mean, self.std = _channel_triple(mean, "mean"), _channel_triple(std, "std", nonzero=True)
+        # the batch transform (None with output="uint8"): a generic module is wrapped in a conversion
+        self.augment: BatchAugment | None = None if output == "uint8" else _batch_transform(augment)
         self.output = output
         self.timeout = _positive_seconds(timeout)
         self.meter = StallMeter(log_every=check_int(log_every, "log_every", 0))
@@ -176,10 +171,11 @@ class DeviceLoader:
         self._pool = _OutputPool(self._num_slots() + 2)
         # On the CPU the readers also augment — unless the augmentation is a generic module, whose
         # random state is torch's global generator: that runs in the loop's thread, batch by batch.
-        self._reader_transforms = not self.cuda and (augment is None or isinstance(augment, BatchAugment))
+        generic = isinstance(self.augment, Convert) and self.augment.module is not None
+        self._reader_transforms = not self.cuda and not generic
         # A preset on the CPU crops each sample straight from the shard files (views into the page
         # cache): only the cropped pixels are read, and the batch is never gathered first.
-        self._direct = not self.cuda and output == "float" and isinstance(augment, BatchAugment)
+        self._direct = not self.cuda and self.augment is not None and self.augment.takes_views
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         _LIVE.add(self)  # its reader threads are stopped at interpreter exit
@@ -392,36 +388,19 @@ class DeviceLoader:
             t.record_stream(current)  # allocated on the copy stream, used on this one
         return self._transform((images, labels, index), seed, on_device=True)
 
-    def _out_buffer(self, n: int, h: int, w: int, channels_last: bool) -> torch.Tensor | None:
-        buf = self._pool.get((self._slot_rows(), 3, h, w), channels_last)
+    def _out_buffer(self, n: int, aug: BatchAugment) -> torch.Tensor | None:
+        """A reused float32 buffer for ``n`` outputs of ``aug`` (CPU), in its memory layout."""
+        h, w = aug.output_size(*self.dataset.sample_shape[:2])
+        buf = self._pool.get((self._slot_rows(), 3, h, w), aug.channels_last)
         return None if buf is None else buf[:n]
 
     def _transform(self, batch, seed: int, on_device: bool = False):
         images, labels, index = batch
-        if self.output == "uint8":
+        if self.augment is None:  # output="uint8"
             out = images
-        elif isinstance(self.augment, BatchAugment):
-            buf = None if on_device else self._out_buffer(len(images), self.augment.size, self.augment.size,
-                                                          self.augment.channels_last)
-            out = self.augment(images, seed=seed, out=buf)
-        elif self.augment is None and self.normalize:
-            _, h, w, _ = images.shape
-            buf = None if on_device else self._out_buffer(images.shape[0], h, w, self.channels_last)
-            out = normalize_uint8(images, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last,
-                                  out=buf)
         else:
-            x = images.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
-            if self.augment is not None:  # a generic module: seeded per batch through the global generator
-                devices = [self.device] if self.device.type == "cuda" else []
-                with torch.random.fork_rng(devices=devices):
-                    torch.manual_seed(seed)
-                    x = self.augment(x)
-            out = _normalize_float(x, self.mean, self.std) if self.normalize else x
-            out = out.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
-        if out.is_floating_point() and out.dtype != self.dtype:
-            out = out.to(self.dtype)
-        if self.channels_last and out.is_floating_point():
-            out = out.contiguous(memory_format=torch.channels_last)
+            buf = None if on_device or not _fills_out(self.augment) else self._out_buffer(len(images), self.augment)
+            out = self.augment(images, seed=seed, out=buf)
         if not on_device and self.output != "uint8":
             labels = labels.clone()  # the host buffer is reused; the batch the loop holds must not change
             index = index.clone()
@@ -463,16 +442,19 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _channel_triple(values, what: str, *, nonzero: bool = False) -> tuple[float, float, float]:
-    """Three finite per-channel numbers (RGB), for ``mean`` and ``std``."""
-    try:
-        triple = tuple(float(v) for v in values)
-    except (TypeError, ValueError):
-        triple = ()
-    if len(triple) != 3 or not all(math.isfinite(v) and (v != 0 or not nonzero) for v in triple):
-        need = "three finite, non-zero numbers" if nonzero else "three finite numbers"
-        raise ArgumentError(f"{what} must be {need} (R, G, B), got {show(values)}")
-    return triple
+def _batch_transform(augment) -> BatchAugment:
+    """The loader's batch transform: a BatchAugment as it is, None as the plain conversion, a
+    generic module wrapped in one (it gets [0, 1] floats; the conversion normalises its output)."""
+    if augment is None:
+        return Convert()
+    if isinstance(augment, BatchAugment):
+        return augment
+    return Convert(module=augment)
+
+
+def _fills_out(aug: BatchAugment) -> bool:
+    """Whether ``aug`` writes into the output buffer it is handed (else the buffer would be taken for nothing)."""
+    return not isinstance(aug, Convert) or (aug.normalize and aug.module is None)
 
 
 def _positive_seconds(timeout) -> float:

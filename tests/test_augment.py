@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from datapipe import augment
+from datapipe.errors import ArgumentError
 
 # ----------------------------------------------------------------------------- DeviceLoader
 
@@ -59,6 +60,114 @@ def test_sample_resized_crops_fallback_is_a_centered_clamped_crop():
     # is the whole height and a width of round(4 · 4/3) = 5, centered.
     crops = augment.sample_resized_crops(16, 4, 300, generator=torch.Generator().manual_seed(0))
     assert crops.tolist() == [[0, (300 - 5) // 2, 4, 5]] * 16
+
+
+def crops_of(batch, height, width, seed=0, **kwargs) -> torch.Tensor:
+    return augment.sample_resized_crops(batch, height, width, generator=torch.Generator().manual_seed(seed), **kwargs)
+
+
+SETTINGS = [{}, {"scale": (0.5, 1.0), "ratio": (1.0, 1.0)}, {"scale": (0.9, 1.0), "ratio": (0.2, 5.0)},
+            {"scale": (2.0, 3.0)}]  # the last never fits: every sample falls back
+
+
+@pytest.mark.parametrize("kwargs", SETTINGS)
+def test_per_sample_sizes_keep_each_sample_inside_its_own_image(kwargs):
+    """Mixed shapes: every crop lies inside its own sample's image, and each row is exactly the crop
+    the int form gives that row (the draws do not depend on the sizes)."""
+    g = torch.Generator().manual_seed(5)
+    heights = torch.randint(1, 400, (500,), generator=g)
+    widths = torch.randint(1, 400, (500,), generator=g)
+    heights[:4], widths[:4] = torch.tensor([4, 300, 1, 4000]), torch.tensor([300, 4, 1, 3000])  # fallbacks, a big one
+    crops = crops_of(500, heights, widths, seed=9, **kwargs)
+    assert crops.shape == (500, 4) and crops.dtype == torch.int64
+    top, left, h, w = crops.T
+    assert (top >= 0).all() and (left >= 0).all() and (h >= 1).all() and (w >= 1).all()
+    assert (top + h <= heights).all() and (left + w <= widths).all()
+    for i in range(0, 500, 7):
+        assert torch.equal(crops[i], crops_of(500, int(heights[i]), int(widths[i]), seed=9, **kwargs)[i]), i
+
+
+@pytest.mark.parametrize("kwargs", SETTINGS)
+@pytest.mark.parametrize(("height", "width"), [(32, 32), (256, 256), (20, 50), (4, 300), (300, 4), (1, 1), (5000, 5000)])
+def test_a_tensor_of_equal_sizes_gives_the_int_forms_crops(height, width, kwargs):
+    for seed in range(3):
+        ints = crops_of(64, height, width, seed, **kwargs)
+        assert torch.equal(crops_of(64, torch.full((64,), height), torch.full((64,), width), seed, **kwargs), ints)
+        assert torch.equal(crops_of(64, height, torch.full((64,), width), seed, **kwargs), ints)  # one of each form
+
+
+def test_the_fallback_is_per_sample():
+    """Each sample that cannot hold a crop gets its own image's centred, clamped crop."""
+    heights, widths = torch.tensor([4, 300, 32, 4, 10, 10]), torch.tensor([300, 4, 32, 300, 12, 40])
+    crops = crops_of(6, heights, widths, seed=1)
+    assert crops[0].tolist() == crops[3].tolist() == [0, (300 - 5) // 2, 4, 5]  # too wide: width round(4 · 4/3)
+    assert crops[1].tolist() == [(300 - 5) // 2, 0, 5, 4]  # too tall: height round(4 / (3/4))
+    assert torch.equal(crops[2], crops_of(6, 32, 32, seed=1)[2])  # one that fits: sampled as usual
+    everyone = crops_of(6, heights, widths, seed=1, scale=(2.0, 3.0))  # no crop fits anyone
+    assert everyone.tolist() == [[0, 147, 4, 5], [147, 0, 5, 4], [0, 0, 32, 32], [0, 147, 4, 5], [0, 0, 10, 12],
+                                 [0, (40 - 13) // 2, 10, 13]]  # 10x12: in range, whole; 10x40: width round(10 · 4/3)
+
+
+@pytest.mark.parametrize("bad", [torch.full((3,), 8), torch.full((4, 1), 8), torch.full((4,), 8.0), torch.full((4,), 8, dtype=torch.int32)])
+def test_per_sample_sizes_of_the_wrong_shape_or_type_are_refused(bad):
+    with pytest.raises(ValueError, match="height"):
+        crops_of(4, bad, 8)
+
+
+def test_convert_is_the_plain_conversion():
+    """augment.convert: the cache's own size, normalised or in [0, 1], in its dtype and layout."""
+    images = smooth_batch(3, 20)
+    mean = torch.tensor(augment.IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(augment.IMAGENET_STD).view(1, 3, 1, 1)
+    unit = images.permute(0, 3, 1, 2).float() / 255
+    torch.testing.assert_close(augment.convert()(images), (unit - mean) / std, rtol=0, atol=1e-5)
+    torch.testing.assert_close(augment.convert(normalize=False)(images), unit, rtol=0, atol=0)
+    torch.testing.assert_close(augment.convert(mean=(0.5, 0.5, 0.5), std=(0.25, 0.5, 1.0))(list(images)),
+                               (unit - 0.5) / torch.tensor([0.25, 0.5, 1.0]).view(1, 3, 1, 1), rtol=0, atol=1e-5)
+    for kwargs in ({}, {"normalize": False}, {"module": torch.nn.Identity()}):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for channels_last in (False, True):
+                out = augment.convert(dtype=dtype, channels_last=channels_last, **kwargs)(images, seed=0)
+                assert out.shape == (3, 3, 20, 20) and out.dtype == dtype
+                assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    buf = torch.empty(5, 3, 20, 20)
+    assert augment.convert()(images, out=buf).data_ptr() == buf.data_ptr(), "the normalised output fills ``out``"
+
+
+def test_convert_seeds_a_generic_module_and_leaves_the_global_generator_alone():
+    class Noise(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.rand(x.shape[0], 1, 1, 1)
+
+    images, conv = smooth_batch(4, 8), augment.convert(module=Noise(), normalize=False)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b, c = conv(images, seed=7), conv(images, seed=7), conv(images, seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(torch.rand(1), before), "the module's draws do not move the caller's generator"
+    unit = images.permute(0, 3, 1, 2).float() / 255
+    assert ((a - unit) >= 0).all() and ((a - unit) < 1).all(), "the module sees [0, 1] floats, before normalisation"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": torch.int8}, {"dtype": "float32"}, {"mean": (0.5, 0.5)}, {"mean": "abc"}, {"std": (0.2, 0.0, 0.2)},
+    {"std": (0.2, float("nan"), 0.2)}, {"channels_last": "yes"}, {"channels_last": 1},
+])
+@pytest.mark.parametrize("make", [augment.convert, augment.train, augment.eval])
+def test_the_output_form_is_checked_by_every_transform(make, kwargs):
+    with pytest.raises(ArgumentError, match=next(iter(kwargs))) as excinfo:
+        make(**kwargs)
+    assert "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("make", "kwargs"), [
+    (augment.convert, {"normalize": "no"}), (augment.convert, {"module": "flip"}), (augment.train, {"size": 0}),
+    (augment.eval, {"size": 2.5}), (augment.train, {"path": "gpu"}),
+])
+def test_transform_arguments_are_checked(make, kwargs):
+    with pytest.raises(ArgumentError, match=next(iter(kwargs))):
+        make(**kwargs)
 
 
 def smooth_batch(n: int = 6, size: int = 40) -> torch.Tensor:

@@ -113,17 +113,20 @@ def test_device_loader_without_augment_normalises(index_cache):
 
 
 def test_channels_last(index_cache):
-    (images, *_), = run_loader(index_cache, k=1, channels_last=True)[0]
+    """The memory layout is the batch transform's: the plain conversion's and the presets'."""
+    (images, *_), = run_loader(index_cache, k=1, augment=augment.convert(channels_last=True))[0]
+    assert images.is_contiguous(memory_format=torch.channels_last) and images.shape == (B, 3, 32, 32)
+    (images, *_), = run_loader(index_cache, k=1, augment=augment.convert(channels_last=True, normalize=False))[0]
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    (images, *_), = run_loader(index_cache, k=1, augment=augment.convert(channels_last=True, module=RandomFlip()))[0]
     assert images.is_contiguous(memory_format=torch.channels_last)
     (images, *_), = run_loader(index_cache, k=1, augment=augment.eval(24, channels_last=True))[0]
     assert images.is_contiguous(memory_format=torch.channels_last)
     (images, *_), = run_loader(index_cache, k=1, augment=augment.train(24, channels_last=True))[0]
     assert images.is_contiguous(memory_format=torch.channels_last) and images.shape == (B, 3, 24, 24)
-    for preset in (augment.train(24), augment.eval(24)):  # the loader's flag applies to presets too
-        (images, *_), = run_loader(index_cache, k=1, channels_last=True, augment=preset)[0]
-        assert images.is_contiguous(memory_format=torch.channels_last)
-    (images, *_), = run_loader(index_cache, k=1, augment=augment.train(24))[0]
-    assert images.is_contiguous()
+    for preset in (augment.train(24), augment.eval(24), None, RandomFlip()):
+        (images, *_), = run_loader(index_cache, k=1, augment=preset)[0]
+        assert images.is_contiguous()
 
 
 @pytest.mark.parametrize("preset", [augment.train(24), augment.train(24, color_jitter=0.4), augment.eval(24)])
@@ -344,8 +347,8 @@ def test_an_interrupted_training_script_ends_and_leaves_no_process(index_cache, 
 
 
 def test_bfloat16_output_and_autocast(index_cache):
-    batches, _ = run_loader(index_cache, k=3, dtype=torch.bfloat16, augment=augment.train(24))
-    plain, _ = run_loader(index_cache, k=3, dtype=torch.bfloat16)
+    batches, _ = run_loader(index_cache, k=3, augment=augment.train(24, dtype=torch.bfloat16))
+    plain, _ = run_loader(index_cache, k=3, augment=augment.convert(dtype=torch.bfloat16))
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                                 torch.nn.Linear(4, 3))
     for (images, labels, idx), (raw, _, _) in zip(batches, plain, strict=True):
@@ -374,7 +377,7 @@ def test_bfloat16_output_and_autocast(index_cache):
 @pytest.mark.parametrize("path", ["uint8", "kornia"])
 def test_half_precision_outputs_on_both_augment_paths(index_cache, dtype, path):
     """fp16 and bf16 batches from the CPU (uint8) path and the batched Kornia path that CUDA uses."""
-    batches, _ = run_loader(index_cache, k=2, dtype=dtype, augment=augment.train(24, path=path))
+    batches, _ = run_loader(index_cache, k=2, augment=augment.train(24, path=path, dtype=dtype))
     for images, _, idx in batches:
         assert images.dtype == dtype and images.shape == (B, 3, 24, 24) and torch.isfinite(images).all()
         assert np.array_equal(index_of(to_uint8(images.float())), index_cache.ids[idx.numpy()])

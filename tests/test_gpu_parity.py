@@ -214,8 +214,7 @@ def test_resize_weights_are_torchs_filter():
 
 def photo_cache(tmp, images: int, side: int):
     src = datapipe.make_sample_dataset(tmp / "src", images=images, classes=3)
-    datapipe.build(src, tmp / "cache", size=side, shard_size=16, scheduler="sync", progress=False,
-                   log=lambda _line: None)
+    datapipe.build(src, tmp / "cache", size=side, shard_size=16, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
     return tmp / "cache"
 
 
@@ -223,8 +222,7 @@ def loader_epoch(cache, device: str, path: str, size: int, *, dtype=torch.float3
     """One epoch of augmented batches (on the CPU), from a DeviceLoader with the train preset."""
     ds = datapipe.StreamingDataset(cache, batch_size=32, shuffle=True, seed=11)
     aug = augment.train(size, color_jitter=jitter, dtype=dtype, channels_last=True, path=path)
-    loader = datapipe.DeviceLoader(ds, device=device, num_workers=4, prefetch=4, augment=aug, dtype=dtype,
-                                   channels_last=True)
+    loader = datapipe.DeviceLoader(ds, device=device, num_workers=4, prefetch=4, augment=aug)
     try:
         return [tuple(t.cpu() for t in batch) for batch in loader]
     finally:
