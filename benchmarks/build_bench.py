@@ -55,12 +55,13 @@ def pillow_loop(files: list[Path], size: int = 256) -> tuple[float, float]:
     return len(files) / (time.perf_counter() - t), len(files) / (_cpu() - c)
 
 
-def datapipe_build(source: Path, out: Path, **kwargs) -> dict:
+def datapipe_build(source: Path, out: Path, *, workers: int, shard_size: int) -> dict:
     import datapipe
 
     shutil.rmtree(out, ignore_errors=True)
     c = _cpu()
-    report = datapipe.build(source, out, progress=False, log=lambda line: None, **kwargs)
+    report = datapipe.build(source, out, datapipe.BuildSpec(size=256, shard_size=shard_size),
+                            cluster=datapipe.Cluster(workers=workers), progress=False)
     # Removed at once, so that every build starts on the same disk: on this VM a 2-worker build ran
     # ~25% slower while the previous build's 2.4 GB output was still there.
     shutil.rmtree(out, ignore_errors=True)
@@ -76,16 +77,15 @@ def per_core(source: Path, tmp: Path, shard_size: int, rounds: int):
     from dataclasses import asdict
 
     from datapipe import manifest as mf
-    from datapipe.builder import build_shard
-    from datapipe.codecs import DecodeSpec
+    from datapipe.builder import BuildSpec, build_shard
     from datapipe.sources import plan_shards, scan
 
     listing = scan(source)
-    plans = plan_shards(listing, shard_size)
-    spec = DecodeSpec(size=256)
+    spec = BuildSpec(size=256, shard_size=shard_size)
+    plans = plan_shards(listing, spec.samples_per_shard)
     out = tmp / "shards-bench"
-    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec),
-              "config_hash": mf.config_hash({**asdict(spec), "shard_size": shard_size})}
+    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec.decode),
+              "config_hash": mf.config_hash(spec.config(listing.kind))}
     pil, dp, pil_cpu, dp_cpu = [], [], [], []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)

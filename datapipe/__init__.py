@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "build": ("datapipe.builder", "build"),
     "BuildReport": ("datapipe.builder", "BuildReport"),
+    "BuildSpec": ("datapipe.builder", "BuildSpec"),
+    "Cluster": ("datapipe.builder", "Cluster"),
     "open": ("datapipe.cache", "open"),
     "Cache": ("datapipe.cache", "Cache"),
     "StreamingDataset": ("datapipe.dataset", "StreamingDataset"),
@@ -28,7 +30,7 @@ __all__ = sorted(_LAZY)
 if TYPE_CHECKING:  # pragma: no cover
     from . import augment, bench
     from .bench.sample import make_sample_dataset
-    from .builder import BuildReport, build
+    from .builder import BuildReport, BuildSpec, Cluster, build
     from .cache import Cache, open
     from .dataset import StreamingDataset
     from .device import DeviceLoader

@@ -17,18 +17,17 @@ import logging
 import os
 import shutil
 import sys
-import threading
 import time
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from . import manifest as mf
 from ._threads import torch_threads
 from .bounded import Watchdog, max_file_bytes, read_file, warm_up
-from .codecs import DEFAULT_MAX_PIXELS, DecodeSpec, decode_sample
+from .codecs import DecodeSpec, Fit, decode_sample
 from .errors import (
     ArgumentError,
     BuildError,
@@ -57,6 +56,57 @@ log = logging.getLogger("datapipe.build")
 def default_shard_size(size: int) -> int:
     """Samples per shard so that a shard holds about 100 MB (at least 1, at most 4096)."""
     return int(min(4096, max(1, TARGET_SHARD_BYTES // (size * size * 3))))
+
+
+@dataclass(frozen=True)
+class BuildSpec(DecodeSpec):
+    """What a cache holds: every field enters the build configuration and its hash, so a cache built
+    from another spec is another cache (a rebuild into it needs ``force``).
+
+    The decoding fields (``size``, ``fit``, ``max_pixels``) are :class:`~datapipe.codecs.DecodeSpec`'s;
+    a BuildSpec adds how the samples are stored. An invalid value raises ArgumentError naming the
+    option of ``datapipe build``.
+    """
+
+    shard_size: int | None = None  # samples per shard; None: about 100 MB per shard (default_shard_size)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.shard_size is not None and (not isinstance(self.shard_size, int) or self.shard_size < 1):
+            raise ArgumentError(f"--shard-size must be a positive integer, got {self.shard_size!r}")
+
+    @property
+    def samples_per_shard(self) -> int:
+        return self.shard_size or default_shard_size(self.size)
+
+    @property
+    def decode(self) -> DecodeSpec:
+        """The part a worker needs to turn a file into a sample."""
+        return DecodeSpec(**{f.name: getattr(self, f.name) for f in fields(DecodeSpec)})
+
+    def config(self, source_kind: str) -> dict[str, Any]:
+        """The build configuration written to the manifest and hashed: every field (the shard size
+        resolved, so that the default and its value are one configuration) and the kind of source."""
+        return {**asdict(self), "shard_size": self.samples_per_shard, "source_kind": source_kind}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a build runs. Not part of the configuration: every cluster writes the same bytes."""
+
+    workers: int | None = None  # worker processes of the LocalCluster started for the build; None: one per core
+    scheduler: str | None = None  # an existing Dask scheduler's address, or "sync": serially in this process
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            raise ArgumentError(f"--workers must be a positive integer, got {self.workers!r}")
+        if self.scheduler is not None and (not isinstance(self.scheduler, str) or not self.scheduler):
+            raise ArgumentError(f"--scheduler must be a Dask scheduler's address (tcp://host:8786) or 'sync', "
+                                f"got {self.scheduler!r}")
+
+    @property
+    def serial(self) -> bool:
+        return self.scheduler == "sync"
 
 
 @dataclass
@@ -238,116 +288,81 @@ def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: 
 def build(
     source: str | os.PathLike,
     output: str | os.PathLike,
+    spec: BuildSpec | None = None,
     *,
-    size: int = 256,
-    fit: str = "crop",
-    shard_size: int | None = None,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    cluster: Cluster | None = None,
     max_bad_fraction: float = 0.01,
-    workers: int | None = None,
-    scheduler: str | None = None,
     force: bool = False,
     verify: bool = False,
     progress: bool = True,
-    log=None,
+    size: int | None = None,
+    fit: Fit | None = None,
+    max_pixels: int | None = None,
+    shard_size: int | None = None,
 ) -> BuildReport:
     """Decode every image in ``source`` once and write a sharded cache to ``output``.
+
+    Progress lines go to the ``datapipe.build`` logger.
 
     Args:
         source: a folder of class folders (ImageNet layout) or a CSV of ``path,label`` rows.
         output: the cache folder; created if missing. A rerun resumes or is a no-op.
-        size: side of the square uint8 samples.
-        fit: ``crop`` (shorter side to ``size``, center crop), ``pad`` or ``stretch``.
-        shard_size: samples per shard; default about 100 MB per shard.
-        max_pixels: larger images (by their header) are quarantined before decoding.
+        spec: what the cache holds (:class:`BuildSpec`); default ``BuildSpec()``.
+        cluster: where the build runs (:class:`Cluster`); default a LocalCluster with one worker per core.
         max_bad_fraction: quarantined files above this share of the source fail the build.
-        workers: worker processes of the LocalCluster (default: one per core).
-        scheduler: address of an existing Dask scheduler (``tcp://host:8786``), or ``"sync"``
-            to build serially in this process without Dask.
         force: rebuild into an output that holds a build of another configuration.
         verify: check the checksum of every finished shard before keeping it (reads the whole
             cache); a damaged shard is rebuilt.
         progress: show a progress bar on stderr.
-        log: deprecated: progress lines go to the ``datapipe.build`` logger; a callable given here
-            still receives them.
+        size: ``spec``'s field, given as a keyword instead of a spec (not both); so are the next three.
+        fit: see :class:`BuildSpec`.
+        max_pixels: see :class:`BuildSpec`.
+        shard_size: see :class:`BuildSpec`.
 
     Returns:
         A :class:`BuildReport`; also written to ``output/report.json``.
 
     Raises:
+        ArgumentError: an option is out of range, or the spec is given both ways.
         SourceError: the source is missing or holds no images.
         OutputError: the output cannot be written, or holds something that is not a datapipe cache.
         ConfigMismatchError: the output holds a build with another configuration (use ``force``).
         TooManyBadFilesError: more than ``max_bad_fraction`` of the files were quarantined.
         OutputWriteError: writing failed part-way (disk full, read-only folder); finished shards are kept.
     """
-    if log is not None:
-        warnings.warn("build(log=...) is deprecated: the lines go to the 'datapipe.build' logger", DeprecationWarning,
-                      stacklevel=2)
-    with _forwarded_to(log):
-        return _build(source, output, size=size, fit=fit, shard_size=shard_size, max_pixels=max_pixels,
-                      max_bad_fraction=max_bad_fraction, workers=workers, scheduler=scheduler, force=force,
-                      verify=verify, progress=progress)
-
-
-_forwarding = {"builds": 0, "level": logging.NOTSET}
-_forwarding_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _forwarded_to(callback):
-    """While the block runs, hand this thread's build log lines to ``callback`` too (the deprecated
-    ``log=``); builds running at once in other threads keep their own lines."""
-    if callback is None:
-        yield
-        return
-    thread = threading.get_ident()
-
-    class Forward(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.thread == thread:
-                callback(record.getMessage())
-
-    handler = Forward()
-    with _forwarding_lock:
-        if _forwarding["builds"] == 0:
-            _forwarding["level"] = log.level
-            log.setLevel(logging.INFO)
-        _forwarding["builds"] += 1
-        log.addHandler(handler)
-    try:
-        yield
-    finally:
-        with _forwarding_lock:
-            log.removeHandler(handler)
-            _forwarding["builds"] -= 1
-            if _forwarding["builds"] == 0:
-                log.setLevel(_forwarding["level"])
-
-
-def _build(source, output, *, size, fit, shard_size, max_pixels, max_bad_fraction, workers, scheduler, force, verify,
-           progress) -> BuildReport:
+    spec = _spec(spec, size=size, fit=fit, max_pixels=max_pixels, shard_size=shard_size)
+    cluster = Cluster() if cluster is None else cluster
+    if not isinstance(cluster, Cluster):
+        raise ArgumentError(f"cluster must be a datapipe.Cluster, got {type(cluster).__name__}")
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ArgumentError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
-    spec = DecodeSpec(size=size, fit=fit, max_pixels=max_pixels)
-    shard_size = shard_size or default_shard_size(size)
-    if shard_size < 1:
-        raise ArgumentError(f"shard_size must be >= 1, got {shard_size!r}")
     t0 = time.perf_counter()
     listing = scan(source)
     out = Path(output).expanduser().absolute()
-    config = {**asdict(spec), "shard_size": shard_size, "source_kind": listing.kind}
+    config = spec.config(listing.kind)
     chash = mf.config_hash(config)
     target = prepare(out, config, chash, listing.identity, force)
     try:
         with _write_errors():
-            return _build_locked(target, listing, config, chash, spec, shard_size, max_bad_fraction=max_bad_fraction,
-                                 workers=workers, scheduler=scheduler, verify=verify, progress=progress, t0=t0)
+            return _build_locked(target, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
+                                 verify=verify, progress=progress, t0=t0)
     except BaseException:
         target.discard_if_untouched()  # a build that failed before its first shard leaves nothing behind
         raise
     finally:
         target.lock.release()
+
+
+def _spec(spec: BuildSpec | None, **given: Any) -> BuildSpec:
+    """The build's spec: ``spec``, or one made of the fields given as keywords (not both)."""
+    given = {name: value for name, value in given.items() if value is not None}
+    if spec is None:
+        return BuildSpec(**given)
+    if not isinstance(spec, BuildSpec):
+        raise ArgumentError(f"spec must be a datapipe.BuildSpec, got {type(spec).__name__}")
+    if given:
+        raise ArgumentError(f"{', '.join(given)} given both in the BuildSpec and as keywords: give the spec one way")
+    return spec
 
 
 @contextlib.contextmanager
@@ -363,17 +378,18 @@ def _write_errors():
         raise OutputWriteError(f"{exc.strerror or exc}{where}; finished shards are kept: fix it and rerun to resume") from exc
 
 
-def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: DecodeSpec, shard_size: int, *,
-                  max_bad_fraction: float, workers, scheduler, verify: bool, progress: bool, t0: float) -> BuildReport:
+def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: BuildSpec, *, cluster: Cluster,
+                  max_bad_fraction: float, verify: bool, progress: bool, t0: float) -> BuildReport:
     """The build proper, run while holding the output's lock."""
     out = target.path
+    shard_size = spec.samples_per_shard
     plans = plan_shards(listing, shard_size)
     _retire_stale_manifest(out, plans, chash)
     t_scan = time.perf_counter() - t0
     log.info(f"datapipe build: {plural(len(listing), 'file')} in {plural(len(listing.classes), 'class', 'classes')} "
              f"from {listing.root} -> {plural(len(plans), 'shard')} of up to {plural(shard_size, 'sample')} "
              f"at {spec.size}x{spec.size} ({spec.fit})")
-    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec), "config_hash": chash,
+    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
               "build_id": target.build_id, "verify": verify}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
@@ -388,8 +404,7 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     t1 = time.perf_counter()
     n_workers, dashboard = 0, None
     if todo:
-        built, n_workers, dashboard = _run(todo, kwargs, workers=workers, scheduler=scheduler, progress=progress,
-                                           timing=timing)
+        built, n_workers, dashboard = _run(todo, kwargs, cluster=cluster, progress=progress, timing=timing)
         done.update((rec["shard"], rec) for rec in built)
     timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
     records = [done[p["shard"]] for p in plans]
@@ -443,63 +458,116 @@ def _warm_up() -> None:
         _warmed = True
 
 
-def _run(plans, kwargs, *, workers, scheduler, progress, timing):
-    from tqdm import tqdm
-
-    def progress_bar():
-        return tqdm(total=len(plans), unit="shard", desc="shards", disable=not progress, file=sys.stderr)
-
-    if scheduler == "sync":
+def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
+         timing: dict[str, float]) -> tuple[list[dict], int, str | None]:
+    """Build the shards of ``plans`` on ``cluster``: their records in plan order, the number of
+    workers and the dashboard's address. The time spent building goes into ``timing["shards"]``."""
+    if cluster.serial:
         log.info("datapipe build: building serially in this process (scheduler='sync'): no Dask dashboard")
-        serial_records = []
         _warm_up()
         t_start = time.perf_counter()
-        with progress_bar() as bar:  # closed before any error line is printed
-            for plan in plans:
-                serial_records.append(build_shard(plan, serial=True, **kwargs))
-                bar.update()
+        records = _build_serially(plans, kwargs, progress=progress)
         timing["shards"] = time.perf_counter() - t_start
-        return serial_records, 1, None
-    from dask.distributed import Client, LocalCluster, as_completed
+        return records, 1, None
+    with _dask_client(cluster) as client:
+        n_workers, dashboard = _ready_workers(client, cluster)
+        t_start = time.perf_counter()
+        records = _map_shards(client, plans, kwargs, progress=progress)
+        timing["shards"] = time.perf_counter() - t_start
+        return records, n_workers, dashboard
 
-    cluster = None
-    if scheduler:
-        wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
-        try:
-            client = Client(scheduler, timeout=f"{float(wait):g}s")
-        except (OSError, ValueError) as exc:
-            raise OutputError(f"cannot reach the Dask scheduler at {scheduler} within {wait} s "
-                              f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
+
+def _progress_bar(total: int, progress: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=sys.stderr)
+
+
+def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
+    records = []
+    with _progress_bar(len(plans), progress) as bar:  # closed before any error line is printed
+        for plan in plans:
+            records.append(build_shard(plan, serial=True, **kwargs))
+            bar.update()
+    return records
+
+
+# ----------------------------------------------------------------------------- the cluster policy
+
+
+@contextlib.contextmanager
+def _dask_client(cluster: Cluster):
+    """A Dask client of the scheduler at ``cluster.scheduler``, or of a LocalCluster of our own;
+    closed when the block ends, and our own workers with it (none may outlive the build)."""
+    from dask.distributed import Client
+
+    own = None
+    if cluster.scheduler:
+        client = _connect(cluster.scheduler)
     else:
-        n = workers or os.cpu_count() or 1
-        import dask
-
-        # glibc reads these when a process starts: they go into Dask's pre-spawn environment
-        # (setting them as ordinary worker env would come too late to have any effect).
-        pre_spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}):
-            cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":8787",
-                                   silence_logs=40)
-        client = Client(cluster)
-    bar = None
+        own = _local_cluster(cluster.workers or os.cpu_count() or 1)
+        client = Client(own)
     try:
-        if cluster is not None:  # our own workers leave Ctrl-C to this process, which stops them
+        if own is not None:  # our own workers leave Ctrl-C to this process, which stops them
             from .dask_plugins import IgnoreSigint
 
             client.register_plugin(IgnoreSigint(), name="datapipe-ignore-sigint")
-        client.run(_warm_up)  # imports on every worker before the clock for shards starts
-        n_workers = len(client.scheduler_info()["workers"])
-        dashboard = _dashboard(client)
-        where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
-        log.info(f"datapipe build: {n_workers} Dask workers at {client.scheduler_info().get('address', scheduler or 'a LocalCluster')}; "
-                 f"dashboard: {where}")
-        t_start = time.perf_counter()
-        out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
-        keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
-        bar = progress_bar()
+        yield client
+    except BaseException:
+        _quiet_dask()  # stopping early: the cluster's shutdown has nothing to tell the user
+        raise
+    finally:
+        _close(client, own)
+
+
+def _connect(scheduler: str):
+    from dask.distributed import Client
+
+    wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
+    try:
+        return Client(scheduler, timeout=f"{float(wait):g}s")
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"cannot reach the Dask scheduler at {scheduler} within {wait} s "
+                          f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
+
+
+def _local_cluster(n_workers: int):
+    import dask
+    from dask.distributed import LocalCluster
+
+    # glibc reads these when a process starts: they go into Dask's pre-spawn environment
+    # (setting them as ordinary worker env would come too late to have any effect).
+    pre_spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}):
+        return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":8787",
+                            silence_logs=40)
+
+
+def _ready_workers(client, cluster: Cluster) -> tuple[int, str | None]:
+    """Warm every worker up and say where the build runs: the number of workers and the dashboard."""
+    client.run(_warm_up)  # imports on every worker before the clock for shards starts
+    n_workers = len(client.scheduler_info()["workers"])
+    dashboard = _dashboard(client)
+    where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
+    log.info(f"datapipe build: {n_workers} Dask workers at "
+             f"{client.scheduler_info().get('address', cluster.scheduler or 'a LocalCluster')}; dashboard: {where}")
+    return n_workers, dashboard
+
+
+# ----------------------------------------------------------------------------- the tasks
+
+
+def _map_shards(client, plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
+    """One build_shard task per plan; their records in plan order. A task that kills its worker is
+    handled by :class:`_Isolation`."""
+    from dask.distributed import as_completed
+
+    out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
+    keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
+    records: dict[int, dict] = {}
+    with _progress_bar(len(plans), progress) as bar:
         futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
-        records: dict[int, dict] = {}
-        by_key = {f.key: (p, False) for f, p in zip(futures, plans, strict=True)}
+        isolation = _Isolation(client, kwargs, dict(zip(keys, plans, strict=True)))
         pending = as_completed(futures)
         for future in pending:
             try:
@@ -507,33 +575,40 @@ def _run(plans, kwargs, *, workers, scheduler, progress, timing):
             except Exception as exc:
                 if type(exc).__name__ != "KilledWorker":
                     raise
-                plan, isolated = by_key[future.key]
-                first, last = plan["paths"][0], plan["paths"][-1]
-                files = first if first == last else f"one of its {len(plan['paths'])} files, {first} … {last}"
-                if isolated:
-                    raise BuildError(
-                        f"shard {plan['shard']} killed its Dask workers repeatedly (out of memory or "
-                        f"a decoder crash) while decoding {files}, also with every file checked in a separate "
-                        "process first. Finished shards are kept: remove or fix the offending file (a lower "
-                        "--max-pixels catches huge images) and rerun to resume.") from None
-                log.warning(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
-                    "separate processes to quarantine the culprit")
-                retry = client.submit(build_shard, plan, key=f"{future.key}-isolated", pure=False,
-                                      isolate=True, **kwargs)
-                by_key[retry.key] = (plan, True)
-                pending.add(retry)
+                pending.add(isolation.retry(future.key))
                 continue
             records[rec["shard"]] = rec
             bar.update()
-        timing["shards"] = time.perf_counter() - t_start
-        return [records[p["shard"]] for p in plans], n_workers, dashboard
-    except BaseException:
-        _quiet_dask()  # stopping early: the cluster's shutdown has nothing to tell the user
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        _close(client, cluster)
+    return [records[p["shard"]] for p in plans]
+
+
+class _Isolation:
+    """What happens to a shard whose task killed its worker (out of memory, a decoder crash, a file
+    that never finishes): it is built again with every file first decoded in a separate process, so
+    that the culprit is quarantined; if that task kills its worker too, the build fails."""
+
+    def __init__(self, client, kwargs: dict, plans: dict[str, dict]) -> None:
+        self.client = client
+        self.kwargs = kwargs
+        self.tasks = {key: (plan, False) for key, plan in plans.items()}  # key -> (plan, isolated)
+
+    def retry(self, key: str):
+        """The future of the isolated rebuild of the shard whose task ``key`` killed its worker;
+        BuildError when that task was already the isolated one."""
+        plan, isolated = self.tasks[key]
+        first, last = plan["paths"][0], plan["paths"][-1]
+        files = first if first == last else f"one of its {len(plan['paths'])} files, {first} … {last}"
+        if isolated:
+            raise BuildError(
+                f"shard {plan['shard']} killed its Dask workers repeatedly (out of memory or "
+                f"a decoder crash) while decoding {files}, also with every file checked in a separate "
+                "process first. Finished shards are kept: remove or fix the offending file (a lower "
+                "--max-pixels catches huge images) and rerun to resume.") from None
+        log.warning(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
+                    "separate processes to quarantine the culprit")
+        future = self.client.submit(build_shard, plan, key=f"{key}-isolated", pure=False, isolate=True, **self.kwargs)
+        self.tasks[future.key] = (plan, True)
+        return future
 
 
 def _close(client, cluster) -> None:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 
@@ -24,11 +25,10 @@ def _positive_int(text: str) -> int:
 
 
 def _check_build_args(args) -> None:
-    """Ranges argparse's types do not express, checked before anything starts; the message names the flag."""
+    """Ranges argparse's types do not express, checked before anything starts; the message names the flag.
+    (The sample format's ranges are checked by BuildSpec, whose messages name the flags too.)"""
     from .errors import ArgumentError
 
-    if not 8 <= args.size <= 8192:  # the range datapipe.codecs.DecodeSpec accepts
-        raise ArgumentError(f"--size must be from 8 to 8192, got {args.size}")
     if not 0.0 <= args.max_bad_fraction <= 1.0:
         raise ArgumentError(f"--max-bad-fraction must be a share from 0 to 1, got {args.max_bad_fraction:g}")
 
@@ -169,12 +169,12 @@ def _quiet() -> None:
 
 
 def _build(args) -> int:
-    from .builder import build
+    from .builder import BuildSpec, Cluster, build
 
     _check_build_args(args)
-    build(args.source, args.output, size=args.size, fit=args.fit, shard_size=args.shard_size,
-          workers=args.workers, scheduler=args.scheduler, max_bad_fraction=args.max_bad_fraction,
-          max_pixels=args.max_pixels, force=args.force, verify=args.verify, progress=not args.quiet)
+    spec = BuildSpec(size=args.size, fit=args.fit, max_pixels=args.max_pixels, shard_size=args.shard_size)
+    build(args.source, args.output, spec, cluster=Cluster(workers=args.workers, scheduler=args.scheduler),
+          max_bad_fraction=args.max_bad_fraction, force=args.force, verify=args.verify, progress=not args.quiet)
     return 0
 
 
@@ -255,12 +255,17 @@ def _bench(args) -> int:
     from pathlib import Path
 
     _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
-    from .bench.harness import BenchSpec, format_table, plot, run
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        from .errors import ArgumentError
 
-    spec = BenchSpec(batch_size=args.batch_size, workers=args.workers, crop=args.crop, batches=args.batches,
-                     device=args.device, repeats=args.repeats, step_ms=args.step_ms)  # checks every flag
+        raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {args.device!r}")
+
+    from .bench.harness import format_table, plot, run
+
     against = [a.strip() for a in args.against.split(",") if a.strip()]
-    result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir, progress=not args.quiet)
+    result = run(args.cache, source=args.source, against=against, batch_size=args.batch_size, workers=args.workers,
+                 repeats=args.repeats, batches=args.batches, crop=args.crop, step_ms=args.step_ms,
+                 device=args.device, work_dir=args.work_dir, progress=not args.quiet)
     print(format_table(result))
     if args.json:
         with _writing("--json", args.json):

@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import DecodeError
+from .errors import ArgumentError, DecodeError
 
 Fit = Literal["crop", "pad", "stretch"]
 FITS = ("crop", "pad", "stretch")
@@ -80,19 +80,21 @@ def _is_dib(head: bytes) -> bool:
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """What every sample is turned into. Part of the build configuration (and of its hash)."""
+    """What every sample is turned into: the decoding part of the build configuration (and of its
+    hash). :class:`datapipe.BuildSpec` extends it with how the samples are stored."""
 
     size: int = 256
     fit: Fit = "crop"
     max_pixels: int = DEFAULT_MAX_PIXELS
 
     def __post_init__(self) -> None:
+        # Named as the command line spells them: these are the options of `datapipe build`.
         if not isinstance(self.size, int) or not 8 <= self.size <= 8192:
-            raise ValueError(f"size must be an integer in [8, 8192], got {self.size!r}")
+            raise ArgumentError(f"--size must be an integer from 8 to 8192, got {self.size!r}")
         if self.fit not in FITS:
-            raise ValueError(f"fit must be one of {FITS}, got {self.fit!r}")
+            raise ArgumentError(f"--fit must be one of {', '.join(FITS)}, got {self.fit!r}")
         if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
-            raise ValueError(f"max_pixels must be a positive integer, got {self.max_pixels!r}")
+            raise ArgumentError(f"--max-pixels must be a positive integer, got {self.max_pixels!r}")
 
 
 # ----------------------------------------------------------------------------- decoders on offer

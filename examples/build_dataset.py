@@ -55,11 +55,12 @@ def main(argv=None) -> int:
     logging.getLogger("datapipe").setLevel(logging.INFO)
     output = Path(args.output).absolute()
     source = Path(args.source) if args.source else sample_source(output.parent / "images", args.images, args.classes)
-    options = {"size": args.size, "shard_size": args.shard_size, "progress": not args.quiet}
+    spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size)  # what the cache holds
 
     try:
         if args.scheduler:  # an existing cluster (its workers must see these paths), or "sync"
-            report = datapipe.build(source, output, scheduler=args.scheduler, **options)
+            report = datapipe.build(source, output, spec, cluster=datapipe.Cluster(scheduler=args.scheduler),
+                                    progress=not args.quiet)
         else:
             from dask.distributed import LocalCluster
 
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
             with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                               dashboard_address=":8787") as cluster:
                 print(f"LocalCluster: {args.workers} workers; dashboard: {cluster.dashboard_link}")
-                report = datapipe.build(source, output, scheduler=cluster.scheduler_address, **options)
+                report = datapipe.build(source, output, spec, cluster=datapipe.Cluster(scheduler=cluster.scheduler_address),
+                                        progress=not args.quiet)
     except datapipe.DatapipeError as exc:
         print(f"build failed: {exc}", file=sys.stderr)
         return 2

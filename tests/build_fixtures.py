@@ -4,6 +4,9 @@ cache-against-source check. The shared sources and builds themselves are fixture
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +31,31 @@ BAD_KINDS = {  # file in dog/ -> its quarantine class (datapipe.errors.QUARANTIN
 }
 
 
-def build(source, output, **kwargs) -> datapipe.BuildReport:
-    kwargs = {"size": SIZE, "shard_size": SHARD, "scheduler": "sync", "progress": False,
-              "log": lambda line: None, **kwargs}
-    return datapipe.build(source, output, **kwargs)
+def build(source, output, spec: datapipe.BuildSpec | None = None, **kwargs) -> datapipe.BuildReport:
+    """A serial build, of small samples unless ``spec`` says otherwise; keywords are build()'s."""
+    small = {} if spec else {"size": SIZE, "shard_size": SHARD}
+    kwargs = {**small, "cluster": datapipe.Cluster(scheduler="sync"), "progress": False, **kwargs}
+    return datapipe.build(source, output, spec, **kwargs)
+
+
+@contextlib.contextmanager
+def build_log(callback: Callable[[logging.LogRecord], None]) -> Iterator[None]:
+    """Hand every line a build logs to ``datapipe.build`` to ``callback`` as it is logged (in the
+    build's thread, while the build runs) until the block ends."""
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            callback(record)
+
+    logger, handler = logging.getLogger("datapipe.build"), Handler()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def images_file(out: Path, shard: int) -> Path:

@@ -7,6 +7,7 @@ Every test starts real processes; the whole file takes well under two minutes on
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from build_fixtures import build_log
 
 import datapipe
 from datapipe.errors import CacheError
@@ -32,8 +34,9 @@ MAX_BAD = 0.1
 
 
 def quiet(**kwargs) -> dict:
-    return {"size": SIZE, "shard_size": SHARD, "progress": False, "log": lambda line: None,
-            "max_bad_fraction": MAX_BAD, **kwargs}
+    """build()'s keywords for the shared source; ``workers`` and ``scheduler`` make its Cluster."""
+    cluster = datapipe.Cluster(workers=kwargs.pop("workers", None), scheduler=kwargs.pop("scheduler", None))
+    return {"size": SIZE, "shard_size": SHARD, "progress": False, "max_bad_fraction": MAX_BAD, "cluster": cluster, **kwargs}
 
 
 def without_temps(tree: dict[str, bytes]) -> dict[str, bytes]:
@@ -101,8 +104,8 @@ def test_local_cluster_equals_serial(dist_source, serial, tmp_path, imaging):
 
     pages: dict[str, int] = {}
 
-    def log(line: str) -> None:
-        url = re.search(r"dashboard: (http://\S+)", line)
+    def log(record: logging.LogRecord) -> None:
+        url = re.search(r"dashboard: (http://\S+)", record.getMessage())
         if url:
             with urllib.request.urlopen(url.group(1), timeout=30) as page:
                 pages[url.group(1)] = page.status
@@ -113,9 +116,9 @@ def test_local_cluster_equals_serial(dist_source, serial, tmp_path, imaging):
 
     # the source's files total ~100 MB: a graph that carried them would pass a 1 MB threshold
     with warnings.catch_warnings(record=True) as caught, \
-            dask.config.set({"distributed.admin.large-graph-warning-threshold": "1MB"}):
+            dask.config.set({"distributed.admin.large-graph-warning-threshold": "1MB"}), build_log(log):
         warnings.simplefilter("always")
-        report = datapipe.build(dist_source, out, **{**quiet(workers=2), "log": log})
+        report = datapipe.build(dist_source, out, **quiet(workers=2))
     assert report.status == "ok" and report.workers == 2
     assert report.dashboard and pages == {report.dashboard: 200}
     # tasks carry paths, never pixels ("Sending large graph" is Dask's warning)
@@ -195,14 +198,13 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
     with pytest.raises(CacheError, match="did not finish"):
         datapipe.open(out)
 
-    report = datapipe.build(src, out, size=32, shard_size=10, scheduler="sync", progress=False,
-                            log=lambda line: None)
+    report = datapipe.build(src, out, size=32, shard_size=10, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
     assert report.status == "ok" and report.num_samples == 201
     assert report.shards_skipped == 5 and report.shards_built == report.shards_total - 5 == 16
     assert temps(out) == []
 
     ref = tmp_path / "ref"
-    datapipe.build(src, ref, size=32, shard_size=10, scheduler="sync", progress=False, log=lambda line: None)
+    datapipe.build(src, ref, size=32, shard_size=10, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
     resumed, uninterrupted = imaging.tree_bytes(out), imaging.tree_bytes(ref)
     assert sorted(resumed) == sorted(uninterrupted)
     for name in ("manifest.json", "labels.npy", "paths.json", "build.json", "shards/000005.zarr/zarr.json"):
@@ -290,24 +292,26 @@ def test_two_outputs_from_one_source_at_once(dist_source, serial, external_clust
     results: dict[str, object] = {}
     times: dict[str, float] = {}
 
+    def log(record: logging.LogRecord) -> None:
+        if "Dask workers at" in record.getMessage():
+            times[f"{record.threadName}-submit"] = time.monotonic()  # logged just before the tasks go out
+
     def run(name: str) -> None:
-        def log(line: str) -> None:
-            if "Dask workers at" in line:
-                times[f"{name}-submit"] = time.monotonic()  # logged just before the tasks go out
         try:
-            results[name] = datapipe.build(dist_source, tmp_path / name, **quiet(scheduler=address, log=log))
+            results[name] = datapipe.build(dist_source, tmp_path / name, **quiet(scheduler=address))
         except Exception as exc:  # noqa: BLE001 - reported below
             results[name] = exc
         times[f"{name}-done"] = time.monotonic()
 
-    first = threading.Thread(target=run, args=("one",))
-    first.start()
-    wait_for(lambda: (tmp_path / "one" / "shards" / "000000.zarr").exists() or not first.is_alive(), 120,
-             "the first build's first shard")
-    second = threading.Thread(target=run, args=("two",))
-    second.start()
-    first.join(150)
-    second.join(150)
+    first = threading.Thread(target=run, args=("one",), name="one")
+    second = threading.Thread(target=run, args=("two",), name="two")
+    with build_log(log):
+        first.start()
+        wait_for(lambda: (tmp_path / "one" / "shards" / "000000.zarr").exists() or not first.is_alive(), 120,
+                 "the first build's first shard")
+        second.start()
+        first.join(150)
+        second.join(150)
     assert not first.is_alive() and not second.is_alive()
     if times.get("one-done", 0) < times.get("two-submit", float("inf")):
         pytest.skip("the first build finished before the second submitted its tasks; nothing overlapped")

@@ -72,8 +72,8 @@ def test_a_file_that_kills_its_worker_is_isolated_and_quarantined(tmp_path, imag
 
         def run() -> None:
             try:
-                result["report"] = datapipe.build(src, out, size=32, shard_size=6, scheduler=address, progress=False,
-                                                  max_bad_fraction=0.2, log=lambda line: None)
+                result["report"] = datapipe.build(src, out, size=32, shard_size=6, cluster=datapipe.Cluster(scheduler=address),
+                                                  progress=False, max_bad_fraction=0.2)
             except Exception as exc:  # noqa: BLE001 - checked below
                 result["error"] = exc
 

@@ -7,6 +7,8 @@ tests share with test_sources, test_output and test_build_cli are fixtures in co
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import re
@@ -27,9 +29,12 @@ from build_fixtures import (
 )
 
 import datapipe
+from datapipe import manifest as mf
+from datapipe.builder import default_shard_size
 from datapipe.codecs import DecodeSpec
 from datapipe.errors import (
     QUARANTINE_KINDS,
+    ArgumentError,
     CacheError,
     CorruptShardError,
     TooManyBadFilesError,
@@ -340,3 +345,61 @@ def test_not_a_cache(tmp_path, built_copy):
     (built_copy / "manifest.json").write_text("{not json")
     with pytest.raises(CacheError, match="JSON"):
         datapipe.open(built_copy)
+
+
+# ----------------------------------------------------------------------------- the typed build API
+
+
+@pytest.mark.parametrize(("fields", "option"), [
+    ({"size": 4}, "--size"), ({"size": 100_000}, "--size"), ({"size": 32.0}, "--size"), ({"size": "32"}, "--size"),
+    ({"fit": "zoom"}, "--fit"), ({"max_pixels": 0}, "--max-pixels"), ({"max_pixels": 1.5}, "--max-pixels"),
+    ({"shard_size": 0}, "--shard-size"), ({"shard_size": -1}, "--shard-size"), ({"shard_size": 2.5}, "--shard-size"),
+])
+def test_build_spec_names_the_option_it_refuses(fields, option):
+    with pytest.raises(ArgumentError, match=f"^{option} must be .*got {re.escape(repr(next(iter(fields.values()))))}$"):
+        datapipe.BuildSpec(**fields)
+
+
+@pytest.mark.parametrize(("fields", "option"), [
+    ({"workers": 0}, "--workers"), ({"workers": -2}, "--workers"), ({"workers": 2.0}, "--workers"),
+    ({"scheduler": ""}, "--scheduler"), ({"scheduler": 8786}, "--scheduler"),
+])
+def test_cluster_names_the_option_it_refuses(fields, option):
+    with pytest.raises(ArgumentError, match=f"^{option} must be "):
+        datapipe.Cluster(**fields)
+
+
+def test_build_spec_config_is_the_hashed_configuration(built):
+    """The configuration a spec writes is the one caches already carry (their hash must not change):
+    the decoding fields, the shard size resolved, the source's kind."""
+    spec = datapipe.BuildSpec(size=SIZE, shard_size=SHARD)
+    assert spec.config("folder") == {"size": SIZE, "fit": "crop", "max_pixels": 100_000_000, "shard_size": SHARD,
+                                     "source_kind": "folder"}
+    manifest = datapipe.open(built[0]).manifest
+    assert spec.config("folder") == manifest.config and mf.config_hash(spec.config("folder")) == manifest.config_hash
+    assert datapipe.BuildSpec(size=64).config("csv")["shard_size"] == default_shard_size(64)
+    assert datapipe.BuildSpec(size=64).config("csv") == datapipe.BuildSpec(size=64, shard_size=default_shard_size(64)).config("csv")
+    assert datapipe.BuildSpec(size=40, fit="pad", max_pixels=5).decode == DecodeSpec(size=40, fit="pad", max_pixels=5)
+    assert type(datapipe.BuildSpec().decode) is DecodeSpec  # what the workers and the probe process get
+
+
+def test_build_takes_a_spec_or_its_fields_as_keywords_not_both(source, tmp_path):
+    by_spec = build(source[0], tmp_path / "a", datapipe.BuildSpec(size=SIZE, fit="pad", shard_size=SHARD))
+    by_keywords = build(source[0], tmp_path / "b", size=SIZE, fit="pad", shard_size=SHARD)
+    assert by_spec.config == by_keywords.config
+    assert datapipe.open(tmp_path / "a").manifest.config_hash == datapipe.open(tmp_path / "b").manifest.config_hash
+    with pytest.raises(ArgumentError, match="size given both"):
+        datapipe.build(source[0], tmp_path / "c", datapipe.BuildSpec(size=SIZE), size=SIZE)
+    with pytest.raises(ArgumentError, match="spec must be a datapipe.BuildSpec"):
+        datapipe.build(source[0], tmp_path / "c", DecodeSpec(size=SIZE))  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="cluster must be a datapipe.Cluster"):
+        datapipe.build(source[0], tmp_path / "c", cluster="sync")  # type: ignore[arg-type]
+    assert not (tmp_path / "c").exists()  # refused before anything is written
+
+
+def test_every_spec_field_is_a_keyword_of_build():
+    """build()'s keyword shorthand must follow the spec when a field is added."""
+    keywords = inspect.signature(datapipe.build).parameters
+    for field in dataclasses.fields(datapipe.BuildSpec):
+        assert field.name in keywords and keywords[field.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert keywords[field.name].default is None  # None: the spec's own default

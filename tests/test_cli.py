@@ -132,13 +132,13 @@ def test_library_messages_reach_stderr_only_while_a_command_runs(monkeypatch, ca
     assert "after the command" not in capsys.readouterr().err
 
 
-def test_build_log_is_deprecated_but_still_receives_the_lines(tmp_path):
+def test_build_lines_go_to_the_build_logger(tmp_path, caplog):
     from datapipe.bench.sample import make_sample_dataset
 
     source = make_sample_dataset(tmp_path / "src", images=2, classes=1)
-    lines: list[str] = []
-    with pytest.warns(DeprecationWarning, match="datapipe.build"):
-        datapipe.build(source, tmp_path / "cache", size=16, scheduler="sync", progress=False, log=lines.append)
+    with caplog.at_level(logging.INFO, logger="datapipe.build"):
+        datapipe.build(source, tmp_path / "cache", size=16, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    lines = [r.getMessage() for r in caplog.records if r.name == "datapipe.build"]
     assert any("1 shard " in line for line in lines), lines
 
 
@@ -160,25 +160,25 @@ def test_bench_output_file_that_cannot_be_written_names_the_flag(tmp_path):
         target.write_text("{}")
 
 
-def test_build_log_callbacks_of_builds_in_two_threads_stay_apart(tmp_path):
+def test_build_lines_of_builds_in_two_threads_stay_apart(tmp_path, caplog):
     import threading
 
     from datapipe.bench.sample import make_sample_dataset
 
     source = make_sample_dataset(tmp_path / "src", images=2, classes=1)
-    lines: dict[str, list[str]] = {"one": [], "two": []}
     gate = threading.Barrier(2)
 
     def run(name: str) -> None:
         gate.wait()
-        datapipe.build(source, tmp_path / name, size=16, scheduler="sync", progress=False, log=lines[name].append)
+        datapipe.build(source, tmp_path / name, size=16, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in lines]
-    with pytest.warns(DeprecationWarning):  # one catcher for both threads: catch_warnings is process-wide
+    threads = [threading.Thread(target=run, args=(name,), name=f"build-{name}") for name in ("one", "two")]
+    with caplog.at_level(logging.INFO, logger="datapipe.build"):
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
+    lines = {name: [r.getMessage() for r in caplog.records if r.threadName == f"build-{name}"] for name in ("one", "two")}
     for name, other in (("one", "two"), ("two", "one")):
         assert any(str(tmp_path / name) in line for line in lines[name]), lines
         assert not any(str(tmp_path / other) in line for line in lines[name]), lines

@@ -44,7 +44,7 @@ def test_default_shard_size_makes_shards_of_about_100_mb(tmp_path, imaging):
         assert 50e6 <= default_shard_size(size) * size * size * 3 <= 200e6, size
     root = tmp_path / "src"
     imaging.write_source(root, {"a": 3, "b": 3}, variety=False)
-    report = datapipe.build(root, tmp_path / "out", size=256, scheduler="sync", progress=False, log=lambda line: None)
+    report = datapipe.build(root, tmp_path / "out", size=256, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
     assert report.config["shard_size"] == default_shard_size(256) and report.shards_total == 1
 
 
@@ -84,9 +84,9 @@ def test_output_inside_the_source(tmp_path, imaging):
 
 
 def test_invalid_arguments(source, tmp_path):
-    with pytest.raises(ValueError, match="fit"):
+    with pytest.raises(ValueError, match="--fit"):
         build(source[0], tmp_path / "a", fit="zoom")
-    with pytest.raises(ValueError, match="size"):
+    with pytest.raises(ValueError, match="--size"):
         build(source[0], tmp_path / "b", size=2)
-    with pytest.raises(ValueError, match="shard_size"):
+    with pytest.raises(ValueError, match="--shard-size"):
         build(source[0], tmp_path / "c", shard_size=-1)

@@ -45,7 +45,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def build(source, output, **kwargs) -> datapipe.BuildReport:
-    kwargs = {"size": SIZE, "shard_size": 4, "scheduler": "sync", "progress": False, "log": lambda line: None, **kwargs}
+    kwargs = {"size": SIZE, "shard_size": 4, "cluster": datapipe.Cluster(scheduler="sync"), "progress": False, **kwargs}
     return datapipe.build(source, output, **kwargs)
 
 
@@ -391,7 +391,7 @@ def test_an_unchanged_rerun_starts_no_cluster(small, tmp_path):
     out = tmp_path / "out"
     build(small, out)
     code = ("import json, sys, datapipe; r = datapipe.build(sys.argv[1], sys.argv[2], size=32, shard_size=4, "
-            "progress=False, log=lambda line: None); "
+            "progress=False); "
             "print(json.dumps([r.shards_built, r.shards_skipped, r.workers, 'distributed' in sys.modules]))")
     proc = subprocess.run([sys.executable, "-c", code, str(small), str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -203,8 +203,8 @@ def test_a_build_of_the_corpus_accounts_for_every_file(tmp_path):
     and a reason, and the report's counts add up (README.md is the one file ignored)."""
     import datapipe
 
-    report = datapipe.build(CORPUS, tmp_path / "cache", size=32, scheduler="sync", max_bad_fraction=1.0,
-                            progress=False, log=lambda line: None)
+    report = datapipe.build(CORPUS, tmp_path / "cache", size=32, cluster=datapipe.Cluster(scheduler="sync"),
+                            max_bad_fraction=1.0, progress=False)
     assert report.scanned == len(FILES)
     assert report.num_samples + len(report.quarantined) == len(FILES)
     assert report.ignored == 1

@@ -19,7 +19,7 @@ log = logging.getLogger("datapipe.demo")
 def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000, workers: int | None = None,
              bench: bool = True) -> dict:
     from .. import augment
-    from ..builder import build
+    from ..builder import Cluster, build
     from ..cache import Cache
     from ..dataset import StreamingDataset
     from ..device import DeviceLoader
@@ -39,7 +39,7 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
 
     log.info(f"[2/4] build on a Dask LocalCluster -> {cache_dir}")
     report = build(source, cache_dir, size=256, shard_size=max(50, images // (4 * (workers or cores))),
-                   workers=workers)
+                   cluster=Cluster(workers=workers))
     log.info(f"      {report.summary()}")
 
     log.info("[3/4] read it back")
@@ -58,11 +58,11 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
     loader.close()
     result = {"build": report, "loader": s}
     if bench:
-        from .harness import BenchSpec, format_table, run
+        from .harness import format_table, run
 
         log.info("[4/4] bench against the plain torch DataLoader + Pillow ImageFolder pipeline (same output)")
-        res = run(cache_dir, BenchSpec(workers=min(2, cores), repeats=2, batches=min(len(ds), 8)), source=source,
-                  against=["dataloader"], progress=False)
+        res = run(cache_dir, source=source, against=["dataloader"], workers=min(2, cores), repeats=2,
+                  batches=min(len(ds), 8), progress=False)
         log.info(format_table(res))
         peer = res.systems["dataloader"]
         if peer.ratio:
