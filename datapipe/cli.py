@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import logging
-import re
 import sys
 from collections.abc import Iterator
 
@@ -255,17 +254,12 @@ def _bench(args) -> int:
     from pathlib import Path
 
     _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
-        from .errors import ArgumentError
+    from .bench.harness import BenchSpec, format_table, plot, run
 
-        raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {args.device!r}")
-
-    from .bench.harness import format_table, plot, run
-
+    spec = BenchSpec(batch_size=args.batch_size, workers=args.workers, crop=args.crop, batches=args.batches,
+                     device=args.device, repeats=args.repeats, step_ms=args.step_ms)  # checks every flag
     against = [a.strip() for a in args.against.split(",") if a.strip()]
-    result = run(args.cache, source=args.source, against=against, batch_size=args.batch_size, workers=args.workers,
-                 repeats=args.repeats, batches=args.batches, crop=args.crop, step_ms=args.step_ms,
-                 device=args.device, work_dir=args.work_dir, progress=not args.quiet)
+    result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir, progress=not args.quiet)
     print(format_table(result))
     if args.json:
         with _writing("--json", args.json):

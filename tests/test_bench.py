@@ -12,7 +12,8 @@ import pytest
 import datapipe
 from datapipe import cli, native
 from datapipe.bench import harness as bench
-from datapipe.errors import CacheError
+from datapipe.bench.harness import BenchSpec
+from datapipe.errors import ArgumentError, CacheError
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_bench_json_chart_and_peers(tiny, tmp_path):
 
 
 def test_bench_table_mentions_every_system(tiny):
-    result = bench.run(tiny / "cache", batch_size=8, workers=1, repeats=1, batches=1, crop=48, progress=False)
+    result = bench.run(tiny / "cache", BenchSpec(batch_size=8, workers=1, repeats=1, batches=1, crop=48), progress=False)
     table = bench.format_table(result)
     assert "datapipe" in table and "img/s" in table
     assert result.systems["datapipe"].median > 0
@@ -110,6 +111,51 @@ def test_the_stage_breakdown_adds_up_to_the_end_to_end_time(tmp_path):
     cache = datapipe.open(build_index_cache(tmp_path, 512, shard_size=128, size=128))
     timers: dict = {}
     bench.measure_stages(cache, batch_size=64, crop=112, device=torch.device("cpu"), timers=timers)
-    a = bench._attribution(cache, timers, batch_size=64, crop=112, device=torch.device("cpu"), batches=8)
+    a = bench._attribution(cache, timers, BenchSpec(batch_size=64, crop=112), torch.device("cpu"), batches=8)
     assert set(timers) == {"augment"}
     assert 0.65 <= a["sum_over_end_to_end"] <= 1.5, a
+
+
+@pytest.mark.parametrize("field,flag,bad", [
+    ("batch_size", "--batch-size", 0), ("batch_size", "--batch-size", -3), ("batch_size", "--batch-size", 8.0),
+    ("batch_size", "--batch-size", True), ("batch_size", "--batch-size", "8"),
+    ("workers", "--workers", -1), ("workers", "--workers", 1.5), ("workers", "--workers", None),
+    ("crop", "--crop", 0), ("crop", "--crop", False),
+    ("batches", "--batches", 0), ("batches", "--batches", 2.0),
+    ("repeats", "--repeats", 0), ("repeats", "--repeats", "3"),
+    ("step_ms", "--step-ms", -1.0), ("step_ms", "--step-ms", float("nan")), ("step_ms", "--step-ms", float("inf")),
+    ("step_ms", "--step-ms", True), ("step_ms", "--step-ms", "5"),
+    ("device", "--device", "gpu"), ("device", "--device", "cuda:x"), ("device", "--device", "CPU"),
+    ("device", "--device", ""), ("device", "--device", None),
+])
+def test_a_bad_spec_is_one_error_naming_the_flag(field, flag, bad):
+    with pytest.raises(ArgumentError) as err:
+        BenchSpec(**{field: bad})
+    message = str(err.value)
+    assert message.startswith(f"{flag} must be") and "\n" not in message
+
+
+def test_the_spec_keeps_good_values_and_is_frozen():
+    spec = BenchSpec(batch_size=1, workers=0, crop=1, batches=None, device="cuda:1", repeats=1, step_ms=0)
+    assert (spec.batch_size, spec.workers, spec.batches, spec.device, spec.step_ms) == (1, 0, None, "cuda:1", 0)
+    assert BenchSpec() == BenchSpec(batch_size=256, workers=2, crop=224, batches=None, device="auto", repeats=3,
+                                    step_ms=0.0)
+    with pytest.raises(AttributeError):
+        spec.batch_size = 2  # type: ignore[misc]
+    # batches per pass: the spec's, else one epoch of the cache capped at 40
+    assert BenchSpec(batch_size=8).batches_per_pass(24) == 3
+    assert BenchSpec(batch_size=8).batches_per_pass(25) == 4
+    assert BenchSpec(batch_size=8).batches_per_pass(8 * 100) == 40
+    assert BenchSpec(batch_size=8, batches=100).batches_per_pass(24) == 100
+
+
+def test_run_takes_a_spec_only(tiny):
+    with pytest.raises(ArgumentError, match="BenchSpec"):
+        bench.run(tiny / "cache", {"batch_size": 8}, progress=False)  # type: ignore[arg-type]
+
+
+def test_the_bench_command_checks_its_flags_through_the_spec(tmp_path, capsys):
+    """A negative model step is refused before the cache is opened (argparse's types let it through)."""
+    assert cli.main(["bench", str(tmp_path / "no-cache"), "--step-ms", "-5"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "datapipe bench: error: --step-ms must be a number of milliseconds >= 0, got -5.0"

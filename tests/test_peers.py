@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from datapipe.augment import sample_resized_crops
 from datapipe.bench import peers
-from datapipe.bench.peers import ImageFolderTransform, get_peer, list_image_folder, random_resized_crop_params
+from datapipe.bench.peers import ImageFolderTransform, get_peer, list_image_folder
 from datapipe.bench.sample import make_sample_dataset
 
 IMAGES = 40
@@ -102,28 +103,60 @@ def test_transform_flip_and_full_crop(source):
     assert torch.allclose(plain, want, atol=1e-6)
 
 
-def test_transform_matches_torchvision(source):
-    # Where torchvision imports (the peers venv), the output must be bit-identical to its
-    # ImageNet training transform for the same torch seed, including the centre-crop fallback.
-    try:
-        from torchvision import transforms as T
-    except Exception as exc:  # noqa: BLE001 - not installed, or built for another torch
-        pytest.skip(f"torchvision does not import here: {type(exc).__name__}")
+def _expected(image, seed: int, size: int = 224):
+    """The transform's output for ``seed``, replayed: the shared sampler's crop, then one draw for the flip."""
+    import numpy as np
     from PIL import Image
 
-    reference = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor()])
-    mine = ImageFolderTransform()
-    paths = sorted(source.glob("*/*.jpg"))[:8]
+    gen = torch.Generator().manual_seed(seed)
+    top, left, h, w = sample_resized_crops(1, image.height, image.width, generator=gen)[0].tolist()
+    flip = torch.rand(1, generator=gen).item() < 0.5
+    out = image.crop((left, top, left + w, top + h)).resize((size, size), Image.Resampling.BILINEAR)
+    if flip:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return (top, left, h, w), flip, torch.from_numpy(np.array(out)).permute(2, 0, 1).float() / 255
+
+
+def _photo_and_strip(source):
+    from PIL import Image
+
+    paths = sorted(source.glob("*/*.jpg"))[:6]
     with Image.open(paths[0]) as img:
-        strip = img.convert("RGB").resize((900, 60))  # forces the fallback
-    for seed, path in enumerate(paths):
+        strip = img.convert("RGB").resize((900, 60))  # no try fits: the centre-crop fallback
+    images = []
+    for path in paths:
         with Image.open(path) as img:
-            rgb = img.convert("RGB")
-        for image in (rgb, strip):
-            torch.manual_seed(seed)
-            want = reference(image)
-            torch.manual_seed(seed)
-            assert torch.equal(mine(image), want)
+            images.append(img.convert("RGB"))
+    return [*images, strip]
+
+
+def test_the_transform_crops_with_the_loaders_sampler(source):
+    # The peers draw their crops with datapipe.augment.sample_resized_crops, as datapipe's loader
+    # does: one sample from the transform's generator, then one draw for the flip.
+    flips = set()
+    for seed, image in enumerate(_photo_and_strip(source)):
+        box, flip, want = _expected(image, seed)
+        assert ImageFolderTransform().crop_params(image.width, image.height, torch.Generator().manual_seed(seed)) == box
+        assert torch.equal(ImageFolderTransform()(image, generator=torch.Generator().manual_seed(seed)), want)
+        torch.manual_seed(seed)  # torch's global generator, as in a DataLoader worker
+        assert torch.equal(ImageFolderTransform()(image), want)
+        flips.add(flip)
+    assert flips == {False, True}
+
+
+def test_transform_matches_torchvision_for_the_same_crop(source):
+    # Where torchvision imports (the peers venv), the pixels must be bit-identical to its
+    # resized_crop + hflip + to_tensor for the same crop and flip, the centre-crop fallback included.
+    try:
+        from torchvision.transforms import functional as F
+    except Exception as exc:  # noqa: BLE001 - not installed, or built for another torch
+        pytest.skip(f"torchvision does not import here: {type(exc).__name__}")
+
+    for seed, image in enumerate(_photo_and_strip(source)):
+        (top, left, h, w), flip, _ = _expected(image, seed)
+        want = F.resized_crop(image, top, left, h, w, [224, 224], antialias=True)
+        want = F.to_tensor(F.hflip(want) if flip else want)
+        assert torch.equal(ImageFolderTransform()(image, generator=torch.Generator().manual_seed(seed)), want)
 
 
 def test_resize_box_variant_differs_only_at_the_border(source):
@@ -149,8 +182,9 @@ def test_crop_params_respect_bounds(width, height):
     gen = torch.Generator().manual_seed(0)
     area = width * height
     fallbacks = 0
+    transform = ImageFolderTransform(scale=scale, ratio=ratio)
     for _ in range(500):
-        i, j, h, w = random_resized_crop_params(width, height, scale, ratio, gen)
+        i, j, h, w = transform.crop_params(width, height, gen)
         assert 0 <= i and 0 <= j and 0 < h and 0 < w
         assert i + h <= height and j + w <= width
         # The rounding of w and h to integers bends the bounds by up to half a pixel per side.
@@ -169,20 +203,25 @@ def test_crop_params_respect_bounds(width, height):
 def test_crop_params_fallback_is_centre_crop():
     # A 1000x10 strip: no 3/4..4/3 crop of 8..100% of the area fits, so all 10 tries fail.
     gen = torch.Generator().manual_seed(0)
-    i, j, h, w = random_resized_crop_params(1000, 10, (0.08, 1.0), (3 / 4, 4 / 3), gen)
+    transform = ImageFolderTransform(scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+    i, j, h, w = transform.crop_params(1000, 10, gen)
     assert (h, w) == (10, round(10 * 4 / 3))
     assert (i, j) == (0, (1000 - w) // 2)
     # Tall strip: clamp to the minimum ratio.
-    i, j, h, w = random_resized_crop_params(10, 1000, (0.08, 1.0), (3 / 4, 4 / 3), gen)
+    i, j, h, w = transform.crop_params(10, 1000, gen)
     assert (h, w) == (round(10 / (3 / 4)), 10)
     assert (i, j) == ((1000 - h) // 2, 0)
 
 
 def test_crop_params_cover_the_scale_range():
     gen = torch.Generator().manual_seed(1)
-    crops = [random_resized_crop_params(400, 400, generator=gen) for _ in range(400)]
+    crops = [ImageFolderTransform().crop_params(400, 400, gen) for _ in range(400)]
     fractions = [h * w / (400 * 400) for _, _, h, w in crops]
     assert min(fractions) < 0.15 and max(fractions) > 0.85
+    # The transform's own scale and ratio are the sampler's.
+    narrow = ImageFolderTransform(scale=(0.5, 0.6), ratio=(1.0, 1.0))
+    crops = [narrow.crop_params(400, 400, gen) for _ in range(200)]
+    assert all(h == w and 0.5 * 400 * 400 - 400 <= h * w <= 0.6 * 400 * 400 + 400 for _, _, h, w in crops)
 
 
 def test_get_peer_and_registry():

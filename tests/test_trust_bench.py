@@ -22,6 +22,7 @@ import pytest
 import datapipe
 from datapipe.bench import harness as bench
 from datapipe.bench import peers
+from datapipe.bench.harness import BenchSpec
 from datapipe.errors import DatapipeError, SourceError
 
 IMAGES = 24
@@ -86,8 +87,8 @@ def test_every_file_a_baseline_decodes_is_one_of_the_caches(built, tmp_path, mon
         return load(src)
 
     monkeypatch.setattr(peers.ImageFolderTransform, "load", staticmethod(watched))
-    result = bench.run(built / "cache", source=built / "src", against=["dataloader"], batch_size=8, workers=0,
-                       repeats=1, batches=3, crop=48, work_dir=tmp_path / "work", progress=False)
+    result = bench.run(built / "cache", BenchSpec(batch_size=8, workers=0, repeats=1, batches=3, crop=48),
+                       source=built / "src", against=["dataloader"], work_dir=tmp_path / "work", progress=False)
     assert result.systems["dataloader"].status == "ok"
     assert len(opened) == 2 * 3 * 8  # warm-up and one round of 3 batches
     assert set(opened) <= cache_files(built)
@@ -158,8 +159,9 @@ def test_a_baseline_that_fails_mid_run_is_reported_and_the_others_run(built, tmp
         return Loader()
 
     monkeypatch.setattr(peers.WebDatasetPeer, "loader", broken_loader)
-    result = bench.run(built / "cache", source=built / "src", against=["webdataset", "dataloader"], batch_size=8,
-                       workers=0, repeats=1, batches=2, crop=48, work_dir=tmp_path / "work", progress=False)
+    result = bench.run(built / "cache", BenchSpec(batch_size=8, workers=0, repeats=1, batches=2, crop=48),
+                       source=built / "src", against=["webdataset", "dataloader"], work_dir=tmp_path / "work",
+                       progress=False)
     web, plain = result.systems["webdataset"], result.systems["dataloader"]
     assert web.status == "failed" and web.reason == "OSError: the disk went away" and not web.images_per_s
     assert plain.status == "ok" and plain.ratio and result.systems["datapipe"].median > 0
@@ -171,8 +173,8 @@ def test_all_skips_peers_that_are_not_installed_without_failing(built, tmp_path,
     monkeypatch.setattr(peers.LitDataPeer, "unavailable", lambda self: "ModuleNotFoundError: No module named 'litdata'")
     monkeypatch.setattr(peers.StreamingPeer, "unavailable", lambda self: "ModuleNotFoundError: No module named 'x'")
     monkeypatch.setattr(peers.WebDatasetPeer, "unavailable", lambda self: "ModuleNotFoundError: No module named 'y'")
-    result = bench.run(built / "cache", source=built / "src", against=["all"], batch_size=8, workers=0, repeats=1,
-                       batches=1, crop=48, work_dir=tmp_path / "work", progress=False)
+    result = bench.run(built / "cache", BenchSpec(batch_size=8, workers=0, repeats=1, batches=1, crop=48),
+                       source=built / "src", against=["all"], work_dir=tmp_path / "work", progress=False)
     assert {n: s.status for n, s in result.systems.items()} == {
         "datapipe": "ok", "dataloader": "ok", "webdataset": "skipped", "litdata": "skipped", "streaming": "skipped"}
 

@@ -58,11 +58,11 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
     loader.close()
     result = {"build": report, "loader": s}
     if bench:
-        from .harness import format_table, run
+        from .harness import BenchSpec, format_table, run
 
         log.info("[4/4] bench against the plain torch DataLoader + Pillow ImageFolder pipeline (same output)")
-        res = run(cache_dir, source=source, against=["dataloader"], workers=min(2, cores), repeats=2,
-                  batches=min(len(ds), 8), progress=False)
+        res = run(cache_dir, BenchSpec(workers=min(2, cores), repeats=2, batches=min(len(ds), 8)), source=source,
+                  against=["dataloader"], progress=False)
         log.info(format_table(res))
         peer = res.systems["dataloader"]
         if peer.ratio:

@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..environment import environment
+from ..errors import ArgumentError
+from ..text import show
 from .timing import settle, timed_pass, timeit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .peers import SampleList
 
 SYSTEM = "datapipe"
 log = logging.getLogger("datapipe.bench")
@@ -93,6 +102,52 @@ def describe_machine() -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- what to measure
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What a bench runs and how it is timed, checked once, here, for the library and the command alike.
+
+    The workload — ``batch_size``, ``workers``, ``crop``, ``batches`` and ``device`` — is the same
+    for every system, so that they produce the same output from the same data. The measurement
+    plan — ``repeats`` and ``step_ms`` — says how the passes are timed. An out-of-range value is an
+    :class:`~datapipe.errors.ArgumentError` naming the ``datapipe bench`` flag that sets it.
+    """
+
+    batch_size: int = 256  # samples per batch
+    workers: int = 2  # loader workers (0: the loaders read in the calling process)
+    crop: int = 224  # RandomResizedCrop's output size
+    batches: int | None = None  # batches per pass; None: one epoch, at most 40
+    device: str = "auto"  # cuda, cuda:N, cpu or auto
+    repeats: int = 3  # measured rounds; each runs every system once, interleaved (after a warm-up round)
+    step_ms: float = 0.0  # if > 0, datapipe also runs with a synthetic model step of this many ms
+
+    def __post_init__(self) -> None:
+        _check_whole("--batch-size", self.batch_size, least=1)
+        _check_whole("--workers", self.workers, least=0)
+        _check_whole("--crop", self.crop, least=1)
+        if self.batches is not None:
+            _check_whole("--batches", self.batches, least=1)
+        _check_whole("--repeats", self.repeats, least=1)
+        if isinstance(self.step_ms, bool) or not isinstance(self.step_ms, (int, float)) or not 0 <= self.step_ms < math.inf:
+            raise ArgumentError(f"--step-ms must be a number of milliseconds >= 0, got {show(self.step_ms)}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {show(self.device)}")
+
+    def batches_per_pass(self, samples: int) -> int:
+        """``batches``, or one epoch of ``samples`` capped at 40 batches."""
+        return self.batches or min(-(-samples // self.batch_size), 40)
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _check_whole(flag: str, value: object, *, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ArgumentError(f"{flag} must be a whole number >= {least}, got {show(value)}")
+
+
 # ----------------------------------------------------------------------------- stages
 
 
@@ -108,16 +163,52 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
         return _stages(cache, batch_size=batch_size, crop=crop, device=device, timers=timers)
 
 
+@dataclass
+class _Batch:
+    """One shuffled batch's buffers, reused by every stage (as the loader reuses its own)."""
+
+    cache: Any
+    size: int
+    images: np.ndarray  # uint8 [size, *cache.shape]
+    labels: np.ndarray  # int64 [size]
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+
+    @classmethod
+    def of(cls, cache, batch_size: int) -> _Batch:
+        size = min(batch_size, len(cache))
+        return cls(cache, size, np.empty((size, *cache.shape), np.uint8), np.empty(size, np.int64))
+
+    def shuffled(self) -> np.ndarray:
+        """The indices of a fresh shuffled batch, as in an epoch."""
+        return self.rng.choice(len(self.cache), self.size, replace=False)
+
+
 def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -> dict:
-    import torch
+    batch = _Batch.of(cache, batch_size)
+    stages: dict[str, dict] = {"read": _read_stage(cache)}
+    stages["assemble"], assemble = _assemble_stage(batch)
+    stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
+    path: dict[str, tuple] = {}  # the stages on the loader's path: {stage: (fn, images per call)}
+    if device.type == "cuda":
+        stages["h2d"], copy, on_device = _h2d_stage(batch, device)
+        path["assemble"], path["h2d"] = (assemble, batch.size), (copy, batch.size)
+        stages["augment"], augment = _augment_on_device(on_device, crop, device)
+    else:
+        # The CPU loader reads the batch's samples into its reused buffer and resizes each crop from
+        # there: no gathered batch on this path, the reading is part of the augment stage.
+        stages["h2d"] = {"GB_per_s": None, "what": "skipped: no GPU"}
+        stages["assemble"]["on_this_path"] = False
+        stages["assemble"]["what"] += " (on the CPU path it is part of the augment stage)"
+        stages["augment"], augment = _augment_on_cpu(batch, crop, device)
+    path["augment"] = (augment, batch.size)
+    if timers is not None:
+        timers.update(path)
+    return stages
 
-    from .. import augment
-    from ..shards import SHARDS_DIR, images_path
 
-    stages: dict[str, dict] = {}
-    per_image = cache.shape[0] * cache.shape[1] * cache.shape[2]
-    # read: sequential bytes of the shard files (page cache or disk)
-    files = [images_path(cache.root / SHARDS_DIR / n) for n, c in zip(cache.shard_names, cache.counts, strict=True) if c]
+def _read_stage(cache) -> dict:
+    """Sequential bytes of the shard files: a first pass (disk or page cache), then again from the page cache."""
+    files = [cache._shard_path(shard) for shard, count in enumerate(cache.counts) if count]  # the cache's own file names
     buf = bytearray(1 << 24)
 
     def read_all() -> float:
@@ -129,161 +220,239 @@ def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -
         return nbytes / (time.perf_counter() - t0) / 1e6
 
     first = read_all()  # from the disk, or from the page cache if the files are there already
-    stages["read"] = {"MB_per_s": first, "MB_per_s_cached": read_all(),
-                      "what": "sequential read of every shard file: first pass, then again from the page cache"}
-    # assemble: a shuffled batch gathered from the memory maps into a buffer
-    b = min(batch_size, len(cache))
-    rng = np.random.default_rng(0)
-    out = np.empty((b, *cache.shape), np.uint8)
-    lab = np.empty(b, np.int64)
+    return {"MB_per_s": first, "MB_per_s_cached": read_all(),
+            "what": "sequential read of every shard file: first pass, then again from the page cache"}
 
-    def assemble():
-        cache.read_batch(rng.choice(len(cache), b, replace=False), out, lab)
+
+def _assemble_stage(batch: _Batch) -> tuple[dict, Callable[[], None]]:
+    """A shuffled batch gathered from the memory maps into the batch's buffer."""
+    def assemble() -> None:
+        batch.cache.read_batch(batch.shuffled(), batch.images, batch.labels)
 
     sec = timeit(assemble)
-    stages["assemble"] = {"images_per_s": b / sec, "GB_per_s": b * per_image / sec / 1e9,
-                          "what": "gather of a shuffled batch from memory-mapped shards"}
-    stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
-    images = torch.from_numpy(out)
-    if device.type == "cuda":
-        pinned = images.pin_memory()
+    per_image = batch.cache.shape[0] * batch.cache.shape[1] * batch.cache.shape[2]
+    return ({"images_per_s": batch.size / sec, "GB_per_s": batch.size * per_image / sec / 1e9,
+             "what": "gather of a shuffled batch from memory-mapped shards"}, assemble)
+
+
+def _h2d_stage(batch: _Batch, device) -> tuple[dict, Callable[[], None], Any]:
+    """The gathered batch, pinned, copied to the device; returns the stage, its timer and the batch on the device."""
+    import torch
+
+    images = torch.from_numpy(batch.images)
+    pinned = images.pin_memory()
+    torch.cuda.synchronize()
+
+    def copy() -> None:
+        pinned.to(device, non_blocking=True)
         torch.cuda.synchronize()
 
-        def copy():
-            pinned.to(device, non_blocking=True)
-            torch.cuda.synchronize()
+    sec = timeit(copy)
+    stage = {"GB_per_s": pinned.numel() / sec / 1e9, "images_per_s": batch.size / sec, "what": "pinned host -> device copy"}
+    return stage, copy, images.to(device)
 
-        sec = timeit(copy)
-        if timers is not None:
-            timers["assemble"], timers["h2d"] = (assemble, b), (copy, b)
-        stages["h2d"] = {"GB_per_s": pinned.numel() / sec / 1e9, "images_per_s": b / sec,
-                         "what": "pinned host -> device copy"}
-        on_dev = images.to(device)
-    else:
-        stages["h2d"] = {"GB_per_s": None, "what": "skipped: no GPU"}
-        on_dev = images
+
+def _augment_on_device(on_device, crop: int, device) -> tuple[dict, Callable[[], None]]:
+    """The train preset on the whole batch, already on the device."""
+    import torch
+
+    from .. import augment
+
     aug = augment.train(crop)
-    if device.type == "cuda":
-        def run_aug():
-            aug(on_dev, seed=1)
-            torch.cuda.synchronize()
 
-        what = f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"
-    else:
-        # The CPU loader reads the batch's samples into its reused buffer and resizes each crop from
-        # there into reused output buffers. Measure exactly that (so it includes the reading).
-        stages["assemble"]["on_this_path"] = False
-        stages["assemble"]["what"] += " (on the CPU path it is part of the augment stage)"
-        out_buf = torch.empty((b, 3, crop, crop))
+    def run_aug() -> None:
+        aug(on_device, seed=1)
+        torch.cuda.synchronize()
 
-        mapped = aug.reads_in_place(*cache.shape[:2])  # as the loader does: crops read from the maps
-
-        def run_aug():  # a fresh shuffled batch each time, as in an epoch
-            idx = rng.choice(len(cache), b, replace=False)
-            views = cache.sample_views(idx, lab, out=out, mapped=mapped)
-            with cache.mapped_reads(idx) if mapped else contextlib.nullcontext():
-                aug(views, seed=1, out=out_buf)
-
-        what = f"read the batch + RandomResizedCrop({crop}) + flip + normalise"
     sec = timeit(run_aug)
-    if timers is not None:
-        timers["augment"] = (run_aug, b)
-    stages["augment"] = {"images_per_s": b / sec, "where": str(device), "what": what}
-    return stages
+    size = int(on_device.shape[0])
+    return ({"images_per_s": size / sec, "where": str(device),
+             "what": f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"}, run_aug)
+
+
+def _augment_on_cpu(batch: _Batch, crop: int, device) -> tuple[dict, Callable[[], None]]:
+    """Exactly what the CPU loader does per batch (so it includes the reading): a fresh shuffled
+    batch's samples viewed in place, each crop resized into reused output buffers."""
+    import torch
+
+    from .. import augment
+
+    aug = augment.train(crop)
+    out = torch.empty((batch.size, 3, crop, crop))
+    cache = batch.cache
+    mapped = aug.reads_in_place(*cache.shape[:2])  # as the loader does: crops read from the maps
+
+    def run_aug() -> None:
+        idx = batch.shuffled()
+        views = cache.sample_views(idx, batch.labels, out=batch.images, mapped=mapped)
+        with cache.mapped_reads(idx) if mapped else contextlib.nullcontext():
+            aug(views, seed=1, out=out)
+
+    sec = timeit(run_aug)
+    return ({"images_per_s": batch.size / sec, "where": str(device),
+             "what": f"read the batch + RandomResizedCrop({crop}) + flip + normalise"}, run_aug)
 
 
 # ----------------------------------------------------------------------------- systems
 
 
-def _datapipe_loader(cache, *, batch_size, workers, crop, device, seed=0):
+@dataclass(frozen=True)
+class _Peers:
+    """The peers a bench compares against, and what they read."""
+
+    names: list[str]
+    every: bool  # --against all: a peer not installed here is skipped, not failed
+    listing: SampleList | None  # the cache's samples as source files (None without peers)
+    work: Path  # where the peers write their shards
+
+    @classmethod
+    def chosen(cls, cache, against: Iterable[str], source, work_dir) -> _Peers:
+        """The named peers (``["all"]``: every one), checked before anything is measured.
+
+        Raises:
+            ArgumentError: an unknown peer name (the message names the choices).
+            SourceError: peers without ``source``, or a source that is not the cache's.
+        """
+        from ..errors import SourceError
+        from . import peers as peer_mod
+
+        against = list(against)
+        every = against == ["all"]
+        names = list(peer_mod.PEERS) if every else [a for a in against if a]
+        for name in names:
+            peer_mod.get_peer(name)  # raises ArgumentError naming the choices
+        if names and source is None:
+            raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
+        listing = peer_mod.cache_samples(cache, source) if names else None  # refuses a source that is not the cache's
+        work = Path(work_dir) if work_dir else cache.root.parent / f"{cache.root.name}-bench-work"
+        return cls(names, every, listing, work)
+
+
+def _datapipe_loader(cache, spec: BenchSpec, device, *, workers: int | None = None, seed: int = 0):
     from .. import augment
     from ..dataset import StreamingDataset
     from ..device import DeviceLoader
 
-    ds = StreamingDataset(cache, batch_size=batch_size, shuffle=True, seed=seed)
-    return DeviceLoader(ds, device=device, num_workers=workers, prefetch=2, augment=augment.train(crop))
+    ds = StreamingDataset(cache, batch_size=spec.batch_size, shuffle=True, seed=seed)
+    return DeviceLoader(ds, device=device, num_workers=spec.workers if workers is None else workers, prefetch=2,
+                        augment=augment.train(spec.crop))
 
 
-def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int = 2, repeats: int = 3,
-        batches: int | None = None, crop: int = 224, step_ms: float = 0.0, device: str = "auto",
-        work_dir=None, progress: bool = True) -> BenchResult:
+def _prepare_systems(cache, spec: BenchSpec, device, peers: _Peers) -> tuple[dict[str, Measurement], dict[str, Any]]:
+    """datapipe's loader, then each peer's shards and loader; a peer that cannot be prepared is
+    marked failed (or, for ``--against all``, skipped where it is not installed) and gets no loader."""
+    systems = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train", samples=len(cache))}
+    loaders: dict[str, Any] = {SYSTEM: _datapipe_loader(cache, spec, device)}
+    for name in peers.names:
+        systems[name], loader = _prepare_peer(name, spec, peers)
+        if loader is not None:
+            loaders[name] = loader
+    return systems, loaders
+
+
+def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measurement, Any]:
+    """One peer's measurement record and loader (None where it is skipped or failed)."""
+    from . import peers as peer_mod
+
+    peer = peer_mod.get_peer(name)
+    m = Measurement(name, install=peer.install)
+    reason = peer.unavailable()
+    if reason is not None and peers.every:  # "all": the peers installed here
+        m.status, m.reason = "skipped", reason
+        log.info(f"datapipe bench: {name} skipped: {reason} (install: {peer.install})")
+        return m, None
+    try:
+        if reason is not None:
+            raise RuntimeError(f"{reason}; install it with: {peer.install}")
+        assert peers.listing is not None  # there are peers, so the cache's samples were listed
+        log.info(f"datapipe bench: preparing {name} …")
+        m.prepare_s = peer.prepare(peers.listing, peers.work)
+        loader = peer.loader(peers.listing, peers.work, batch_size=spec.batch_size, workers=spec.workers)
+        m.samples = len(peers.listing)
+        return m, loader
+    except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+        _failed(m, exc)
+        return m, None
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run(cache, spec: BenchSpec | None = None, *, source=None, against: Iterable[str] = (), work_dir=None,
+        progress: bool = True) -> BenchResult:
     """Measure datapipe stage by stage and against ``against`` peers on the same data.
 
     Args:
         cache: a cache folder written by ``datapipe build``.
+        spec: the workload every system runs and the measurement plan (default: :class:`BenchSpec`'s defaults).
         source: the source image folder (needed by every peer).
         against: peer names (``dataloader``, ``webdataset``, ``litdata``, ``streaming``) or ``["all"]``.
             A named peer that cannot run here fails; with ``all``, peers not installed are skipped.
-        batch_size, workers, crop: the same for every system.
-        repeats: measured rounds; each round runs every system once, interleaved.
-        batches: batches per pass (default: one epoch, at most 40).
-        step_ms: if > 0, also run datapipe with a synthetic model step and report the wait share.
-        device: ``cuda``, ``cpu`` or ``auto``.
         work_dir: where peers write their shards (default: next to the cache).
+        progress: show a progress bar (on stderr).
 
     Returns:
         A :class:`BenchResult` (``.to_dict()`` is what ``--json`` writes); a system that failed has
         ``status == "failed"`` and the reason. Progress lines go to the ``datapipe.bench`` logger.
 
     Raises:
+        ArgumentError: ``spec`` is not a :class:`BenchSpec`, or an unknown peer is named.
         SourceError: ``source`` is missing, or does not hold the cache's samples (see
             :func:`datapipe.bench.peers.cache_samples`).
     """
-    import torch
-    from tqdm import tqdm
-
     from ..cache import Cache
     from ..device import _resolve_device
-    from ..errors import SourceError
-    from . import peers as peer_mod
 
+    spec = BenchSpec() if spec is None else spec
+    if not isinstance(spec, BenchSpec):
+        raise ArgumentError(f"spec must be a datapipe.bench.BenchSpec, got {show(spec)} ({type(spec).__name__})")
     cache = Cache(cache)
-    dev = _resolve_device(device)
-    every = list(against) == ["all"]
-    names = list(peer_mod.PEERS) if every else [a for a in against if a]
-    for name in names:
-        peer_mod.get_peer(name)  # raises ArgumentError naming the choices
-    if names and source is None:
-        raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
-    listing = peer_mod.cache_samples(cache, source) if names else None  # refuses a source that is not the cache's
-    work = Path(work_dir) if work_dir else cache.root.parent / f"{cache.root.name}-bench-work"
-    epoch_batches = -(-len(cache) // batch_size)
-    batches = batches or min(epoch_batches, 40)
-    config = {"cache": str(cache.root), "source": str(source) if source else None, "samples": len(cache),
-              "batch_size": batch_size,
-              "workers": workers, "repeats": repeats, "batches_per_pass": batches, "crop": crop,
-              "device": str(dev), "output": f"float32 [B, 3, {crop}, {crop}] after RandomResizedCrop + flip"}
-    log.info(f"datapipe bench: {len(cache):,} samples, batch {batch_size}, {workers} workers, {repeats} rounds "
-        f"of {batches} batches on {dev}")
+    dev = _resolve_device(spec.device)
+    peers = _Peers.chosen(cache, against, source, work_dir)
+    batches = spec.batches_per_pass(len(cache))
+    log.info(f"datapipe bench: {len(cache):,} samples, batch {spec.batch_size}, {spec.workers} workers, {spec.repeats} "
+             f"rounds of {batches} batches on {dev}")
 
     timers: dict = {}
-    stages = measure_stages(cache, batch_size=batch_size, crop=crop, device=dev, timers=timers)
+    stages = measure_stages(cache, batch_size=spec.batch_size, crop=spec.crop, device=dev, timers=timers)
     stages["bytes_on_disk_per_image"] = cache.manifest.nbytes / max(len(cache), 1)
+    systems, loaders = _prepare_systems(cache, spec, dev, peers)
+    cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches, sync=_sync(dev), progress=progress)
+    _summarise(systems, cpu)
+    attribution = _attribution(cache, timers, spec, dev, batches=batches)
+    if spec.step_ms > 0:
+        attribution["model_step"] = _with_step(cache, spec, dev, batches=batches)
+    for loader in loaders.values():
+        close = getattr(loader, "close", None)
+        if close:
+            close()
+    return BenchResult(machine=describe_machine(), config=_config(cache, spec, source, dev, batches), stages=stages,
+                       systems=systems, attribution=attribution)
 
-    systems: dict[str, Measurement] = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train",
-                                                           samples=len(cache))}
-    loaders: dict[str, object] = {}
-    sync = torch.cuda.synchronize if dev.type == "cuda" else None
-    loaders[SYSTEM] = _datapipe_loader(cache, batch_size=batch_size, workers=workers, crop=crop, device=dev)
-    for name in names:
-        peer = peer_mod.get_peer(name)
-        m = Measurement(name, install=peer.install)
-        systems[name] = m
-        reason = peer.unavailable()
-        if reason is not None and every:  # "all": the peers installed here
-            m.status, m.reason = "skipped", reason
-            log.info(f"datapipe bench: {name} skipped: {reason} (install: {peer.install})")
-            continue
-        try:
-            if reason is not None:
-                raise RuntimeError(f"{reason}; install it with: {peer.install}")
-            assert listing is not None  # names is not empty, so the cache's samples were listed
-            log.info(f"datapipe bench: preparing {name} …")
-            m.prepare_s = peer.prepare(listing, work)
-            loaders[name] = peer.loader(listing, work, batch_size=batch_size, workers=workers)
-            m.samples = len(listing)
-        except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
-            _failed(m, exc)
+
+def _config(cache, spec: BenchSpec, source, device, batches: int) -> dict:
+    """What was measured, as the result's ``config`` reports it."""
+    return {"cache": str(cache.root), "source": str(source) if source else None, "samples": len(cache),
+            "batch_size": spec.batch_size, "workers": spec.workers, "repeats": spec.repeats, "batches_per_pass": batches,
+            "crop": spec.crop, "device": str(device),
+            "output": f"float32 [B, 3, {spec.crop}, {spec.crop}] after RandomResizedCrop + flip"}
+
+
+def _sync(device) -> Callable[[], None] | None:
+    """What a timed pass calls before its clock stops, so that queued device work counts."""
+    import torch
+
+    return torch.cuda.synchronize if device.type == "cuda" else None
+
+
+def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *, repeats: int, batches: int, sync,
+                    progress: bool) -> dict[str, list[float]]:
+    """A warm-up round, then ``repeats`` rounds that each time every loader once, in turn.
+
+    Each system's images/s go into its :class:`Measurement`; a system whose pass fails is marked
+    failed and leaves the rounds. Returns each system's CPU seconds per image, round by round.
+    """
+    from tqdm import tqdm
 
     runnable = list(loaders)
     bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress, file=sys.stderr)
@@ -305,6 +474,11 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
             settle()
             bar.update()
     bar.close()
+    return cpu
+
+
+def _summarise(systems: dict[str, Measurement], cpu: dict[str, list[float]]) -> None:
+    """Median and spread of each system, its CPU cost per image, and datapipe's lead (median of per-round ratios)."""
     base = systems[SYSTEM]
     for name, m in systems.items():
         m.finish()
@@ -312,17 +486,6 @@ def run(cache, *, source=None, against=(), batch_size: int = 256, workers: int =
             m.cpu_s_per_image = statistics.median(cpu[name])
         if name != SYSTEM and m.images_per_s and base.images_per_s:
             m.ratio = statistics.median(a / b for a, b in zip(base.images_per_s, m.images_per_s, strict=True))
-
-    attribution = _attribution(cache, timers, batch_size=batch_size, crop=crop, device=dev, batches=batches)
-    if step_ms > 0:
-        attribution["model_step"] = _with_step(cache, batch_size=batch_size, workers=workers, crop=crop, device=dev,
-                                               batches=batches, step_ms=step_ms)
-    for loader in loaders.values():
-        close = getattr(loader, "close", None)
-        if close:
-            close()
-    return BenchResult(machine=describe_machine(), config=config, stages=stages, systems=systems,
-                       attribution=attribution)
 
 
 def _failed(m: Measurement, exc: BaseException) -> None:
@@ -333,19 +496,17 @@ def _failed(m: Measurement, exc: BaseException) -> None:
     log.warning(f"datapipe bench: {m.name} failed: {m.reason}")
 
 
-def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: int = 3) -> dict:
+def _attribution(cache, timers, spec: BenchSpec, device, *, batches: int, rounds: int = 3) -> dict:
     """Does the stage breakdown add up? One reader thread end to end vs the sum of the stages.
 
     The stages on the loader's path and the end-to-end pass are timed alternately, ``rounds``
     times, and the ratio is the median of the per-round ratios: on a machine whose speed drifts,
     stages timed a minute before the end to end would not be comparable with it.
     """
-    import torch
-
     from .._threads import torch_threads
 
-    loader = _datapipe_loader(cache, batch_size=batch_size, workers=1, crop=crop, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    loader = _datapipe_loader(cache, spec, device, workers=1)
+    sync = _sync(device)
     timed_pass(loader, batches, sync=sync)  # warm-up: output buffers allocated, memory maps faulted in
     per_round: list[dict[str, float]] = []
     ends: list[float] = []
@@ -374,14 +535,15 @@ def _attribution(cache, timers, *, batch_size, crop, device, batches, rounds: in
     }
 
 
-def _with_step(cache, *, batch_size, workers, crop, device, batches, step_ms) -> dict:
-    loader = _datapipe_loader(cache, batch_size=batch_size, workers=workers, crop=crop, device=device)
+def _with_step(cache, spec: BenchSpec, device, *, batches: int) -> dict:
+    """datapipe with a synthetic model step of ``spec.step_ms`` after each batch: how long the loop waits."""
+    loader = _datapipe_loader(cache, spec, device)
     timed_pass(loader, min(batches, 2))
     loader.meter.reset()
-    timed_pass(loader, batches, step_s=step_ms / 1000.0)
+    timed_pass(loader, batches, step_s=spec.step_ms / 1000.0)
     s = loader.stats()
     loader.close()
-    return {"step_ms": step_ms, "images_per_s": s["images_per_s"], "wait_share": s["wait_share"]}
+    return {"step_ms": spec.step_ms, "images_per_s": s["images_per_s"], "wait_share": s["wait_share"]}
 
 
 # ----------------------------------------------------------------------------- output
