@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 from distributed.diagnostics.plugin import WorkerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Worker
 
 
 class IgnoreSigint(WorkerPlugin):
@@ -18,6 +22,6 @@ class IgnoreSigint(WorkerPlugin):
 
     idempotent = True
 
-    def setup(self, worker) -> None:
+    def setup(self, worker: Worker) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
 
 class DatapipeError(Exception):
     """Base class of every error raised by datapipe."""
@@ -70,7 +73,7 @@ class ArgumentError(DatapipeError, ValueError):
     """A loader or bench argument has the wrong type or is out of range (the message names it)."""
 
 
-def quarantine_counts(entries) -> dict[str, int]:
+def quarantine_counts(entries: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """Quarantine entries (``{"path", "error", "reason"}``) counted by class, most first."""
     counts: dict[str, int] = {}
     for q in entries:
@@ -79,7 +82,7 @@ def quarantine_counts(entries) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def describe_quarantine(entries) -> str:
+def describe_quarantine(entries: Collection[Mapping[str, Any]]) -> str:
     """'6 quarantined (2 corrupt, 1 empty, ...)', or '0 quarantined'."""
     kinds = ", ".join(f"{n} {kind}" for kind, n in quarantine_counts(entries).items())
     return f"{len(entries)} quarantined" + (f" ({kinds})" if kinds else "")

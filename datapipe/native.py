@@ -37,6 +37,7 @@ import ctypes
 import importlib.machinery
 import os
 import threading
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def describe() -> str:
     return line + "; shards read from memory maps under a SIGBUS guard"
 
 
-def scale_shift(mean, std) -> tuple[list[float], list[float]]:
+def scale_shift(mean: Sequence[float], std: Sequence[float]) -> tuple[list[float], list[float]]:
     """Per channel, (x * scale + shift) on 0..255 values == (x / 255 - mean) / std."""
     return [1.0 / (255.0 * s) for s in std], [-m / s for m, s in zip(mean, std, strict=True)]
 
@@ -121,7 +122,7 @@ class Converter:
     :meth:`raw` with addresses, which skips the per-call checks.
     """
 
-    def __init__(self, lib: ctypes.CDLL, mean, std) -> None:
+    def __init__(self, lib: ctypes.CDLL, mean: Sequence[float], std: Sequence[float]) -> None:
         self._fn = lib.datapipe_u8_to_f32_guarded
         self._params = torch.tensor(scale_shift(mean, std), dtype=torch.float32)  # [2, 3], kept alive with self
         self._scale = self._params.data_ptr()
@@ -200,7 +201,7 @@ def resizer() -> Resizer | None:
     return None if lib is None else Resizer(lib)
 
 
-def _layout(a) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
+def _layout(a: np.ndarray | torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
     """(address, shape, strides in bytes, uint8 on the CPU) of a numpy array or a torch tensor."""
     if isinstance(a, torch.Tensor):
         ok = a.dtype == torch.uint8 and a.device.type == "cpu"
@@ -209,7 +210,7 @@ def _layout(a) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
     return info["data"][0], a.shape, a.strides, a.dtype == "uint8"
 
 
-def resize(src, out) -> bool:
+def resize(src: np.ndarray | torch.Tensor, out: np.ndarray | torch.Tensor) -> bool:
     """Resize uint8 RGB ``src`` [H, W, 3] into ``out`` [h, w, 3] (numpy arrays or CPU tensors).
 
     Rows may be strided (a crop read in place) but each array's pixels must be packed (strides

@@ -23,6 +23,7 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,7 +274,7 @@ def remove_build(out: Path, build_id: str) -> None:
     remove_shards(out, build_id, keep=())
 
 
-def remove_shards(out: Path, build_id: str, keep) -> None:
+def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:
     """Remove the shard folders carrying ``build_id`` whose names are not in ``keep``, and the
     writer's temporary folders; other entries of ``shards/`` stay."""
     shards = out / SHARDS_DIR

@@ -15,9 +15,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import CacheError
 from .files import FileTooLarge, NotRegularFile, read_regular
@@ -74,7 +75,7 @@ def read_json(path: Path, *, hint: str | None = None) -> Any:
     return parse_json(data, path, hint=hint)
 
 
-def _no_constant(name: str):
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
@@ -105,7 +106,7 @@ class _Fields:
     def name(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
 
-    def fail(self, problem: str, key: str | None = None):
+    def fail(self, problem: str, key: str | None = None) -> NoReturn:
         what = f"field {self.name(key)!r}" if key is not None else (f"field {self.where!r}" if self.where else "the document")
         raise CacheError(f"{self.path}: {what} {problem}; {self.hint}")
 
@@ -376,7 +377,7 @@ def _files(f: _Fields) -> dict[str, FileRecord]:
     return out
 
 
-def _shards(f: _Fields, size: int, expected_file_size) -> tuple[ShardRecord, ...]:
+def _shards(f: _Fields, size: int, expected_file_size: Callable[[int, int], int]) -> tuple[ShardRecord, ...]:
     shards = f.array("shards")
     out, first, names = [], 0, set()
     for i, raw in enumerate(shards):

@@ -18,9 +18,14 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["build_index_cache", "index_image", "index_map", "index_of", "make_index_dataset", "to_uint8"]
 
@@ -102,7 +107,8 @@ def index_of(images: np.ndarray) -> np.ndarray:
     return np.rint(red + 256 * green).astype(np.int64)
 
 
-def to_uint8(images, mean=None, std=None) -> np.ndarray:
+def to_uint8(images: torch.Tensor | np.ndarray, mean: Sequence[float] | None = None,
+             std: Sequence[float] | None = None) -> np.ndarray:
     """Undo the loader's normalisation: float [B, 3, H, W] -> uint8 [B, H, W, 3] (rounded).
 
     Args:
@@ -161,7 +167,7 @@ def build_index_cache(tmp: str | os.PathLike, n: int, *, classes: int = 3, size:
     return out
 
 
-def crop_reference(images, crops, flip, size: int):
+def crop_reference(images: torch.Tensor, crops: torch.Tensor, flip: torch.Tensor, size: int) -> torch.Tensor:
     """torchvision's RandomResizedCrop + flip computed on floats in [0, 1], one sample at a time: the
     reference both augmentation paths are held to. float64 [B, 3, size, size] on the CPU.
 
