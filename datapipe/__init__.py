@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import DatapipeError
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     try:
         module, attr = _LAZY[name]
     except KeyError:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
 from pathlib import Path
-from typing import TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from .cache import Cache
 from .errors import ArgumentError, DatapipeError, StateError
 from .text import show
 from .world import World, detect_ranks, detect_worker
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.data._utils.worker import WorkerInfo
 
 # Version 2 names the build of the cache a state belongs to (build_id); version 1 did not.
 STATE_VERSION = 2
@@ -39,7 +42,7 @@ def is_int(value: object) -> TypeGuard[int | np.integer]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def check_int(value: object, what: str, lo: int, hi: int | None = None, *, error=ArgumentError) -> int:
+def check_int(value: object, what: str, lo: int, hi: int | None = None, *, error: type[DatapipeError] = ArgumentError) -> int:
     """``value`` as an int in ``[lo, hi]`` (``hi`` inclusive, None: no upper bound), else ``error`` naming ``what``."""
     if not is_int(value):
         raise error(f"{what} must be an integer, got {show(value)} ({type(value).__name__})")
@@ -50,7 +53,7 @@ def check_int(value: object, what: str, lo: int, hi: int | None = None, *, error
     return v
 
 
-def check_bool(value: object, what: str, *, error=ArgumentError) -> bool:
+def check_bool(value: object, what: str, *, error: type[DatapipeError] = ArgumentError) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise error(f"{what} must be True or False, got {show(value)} ({type(value).__name__})")
     return bool(value)
@@ -71,7 +74,7 @@ def cache_identity(cache: Cache) -> tuple[str, str]:
     return build_id, m.config_hash
 
 
-def _check_shm(batch_bytes: int, worker_info, path: str = "/dev/shm") -> None:
+def _check_shm(batch_bytes: int, worker_info: WorkerInfo | None, path: str = "/dev/shm") -> None:
     """Fail fast, with the fix named, when shared memory cannot hold the batches in flight.
 
     Worker processes hand batches over through /dev/shm; Docker's default of 64 MB holds less than
@@ -194,7 +197,7 @@ class StreamingDataset(IterableDataset):
         self._consumed = 0
         return order, bounds
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         worker, num_workers = detect_worker()
         in_worker = torch.utils.data.get_worker_info() is not None
         order, bounds = self.plan() if in_worker else self.begin_iteration()
@@ -208,7 +211,7 @@ class StreamingDataset(IterableDataset):
                 self._consumed = int(j) + 1
             yield batch
 
-    def _read(self, indices: np.ndarray, *, shared: bool):
+    def _read(self, indices: np.ndarray, *, shared: bool) -> tuple[torch.Tensor, ...]:
         n = len(indices)
         images = torch.empty((n, *self.cache.shape), dtype=torch.uint8)
         if shared and n:

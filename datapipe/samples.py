@@ -111,7 +111,7 @@ def _decode_error(where: str, exc: BaseException) -> CorruptShardError:
     return CorruptShardError(f"{where}: the stored JPEG does not decode ({type(exc).__name__}: {exc}); {_REWRITE}")
 
 
-def decode_jpeg(data, height: int, width: int, *, where: str, out: np.ndarray | None = None) -> np.ndarray:
+def decode_jpeg(data: bytes | np.ndarray, height: int, width: int, *, where: str, out: np.ndarray | None = None) -> np.ndarray:
     """Decode a stored JPEG sample of ``height`` x ``width`` into uint8 [H, W, 3] (into ``out`` if given).
 
     Raises:
@@ -140,7 +140,7 @@ def _scratch_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-def decode_crop(data, height: int, width: int, box: tuple[int, int, int, int], out_size: int, *,
+def decode_crop(data: bytes | np.ndarray, height: int, width: int, box: tuple[int, int, int, int], out_size: int, *,
                 where: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
     """Decode a stored JPEG sample for one crop: ``(image, box)`` with the crop ``box`` (top, left,
     h, w) mapped onto the returned image.

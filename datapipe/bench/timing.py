@@ -5,7 +5,11 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 class Pass(NamedTuple):
@@ -16,7 +20,8 @@ class Pass(NamedTuple):
     cpu_seconds: float  # this process, its workers and its reaped children
 
 
-def timed_pass(loader, batches: int | None = None, *, step_s: float = 0.0, sync=None) -> Pass:
+def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = None, *, step_s: float = 0.0,
+               sync: Callable[[], object] | None = None) -> Pass:
     """Iterate ``loader`` for up to ``batches`` batches (default: to its end, one epoch).
 
     ``step_s`` sleeps after each batch, as a model step would; ``sync`` (e.g.
@@ -37,7 +42,7 @@ def timed_pass(loader, batches: int | None = None, *, step_s: float = 0.0, sync=
     return Pass(images, seconds, cpu_seconds() - cpu0)
 
 
-def timeit(fn, *, min_time: float = 0.3, max_reps: int = 50) -> float:
+def timeit(fn: Callable[[], object], *, min_time: float = 0.3, max_reps: int = 50) -> float:
     """Seconds per call of ``fn`` (after one warm-up call)."""
     fn()
     reps, start = 0, time.perf_counter()
