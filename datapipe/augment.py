@@ -2,7 +2,10 @@
 
 ``augment.train(size)`` — RandomResizedCrop (torchvision's parameter sampling), horizontal flip and
 optional colour jitter — and ``augment.eval(size)`` — center crop — take a whole uint8 NHWC batch
-and return a normalised float NCHW batch. Parameters are drawn first, from a ``torch.Generator``
+and return a normalised float NCHW batch; ``augment.convert()`` is the plain conversion, with no
+randomness, that the DeviceLoader uses without augmentation. Each transform holds the output's form:
+``dtype``, normalisation (``mean``, ``std``) and memory layout (``channels_last``); the loader has
+none of these options. Parameters are drawn first, from a ``torch.Generator``
 seeded by the caller (the DeviceLoader derives it from (seed, epoch, batch position)), so a
 resumed run augments identically and no two batches share random numbers.
 
