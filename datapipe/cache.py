@@ -15,6 +15,14 @@ the guard and becomes an error naming the shard, never a SIGBUS. Without the ker
 (``DATAPIPE_NATIVE=0``, no compiler) samples are read with positioned reads (``os.preadv``) into
 the caller's buffer, where a shrunk file is a short read and the same error — correct, but slower:
 pread copies out of the page cache at a third of the speed of a copy from a mapped file here.
+
+Two layouts (docs/format.md): ``fixed`` (format version 1: square raw samples, sample i at
+i·S·S·3 of the shard's data file) and ``indexed`` (version 2: samples of their own shape, raw or
+JPEG, found through each shard's sample index, :class:`datapipe.samples.SampleIndex`). A shard's
+index is read once, when the shard is first used, and checked (its crc32c against the manifest,
+then every row); a sample is then one guarded copy (or positioned read) of its own bytes. JPEG
+samples are copied out of the map first and decoded from the copy, never from the map, so a file
+truncated under the decoder is a short copy naming the shard rather than a SIGBUS inside libjpeg.
 """
 
 from __future__ import annotations
@@ -26,16 +34,22 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import manifest as mf
 from . import native
-from .errors import CacheError, CorruptShardError, MappedReadError
-from .files import file_crc32c
+from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError
+from .files import FileTooLarge, NotRegularFile, file_crc32c, read_regular
 from .records import Manifest, parse_json
+from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import SHARDS_DIR, images_path, read_shard_metadata, shard_labels_path
+
+# The indexed layout's files inside a shard folder (format version 2, docs/format.md).
+INDEXED_IMAGES_FILE = ("images", "c", "0")
+SAMPLE_INDEX_FILE = ("index", "c", "0", "0")
+INNER_CHUNK = 65536  # the zarr inner chunk of an indexed data file: the samples' bytes are padded to a multiple
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
@@ -123,10 +137,30 @@ class _ShardFiles:
         return len(self._open)
 
 
+class EncodedSample(NamedTuple):
+    """A stored JPEG sample copied out of its shard: its bytes, its decoded shape, and ``where``, the
+    shard file and sample a decode error names (pass it to :func:`datapipe.samples.decode_crop`)."""
+
+    data: np.ndarray  # uint8 [nbytes], a copy (never a view of a shard's map)
+    height: int
+    width: int
+    where: str
+
+
+def indexed_data_size(total: int) -> int:
+    """Bytes of an indexed data file holding ``total`` bytes of samples: padded to the inner chunk,
+    then the zarr shard index (16 bytes a chunk) and its crc32c; 0 for none."""
+    chunks = -(-total // INNER_CHUNK)
+    return chunks * INNER_CHUNK + 16 * chunks + 4 if chunks else 0
+
+
 class Cache:
     """A finished cache, opened read-only.
 
     ``len(cache)`` samples; ``cache[i]`` is ``(image, label)`` with image a uint8 H×W×3 RGB array;
+    (at the sample's own shape; decoded for a JPEG cache); :attr:`encoding` is ``"raw"`` or
+    ``"jpeg"``, :attr:`fixed_shape` the shape every sample has (None when shapes vary) and
+    :attr:`shapes` every sample's (height, width);
     ``cache.path(i)`` the source file of sample i relative to the source root; ``cache.classes``
     the class names; ``cache.manifest`` the checked manifest; ``cache.build_id`` the build that
     wrote it ("" for caches written before builds had ids); ``cache.mapped`` whether samples are
@@ -141,8 +175,15 @@ class Cache:
         m = self.manifest
         self.build_id: str = m.build_id
         self.size = m.size
-        self.shape = m.shape
-        self.sample_bytes = self.size * self.size * 3
+        self.layout: str = _layout(m)
+        self.encoding: str = str(m.config.get("encoding", "raw"))
+        if self.encoding not in ("raw", "jpeg") or (self.layout == "fixed" and self.encoding != "raw"):
+            raise CacheError(f"{self.root / mf.MANIFEST}: encoding {self.encoding!r} with the {self.layout} layout is "
+                             "not one this datapipe reads; install a datapipe that matches, or rebuild the cache")
+        square = self.layout == "fixed" or m.config.get("fit") != "short"
+        self.fixed_shape: tuple[int, int, int] | None = (self.size, self.size, 3) if square else None
+        self.max_side = self.size if square else int(self.size * float(m.config.get("max_aspect", 2.0)))
+        self.sample_bytes = self.size * self.size * 3  # of a raw square sample (the fixed layout's stride)
         self.classes: list[str] = list(m.classes)
         self.shard_names = [s.name for s in m.shards]
         self.counts = np.array([s.count for s in m.shards], np.int64)
@@ -162,11 +203,16 @@ class Cache:
         # memory maps only under the SIGBUS guard; positioned reads otherwise
         self.mapped: bool = native.guard_available()
         self._map_ranges: dict[int, tuple[int, int]] = {}  # shard -> (address, length) of its latest map
+        self._indexes: dict[int, SampleIndex] = {}  # shard -> its checked sample index (indexed layout)
+        self._index_lock = threading.Lock()
+        self._shapes: np.ndarray | None = None
+        self._nbytes: np.ndarray | None = None
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges"):
+        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_indexes", "_index_lock",
+                    "_shapes", "_nbytes"):
             state.pop(key, None)
         return state
 
@@ -183,8 +229,46 @@ class Cache:
         return self.num_samples
 
     def __repr__(self) -> str:
+        shape = self.fixed_shape if self.fixed_shape is not None else f"varying (shorter side {self.size})"
         return (f"Cache({str(self.root)!r}, samples={self.num_samples:,}, shards={len(self.counts)}, "
-                f"shape={self.shape}, classes={len(self.classes)})")
+                f"shape={shape}, encoding={self.encoding!r}, classes={len(self.classes)})")
+
+    @property
+    def indexed(self) -> bool:
+        """Whether samples are found through per-shard sample indexes (format version 2)."""
+        return self.layout == "indexed"
+
+    @property
+    def shapes(self) -> np.ndarray:
+        """(height, width) of every sample, int64 [num_samples, 2]; for the indexed layout read from
+        every shard's sample index on first use (each index is read and checked once)."""
+        if self._shapes is None:
+            self._load_table()
+        assert self._shapes is not None
+        return self._shapes
+
+    @property
+    def sample_nbytes(self) -> np.ndarray:
+        """The stored bytes of every sample, int64 [num_samples] (raw: h·w·3; jpeg: the compressed size)."""
+        if self._nbytes is None:
+            self._load_table()
+        assert self._nbytes is not None
+        return self._nbytes
+
+    def _load_table(self) -> None:
+        n = self.num_samples
+        if not self.indexed:
+            shapes = np.full((n, 2), self.size, np.int64)
+            nbytes = np.full(n, self.sample_bytes, np.int64)
+        else:
+            shapes, nbytes = np.empty((n, 2), np.int64), np.empty(n, np.int64)
+            for s, rec in enumerate(self.manifest.shards):
+                if rec.count:
+                    index = self._index(s)
+                    shapes[rec.first : rec.first + rec.count, 0] = index.heights
+                    shapes[rec.first : rec.first + rec.count, 1] = index.widths
+                    nbytes[rec.first : rec.first + rec.count] = index.nbytes
+        self._shapes, self._nbytes = shapes, nbytes
 
     # ----------------------------------------------------------------- index files
     @property
@@ -264,10 +348,25 @@ class Cache:
     # ----------------------------------------------------------------- samples
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
         i = self._check_index(index)
-        out = np.empty((1, *self.shape), np.uint8)
         label = np.empty(1, np.int64)
+        if self.indexed:
+            return self.read_samples(np.array([i]), label)[0], int(label[0])
+        out = np.empty((1, *self.sample_shape), np.uint8)
         self.read_batch(np.array([i]), out, label)
         return out[0], int(label[0])
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The shape every sample has (:attr:`sample_shape`); ArgumentError when shapes vary."""
+        return self.sample_shape
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """The shape every sample has; ArgumentError naming the cache when shapes vary."""
+        if self.fixed_shape is None:
+            raise ArgumentError(f"the samples of {self.root} vary in shape (built with --fit short): read them one by "
+                                "one with read_samples / sample_views, or rebuild with a square --fit for fixed shapes")
+        return self.fixed_shape
 
     def _check_index(self, index: int) -> int:
         i = int(index)
@@ -286,24 +385,161 @@ class Cache:
         touched is checked (one fstat) to be the file seen at open. ``labels_out`` (and
         ``index_out``) receive the labels (and global indices) in the same order.
 
+        A JPEG cache of square samples is read the same way, each sample decoded into its slot of
+        ``out``; a cache whose samples vary in shape has no such batch (ArgumentError): use
+        :meth:`read_samples` or :meth:`sample_views`.
+
         Raises:
             IndexError: an index is outside [0, len(cache)) (nothing is read).
-            CorruptShardError: a shard file was truncated, replaced or altered since the cache was opened.
+            ArgumentError: the samples vary in shape.
+            CorruptShardError: a shard file was truncated, replaced or altered since the cache was opened,
+                or a stored JPEG does not decode (the message names the shard file and sample).
         """
+        shape = self.sample_shape
         idx, shard_of = self._locate(indices, labels_out, index_out)
         n = idx.shape[0]
         if n == 0:
             return 0
-        if out.shape[0] < n or out.shape[1:] != self.shape or out.dtype != np.uint8:
-            raise ValueError(f"out must be uint8 [>={n}, {', '.join(map(str, self.shape))}], got {out.shape} {out.dtype}")
-        target = out if out.flags.c_contiguous else np.empty((n, *self.shape), np.uint8)
-        if self.mapped:
+        if out.shape[0] < n or out.shape[1:] != shape or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 [>={n}, {', '.join(map(str, shape))}], got {out.shape} {out.dtype}")
+        target = out if out.flags.c_contiguous else np.empty((n, *shape), np.uint8)
+        if self.indexed:
+            self._read_indexed_into(idx, shard_of, target)
+        elif self.mapped:
             self._gather(idx, shard_of, target)
         else:
             self._read_runs(idx, shard_of, target)
         if target is not out:
             out[:n] = target
         return n
+
+    def read_samples(self, indices: np.ndarray, labels_out: np.ndarray, index_out: np.ndarray | None = None) -> list[np.ndarray]:
+        """Samples ``indices`` as uint8 [h, w, 3] arrays each at its own shape, sorted by index.
+
+        Raw samples are copied out (one guarded copy or positioned read per run of consecutive
+        samples) into one buffer the arrays are views of; JPEG samples are copied out, then decoded.
+        Labels (and indices) land in ``labels_out`` (``index_out``) in the same order.
+
+        Raises:
+            IndexError: an index is outside [0, len(cache)).
+            CorruptShardError: a shard file changed since the cache was opened, or a stored sample is
+                damaged (the message names the shard file and sample).
+        """
+        idx, shard_of = self._locate(indices, labels_out, index_out)
+        if not idx.shape[0]:
+            return []
+        if not self.indexed:
+            out = np.empty((idx.shape[0], *self.sample_shape), np.uint8)
+            (self._gather if self.mapped else self._read_runs)(idx, shard_of, out)
+            return list(out)
+        buf, starts, nbytes, shapes = self._copy_out(idx, shard_of)
+        if self.encoding == "raw":
+            return [buf[a : a + k].reshape(h, w, 3) for a, k, (h, w) in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), strict=True)]
+        return [decode_jpeg(buf[a : a + k], h, w, where=self._where(int(s), int(i)))
+                for a, k, (h, w), s, i in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), shard_of, idx, strict=True)]
+
+    def read_encoded(self, indices: np.ndarray, labels_out: np.ndarray, index_out: np.ndarray | None = None) -> list[EncodedSample]:
+        """The stored JPEG bytes of samples ``indices``, sorted by index, each copied out of its shard
+        (guarded copy or positioned read) with its shape and the ``where`` its decode errors name:
+        decode them with :func:`datapipe.samples.decode_crop` / ``decode_jpeg`` (the GIL released) in
+        the reader threads. Labels (and indices) land in ``labels_out`` (``index_out``).
+
+        Raises:
+            ArgumentError: the cache stores raw pixels (read them with :meth:`read_samples` / :meth:`sample_views`).
+            IndexError, CorruptShardError: as :meth:`read_samples`.
+        """
+        if self.encoding != "jpeg":
+            raise ArgumentError(f"{self.root} stores raw pixels, not JPEG: read them with read_samples or sample_views")
+        idx, shard_of = self._locate(indices, labels_out, index_out)
+        if not idx.shape[0]:
+            return []
+        buf, starts, nbytes, shapes = self._copy_out(idx, shard_of)
+        return [EncodedSample(buf[a : a + k], h, w, self._where(int(s), int(i)))
+                for a, k, (h, w), s, i in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), shard_of, idx, strict=True)]
+
+    def _where(self, shard: int, index: int) -> str:
+        """What an error about sample ``index`` names: its shard's data file and the sample."""
+        return f"{self._shard_path(shard)}, sample {index}"
+
+    def _spans(self, idx: np.ndarray, shard_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Offsets into their shard files, sizes and (h, w) of sorted samples of the indexed layout."""
+        n = idx.shape[0]
+        offsets, nbytes, shapes = np.empty(n, np.int64), np.empty(n, np.int64), np.empty((n, 2), np.int64)
+        cuts = np.flatnonzero(np.diff(shard_of)) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), n], strict=True):
+            s = int(shard_of[a])
+            index, local = self._index(s), idx[a:b] - self.starts[s]
+            offsets[a:b], nbytes[a:b] = index.offsets[local], index.nbytes[local]
+            shapes[a:b, 0], shapes[a:b, 1] = index.heights[local], index.widths[local]
+        return offsets, nbytes, shapes
+
+    def _copy_out(self, idx: np.ndarray, shard_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The stored bytes of sorted samples of the indexed layout, copied into one new buffer:
+        ``(buffer, start of each sample in it, sizes, shapes)``."""
+        offsets, nbytes, shapes = self._spans(idx, shard_of)
+        starts = np.concatenate(([0], np.cumsum(nbytes)))
+        buf = np.empty(max(int(starts[-1]), 1), np.uint8)
+        self._copy_spans(idx, shard_of, offsets, nbytes, buf, starts[:-1])
+        return buf, starts[:-1], nbytes, shapes
+
+    def _copy_spans(self, idx: np.ndarray, shard_of: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
+                    buf: np.ndarray, dst: np.ndarray) -> None:
+        """Copy each sample's bytes (``offsets``, ``nbytes`` in its shard file) to ``buf[dst:]``: one
+        guarded copy out of the shard's map (or one positioned read) per run of consecutive samples
+        of one shard, whose bytes lie back to back in the file as in ``buf``."""
+        n = idx.shape[0]
+        breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(shard_of) != 0)) + 1
+        begins, ends = [0, *breaks.tolist()], [*breaks.tolist(), n]
+        flat = buf.data.cast("B")
+        held = -1
+        entry: _Shard | None = None
+        try:
+            for a, b in zip(begins, ends, strict=True):
+                s = int(shard_of[a])
+                if s != held:
+                    if held >= 0:
+                        self._release_checked(held, entry)
+                        held = -1
+                    entry = self._acquire(s)
+                    held = s
+                assert entry is not None
+                off, d = int(offsets[a]), int(dst[a])
+                size = int(offsets[b - 1] + nbytes[b - 1]) - off
+                if entry.mapping is not None:
+                    try:
+                        native.gather(buf.ctypes.data + d, entry.mapping, np.array([off], np.int64), size)
+                    except MappedReadError:
+                        raise CorruptShardError(self._shard_changed(s, "ends early")) from None
+                elif _pread_full(entry.fd, flat[d : d + size], off) != size:
+                    raise CorruptShardError(self._shard_changed(s, "ends early"))
+            if held >= 0:
+                self._release_checked(held, entry)
+                held = -1
+        finally:
+            if held >= 0:
+                self._files.release(held)
+
+    def _release_checked(self, shard: int, entry: _Shard | None) -> None:
+        """Release a shard after copies out of it; they count only if the file is still the one seen at
+        open (a file truncated during a copy may have read as zeros in its last page instead of faulting)."""
+        try:
+            if entry is not None and entry.mapping is not None:
+                self._check_fd(shard, entry.fd)
+        finally:
+            self._files.release(shard)
+
+    def _read_indexed_into(self, idx: np.ndarray, shard_of: np.ndarray, out: np.ndarray) -> None:
+        """Samples of the indexed layout, all of ``out``'s shape, into ``out`` (C-contiguous): raw
+        samples straight into their slots, JPEG samples copied out and decoded into their slots."""
+        n = idx.shape[0]
+        per = int(np.prod(out.shape[1:]))
+        if self.encoding == "raw":
+            offsets, nbytes, _ = self._spans(idx, shard_of)
+            self._copy_spans(idx, shard_of, offsets, nbytes, out.reshape(-1), np.arange(n, dtype=np.int64) * per)
+            return
+        buf, starts, nbytes, shapes = self._copy_out(idx, shard_of)
+        for k, (a, size, (h, w)) in enumerate(zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), strict=True)):
+            decode_jpeg(buf[a : a + size], h, w, where=self._where(int(shard_of[k]), int(idx[k])), out=out[k])
 
     def _locate(self, indices, labels_out: np.ndarray, index_out: np.ndarray | None):
         """Sorted, range-checked indices [n] and the shard of each; their labels (and the indices) written out."""
@@ -392,14 +628,20 @@ class Cache:
         array the caller reuses: the loader passes its batch buffer) or into a new buffer, with the
         checks of :meth:`read_batch`. The list is what the CPU augmentation presets take. Labels
         (and indices) land in ``labels_out`` in the same order.
+
+        Samples of varying shape (``--fit short``) are each at their own shape: views of the maps
+        (raw, ``mapped=True``), or read as :meth:`read_samples` does (``out`` is not used). JPEG
+        samples are always decoded copies (into ``out`` when every sample has its shape).
         """
         import torch
 
-        if mapped and self.mapped:
+        if mapped and self.mapped and self.encoding == "raw":
             return self._mapped_views(indices, labels_out, index_out)
+        if self.fixed_shape is None:
+            return [torch.from_numpy(a) for a in self.read_samples(indices, labels_out, index_out)]
         n = int(np.asarray(indices).size)
         if out is None:
-            out = torch.empty((n, *self.shape), dtype=torch.uint8)
+            out = torch.empty((n, *self.fixed_shape), dtype=torch.uint8)
         elif isinstance(out, np.ndarray):
             out = torch.from_numpy(out)
         n = self.read_batch(indices, out.numpy(), labels_out, index_out)
@@ -421,18 +663,39 @@ class Cache:
             entry = self._acquire(s)
             try:
                 if entry.mapping is None:  # the map could not be made: read these samples
-                    buf = torch.empty((b - a, *self.shape), dtype=torch.uint8)
-                    self._read_runs(idx[a:b], shard_of[a:b], buf.numpy())
-                    views.extend(buf.unbind(0))
+                    views.extend(torch.from_numpy(v) for v in self._read_copies(idx[a:b], shard_of[a:b]))
+                    continue
+                if self.indexed:
+                    views.extend(self._indexed_views(s, entry, local[a:b]))
                     continue
                 if entry.tensor is None:
                     count = int(self.counts[s])
-                    entry.tensor = torch.from_numpy(entry.mapping.array()[: count * self.sample_bytes].reshape(count, *self.shape))
+                    shape = self.sample_shape
+                    entry.tensor = torch.from_numpy(entry.mapping.array()[: count * self.sample_bytes].reshape(count, *shape))
                 t = entry.tensor  # each view holds the map (not the descriptor) alive
                 views.extend(t[i] for i in local[a:b])
             finally:
                 self._files.release(s)
         return views
+
+    def _read_copies(self, idx: np.ndarray, shard_of: np.ndarray) -> list[np.ndarray]:
+        """Copies of raw samples (sorted), each at its own shape."""
+        if not self.indexed:
+            out = np.empty((idx.shape[0], *self.sample_shape), np.uint8)
+            self._read_runs(idx, shard_of, out)
+            return list(out)
+        buf, starts, nbytes, shapes = self._copy_out(idx, shard_of)
+        return [buf[a : a + k].reshape(h, w, 3) for a, k, (h, w) in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), strict=True)]
+
+    def _indexed_views(self, shard: int, entry: _Shard, local: list[int]) -> list:
+        """Views [h, w, 3] of the map of an indexed raw shard, one per sample (local indices)."""
+        import torch
+
+        if entry.tensor is None:
+            entry.tensor = torch.from_numpy(entry.mapping.array())  # type: ignore[union-attr]  # flat uint8: the samples back to back
+        index, t = self._index(shard), entry.tensor
+        offsets, heights, widths = index.offsets[local].tolist(), index.heights[local].tolist(), index.widths[local].tolist()
+        return [t[o : o + h * w * 3].view(h, w, 3) for o, h, w in zip(offsets, heights, widths, strict=True)]
 
     @contextmanager
     def mapped_reads(self, indices: np.ndarray):
@@ -461,7 +724,73 @@ class Cache:
 
     # ----------------------------------------------------------------- shard files
     def _shard_path(self, shard: int) -> Path:
-        return images_path(self.root / SHARDS_DIR / self.shard_names[shard])
+        folder = self.root / SHARDS_DIR / self.shard_names[shard]
+        return folder.joinpath(*INDEXED_IMAGES_FILE) if self.indexed else images_path(folder)
+
+    def _index_path(self, shard: int) -> Path:
+        return (self.root / SHARDS_DIR / self.shard_names[shard]).joinpath(*SAMPLE_INDEX_FILE)
+
+    def _index(self, shard: int) -> SampleIndex:
+        """The checked sample index of an indexed shard, read on first use."""
+        index = self._indexes.get(shard)
+        if index is None:
+            with self._index_lock:
+                index = self._indexes.get(shard)
+                if index is None:
+                    index = self._indexes[shard] = self._load_index(shard)
+        return index
+
+    def _load_index(self, shard: int) -> SampleIndex:
+        """Read shard ``shard``'s sample index (a bounded read of a regular file), check its crc32c
+        against the manifest's, every row, and that the samples fill the data file the manifest sizes.
+
+        Raises:
+            CorruptShardError: naming the index file, with what is wrong.
+        """
+        rec = self.manifest.shards[shard]
+        path = self._index_path(shard)
+        where = f"shard {rec.name} ({path})"
+        limit = rec.count * INDEX_ROW_BYTES
+        try:
+            raw = read_regular(path, limit)
+        except FileNotFoundError:
+            raise CorruptShardError(f"{where}: the sample index is missing; rerun the same `datapipe build` "
+                                    "to rewrite the shard") from None
+        except NotRegularFile:
+            raise CorruptShardError(f"{where}: the sample index is not a regular file; rerun the same `datapipe build` "
+                                    "to rewrite the shard") from None
+        except FileTooLarge as exc:
+            raise CorruptShardError(f"{where}: the sample index is {exc.size:,} bytes, more than the {limit:,} of "
+                                    f"{rec.count} samples; rerun the same `datapipe build` to rewrite the shard") from None
+        except OSError as exc:
+            raise CorruptShardError(f"{where}: the sample index cannot be read ({exc.strerror or exc}); check the "
+                                    "storage, then reopen the cache") from None
+        want = getattr(rec, "index_crc32c", "")
+        crc = _crc32c_hex(raw)
+        if crc != want:
+            raise CorruptShardError(f"{where}: sample index checksum {crc} differs from the manifest's {want or 'none'} "
+                                    "(altered after the build); rerun the same `datapipe build` to rewrite the shard")
+        index = SampleIndex.parse(raw, count=rec.count, encoding=self.encoding, max_side=self.max_side, where=where)
+        self._check_shapes(index, where)
+        if indexed_data_size(index.data_size) != rec.nbytes:
+            raise CorruptShardError(f"{where}: the sample index covers {index.data_size:,} bytes of samples, which "
+                                    f"do not fill the {rec.nbytes:,}-byte data file of the manifest; rerun the same "
+                                    "`datapipe build` to rewrite the shard")
+        return index
+
+    def _check_shapes(self, index: SampleIndex, where: str) -> None:
+        """Every sample has the cache's shape (square fits) or its shorter side is the size (--fit short)."""
+        if self.fixed_shape is not None:
+            bad = np.flatnonzero((index.heights != self.size) | (index.widths != self.size))
+            want = f"{self.size}x{self.size}"
+        else:
+            bad = np.flatnonzero(np.minimum(index.heights, index.widths) != self.size)
+            want = f"a shorter side of {self.size}"
+        if bad.size:
+            i = int(bad[0])
+            raise CorruptShardError(f"{where}: the sample index gives sample {i} the shape "
+                                    f"{int(index.heights[i])}x{int(index.widths[i])}, the cache's samples have {want}; "
+                                    "rerun the same `datapipe build` to rewrite the shard")
 
     def _shard_changed(self, shard: int, what: str) -> str:
         return _changed(self._shard_path(shard), f"shard {self.shard_names[shard]}", what)
@@ -493,8 +822,10 @@ class Cache:
         """A memory map of the shard's samples (None on the positioned-read path, or when mapping
         fails: then this shard is read with positioned reads). It spans the samples the manifest
         counts, whatever the file's size: a page past the file's end faults inside the guard."""
-        size = int(self.counts[shard]) * self.sample_bytes
-        if not self.mapped or size < 1 or os.fstat(fd).st_size < size:  # a short file: short reads name it
+        if not self.mapped:
+            return None
+        size = self._index(shard).data_size if self.indexed else int(self.counts[shard]) * self.sample_bytes
+        if size < 1 or os.fstat(fd).st_size < size:  # a short file: short reads name it
             return None
         try:
             mapping = native.Mapping(fd, size)
@@ -570,14 +901,21 @@ class Cache:
             meta = read_shard_metadata(shard_dir)
         except CacheError as exc:
             return [f"{name}: {exc}"]
+        keys = [("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c)]
+        if self.indexed:
+            keys.append(("index_crc32c", getattr(rec, "index_crc32c", "")))
         problems = [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
                     "`datapipe build SOURCE OUTPUT --verify` rewrites it"
-                    for key, want in (("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c))
-                    if meta.get(key) != want]
+                    for key, want in keys if meta.get(key) != want]
         if paths is not None and meta.get("paths") != paths[rec.first : rec.first + rec.count]:
             problems.append(f"{name}: the paths in {shard_dir / 'zarr.json'} differ from paths.json")
         if rec.count:
             problems.extend(self._verify_shard_labels(s, labels))
+            if self.indexed:
+                try:
+                    self._load_index(s)  # its checksum, every row, and the data size it implies
+                except CacheError as exc:
+                    problems.append(str(exc))
             path = self._shard_path(s)
             try:
                 crc = file_crc32c(path)
@@ -601,6 +939,14 @@ class Cache:
             return [f"shard {rec.name}: labels chunk {path} differs from {mf.LABELS}; rerun the same `datapipe build` "
                     "with --verify to rewrite it"]
         return []
+
+
+def _layout(m: Manifest) -> str:
+    """``fixed`` (format version 1) or ``indexed`` (version 2), as the manifest's sample record says."""
+    layout = getattr(m, "layout", "")
+    if layout in ("fixed", "indexed"):
+        return str(layout)
+    return "indexed" if m.version >= 2 else "fixed"
 
 
 def _changed(path: Path, what: str, how: str = "differs from the file seen at open") -> str:
