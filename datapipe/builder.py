@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 
 from . import manifest as mf
+from . import samples
 from ._threads import torch_threads
 from .bounded import Watchdog, max_file_bytes, read_file, warm_up
-from .codecs import DecodeSpec, Fit, decode_sample
+from .codecs import DecodeSpec, Fit, decode_fitted
 from .errors import (
     ArgumentError,
     BuildError,
@@ -43,19 +44,22 @@ from .errors import (
 )
 from .files import atomic_write_text, file_crc32c, fsync_dir
 from .output import Output, prepare, remove_shards, shard_build_id
-from .records import FileRecord, Manifest, ShardRecord, SourceRecord
-from .shards import SHARDS_DIR, images_path, read_shard_record, shard_name
+from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of
+from .shards import SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
 from .sources import Listing, plan_shards, scan, shown
 from .text import plural
 from .writer import ShardWriter
 
 TARGET_SHARD_BYTES = 100 * 2**20
+JPEG_SHRINK = 8  # a JPEG sample is taken to be ~1/8 of its raw bytes when sizing shards (measured: ~1/10 at q90)
 log = logging.getLogger("datapipe.build")
 
 
-def default_shard_size(size: int) -> int:
-    """Samples per shard so that a shard holds about 100 MB (at least 1, at most 4096)."""
-    return int(min(4096, max(1, TARGET_SHARD_BYTES // (size * size * 3))))
+def default_shard_size(size: int, encoding: samples.Encoding = "raw") -> int:
+    """Samples per shard so that a shard holds about 100 MB (at least 1, at most 4096): a raw
+    sample counts as size² · 3 bytes, a JPEG one as 1/8 of that."""
+    per_sample = size * size * 3 // (JPEG_SHRINK if encoding == "jpeg" else 1)
+    return int(min(4096, max(1, TARGET_SHARD_BYTES // max(per_sample, 1))))
 
 
 @dataclass(frozen=True)
@@ -63,21 +67,34 @@ class BuildSpec(DecodeSpec):
     """What a cache holds: every field enters the build configuration and its hash, so a cache built
     from another spec is another cache (a rebuild into it needs ``force``).
 
-    The decoding fields (``size``, ``fit``, ``max_pixels``) are :class:`~datapipe.codecs.DecodeSpec`'s;
-    a BuildSpec adds how the samples are stored. An invalid value raises ArgumentError naming the
-    option of ``datapipe build``.
+    The decoding fields (``size``, ``fit``, ``max_pixels``, ``max_aspect``) are
+    :class:`~datapipe.codecs.DecodeSpec`'s; a BuildSpec adds how the samples are stored: the shard
+    size, the ``encoding`` (``raw`` pixels or ``jpeg``) and the JPEG ``quality``. An invalid value
+    raises ArgumentError naming the option of ``datapipe build``.
     """
 
     shard_size: int | None = None  # samples per shard; None: about 100 MB per shard (default_shard_size)
+    encoding: samples.Encoding = "raw"
+    quality: int = samples.DEFAULT_QUALITY  # JPEG quality 1..100 (encoding="jpeg" only; 4:2:0 chroma)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shard_size is not None and (not isinstance(self.shard_size, int) or self.shard_size < 1):
+        if self.shard_size is not None and (isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int)
+                                            or self.shard_size < 1):
             raise ArgumentError(f"--shard-size must be a positive integer, got {self.shard_size!r}")
+        if self.encoding not in samples.ENCODINGS:
+            raise ArgumentError(f"--encoding must be one of {', '.join(samples.ENCODINGS)}, got {self.encoding!r}")
+        if isinstance(self.quality, bool) or not isinstance(self.quality, int) or not 1 <= self.quality <= 100:
+            raise ArgumentError(f"--quality must be an integer from 1 to 100, got {self.quality!r}")
 
     @property
     def samples_per_shard(self) -> int:
-        return self.shard_size or default_shard_size(self.size)
+        return self.shard_size or default_shard_size(self.size, self.encoding)
+
+    @property
+    def layout(self) -> str:
+        """The shards' layout: ``fixed`` for square raw samples, else ``indexed`` (format version 2)."""
+        return "indexed" if self.fit == "short" or self.encoding != "raw" else "fixed"
 
     @property
     def decode(self) -> DecodeSpec:
@@ -85,9 +102,19 @@ class BuildSpec(DecodeSpec):
         return DecodeSpec(**{f.name: getattr(self, f.name) for f in fields(DecodeSpec)})
 
     def config(self, source_kind: str) -> dict[str, Any]:
-        """The build configuration written to the manifest and hashed: every field (the shard size
-        resolved, so that the default and its value are one configuration) and the kind of source."""
-        return {**asdict(self), "shard_size": self.samples_per_shard, "source_kind": source_kind}
+        """The build configuration written to the manifest and hashed: every field that decides the
+        bytes (the shard size resolved, so that the default and its value are one configuration) and
+        the kind of source. ``max_aspect`` enters only with fit short, ``encoding`` and ``quality``
+        only with jpeg: a configuration of the earlier options is the very dict (and hash) it was."""
+        config: dict[str, Any] = {"size": self.size, "fit": self.fit, "max_pixels": self.max_pixels}
+        if self.fit == "short":
+            config["max_aspect"] = float(self.max_aspect)
+        config["shard_size"] = self.samples_per_shard
+        if self.encoding != "raw":
+            config.update(encoding=self.encoding, quality=self.quality)
+        config["source_kind"] = source_kind
+        assert layout_of(config) == self.layout
+        return config
 
 
 @dataclass(frozen=True)
@@ -132,6 +159,7 @@ class BuildReport:
     peak_worker_rss_mb: float = 0.0
     config: dict = field(default_factory=dict)
     build_id: str = ""
+    aspect_capped: int = 0  # fit short: samples whose longer side was cut to max_aspect * size
 
     def quarantine_counts(self) -> dict[str, int]:
         """Quarantined files by class (``error``: see datapipe.errors.QUARANTINE_KINDS), most first."""
@@ -139,9 +167,10 @@ class BuildReport:
 
     def summary(self) -> str:
         rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
+        capped = f", {plural(self.aspect_capped, 'image')} cut to --max-aspect" if self.aspect_capped > 0 else ""
         return (f"{self.status}: {plural(self.num_samples, 'sample')} in {plural(self.shards_total, 'shard')} "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
-                f"{describe_quarantine(self.quarantined)}, {rate}, "
+                f"{describe_quarantine(self.quarantined)}{capped}, {rate}, "
                 f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
 
 
@@ -168,11 +197,13 @@ SERIAL_TIMEOUT = ("datapipe build: error: reading and decoding {path} did not fi
 
 
 def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str = "",
-                verify: bool = False, isolate: bool = False, serial: bool = False) -> dict:
+                verify: bool = False, isolate: bool = False, serial: bool = False, encoding: samples.Encoding = "raw",
+                quality: int = samples.DEFAULT_QUALITY) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
-    A finished shard of the same inputs, configuration and build is kept (with ``verify``, only if
-    its data file's checksum still matches). With ``isolate`` (after this shard's task killed a
+    ``spec`` is the :class:`DecodeSpec`'s fields; ``encoding`` and ``quality`` say how samples are
+    stored. A finished shard of the same inputs, configuration and build is kept (with ``verify``,
+    only if its data file's checksum, and an indexed shard's index's, still match). With ``isolate`` (after this shard's task killed a
     worker) every file is first decoded in a separate process; one that crashes it or never
     finishes is quarantined. A file that takes longer than DATAPIPE_FILE_TIMEOUT ends the process
     (see :mod:`datapipe.bounded`); ``serial`` says the process is the build's own.
@@ -181,7 +212,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
     existing = finished_shard(plan, output=output, config_hash=config_hash, build_id=build_id)
-    if existing and (not verify or existing["count"] == 0 or file_crc32c(images_path(final)) == existing["crc32c"]):
+    if existing and (not verify or _checksums_match(final, existing)):
         return {**existing, "skipped": True, "seconds": 0.0}
     if os.path.lexists(final):  # a shard of this build from other inputs, or a damaged one: replace it
         if shard_build_id(final) != build_id or final.is_symlink():
@@ -192,16 +223,23 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         shutil.rmtree(stale, ignore_errors=True)
     _warm_up()  # before the watchdog: waits for imports another thread of this worker may be running
     decode_spec = DecodeSpec(**spec)
+    layout = "indexed" if decode_spec.fit == "short" or encoding != "raw" else "fixed"
     limit = max_file_bytes(decode_spec.max_pixels)
     quarantined: list[dict] = []
+    capped = 0
     start = time.perf_counter()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    sample = np.empty((decode_spec.size, decode_spec.size, 3), np.uint8)  # reused for every image
+    side = decode_spec.max_side
+    # reused for every image: the square sample, or (short) a flat buffer for the largest sample, of which
+    # each image takes a view of its own shape
+    sample = np.empty(decode_spec.size * side * 3, np.uint8) if side != decode_spec.size else np.empty(
+        (side, side, 3), np.uint8)
     message = SERIAL_TIMEOUT if serial else WORKER_TIMEOUT
     watchdog = Watchdog(lambda path, timeout: message.format(path=shown(path), timeout=timeout), 2 if serial else 70)
     # One intra-op thread: the workers already run one task per core, and torch's resize (the fallback of
     # the compiled kernel) would otherwise start threads per image.
-    with ShardWriter(final, size=decode_spec.size) as writer, _no_cyclic_gc(), torch_threads(1), watchdog:
+    with ShardWriter(final, size=side, layout=layout, encoding=encoding, quality=quality) as writer, \
+            _no_cyclic_gc(), torch_threads(1), watchdog:
         for path, label in zip(plan["paths"], plan["labels"], strict=True):
             file = os.path.join(root, path)
             failure = _probe(file, spec) if isolate else None
@@ -209,14 +247,18 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
                 quarantined.append({"path": path, **failure})
                 continue
             watchdog.watch(path)
-            image = _load(file, decode_spec, path, quarantined, sample, limit)
+            loaded = _load(file, decode_spec, path, quarantined, sample, limit)
             watchdog.watch(None)
-            if image is not None:
-                writer.add(image, label, path)
-        record = writer.commit({
+            if loaded is not None:
+                writer.add(loaded[0], label, path)
+                capped += loaded[1]
+        attributes: dict[str, Any] = {
             "shard": plan["shard"], "inputs_hash": plan["inputs_hash"], "config_hash": config_hash,
             "build_id": build_id, "quarantined": quarantined,
-        })
+        }
+        if decode_spec.fit == "short":
+            attributes["aspect_capped"] = capped
+        record = writer.commit(attributes)
     record["paths"] = writer.paths
     record["skipped"] = False
     record["seconds"] = time.perf_counter() - start
@@ -266,12 +308,24 @@ def _probe(file: str, spec: dict) -> dict | None:
             "reason": f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
+def _checksums_match(shard_dir: Path, record: dict) -> bool:
+    """Whether a finished shard's data file (and an indexed shard's sample index) still has the
+    checksum its record gives (reads the whole shard)."""
+    if record["count"] == 0:
+        return True
+    layout = shard_layout(record)
+    if file_crc32c(images_path(shard_dir, layout)) != record["crc32c"]:
+        return False
+    return layout == "fixed" or file_crc32c(index_path(shard_dir)) == record["index_crc32c"]
+
+
 def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray,
-          limit: int) -> np.ndarray | None:
-    """Read and decode one file into ``out``; on failure record why in ``quarantined`` and return None."""
+          limit: int) -> tuple[np.ndarray, bool] | None:
+    """Read and decode one file into ``out``: the sample and whether its longer side was cut by
+    ``max_aspect``; on failure record why in ``quarantined`` and return None."""
     try:
         data = read_file(file, limit)  # a regular file only, one unbuffered read, at most ``limit`` bytes
-        return decode_sample(data, spec, out)
+        return decode_fitted(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
     except OSError as exc:
@@ -299,6 +353,9 @@ def build(
     fit: Fit | None = None,
     max_pixels: int | None = None,
     shard_size: int | None = None,
+    max_aspect: float | None = None,
+    encoding: samples.Encoding | None = None,
+    quality: int | None = None,
 ) -> BuildReport:
     """Decode every image in ``source`` once and write a sharded cache to ``output``.
 
@@ -318,6 +375,9 @@ def build(
         fit: see :class:`BuildSpec`.
         max_pixels: see :class:`BuildSpec`.
         shard_size: see :class:`BuildSpec`.
+        max_aspect: see :class:`BuildSpec` (fit ``short`` only).
+        encoding: see :class:`BuildSpec`: ``raw`` or ``jpeg``.
+        quality: see :class:`BuildSpec` (``jpeg`` only).
 
     Returns:
         A :class:`BuildReport`; also written to ``output/report.json``.
@@ -330,7 +390,8 @@ def build(
         TooManyBadFilesError: more than ``max_bad_fraction`` of the files were quarantined.
         OutputWriteError: writing failed part-way (disk full, read-only folder); finished shards are kept.
     """
-    spec = _spec(spec, size=size, fit=fit, max_pixels=max_pixels, shard_size=shard_size)
+    spec = _spec(spec, size=size, fit=fit, max_pixels=max_pixels, shard_size=shard_size, max_aspect=max_aspect,
+                 encoding=encoding, quality=quality)
     cluster = Cluster() if cluster is None else cluster
     if not isinstance(cluster, Cluster):
         raise ArgumentError(f"cluster must be a datapipe.Cluster, got {type(cluster).__name__}")
@@ -388,9 +449,9 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     t_scan = time.perf_counter() - t0
     log.info(f"datapipe build: {plural(len(listing), 'file')} in {plural(len(listing.classes), 'class', 'classes')} "
              f"from {listing.root} -> {plural(len(plans), 'shard')} of up to {plural(shard_size, 'sample')} "
-             f"at {spec.size}x{spec.size} ({spec.fit})")
+             f"at {_describe(spec)}")
     kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
-              "build_id": target.build_id, "verify": verify}
+              "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
     done: dict[int, dict] = {}
@@ -410,6 +471,16 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     records = [done[p["shard"]] for p in plans]
     return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,
                    workers=n_workers, dashboard=dashboard, t0=t0, build_id=target.build_id)
+
+
+def _describe(spec: BuildSpec) -> str:
+    """The samples a spec makes, for the build's first line: ``64x64 (crop)``, ``short side 64, longer
+    at most 128 (short), jpeg q90``."""
+    if spec.fit == "short":
+        text = f"short side {spec.size}, longer at most {spec.max_side} (short)"
+    else:
+        text = f"{spec.size}x{spec.size} ({spec.fit})"
+    return text + (f", {spec.encoding} q{spec.quality}" if spec.encoding != "raw" else "")
 
 
 def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
@@ -666,6 +737,7 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
         shards_skipped=len(records) - len(built), workers=workers, dashboard=dashboard, config=config,
         bytes_on_disk=on_disk, bytes_per_sample=on_disk / max(n_samples, 1),
         peak_worker_rss_mb=max((r.get("peak_rss_mb", 0.0) for r in built), default=0.0), build_id=build_id,
+        aspect_capped=sum(int(r.get("aspect_capped", 0)) for r in records),
     )
     built_images = sum(r["count"] + len(r["quarantined"]) for r in built)
     report.page_faults_per_image = sum(r.get("page_faults", 0) for r in built) / max(built_images, 1)
@@ -705,7 +777,8 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, 
     shards, first = [], 0
     for r in records:
         shards.append(ShardRecord(name=shard_name(r["shard"]), count=r["count"], first=first, nbytes=r["nbytes"],
-                                  crc32c=r["crc32c"], inputs_hash=r["inputs_hash"]))
+                                  crc32c=r["crc32c"], inputs_hash=r["inputs_hash"],
+                                  index_crc32c=r.get("index_crc32c", "")))
         first += r["count"]
     manifest = Manifest(
         config=config, config_hash=chash, num_samples=first, classes=tuple(listing.classes),

@@ -48,10 +48,19 @@ def _parser() -> argparse.ArgumentParser:
     b = _command(sub, "build", help="decode a folder of images (or a CSV list) into a sharded cache")
     b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label")
     b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op)")
-    b.add_argument("--size", type=_positive_int, default=256, help="side of the square samples (default 256)")
-    b.add_argument("--fit", choices=("crop", "pad", "stretch"), default="crop",
-                   help="crop: shorter side to SIZE then center crop (default); pad; stretch")
-    b.add_argument("--shard-size", type=_positive_int, default=None, help="samples per shard (default: ~100 MB shards)")
+    b.add_argument("--size", type=_positive_int, default=256,
+                   help="side of the square samples, or the shorter side with --fit short (default 256)")
+    b.add_argument("--fit", choices=("crop", "pad", "stretch", "short"), default="crop",
+                   help="crop: shorter side to SIZE then center crop (default); pad: letterbox on white; stretch; "
+                        "short: shorter side to SIZE keeping the aspect, the longer cut to --max-aspect x SIZE")
+    b.add_argument("--max-aspect", type=float, default=2.0,
+                   help="with --fit short: the longest side a sample keeps, as a multiple of SIZE, 1 to 8 (default 2)")
+    b.add_argument("--encoding", choices=("raw", "jpeg"), default="raw",
+                   help="raw: pixels, read in place (default); jpeg: encoded once (4:2:0), ~1/10 of the bytes, "
+                        "decoded by the loader")
+    b.add_argument("--quality", type=int, default=90, help="JPEG quality with --encoding jpeg, 1 to 100 (default 90)")
+    b.add_argument("--shard-size", type=_positive_int, default=None,
+                   help="samples per shard (default: ~100 MB shards; for jpeg, counting a sample as 1/8 of its raw bytes)")
     b.add_argument("--workers", type=_positive_int, default=None, help="LocalCluster worker processes (default: one per core)")
     b.add_argument("--scheduler", default=None,
                    help="address of an existing Dask scheduler (tcp://host:8786), or 'sync' to build serially")
@@ -171,7 +180,8 @@ def _build(args) -> int:
     from .builder import BuildSpec, Cluster, build
 
     _check_build_args(args)
-    spec = BuildSpec(size=args.size, fit=args.fit, max_pixels=args.max_pixels, shard_size=args.shard_size)
+    spec = BuildSpec(size=args.size, fit=args.fit, max_pixels=args.max_pixels, shard_size=args.shard_size,
+                     max_aspect=args.max_aspect, encoding=args.encoding, quality=args.quality)
     build(args.source, args.output, spec, cluster=Cluster(workers=args.workers, scheduler=args.scheduler),
           max_bad_fraction=args.max_bad_fraction, force=args.force, verify=args.verify, progress=not args.quiet)
     return 0

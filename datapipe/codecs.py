@@ -18,6 +18,7 @@ garbage blocks in place of the picture.
 from __future__ import annotations
 
 import io
+import math
 import struct
 import threading
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ import numpy as np
 
 from .errors import ArgumentError, DecodeError
 
-Fit = Literal["crop", "pad", "stretch"]
-FITS = ("crop", "pad", "stretch")
+Fit = Literal["crop", "pad", "stretch", "short"]
+FITS = ("crop", "pad", "stretch", "short")
 BACKGROUND = (255, 255, 255)  # alpha is composited onto white, and pad fills with it
 DEFAULT_MAX_PIXELS = 100_000_000
 
@@ -86,6 +87,7 @@ class DecodeSpec:
     size: int = 256
     fit: Fit = "crop"
     max_pixels: int = DEFAULT_MAX_PIXELS
+    max_aspect: float = 2.0  # fit="short" only: the longer side is cut to at most max_aspect * size
 
     def __post_init__(self) -> None:
         # Named as the command line spells them: these are the options of `datapipe build`.
@@ -95,6 +97,14 @@ class DecodeSpec:
             raise ArgumentError(f"--fit must be one of {', '.join(FITS)}, got {self.fit!r}")
         if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
             raise ArgumentError(f"--max-pixels must be a positive integer, got {self.max_pixels!r}")
+        ok = isinstance(self.max_aspect, (int, float)) and not isinstance(self.max_aspect, bool)
+        if not ok or not 1.0 <= self.max_aspect <= 8.0:  # NaN fails the range too
+            raise ArgumentError(f"--max-aspect must be a number from 1 to 8, got {self.max_aspect!r}")
+
+    @property
+    def max_side(self) -> int:
+        """The longest side a sample can have: ``size``, or for ``short`` floor(max_aspect * size)."""
+        return long_side_cap(self.size, self.max_aspect) if self.fit == "short" else self.size
 
 
 # ----------------------------------------------------------------------------- decoders on offer
@@ -250,18 +260,70 @@ def _packed(img: np.ndarray) -> np.ndarray:
     return np.array(img, dtype=np.uint8, order="C", copy=True)
 
 
+def long_side_cap(size: int, max_aspect: float) -> int:
+    """floor(max_aspect * size): the longest side a ``short`` sample may have (rounded to 9 digits
+    first, so that 1.15 * 100 is 115, not 114)."""
+    return max(size, math.floor(round(max_aspect * size, 9)))
+
+
+@dataclass(frozen=True)
+class FitShape:
+    """Where an image of a given size ends up: the sample's height and width, and whether its longer
+    side was cut by ``max_aspect`` (fit="short" only)."""
+
+    height: int
+    width: int
+    capped: bool = False
+
+
+def fit_shape(height: int, width: int, spec: DecodeSpec) -> FitShape:
+    """The shape of the sample an oriented ``height`` x ``width`` image becomes under ``spec``.
+
+    ``short``: the shorter side becomes ``size`` exactly, the longer one keeps the aspect (rounded,
+    at least ``size``) up to :func:`long_side_cap`; beyond that it is cut (``capped``). Every other
+    fit gives a square of ``size``.
+    """
+    size = spec.size
+    if spec.fit != "short":
+        return FitShape(size, size)
+    short, long = min(height, width), max(height, width)
+    natural = max(size, round(long * size / short))
+    cap = long_side_cap(size, spec.max_aspect)
+    out_long = min(natural, cap)
+    return FitShape(*((size, out_long) if height <= width else (out_long, size)), capped=natural > cap)
+
+
+def _target(shape: tuple[int, int, int], out: np.ndarray | None) -> np.ndarray:
+    """``out`` when it has ``shape``; a view of its first bytes when it is a flat uint8 buffer large
+    enough (a reusable scratch for samples of varying shapes); else a new array."""
+    if out is not None and out.dtype == np.uint8:
+        if out.shape == shape:
+            return out
+        n = shape[0] * shape[1] * shape[2]
+        if out.ndim == 1 and out.size >= n and out.flags.c_contiguous:
+            return out[:n].reshape(shape)
+    return np.empty(shape, np.uint8)
+
+
 def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None) -> np.ndarray:
-    """Resize and crop/pad/stretch an oriented H×W×3 uint8 array to spec.size × spec.size (into ``out``)."""
+    """Resize an oriented H×W×3 uint8 array into the sample ``spec`` describes (see :func:`fit_shape`):
+    crop/pad/stretch to ``size`` × ``size``, or ``short`` with the shorter side at ``size``.
+
+    ``out`` is written when it has the sample's shape, or is a flat uint8 buffer of at least the
+    sample's bytes (a view of its start is returned); otherwise a new array is returned.
+    """
     h, w = img.shape[:2]
     size = spec.size
-    if out is None:
-        out = np.empty((size, size, 3), np.uint8)
+    shape = fit_shape(h, w, spec)
+    out = _target((shape.height, shape.width, 3), out)
     if spec.fit == "crop":
         side = min(h, w)
         y0, x0 = (h - side) // 2, (w - side) // 2
         return _resize(img[y0 : y0 + side, x0 : x0 + side], size, size, out)
     if spec.fit == "stretch":
         return _resize(img, size, size, out)
+    if spec.fit == "short":
+        return _resize(_short_crop(img, shape), shape.height, shape.width, out)
     scale = size / max(h, w)
     nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
     out[...] = BACKGROUND
@@ -270,14 +332,27 @@ def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None) 
     return out
 
 
+def _short_crop(img: np.ndarray, shape: FitShape) -> np.ndarray:
+    """The centred part of ``img`` along its longer side that a capped ``short`` sample shows: the
+    longer side's source pixels in proportion to the cap (the whole image when it is not capped)."""
+    if not shape.capped:
+        return img
+    h, w = img.shape[:2]
+    short = min(h, w)
+    if h <= w:
+        keep = min(w, max(1, round(shape.width * short / shape.height)))
+        x0 = (w - keep) // 2
+        return img[:, x0 : x0 + keep]
+    keep = min(h, max(1, round(shape.height * short / shape.width)))
+    y0 = (h - keep) // 2
+    return img[y0 : y0 + keep]
+
+
 def dct_factor(height: int, width: int, spec: DecodeSpec) -> int:
-    """The largest power-of-two DCT downscale (1, 2, 4 or 8) that keeps enough pixels for spec."""
-    if spec.fit == "crop":
-        limit = min(height, width)
-    elif spec.fit == "pad":
-        limit = max(height, width)
-    else:
-        limit = min(height, width)
+    """The largest power-of-two DCT downscale (1, 2, 4 or 8) that keeps enough pixels for spec:
+    at least ``size`` on the side that becomes ``size`` (the longer one for pad, the shorter for
+    crop and short; both for stretch, so the shorter)."""
+    limit = max(height, width) if spec.fit == "pad" else min(height, width)
     factor = 1
     while factor < 8 and limit // (factor * 2) >= spec.size:
         factor *= 2
@@ -580,8 +655,14 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = Fa
 
 
 def decode_sample(data: bytes, spec: DecodeSpec, out: np.ndarray | None = None) -> np.ndarray:
-    """Decode one file's bytes into the canonical sample: uint8 [size, size, 3] (into ``out``)."""
+    """Decode one file's bytes into the canonical sample: uint8 [size, size, 3], or for ``short`` the
+    shape :func:`fit_shape` gives (into ``out``, as :func:`fit_image` takes it)."""
+    return decode_fitted(data, spec, out)[0]
+
+
+def decode_fitted(data: bytes, spec: DecodeSpec, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+    """:func:`decode_sample`, and whether the image's longer side was cut by ``max_aspect``."""
     img = decode_rgb(data, spec, _reuse=True)
     if img.ndim != 3 or img.shape[2] != 3:
         raise DecodeError(f"decoder returned shape {img.shape}, expected H×W×3")
-    return fit_image(img, spec, out)
+    return fit_image(img, spec, out), fit_shape(img.shape[0], img.shape[1], spec).capped

@@ -25,13 +25,19 @@ from .files import FileTooLarge, NotRegularFile, read_regular
 from .text import one_line, show
 
 FORMAT = "datapipe-cache"
-VERSION = 1
+VERSION_FIXED = 1  # square raw samples at i * S*S*3 of each shard's data file
+VERSION_INDEXED = 2  # samples of their own shape or size, found through each shard's sample index
+VERSIONS = (VERSION_FIXED, VERSION_INDEXED)
+VERSION = VERSION_INDEXED  # the newest format this datapipe reads and writes
 MANIFEST = "manifest.json"
 REPORT = "report.json"
 BUILD_LOCK = "build.json"
 LABELS = "labels.npy"
 PATHS = "paths.json"
-LAYOUT = "zarr-v3-sharded, chunk = one sample, uncompressed (memory-mappable)"
+LAYOUTS = ("fixed", "indexed")
+ENCODINGS = ("raw", "jpeg")  # datapipe.samples.ENCODINGS
+CHUNK_BYTES = 65536  # the inner chunk of an indexed shard's data array
+INDEX_ROW_BYTES = 32  # one sample index row: offset, nbytes, height, width as little-endian int64
 
 MAX_SIZE = 8192  # the largest sample side DecodeSpec accepts
 MAX_COUNT = 1 << 40  # far beyond any cache; keeps arithmetic on counts in int64
@@ -172,30 +178,64 @@ def _check_marker(f: _Fields) -> None:
         raise CacheError(f"{f.path} is not a datapipe {f.path.name} (format={show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
                          f"{f.hint}")
     version = f.get("version")
-    if isinstance(version, bool) or version != VERSION:
+    if isinstance(version, bool) or version not in VERSIONS:
         shown = version if isinstance(version, int) and not isinstance(version, bool) else _kind(version)
-        raise CacheError(f"{f.path} was written by cache format version {shown}; this datapipe reads version "
-                         f"{VERSION}. Install a datapipe that matches, or rebuild the cache with this one.")
+        raise CacheError(f"{f.path}: field 'version' is {shown}: written by cache format version {shown}; this datapipe "
+                         f"reads versions {' and '.join(map(str, VERSIONS))}. Install a datapipe that matches, or "
+                         "rebuild the cache with this one.")
 
 
 def _build_id(f: _Fields) -> str:
     return f.text("build_id", BUILD_ID, expect="32 lowercase hex digits") if f.has("build_id") else ""
 
 
+def layout_of(config: dict) -> str:
+    """The shard layout a build configuration gives: ``indexed`` for ``fit`` short or ``encoding``
+    jpeg (samples of their own shape or size), ``fixed`` for square raw samples."""
+    return "indexed" if config.get("fit") == "short" or config.get("encoding", "raw") != "raw" else "fixed"
+
+
+def version_of(config: dict) -> int:
+    """The format version of a cache of this configuration: 1 for the fixed layout, 2 for the indexed."""
+    return VERSION_INDEXED if layout_of(config) == "indexed" else VERSION_FIXED
+
+
 def config_hash(config: dict) -> str:
-    """A stable hash of the build configuration (what determines the bytes of every shard)."""
-    blob = json.dumps({"format": FORMAT, "version": VERSION, **config}, sort_keys=True)
+    """A stable hash of the build configuration (what determines the bytes of every shard). The
+    version hashed is the configuration's own (1 for every configuration of format 1, so the hashes
+    of existing caches are unchanged)."""
+    blob = json.dumps({"format": FORMAT, "version": version_of(config), **config}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _config(f: _Fields) -> tuple[dict, str]:
-    """The build configuration and its hash, which must be the hash of that configuration."""
+    """The build configuration and its hash, which must be the hash of that configuration; the
+    document's version must be the configuration's (see :func:`version_of`)."""
     config = f.obj("config")
-    config.integer("size", 1, MAX_SIZE)
+    size = config.integer("size", 1, MAX_SIZE)
+    if config.has("fit"):
+        config.text("fit")
+    if config.has("encoding"):
+        config.text("encoding", re.compile("|".join(ENCODINGS)), expect=" or ".join(map(repr, ENCODINGS)))
+    if config.has("quality"):
+        config.integer("quality", 1, 100)
+    if config.has("max_aspect"):
+        config.number("max_aspect", 1.0)
+        if long_side_cap(size, config.doc["max_aspect"]) > MAX_SIZE:
+            config.fail(f"gives samples a longer side over {MAX_SIZE}", "max_aspect")
     chash = f.text("config_hash", HEX16, expect="16 lowercase hex digits")
     if chash != config_hash(config.doc):
         f.fail(f"is {chash}, which is not the hash of the config the file holds", "config_hash")
+    expected = version_of(config.doc)
+    if f.doc["version"] != expected:
+        f.fail(f"is {f.doc['version']}, expected {expected} for a cache of the {layout_of(config.doc)} layout "
+               f"(fit {show(str(config.doc.get('fit')))}, encoding {show(str(config.doc.get('encoding', 'raw')))})", "version")
     return config.doc, chash
+
+
+def long_side_cap(size: int, max_aspect: float) -> int:
+    """floor(max_aspect * size), the longest side of a ``short`` sample (``codecs.long_side_cap``)."""
+    return max(size, math.floor(round(max_aspect * size, 9)))
 
 
 # ----------------------------------------------------------------------------- the records
@@ -211,10 +251,14 @@ class ShardRecord:
     nbytes: int
     crc32c: str
     inputs_hash: str = ""
+    index_crc32c: str = ""  # the indexed layout only: the crc32c of the shard's sample index file
 
     def to_json(self) -> dict:
-        return {"name": self.name, "count": self.count, "first": self.first, "nbytes": self.nbytes,
-                "crc32c": self.crc32c, "inputs_hash": self.inputs_hash}
+        doc = {"name": self.name, "count": self.count, "first": self.first, "nbytes": self.nbytes,
+               "crc32c": self.crc32c, "inputs_hash": self.inputs_hash}
+        if self.index_crc32c:
+            doc["index_crc32c"] = self.index_crc32c
+        return doc
 
 
 @dataclass(frozen=True)
@@ -251,9 +295,22 @@ class Manifest:
     files: dict[str, FileRecord]
     shards: tuple[ShardRecord, ...]
     build_id: str = ""
-    layout: str = LAYOUT
     format: str = FORMAT
-    version: int = VERSION
+
+    @property
+    def version(self) -> int:
+        """1 for the fixed layout, 2 for the indexed one (the configuration decides)."""
+        return version_of(self.config)
+
+    @property
+    def layout(self) -> str:
+        """``fixed``: square raw samples at ``i * S*S*3``; ``indexed``: found through each shard's sample index."""
+        return layout_of(self.config)
+
+    @property
+    def encoding(self) -> str:
+        """How a sample's bytes are stored: ``raw`` pixels or ``jpeg``."""
+        return str(self.config.get("encoding", "raw"))
 
     @property
     def size(self) -> int:
@@ -261,7 +318,20 @@ class Manifest:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """(S, S, 3): the shape of a square sample (every sample's unless ``fixed_shape`` is None)."""
         return (self.size, self.size, 3)
+
+    @property
+    def fixed_shape(self) -> tuple[int, int, int] | None:
+        """The one shape of every sample, (S, S, 3); None when samples keep their aspect (fit short)."""
+        return None if self.config.get("fit") == "short" else self.shape
+
+    @property
+    def max_side(self) -> int:
+        """The longest side any sample may have: S, or floor(max_aspect * S) for fit short."""
+        if self.config.get("fit") != "short":
+            return self.size
+        return long_side_cap(self.size, float(self.config.get("max_aspect", 2.0)))
 
     @property
     def nbytes(self) -> int:
@@ -274,7 +344,8 @@ class Manifest:
             "version": self.version,
             "config": json.loads(json.dumps(self.config)),
             "config_hash": self.config_hash,
-            "sample": {"shape": list(self.shape), "dtype": "uint8", "layout": self.layout},
+            "sample": {"shape": list(self.fixed_shape) if self.fixed_shape else None, "dtype": "uint8",
+                       "encoding": self.encoding, "layout": self.layout},
             "num_samples": self.num_samples,
             "classes": list(self.classes),
             "source": self.source.to_json(),
@@ -295,7 +366,10 @@ class BuildRecord:
     build_id: str = ""
     source: dict = field(default_factory=dict)
     format: str = FORMAT
-    version: int = VERSION
+
+    @property
+    def version(self) -> int:
+        return version_of(self.config)
 
     def to_json(self) -> dict:
         doc = {"format": self.format, "version": self.version, "config": json.loads(json.dumps(self.config)),
@@ -321,8 +395,20 @@ class ReportRecord:
 
 
 def expected_file_size(count: int, size: int) -> int:
-    """Bytes of a shard's image file: samples, then the shard index and its crc32c."""
+    """Bytes of a fixed-layout shard's image file: samples, then the shard index and its crc32c."""
     return count * size * size * 3 + 16 * count + 4 if count else 0
+
+
+def indexed_chunks(total: int) -> int:
+    """Inner chunks of an indexed shard's data array of ``total`` sample bytes."""
+    return -(-total // CHUNK_BYTES)
+
+
+def indexed_file_size(total: int) -> int:
+    """Bytes of an indexed shard's data file holding ``total`` bytes of samples: the samples padded
+    with zeros to whole chunks, then the shard index (16 bytes a chunk) and its crc32c; 0 when empty."""
+    chunks = indexed_chunks(total)
+    return chunks * CHUNK_BYTES + 16 * chunks + 4 if total else 0
 
 
 def parse_manifest(doc: Any, path: Path) -> Manifest:
@@ -331,23 +417,36 @@ def parse_manifest(doc: Any, path: Path) -> Manifest:
     _check_marker(f)
     config, chash = _config(f)
     size = int(config["size"])
+    layout = layout_of(config)
     sample = f.obj("sample")
     shape = sample.get("shape")
-    if shape != [size, size, 3] or any(isinstance(v, bool) for v in shape):
+    square = config.get("fit") != "short"
+    if square and (shape != [size, size, 3] or any(isinstance(v, bool) for v in shape)):
         sample.fail(f"is {one_line(json.dumps(shape), 60)}, expected [{size}, {size}, 3] (config.size {size})", "shape")
+    if not square and shape is not None:
+        sample.fail(f"is {one_line(json.dumps(shape), 60)}, expected null (fit short: samples keep their aspect)", "shape")
     sample.text("dtype", re.compile("uint8"), expect="'uint8'")
-    layout = sample.text("layout") if sample.has("layout") else LAYOUT
+    if f.doc["version"] == VERSION_FIXED:
+        # an earlier datapipe's version 1 manifest names no encoding and describes its layout in words
+        if sample.has("encoding"):
+            sample.text("encoding", re.compile("raw"), expect="'raw' (format version 1)")
+        if sample.has("layout"):
+            sample.text("layout")
+    else:
+        encoding = str(config.get("encoding", "raw"))
+        sample.text("encoding", re.compile(re.escape(encoding)), expect=f"{encoding!r} (config.encoding)")
+        sample.text("layout", re.compile(layout), expect=f"{layout!r} (format version {f.doc['version']})")
     num_samples = f.integer("num_samples")
     classes = _classes(f)
     src = f.obj("source")
     source = SourceRecord(root=src.text("root"), kind=src.text("kind"))
     files = _files(f)
-    shards = _shards(f, size, expected_file_size)
+    shards = _shards(f, layout, config)
     total = sum(s.count for s in shards)
     if total != num_samples:
         f.fail(f"is {num_samples}, but the shards' counts add up to {total}", "num_samples")
     return Manifest(config=config, config_hash=chash, num_samples=num_samples, classes=classes, source=source,
-                    files=files, shards=shards, build_id=_build_id(f), layout=layout)
+                    files=files, shards=shards, build_id=_build_id(f))
 
 
 def _classes(f: _Fields) -> tuple[str, ...]:
@@ -377,7 +476,37 @@ def _files(f: _Fields) -> dict[str, FileRecord]:
     return out
 
 
-def _shards(f: _Fields, size: int, expected_file_size: Callable[[int, int], int]) -> tuple[ShardRecord, ...]:
+def _nbytes_check(layout: str, config: dict) -> Callable[[int, int], str | None]:
+    """What a shard's ``nbytes`` may be for ``count`` samples: None if ``nbytes`` fits, else what was expected.
+
+    Fixed: exactly :func:`expected_file_size`. Indexed: :func:`indexed_file_size` of the samples' total,
+    which the sample index holds; square raw samples give it exactly, the rest bound it (each sample
+    at least 1 byte, at most max_side² · 3 pixels' bytes for raw).
+    """
+    size = int(config["size"])
+    if layout == "fixed":
+        def fixed(count: int, nbytes: int) -> str | None:
+            expected = expected_file_size(count, size)
+            return None if nbytes == expected else f"{expected} for {count} samples of {size}x{size}"
+        return fixed
+    raw, square = config.get("encoding", "raw") == "raw", config.get("fit") != "short"
+    side = size if square else long_side_cap(size, float(config.get("max_aspect", 2.0)))
+
+    def indexed(count: int, nbytes: int) -> str | None:
+        if raw and square:
+            expected = indexed_file_size(count * size * size * 3)
+            return None if nbytes == expected else f"{expected} for {count} samples of {size}x{size}"
+        lo = indexed_file_size(count * size * size * 3 if raw else count)
+        hi = indexed_file_size(count * size * side * 3 if raw else count * MAX_SIZE * MAX_SIZE * 3)
+        whole = nbytes == 0 if not count else (nbytes - 4) % (CHUNK_BYTES + 16) == 0
+        return None if whole and lo <= nbytes <= hi else (
+            f"a data file size of whole {CHUNK_BYTES}-byte chunks, shard index and crc32c from {lo} to {hi} "
+            f"for {count} samples")
+    return indexed
+
+
+def _shards(f: _Fields, layout: str, config: dict) -> tuple[ShardRecord, ...]:
+    check_nbytes = _nbytes_check(layout, config)
     shards = f.array("shards")
     out, first, names = [], 0, set()
     for i, raw in enumerate(shards):
@@ -389,12 +518,15 @@ def _shards(f: _Fields, size: int, expected_file_size: Callable[[int, int], int]
         count = s.integer("count")
         if s.integer("first") != first:
             s.fail(f"is {s.doc['first']}, expected {first} (the sum of the previous shards' counts)", "first")
-        expected = expected_file_size(count, size)
-        if s.integer("nbytes") != expected:
-            s.fail(f"is {s.doc['nbytes']}, expected {expected} for {count} samples of {size}x{size}", "nbytes")
+        nbytes = s.integer("nbytes", 0, 1 << 62)
+        expected = check_nbytes(count, nbytes)
+        if expected is not None:
+            s.fail(f"is {nbytes}, expected {expected}", "nbytes")
         crc = s.text("crc32c", HEX8, expect="8 lowercase hex digits")
         inputs_hash = s.text("inputs_hash") if s.has("inputs_hash") else ""
-        out.append(ShardRecord(name=name, count=count, first=first, nbytes=expected, crc32c=crc, inputs_hash=inputs_hash))
+        index_crc = s.text("index_crc32c", HEX8, expect="8 lowercase hex digits") if layout == "indexed" else ""
+        out.append(ShardRecord(name=name, count=count, first=first, nbytes=nbytes, crc32c=crc, inputs_hash=inputs_hash,
+                               index_crc32c=index_crc))
         first += count
         if first > MAX_COUNT:
             s.fail(f"brings the sample count past {MAX_COUNT}", "count")

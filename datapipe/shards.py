@@ -1,6 +1,8 @@
 """The shard format: one Zarr v3 group per shard whose image array is plain bytes at known offsets.
 
-A shard is the folder ``shards/NNNNNN.zarr``, a Zarr v3 group holding
+A shard is the folder ``shards/NNNNNN.zarr``, a Zarr v3 group in one of two layouts.
+
+**fixed** (format version 1: square raw samples), holding
 
 * ``images``: uint8 [n, S, S, 3], sharding codec, chunk = one sample, no compression — so the one
   shard file ``images/c/0/0/0/0`` is the n samples back to back, followed by the shard index
@@ -10,6 +12,16 @@ A shard is the folder ``shards/NNNNNN.zarr``, a Zarr v3 group holding
 * ``labels``: int64 [n], one uncompressed chunk.
 * group attributes: the shard's source paths, its plan hash, quarantined files and the data file's
   crc32c.
+
+**indexed** (format version 2: samples of their own shape, or JPEG-encoded), holding
+
+* ``images``: uint8 [total] (total: the samples' bytes), sharding codec with inner chunks of 65536
+  bytes, one shard: the data file ``images/c/0`` is the samples back to back from offset 0, zeros
+  to a whole number of chunks, then the shard index (one (k·65536, 65536) pair per chunk) and its
+  crc32c. zarr-python reads a sample as ``images[offset:offset + nbytes]``.
+* ``index``: int64 [count, 4], one uncompressed chunk ``index/c/0/0``: the sample index
+  (:class:`datapipe.samples.SampleIndex`: offset, nbytes, height, width per sample).
+* ``labels`` as in the fixed layout; group attributes as there, plus the index file's crc32c.
 
 This module is the one place for that layout: the names and paths of a shard's files, the metadata
 documents as written and as read back. :mod:`datapipe.writer` writes shards with it, the cache and
@@ -29,10 +41,12 @@ import numpy as np
 
 from .errors import CacheError
 from .files import atomic_write_text, crc32c
-from .records import read_json
+from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
 SHARDS_DIR = "shards"
-IMAGES_FILE = ("images", "c", "0", "0", "0", "0")
+IMAGES_FILE = ("images", "c", "0", "0", "0", "0")  # the fixed layout's data file
+INDEXED_IMAGES_FILE = ("images", "c", "0")  # the indexed layout's data file
+INDEX_FILE = ("index", "c", "0", "0")  # the indexed layout's sample index
 LABELS_FILE = ("labels", "c", "0")
 GROUP_META = "zarr.json"
 _REWRITE = "rerun the same `datapipe build` to rewrite the shard"
@@ -45,9 +59,14 @@ def shard_name(index: int) -> str:
     return f"{index:06d}.zarr"
 
 
-def images_path(shard_dir: Path) -> Path:
-    """The shard's data file: the samples back to back, then the shard index."""
-    return shard_dir.joinpath(*IMAGES_FILE)
+def images_path(shard_dir: Path, layout: str = "fixed") -> Path:
+    """The shard's data file in ``layout`` (fixed or indexed): the samples back to back, then the shard index."""
+    return shard_dir.joinpath(*(INDEXED_IMAGES_FILE if layout == "indexed" else IMAGES_FILE))
+
+
+def index_path(shard_dir: Path) -> Path:
+    """An indexed shard's sample index (int64 [count, 4] little endian)."""
+    return shard_dir.joinpath(*INDEX_FILE)
 
 
 def shard_labels_path(shard_dir: Path) -> Path:
@@ -71,44 +90,77 @@ def shard_index(count: int, size: int) -> bytes:
     return raw + crc32c(raw).to_bytes(4, "little")
 
 
-_METADATA: dict[tuple[int, int], dict[str, bytes]] = {}
+def indexed_tail(total: int) -> bytes:
+    """The tail of an indexed shard's data file after its ``total`` sample bytes and the zero padding
+    to whole chunks: the Zarr v3 shard index (one (k·65536, 65536) pair of little-endian uint64 per
+    inner chunk) and its crc32c; empty for an empty shard."""
+    chunks = indexed_chunks(total)
+    if not chunks:
+        return b""
+    index = np.empty((chunks, 2), "<u8")
+    index[:, 0] = np.arange(chunks, dtype=np.uint64) * CHUNK_BYTES
+    index[:, 1] = CHUNK_BYTES
+    raw = index.tobytes()
+    return raw + crc32c(raw).to_bytes(4, "little")
+
+
+_METADATA: dict[tuple[str, int, int], dict[str, bytes]] = {}
 _METADATA_LOCK = threading.Lock()
+_METADATA_KEEP = 64  # documents of this many shapes are kept per process (JPEG shards all differ in size)
 
 
-def _zarr_metadata(count: int, size: int) -> dict[str, bytes]:
-    """The metadata documents zarr-python writes for a shard of ``count`` samples (key -> bytes).
+def _zarr_metadata(layout: str, count: int, size: int) -> dict[str, bytes]:
+    """The metadata documents zarr-python writes for a shard of ``count`` samples (key -> bytes);
+    ``size`` is the sample side (fixed) or the total bytes of the samples (indexed).
 
-    zarr-python itself writes them, into memory, once per (count, size) in a process; a build's
-    shards almost all share one count, so the ~10 ms zarr spends per group is paid once, not per
-    shard, and the files stay exactly what zarr writes.
+    zarr-python itself writes them, into memory, once per (layout, count, size) in a process; a
+    build's fixed shards almost all share one count, so the ~10 ms zarr spends per group is paid
+    once, not per shard, and the files stay exactly what zarr writes.
     """
-    key = (count, size)
+    key = (layout, count, size)
     with _METADATA_LOCK:
         docs = _METADATA.get(key)
         if docs is None:
-            import zarr
-            from zarr.storage import MemoryStore
-
-            written: dict[str, Any] = {}
-            store = MemoryStore(written)
-            group = zarr.create_group(store=store, zarr_format=3, overwrite=False)
-            group.create_array(
-                "images", shape=(count, size, size, 3), dtype="uint8",
-                chunks=(1, size, size, 3), shards=(max(count, 1), size, size, 3),
-                compressors=None, fill_value=0, write_data=False,
-            )
-            group.create_array("labels", shape=(count,), dtype="int64", chunks=(max(count, 1),),
-                               compressors=None, fill_value=-1)
-            docs = {k: bytes(v.to_bytes()) for k, v in written.items() if k.endswith(GROUP_META)}
+            docs = _zarr_documents(layout, count, size)
+            if len(_METADATA) >= _METADATA_KEEP:
+                _METADATA.pop(next(iter(_METADATA)))
             _METADATA[key] = docs
     return docs
 
 
-def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str, Any]) -> None:
+def _zarr_documents(layout: str, count: int, size: int) -> dict[str, bytes]:
+    import zarr
+    from zarr.storage import MemoryStore
+
+    written: dict[str, Any] = {}
+    group = zarr.create_group(store=MemoryStore(written), zarr_format=3, overwrite=False)
+    if layout == "indexed":
+        padded = max(indexed_chunks(size), 1) * CHUNK_BYTES
+        group.create_array("images", shape=(size,), dtype="uint8", chunks=(CHUNK_BYTES,), shards=(padded,),
+                           compressors=None, fill_value=0, write_data=False)
+        group.create_array("index", shape=(count, 4), dtype="int64", chunks=(max(count, 1), 4),
+                           compressors=None, fill_value=0, write_data=False)
+    else:
+        group.create_array(
+            "images", shape=(count, size, size, 3), dtype="uint8",
+            chunks=(1, size, size, 3), shards=(max(count, 1), size, size, 3),
+            compressors=None, fill_value=0, write_data=False,
+        )
+    group.create_array("labels", shape=(count,), dtype="int64", chunks=(max(count, 1),),
+                       compressors=None, fill_value=-1)
+    return {k: bytes(v.to_bytes()) for k, v in written.items() if k.endswith(GROUP_META)}
+
+
+def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str, Any], *,
+                   index: bytes | None = None, total: int = 0) -> None:
     """Write a shard's Zarr v3 documents and labels chunk into ``folder``: the arrays' metadata, the
-    labels, and last the group's ``zarr.json`` carrying ``record`` as ``attributes.datapipe``."""
+    labels, and last the group's ``zarr.json`` carrying ``record`` as ``attributes.datapipe``.
+
+    With ``index`` (the sample index's bytes, :meth:`datapipe.samples.SampleIndex.to_bytes`) the
+    shard is of the indexed layout holding ``total`` bytes of samples, and the index is written too.
+    """
     count = len(labels)
-    docs = _zarr_metadata(count, size)
+    docs = _zarr_metadata("fixed", count, size) if index is None else _zarr_metadata("indexed", count, total)
     for key, doc in docs.items():
         if key != GROUP_META:
             target = folder / key
@@ -118,6 +170,12 @@ def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str
         chunk = shard_labels_path(folder)
         chunk.parent.mkdir(parents=True, exist_ok=True)
         chunk.write_bytes(np.asarray(labels, "<i8").tobytes())
+    if index is not None and count:  # one chunk, codec "bytes" (little endian), no compressor
+        if len(index) != count * INDEX_ROW_BYTES:
+            raise ValueError(f"a sample index of {len(index)} bytes for {count} samples")
+        target = index_path(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(index)
     meta = json.loads(docs[GROUP_META])
     meta["attributes"] = {"datapipe": record}
     atomic_write_text(folder / GROUP_META, json.dumps(meta, indent=1, ensure_ascii=False))
@@ -143,18 +201,35 @@ def read_shard_metadata(shard_dir: Path) -> dict[str, Any]:
         value = record.get(key)
         if isinstance(value, bool) or not isinstance(value, kind):
             raise CacheError(f"{path}: field 'attributes.datapipe.{key}' is missing or not {kind.__name__}; {_REWRITE}")
+    if "index_crc32c" in record and not isinstance(record["index_crc32c"], str):
+        raise CacheError(f"{path}: field 'attributes.datapipe.index_crc32c' is not str; {_REWRITE}")
     return record
 
 
+def shard_layout(record: dict[str, Any]) -> str:
+    """The layout of the shard whose record this is: indexed shards carry their index's crc32c."""
+    return "indexed" if "index_crc32c" in record else "fixed"
+
+
+def _file_size(path: Path) -> int:
+    """Bytes of the regular file at ``path``; 0 when there is none, -1 when it is not a regular file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else -1
+
+
 def read_shard_record(shard_dir: Path) -> dict[str, Any] | None:
-    """The record a finished shard carries in its group attributes, or None if it is not whole."""
+    """The record a finished shard carries in its group attributes, or None if it is not whole
+    (its data file, and an indexed shard's sample index, not of the sizes the record gives)."""
     try:
         record = read_shard_metadata(shard_dir)
     except CacheError:
         return None
-    try:
-        st = os.stat(images_path(shard_dir))
-        actual = st.st_size if stat.S_ISREG(st.st_mode) else -1
-    except OSError:
-        actual = 0
-    return record if actual == record["nbytes"] else None
+    layout = shard_layout(record)
+    if _file_size(images_path(shard_dir, layout)) != record["nbytes"]:
+        return None
+    if layout == "indexed" and _file_size(index_path(shard_dir)) != record["count"] * INDEX_ROW_BYTES:
+        return None
+    return record
