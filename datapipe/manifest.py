@@ -1,8 +1,9 @@
 """The versioned manifest: the only contract between the build and the loader.
 
 ``manifest.json`` is written last and atomically; a folder without one is not a finished cache.
-A reader checks the format name and version first and refuses what it does not understand; every
-field is then checked by :func:`datapipe.records.parse_manifest` into a typed :class:`Manifest`.
+A reader checks the format name and version first (1: the fixed layout of square raw samples, 2:
+the indexed layout, see docs/format.md) and refuses what it does not understand; every field is
+then checked by :func:`datapipe.records.parse_manifest` into a typed :class:`Manifest`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,24 @@ from pathlib import Path
 
 from .errors import CacheError
 from .files import atomic_write_text
-from .records import BUILD_LOCK, FORMAT, LABELS, MANIFEST, PATHS, REPORT, VERSION, Manifest, config_hash, parse_manifest
+from .records import (
+    BUILD_LOCK,
+    FORMAT,
+    LABELS,
+    MANIFEST,
+    PATHS,
+    REPORT,
+    VERSION,
+    VERSIONS,
+    Manifest,
+    config_hash,
+    parse_manifest,
+    version_of,
+)
 from .records import read_manifest as _read_manifest
 
-__all__ = ["BUILD_LOCK", "FORMAT", "LABELS", "MANIFEST", "PATHS", "REPORT", "VERSION", "Manifest", "config_hash",
-           "read_manifest", "write_manifest"]
+__all__ = ["BUILD_LOCK", "FORMAT", "LABELS", "MANIFEST", "PATHS", "REPORT", "VERSION", "VERSIONS", "Manifest", "config_hash",
+           "read_manifest", "version_of", "write_manifest"]
 
 
 def write_manifest(output: Path, manifest: Manifest) -> None:

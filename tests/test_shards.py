@@ -5,6 +5,7 @@ read back checked — a damaged or partial shard is a CacheError or "not whole",
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +91,42 @@ def test_a_data_file_of_the_wrong_size_or_kind_is_not_whole(tmp_path, damage):
         data.mkdir()
     assert read_shard_metadata(final)["count"] == 3  # the record itself is fine
     assert read_shard_record(final) is None
+
+
+def _indexed_shard(tmp_path: Path, n: int = 3) -> Path:
+    final = tmp_path / shard_name(1)
+    with ShardWriter(final, size=16, layout="indexed", encoding="jpeg") as writer:
+        for i in range(n):
+            writer.add(np.full((8 + i, 16 - i, 3), 40 * i, np.uint8), i, f"f{i}.png")
+        writer.commit({"shard": 1})
+    return final
+
+
+@pytest.mark.parametrize("damage", ["none", "index missing", "index short", "index long", "data short"])
+def test_an_indexed_shard_is_whole_only_with_its_index(tmp_path, damage):
+    from datapipe.shards import images_path, index_path, shard_layout
+
+    final = _indexed_shard(tmp_path)
+    record = read_shard_metadata(final)
+    assert shard_layout(record) == "indexed" and re.fullmatch(r"[0-9a-f]{8}", record["index_crc32c"])
+    index = index_path(final)
+    assert index.stat().st_size == 3 * 32
+    if damage == "index missing":
+        index.unlink()
+    elif damage == "index short":
+        index.write_bytes(index.read_bytes()[:-1])
+    elif damage == "index long":
+        index.write_bytes(index.read_bytes() + b"\0")
+    elif damage == "data short":
+        data = images_path(final, "indexed")
+        data.write_bytes(data.read_bytes()[:-1])
+    assert (read_shard_record(final) == record) == (damage == "none")
+
+
+def test_an_index_crc_of_the_wrong_type_is_a_cache_error(tmp_path):
+    final = _indexed_shard(tmp_path)
+    meta = json.loads((final / GROUP_META).read_text())
+    meta["attributes"]["datapipe"]["index_crc32c"] = 5
+    (final / GROUP_META).write_text(json.dumps(meta))
+    with pytest.raises(CacheError, match="index_crc32c"):
+        read_shard_metadata(final)

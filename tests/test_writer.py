@@ -81,3 +81,69 @@ def test_failed_background_sync_fails_the_shard_and_keeps_nothing_half_done(tmp_
     with pytest.raises(OSError, match="Input/output error"):
         _write_shard(final, 4)
     assert not final.exists() and list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- the indexed layout
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_indexed_shard_is_what_zarr_itself_writes(tmp_path, n, encoding):
+    """An indexed shard's documents, data file and sample index are the bytes zarr-python writes for
+    the same arrays: images uint8 [total] (64 KiB inner chunks, one shard), index int64 [n, 4]."""
+    import zarr
+    from zarr.storage import LocalStore
+
+    from datapipe import samples
+    from datapipe.files import crc32c
+    from datapipe.records import indexed_file_size
+    from datapipe.writer import ShardWriter
+
+    rng = np.random.default_rng(n)
+    images = [rng.integers(1, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3), dtype=np.uint8)
+              for _ in range(n)]
+    final = tmp_path / "000000.zarr"
+    with ShardWriter(final, size=90, layout="indexed", encoding=encoding, quality=80) as writer:
+        for i, img in enumerate(images):
+            writer.add(img, i % 4, f"f{i}.jpg")
+        record = writer.commit({"shard": 0})
+    stored = [img.tobytes() if encoding == "raw" else bytes(samples.encode(img, "jpeg", 80)) for img in images]
+    blob = b"".join(stored)
+    rows = np.array([[sum(map(len, stored[:i])), len(stored[i]), *images[i].shape[:2]] for i in range(n)],
+                    np.int64).reshape(n, 4)
+    ref = tmp_path / "reference"
+    group = zarr.create_group(store=LocalStore(str(ref)), zarr_format=3)
+    padded = max(-(-len(blob) // 65536), 1) * 65536
+    data = group.create_array("images", shape=(len(blob),), dtype="uint8", chunks=(65536,), shards=(padded,),
+                              compressors=None, fill_value=0)
+    index = group.create_array("index", shape=(n, 4), dtype="int64", chunks=(max(n, 1), 4), compressors=None,
+                               fill_value=0)
+    labels = group.create_array("labels", shape=(n,), dtype="int64", chunks=(max(n, 1),), compressors=None,
+                                fill_value=-1)
+    if n:
+        data[:] = np.frombuffer(blob, np.uint8)
+        index[:] = rows
+        labels[:] = np.arange(n) % 4
+    for key in ("images/zarr.json", "images/c/0", "index/zarr.json", "index/c/0/0", "labels/zarr.json", "labels/c/0"):
+        assert (final / key).exists() == (ref / key).exists(), key
+        if (ref / key).exists():
+            assert (final / key).read_bytes() == (ref / key).read_bytes(), key
+    assert record["nbytes"] == indexed_file_size(len(blob)) == ((final / "images/c/0").stat().st_size if n else 0)
+    assert record["index_crc32c"] == f"{crc32c(rows.astype('<i8').tobytes()):08x}"
+    back = zarr.open_group(str(final), mode="r")
+    for i in range(n):
+        off, nbytes = int(rows[i, 0]), int(rows[i, 1])
+        assert back["images"][off:off + nbytes].tobytes() == stored[i]
+
+
+def test_indexed_writer_refuses_what_its_layout_cannot_hold(tmp_path):
+    from datapipe.writer import ShardWriter
+
+    with pytest.raises(ValueError, match="no shard layout"):
+        ShardWriter(tmp_path / "a.zarr", size=8, layout="fixed", encoding="jpeg")
+    with ShardWriter(tmp_path / "b.zarr", size=8, layout="indexed") as writer:
+        with pytest.raises(ValueError, match="sides from 1 to 8"):
+            writer.add(np.zeros((4, 9, 3), np.uint8), 0, "wide.png")
+        with pytest.raises(ValueError, match=r"\(H, W, 3\) uint8"):
+            writer.add(np.zeros((4, 4), np.uint8), 0, "gray.png")
+    assert not (tmp_path / "b.zarr").exists()
