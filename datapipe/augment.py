@@ -40,7 +40,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -48,7 +49,13 @@ from torch import nn
 from . import native
 from .dataset import check_bool, check_int
 from .errors import ArgumentError
+from .samples import decode_crop, decode_jpeg
 from .text import show
+
+if TYPE_CHECKING:
+    from .cache import EncodedSample
+
+Box = tuple[int, int, int, int]  # a crop: top, left, height, width
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -59,7 +66,26 @@ Batch = torch.Tensor | list[torch.Tensor]
 
 
 def _stack(images: Batch) -> torch.Tensor:
-    return images if isinstance(images, torch.Tensor) else torch.stack(images)
+    """One uint8 [B, H, W, 3] tensor of the batch; samples of different shapes are padded with zeros
+    at the bottom and right to the largest (a crop inside each sample's own extent never reads the padding)."""
+    if isinstance(images, torch.Tensor):
+        return images
+    if all(x.shape == images[0].shape for x in images):
+        return torch.stack(images)
+    h, w = max(x.shape[0] for x in images), max(x.shape[1] for x in images)
+    out = images[0].new_zeros((len(images), h, w, 3))
+    for i, x in enumerate(images):
+        out[i, : x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def sample_sizes(images: Batch) -> tuple[int | torch.Tensor, int | torch.Tensor]:
+    """(heights, widths) of a batch's samples: ints when they share one shape, else int64 [B] tensors."""
+    if isinstance(images, torch.Tensor) or not images or all(x.shape == images[0].shape for x in images):
+        first = images[0] if len(images) else torch.empty((0, 0, 3))
+        return int(first.shape[0]), int(first.shape[1])
+    return (torch.tensor([x.shape[0] for x in images], dtype=torch.int64),
+            torch.tensor([x.shape[1] for x in images], dtype=torch.int64))
 
 
 def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = torch.float32,
@@ -369,8 +395,9 @@ class BatchAugment(nn.Module):
         return x.to(self.dtype).contiguous(memory_format=fmt)
 
     @staticmethod
-    def _check(images: Batch) -> tuple[int, int, int, torch.device]:
-        """(batch, height, width, device) of a uint8 [B, H, W, 3] tensor or a list of [H, W, 3] samples."""
+    def _check(images: Batch, *, varied: bool = False) -> tuple[int, int, int, torch.device]:
+        """(batch, height, width, device) of a uint8 [B, H, W, 3] tensor or a list of [H, W, 3] samples
+        (of one shape, or with ``varied`` of any shapes: then height and width are the first sample's)."""
         if isinstance(images, torch.Tensor):
             if images.dim() != 4 or images.shape[-1] != 3 or images.dtype != torch.uint8:
                 raise ValueError(f"expected a uint8 batch [B, H, W, 3], got {tuple(images.shape)} {images.dtype}")
@@ -380,9 +407,9 @@ class BatchAugment(nn.Module):
             return 0, 0, 0, torch.device("cpu")
         first = images[0]
         for x in images:
-            if x.dim() != 3 or x.shape != first.shape or x.shape[-1] != 3 or x.dtype != torch.uint8:
-                raise ValueError(f"expected uint8 samples [H, W, 3] of one shape, got {tuple(x.shape)} {x.dtype} "
-                                 f"beside {tuple(first.shape)}")
+            if x.dim() != 3 or x.shape[-1] != 3 or x.dtype != torch.uint8 or (x.shape != first.shape and not varied):
+                raise ValueError(f"expected uint8 samples [H, W, 3]{'' if varied else ' of one shape'}, got "
+                                 f"{tuple(x.shape)} {x.dtype} beside {tuple(first.shape)}")
         h, w, _ = first.shape
         return len(images), h, w, first.device
 
@@ -396,8 +423,10 @@ class TrainAugment(BatchAugment):
         self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), float(flip)
         self.color_jitter = tuple(color_jitter) if color_jitter else None
 
-    def sample(self, batch: int, height: int, width: int, seed: int | None) -> dict[str, torch.Tensor]:
-        """Draw every random parameter of a batch (on the CPU, from ``seed``)."""
+    def sample(self, batch: int, height: int | torch.Tensor, width: int | torch.Tensor,
+               seed: int | None) -> dict[str, torch.Tensor]:
+        """Draw every random parameter of a batch (on the CPU, from ``seed``); ``height`` and ``width``
+        are the samples' common size or int64 [B] tensors of each sample's own (crops cover its full extent)."""
         g = _generator(seed)
         params = {
             "crops": sample_resized_crops(batch, height, width, scale=self.scale, ratio=self.ratio, generator=g),
@@ -417,14 +446,15 @@ class TrainAugment(BatchAugment):
                 params: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Augment a uint8 [B, H, W, 3] batch (or list of [H, W, 3] samples); ``out`` optionally
         receives the result (CPU reuse)."""
-        batch, height, width, device = self._check(images)
+        batch, _, _, device = self._check(images, varied=True)
         if batch == 0:  # a rank's empty last batch (a dataset smaller than the ranks' batches)
             return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=device)
-        params = params or self.sample(batch, height, width, seed)
+        params = params or self.sample(batch, *sample_sizes(images), seed)
         if self._use_uint8(device):
+            pairs = zip(images, params["crops"].tolist(), strict=True)
             if "jitter" not in params:
-                return self._crop_normalize_uint8(images, params["crops"], params["flip"], out)
-            crops = self._crop_uint8(images, params["crops"], params["flip"])
+                return self._crop_normalize_uint8(pairs, params["flip"], out, batch)
+            crops = self._crop_uint8(pairs, params["flip"], batch)
             x = crops.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         else:
             x = crop_and_resize(_stack(images), params["crops"], self.size, flip=params["flip"])  # 0..255
@@ -435,11 +465,36 @@ class TrainAugment(BatchAugment):
             x = _jitter(x, params["jitter"].to(x.device))
         return self._finish(_normalize_float(x, self.mean, self.std))
 
-    def _crop_normalize_uint8(self, images, crops, flip, out) -> torch.Tensor:
+    def decode(self, encoded: Sequence[EncodedSample], seed: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Augment stored JPEG samples (a JPEG cache, on the CPU): each is decoded for its own crop
+        only — scaled down in the DCT domain when the crop is at least twice the output
+        (:func:`datapipe.samples.decode_crop`) — then resized, mirrored and normalised into its row
+        of ``out``, one sample at a time: no decoded batch is ever assembled."""
+        n = len(encoded)
+        if n == 0:
+            return torch.empty((0, 3, self.size, self.size), dtype=self.dtype)
+        heights = torch.tensor([e.height for e in encoded], dtype=torch.int64)
+        widths = torch.tensor([e.width for e in encoded], dtype=torch.int64)
+        params = self.sample(n, heights, widths, seed)
+
+        def crops() -> Iterator[tuple[torch.Tensor, tuple[int, int, int, int]]]:
+            for e, box in zip(encoded, params["crops"].tolist(), strict=True):
+                img, mapped = decode_crop(e.data, e.height, e.width, tuple(box), self.size, where=e.where)
+                yield torch.from_numpy(img), mapped  # valid until the next decode of this thread
+
+        if "jitter" not in params:
+            return self._crop_normalize_uint8(crops(), params["flip"], out, n)
+        x = self._crop_uint8(crops(), params["flip"], n).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
+        return self._finish(_normalize_float(_jitter(x, params["jitter"]), self.mean, self.std))
+
+    def _crop_normalize_uint8(self, crops: Iterable[tuple[torch.Tensor, Box]], flip: torch.Tensor,
+                              out: torch.Tensor | None, n: int) -> torch.Tensor:
         """Per sample: resize the crop on uint8, then mirror, convert and normalise it straight into
-        its slot of ``out`` while it is still in cache (1.7x a batch-wide second pass here)."""
+        its slot of ``out`` while it is still in cache (1.7x a batch-wide second pass here).
+        ``crops`` yields (sample, (top, left, h, w)) pairs, possibly decoded one at a time."""
         s = self.size
-        out = self._float_out(len(images), out)
+        out = self._float_out(n, out)
         conv = native.converter(self.mean, self.std)
         tmp = torch.empty((s, s, 3), dtype=torch.uint8)
         tmp_chw = tmp.permute(2, 0, 1)
@@ -448,23 +503,26 @@ class TrainAugment(BatchAugment):
             (base, step, planar), src = conv.destination(out, s, s), tmp.data_ptr()
         else:
             scale, shift = _scale_shift(self.mean, self.std, out.device)
-        for i, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist(), strict=True)):
-            _resize_crop(images[i], top, left, h, w, tmp, resizer, resize)
+        for i, ((x, (top, left, h, w)), f) in enumerate(zip(crops, flip.tolist(), strict=True)):
+            _resize_crop(x, top, left, h, w, tmp, resizer, resize)
             if conv is not None:
                 conv.raw(src, s, s, 3 * s, f, planar, base + i * step)
             else:
                 torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
         return self._as_dtype(out)
 
-    def _crop_uint8(self, images, crops, flip) -> torch.Tensor:
+    def _crop_uint8(self, crops: Iterable[tuple[torch.Tensor, Box]], flip: torch.Tensor, n: int) -> torch.Tensor:
         """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
         s = self.size
-        out = torch.empty((len(images), s, s, 3), dtype=torch.uint8, device=images[0].device)
+        out: torch.Tensor | None = None
         resizer, resize = native.resizer(), _resize_aa()
-        for b, ((top, left, h, w), f) in enumerate(zip(crops.tolist(), flip.tolist(), strict=True)):
-            _resize_crop(images[b], top, left, h, w, out[b], resizer, resize)
+        for b, ((x, (top, left, h, w)), f) in enumerate(zip(crops, flip.tolist(), strict=True)):
+            if out is None:
+                out = torch.empty((n, s, s, 3), dtype=torch.uint8, device=x.device)
+            _resize_crop(x, top, left, h, w, out[b], resizer, resize)
             if f:
                 out[b] = out[b].flip(1)
+        assert out is not None  # n >= 1
         return out
 
 
@@ -487,10 +545,15 @@ class EvalAugment(BatchAugment):
 
     def forward(self, images: Batch, seed: int | None = None, params=None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        b, h, w, device = self._check(images)
+        b, h, w, device = self._check(images, varied=True)
         s = self.size
         if b == 0:
             return torch.empty((0, 3, s, s), dtype=self.dtype, device=device)
+        if params is not None:  # per-sample crops (samples of varying shapes, padded into one batch)
+            x = crop_and_resize(_stack(images), params["crops"].to(device), s)
+            return self._finish(_scale_shift_(x, self.mean, self.std))
+        if not isinstance(images, torch.Tensor) and any(x.shape != images[0].shape for x in images):
+            return self._each(images, out)
         if not self._use_uint8(device):  # the batched device path (CUDA), also runnable on CPU tensors
             x = _stack(images)
             if h >= s and w >= s:
@@ -508,6 +571,38 @@ class EvalAugment(BatchAugment):
         x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
         return self._finish(_normalize_float(x, self.mean, self.std))
+
+
+    def sample(self, batch: int, height: int | torch.Tensor, width: int | torch.Tensor,
+               seed: int | None = None) -> dict[str, torch.Tensor]:
+        """The crop of each sample, as :meth:`TrainAugment.sample` gives them (no randomness): the
+        centred ``size`` square, or the whole sample when it is smaller on a side (then resized)."""
+        h = torch.as_tensor(height, dtype=torch.int64).expand(batch)
+        w = torch.as_tensor(width, dtype=torch.int64).expand(batch)
+        s = self.size
+        inside = (h >= s) & (w >= s)
+        side = torch.full((batch,), s, dtype=torch.int64)
+        crops = torch.stack([(h - s) // 2, (w - s) // 2, side, side], dim=1)
+        whole = torch.stack([torch.zeros_like(h), torch.zeros_like(w), h, w], dim=1)
+        return {"crops": torch.where(inside[:, None], crops, whole)}
+
+    def decode(self, encoded: Sequence[EncodedSample], seed: int | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored JPEG samples (a JPEG cache, on the CPU): each decoded, then centre-cropped into its row of ``out``."""
+        images = [torch.from_numpy(decode_jpeg(e.data, e.height, e.width, where=e.where)) for e in encoded]
+        return self.forward(images, seed, out=out)
+
+    def _each(self, images: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+        """Samples of different shapes (an aspect-preserving cache): each centre-cropped on its own,
+        into its row of ``out`` on the CPU."""
+        target = self._float_out(len(images), out) if self._use_uint8(images[0].device) else None
+        rows = [self.forward([x], out=None if target is None else target[i : i + 1]) for i, x in enumerate(images)]
+        if target is None or self.dtype != torch.float32:
+            return torch.cat(rows)
+        for i, row in enumerate(rows):
+            if row.data_ptr() != target[i].data_ptr():  # a sample smaller than size was resized apart
+                target[i].copy_(row[0])
+        return target
 
 
 class Convert(BatchAugment):
@@ -536,6 +631,7 @@ class Convert(BatchAugment):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Convert a uint8 [B, H, W, 3] batch; ``out`` (float32 [>=B, 3, H, W]) optionally receives
         a normalised result (CPU reuse)."""
+        self._check(images)  # samples of one shape: a conversion does not crop them to one
         x = _stack(images)
         if self.module is None and self.normalize:
             return normalize_uint8(x, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last, out=out)

@@ -197,13 +197,13 @@ class StreamingDataset(IterableDataset):
         self._consumed = 0
         return order, bounds
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
         worker, num_workers = detect_worker()
         in_worker = torch.utils.data.get_worker_info() is not None
         order, bounds = self.plan() if in_worker else self.begin_iteration()
         if in_worker:  # batches go back through shared memory: is there room for them?
             self._shared[2] = 1
-            _check_shm(self.batch_size * int(np.prod(self.cache.shape)), torch.utils.data.get_worker_info())
+            _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
         for j in part.worker_batches(len(bounds), worker=worker, num_workers=num_workers):
             begin, end = bounds[j]
             batch = self._read(order[begin:end], shared=in_worker)
@@ -211,8 +211,24 @@ class StreamingDataset(IterableDataset):
                 self._consumed = int(j) + 1
             yield batch
 
-    def _read(self, indices: np.ndarray, *, shared: bool) -> tuple[torch.Tensor, ...]:
+    def _sample_bytes(self) -> int:
+        """Decoded bytes of the largest sample (all of them when they share one shape)."""
+        shape = self.cache.fixed_shape
+        if shape is None:
+            h, w = (int(v) for v in self.cache.shapes.max(axis=0)) if len(self.cache) else (0, 0)
+            shape = (h, w, 3)
+        return int(np.prod(shape))
+
+    def _read(self, indices: np.ndarray, *, shared: bool) -> tuple[torch.Tensor | list[torch.Tensor], ...]:
         n = len(indices)
+        if self.cache.fixed_shape is None:  # samples of varying shapes: a list of uint8 [h, w, 3] tensors
+            labels = torch.empty(n, dtype=torch.int64)
+            index = torch.empty(n, dtype=torch.int64)
+            samples = [torch.from_numpy(x) for x in self.cache.read_samples(indices, labels.numpy(), index.numpy())]
+            if shared:
+                for x in samples:
+                    x.share_memory_()
+            return (samples, labels, index) if self.return_index else (samples, labels)
         images = torch.empty((n, *self.cache.shape), dtype=torch.uint8)
         if shared and n:
             images.share_memory_()  # filled in place: the DataLoader sends a handle, not a copy

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .augment import BatchAugment, Convert
+from .augment import BatchAugment, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
 from .errors import ArgumentError
 from .stats import StallMeter
@@ -52,6 +52,7 @@ class _Slot:
     labels: torch.Tensor  # int64 [B]
     index: torch.Tensor  # int64 [B]
     event: object = None  # CUDA event of the last copy out of this buffer
+    params: dict | None = None  # per-sample crops of a padded batch of samples of varying shapes
 
 
 class _OutputPool:
@@ -176,6 +177,13 @@ class DeviceLoader:
         # A preset on the CPU crops each sample straight from the shard files (views into the page
         # cache): only the cropped pixels are read, and the batch is never gathered first.
         self._direct = not self.cuda and self.augment is not None and self.augment.takes_views
+        cache = dataset.cache
+        self._varied = cache.fixed_shape is None
+        if self._varied and not isinstance(self.augment, (TrainAugment, EvalAugment)):
+            raise ArgumentError(f"the samples of {cache.root} vary in shape (built with --fit short): pass "
+                                "augment=datapipe.augment.train(size) or eval(size), which crop them to one size")
+        # JPEG samples on the CPU: decoded in the reader threads, each for its own crop (see augment.decode)
+        self._decodes = self._direct and cache.encoding == "jpeg"
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         _LIVE.add(self)  # its reader threads are stopped at interpreter exit
@@ -280,7 +288,7 @@ class DeviceLoader:
         if self._started:
             return
         self._started = True
-        b, shape = self._slot_rows(), self.dataset.sample_shape
+        b, shape = self._slot_rows(), self._buffer_shape()
         pin = self.cuda
         _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
         for _ in range(self._num_slots()):
@@ -296,6 +304,41 @@ class DeviceLoader:
                                  name=f"datapipe-reader-{i}", daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _buffer_shape(self) -> tuple[int, int, int]:
+        """The shape of a sample's row in the host buffers: the samples' own, or for samples of varying
+        shapes the largest (a padded batch, uploaded whole to the GPU; unused on the CPU, which reads
+        each sample at its own shape)."""
+        cache = self.dataset.cache
+        if cache.fixed_shape is not None:
+            return cache.fixed_shape
+        if not self.cuda or not len(cache):
+            return (0, 0, 3)
+        h, w = (int(v) for v in cache.shapes.max(axis=0))
+        return (h, w, 3)
+
+    def _reads_in_place(self) -> bool:
+        """Whether the preset may read the samples as views of the shard files' maps (see sample_views)."""
+        cache = self.dataset.cache
+        if not cache.mapped or cache.encoding != "raw" or not len(cache):
+            return False
+        assert isinstance(self.augment, BatchAugment)
+        h, w = (int(v) for v in cache.shapes.min(axis=0))  # the presets' checks hold for the smallest sample
+        return self.augment.reads_in_place(h, w)
+
+    def _read_padded(self, indices: np.ndarray, slot: _Slot, seed: int) -> int:
+        """Samples of varying shapes for the GPU: each copied into its row of the padded host buffer,
+        their crops drawn from their own shapes (the device crops and resizes the batch at once)."""
+        cache = self.dataset.cache
+        n = len(indices)
+        images = cache.read_samples(indices, slot.labels.numpy()[:n], slot.index.numpy()[:n])
+        rows = slot.images.numpy()
+        for i, x in enumerate(images):
+            rows[i, : x.shape[0], : x.shape[1]] = x
+        shapes = torch.from_numpy(cache.shapes[slot.index.numpy()[:n]])
+        assert isinstance(self.augment, (TrainAugment, EvalAugment))
+        slot.params = self.augment.sample(n, shapes[:, 0], shapes[:, 1], seed)
+        return n
 
     def _submit(self, gen: int, j: int, indices: np.ndarray, slot: _Slot, seed: int) -> None:
         with self._cond:
@@ -349,12 +392,19 @@ class DeviceLoader:
                 slot.event = None
             cache = self.dataset.cache
             mapped = False
-            if self._direct:  # views of the shard files' maps when only the guarded kernels read them
-                assert isinstance(self.augment, BatchAugment)  # _direct: one of the library's presets
-                mapped = cache.mapped and self.augment.reads_in_place(*self.dataset.sample_shape[:2])
+            slot.params = None
+            images: object
+            if self._decodes:  # the stored JPEG bytes: decoded per sample for its crop by the preset
+                images = cache.read_encoded(indices, slot.labels.numpy(), slot.index.numpy())
+                n = len(images)
+            elif self._direct:  # views of the shard files' maps when only the guarded kernels read them
+                mapped = self._reads_in_place()
                 images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy(), out=slot.images,
                                             mapped=mapped)
                 n = len(images)
+            elif self._varied:
+                n = self._read_padded(indices, slot, seed)
+                images = slot.images[:n]
             else:
                 n = cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
                 images = slot.images[:n]
@@ -381,26 +431,33 @@ class DeviceLoader:
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         slot.event = event  # the reader refilling this buffer waits for the copy first
+        params, slot.params = slot.params, None
         self._release(slot)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for t in (images, labels, index):
             t.record_stream(current)  # allocated on the copy stream, used on this one
-        return self._transform((images, labels, index), seed, on_device=True)
+        return self._transform((images, labels, index), seed, on_device=True, params=params)
 
     def _out_buffer(self, n: int, aug: BatchAugment) -> torch.Tensor | None:
         """A reused float32 buffer for ``n`` outputs of ``aug`` (CPU), in its memory layout."""
-        h, w = aug.output_size(*self.dataset.sample_shape[:2])
+        h, w = aug.output_size(*self._buffer_shape()[:2])
         buf = self._pool.get((self._slot_rows(), 3, h, w), aug.channels_last)
         return None if buf is None else buf[:n]
 
-    def _transform(self, batch, seed: int, on_device: bool = False):
+    def _transform(self, batch, seed: int, on_device: bool = False, params: dict | None = None):
         images, labels, index = batch
         if self.augment is None:  # output="uint8"
             out = images
         else:
             buf = None if on_device or not _fills_out(self.augment) else self._out_buffer(len(images), self.augment)
-            out = self.augment(images, seed=seed, out=buf)
+            if self._decodes:  # stored JPEG samples (the reader's CPU path)
+                assert isinstance(self.augment, (TrainAugment, EvalAugment))
+                out = self.augment.decode(images, seed=seed, out=buf)
+            elif params is not None:  # a padded batch of samples of varying shapes, with their crops
+                out = self.augment(images, seed=seed, params=params)
+            else:
+                out = self.augment(images, seed=seed, out=buf)
         if not on_device and self.output != "uint8":
             labels = labels.clone()  # the host buffer is reused; the batch the loop holds must not change
             index = index.clone()

@@ -19,8 +19,40 @@ def test_augment_takes_a_list_of_samples():
                 augment.train(24, path="kornia")):
         assert torch.equal(aug(list(images), seed=3), aug(images, seed=3))
     with pytest.raises(ValueError, match="one shape"):
-        augment.train(24)([images[0], images[1, :30]], seed=0)
+        augment.convert()([images[0], images[1, :30]], seed=0)
     assert augment.eval(24)([], seed=0).shape == (0, 3, 24, 24)
+
+
+@pytest.mark.parametrize("jitter", [None, 0.4])
+def test_train_crops_samples_of_varying_shapes_over_their_own_extent(jitter):
+    """A list of samples of different shapes (an aspect-preserving cache): each sample's crop lies in its
+    own extent, and the CPU result equals the device path on the zero-padded batch with the same crops."""
+    torch.manual_seed(0)
+    shapes = [(40, 90), (90, 40), (50, 50), (30, 70)]
+    images = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8) for h, w in shapes]
+    aug = augment.train(24, color_jitter=jitter)
+    heights, widths = augment.sample_sizes(images)
+    assert heights.tolist() == [h for h, _ in shapes] and widths.tolist() == [w for _, w in shapes]
+    params = aug.sample(len(images), heights, widths, seed=5)
+    for (top, left, h, w), (sh, sw) in zip(params["crops"].tolist(), shapes, strict=True):
+        assert 0 <= top and top + h <= sh and 0 <= left and left + w <= sw
+    cpu = aug(images, seed=5)
+    device = augment.train(24, color_jitter=jitter, path="device")(augment._stack(images), params=params)
+    assert cpu.shape == (4, 3, 24, 24)
+    assert (cpu - device).abs().max() < 0.05  # one uint8 level of rounding, normalised
+
+
+def test_eval_centre_crops_each_sample_of_a_varied_batch_on_its_own():
+    torch.manual_seed(1)
+    images = [torch.randint(0, 256, (h, w, 3), dtype=torch.uint8) for h, w in [(30, 60), (60, 30), (20, 40)]]
+    aug = augment.eval(24)
+    out = aug(images)
+    for i, x in enumerate(images):
+        assert torch.allclose(out[i], aug([x])[0])
+    params = aug.sample(3, *augment.sample_sizes(images))
+    assert params["crops"].tolist() == [[3, 18, 24, 24], [18, 3, 24, 24], [0, 0, 20, 40]]
+    device = augment.eval(24, path="device")(augment._stack(images), params=params)
+    assert (out - device).abs().max() < 1e-3
 
 
 # ----------------------------------------------------------------------------- augment units
