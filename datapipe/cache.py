@@ -42,14 +42,9 @@ from . import manifest as mf
 from . import native
 from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError
 from .files import FileTooLarge, NotRegularFile, file_crc32c, read_regular
-from .records import Manifest, parse_json
+from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
-from .shards import SHARDS_DIR, images_path, read_shard_metadata, shard_labels_path
-
-# The indexed layout's files inside a shard folder (format version 2, docs/format.md).
-INDEXED_IMAGES_FILE = ("images", "c", "0")
-SAMPLE_INDEX_FILE = ("index", "c", "0", "0")
-INNER_CHUNK = 65536  # the zarr inner chunk of an indexed data file: the samples' bytes are padded to a multiple
+from .shards import SHARDS_DIR, images_path, index_path, read_shard_metadata, shard_labels_path
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
@@ -147,13 +142,6 @@ class EncodedSample(NamedTuple):
     where: str
 
 
-def indexed_data_size(total: int) -> int:
-    """Bytes of an indexed data file holding ``total`` bytes of samples: padded to the inner chunk,
-    then the zarr shard index (16 bytes a chunk) and its crc32c; 0 for none."""
-    chunks = -(-total // INNER_CHUNK)
-    return chunks * INNER_CHUNK + 16 * chunks + 4 if chunks else 0
-
-
 class Cache:
     """A finished cache, opened read-only.
 
@@ -175,14 +163,10 @@ class Cache:
         m = self.manifest
         self.build_id: str = m.build_id
         self.size = m.size
-        self.layout: str = _layout(m)
-        self.encoding: str = str(m.config.get("encoding", "raw"))
-        if self.encoding not in ("raw", "jpeg") or (self.layout == "fixed" and self.encoding != "raw"):
-            raise CacheError(f"{self.root / mf.MANIFEST}: encoding {self.encoding!r} with the {self.layout} layout is "
-                             "not one this datapipe reads; install a datapipe that matches, or rebuild the cache")
-        square = self.layout == "fixed" or m.config.get("fit") != "short"
-        self.fixed_shape: tuple[int, int, int] | None = (self.size, self.size, 3) if square else None
-        self.max_side = self.size if square else int(self.size * float(m.config.get("max_aspect", 2.0)))
+        self.layout: str = m.layout  # "fixed" (format 1) or "indexed" (format 2)
+        self.encoding: str = m.encoding  # "raw" or "jpeg"
+        self.fixed_shape: tuple[int, int, int] | None = m.fixed_shape
+        self.max_side = m.max_side
         self.sample_bytes = self.size * self.size * 3  # of a raw square sample (the fixed layout's stride)
         self.classes: list[str] = list(m.classes)
         self.shard_names = [s.name for s in m.shards]
@@ -724,11 +708,10 @@ class Cache:
 
     # ----------------------------------------------------------------- shard files
     def _shard_path(self, shard: int) -> Path:
-        folder = self.root / SHARDS_DIR / self.shard_names[shard]
-        return folder.joinpath(*INDEXED_IMAGES_FILE) if self.indexed else images_path(folder)
+        return images_path(self.root / SHARDS_DIR / self.shard_names[shard], self.layout)
 
     def _index_path(self, shard: int) -> Path:
-        return (self.root / SHARDS_DIR / self.shard_names[shard]).joinpath(*SAMPLE_INDEX_FILE)
+        return index_path(self.root / SHARDS_DIR / self.shard_names[shard])
 
     def _index(self, shard: int) -> SampleIndex:
         """The checked sample index of an indexed shard, read on first use."""
@@ -765,14 +748,14 @@ class Cache:
         except OSError as exc:
             raise CorruptShardError(f"{where}: the sample index cannot be read ({exc.strerror or exc}); check the "
                                     "storage, then reopen the cache") from None
-        want = getattr(rec, "index_crc32c", "")
+        want = rec.index_crc32c
         crc = _crc32c_hex(raw)
         if crc != want:
             raise CorruptShardError(f"{where}: sample index checksum {crc} differs from the manifest's {want or 'none'} "
                                     "(altered after the build); rerun the same `datapipe build` to rewrite the shard")
         index = SampleIndex.parse(raw, count=rec.count, encoding=self.encoding, max_side=self.max_side, where=where)
         self._check_shapes(index, where)
-        if indexed_data_size(index.data_size) != rec.nbytes:
+        if indexed_file_size(index.data_size) != rec.nbytes:
             raise CorruptShardError(f"{where}: the sample index covers {index.data_size:,} bytes of samples, which "
                                     f"do not fill the {rec.nbytes:,}-byte data file of the manifest; rerun the same "
                                     "`datapipe build` to rewrite the shard")
@@ -903,7 +886,7 @@ class Cache:
             return [f"{name}: {exc}"]
         keys = [("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c)]
         if self.indexed:
-            keys.append(("index_crc32c", getattr(rec, "index_crc32c", "")))
+            keys.append(("index_crc32c", rec.index_crc32c))
         problems = [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
                     "`datapipe build SOURCE OUTPUT --verify` rewrites it"
                     for key, want in keys if meta.get(key) != want]
@@ -939,14 +922,6 @@ class Cache:
             return [f"shard {rec.name}: labels chunk {path} differs from {mf.LABELS}; rerun the same `datapipe build` "
                     "with --verify to rewrite it"]
         return []
-
-
-def _layout(m: Manifest) -> str:
-    """``fixed`` (format version 1) or ``indexed`` (version 2), as the manifest's sample record says."""
-    layout = getattr(m, "layout", "")
-    if layout in ("fixed", "indexed"):
-        return str(layout)
-    return "indexed" if m.version >= 2 else "fixed"
 
 
 def _changed(path: Path, what: str, how: str = "differs from the file seen at open") -> str:

@@ -199,9 +199,21 @@ def _info(args) -> int:
     report = read_report(cache.root)  # checked before anything is printed
     m = cache.manifest
     size_on_disk = m.nbytes
+    shapes, stored = cache.shapes, cache.sample_nbytes  # an indexed cache's sample indexes are read (and checked) here
+    if cache.fixed_shape is not None:
+        shape = f"{cache.fixed_shape}"
+    else:
+        lo, hi = (shapes.min(axis=0).tolist(), shapes.max(axis=0).tolist()) if len(shapes) else ([0, 0], [0, 0])
+        shape = f"HxW from {lo[0]}x{lo[1]} to {hi[0]}x{hi[1]} (shorter side {cache.size}, aspect kept)"
     print(f"cache      {cache.root}")
     print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
-    print(f"samples    {cache.num_samples:,} of shape {cache.shape} uint8 in {plural(len(cache.counts), 'shard')}")
+    print(f"samples    {cache.num_samples:,} of shape {shape} uint8 in {plural(len(cache.counts), 'shard')}")
+    quality = f" (quality {m.config.get('quality')})" if cache.encoding == "jpeg" else ""
+    print(f"encoding   {cache.encoding}{quality}")
+    print(f"layout     {cache.layout} ({'one sample every S*S*3 bytes' if cache.layout == 'fixed' else 'per-shard sample index'})")
+    raw_bytes = float((shapes[:, 0] * shapes[:, 1] * 3).mean()) if len(shapes) else 0.0
+    mean = float(stored.mean()) if len(stored) else 0.0
+    print(f"stored     {mean:,.0f} bytes/sample mean ({mean / max(raw_bytes, 1.0):.0%} of the raw pixels)")
     print(f"classes    {len(cache.classes)}: {', '.join(cache.classes[:8])}{' …' if len(cache.classes) > 8 else ''}")
     print(f"config     {json.dumps(m.config)}")
     print(f"source     {m.source.root} ({m.source.kind})")

@@ -150,8 +150,11 @@ def test_manifest_that_is_not_strict_json(cache_dir, capsys, text):
 
 
 def test_other_version_and_format_are_named(cache_dir):
-    edit_json(cache_dir / "manifest.json", _set(["version"], 2))
-    with pytest.raises(CacheError, match="version 2"):
+    edit_json(cache_dir / "manifest.json", _set(["version"], 3))
+    with pytest.raises(CacheError, match="version 3"):
+        datapipe.open(cache_dir)
+    edit_json(cache_dir / "manifest.json", _set(["version"], 2))  # a version this datapipe reads, not this layout's
+    with pytest.raises(CacheError, match="'version' is 2, expected 1 for a cache of the fixed layout"):
         datapipe.open(cache_dir)
     edit_json(cache_dir / "manifest.json", _set(["format"], "something-else"))
     with pytest.raises(CacheError, match="not a datapipe manifest.json"):
