@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
@@ -33,9 +33,15 @@ from ..text import show
 from .timing import settle, timed_pass, timeit
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ..cache import Cache
+    from ..device import DeviceLoader
     from .peers import SampleList
 
 SYSTEM = "datapipe"
+#: The stages on the loader's path, timed again beside the end-to-end passes: {stage: (fn, images per call)}.
+StageTimers: TypeAlias = dict[str, tuple[Callable[[], None], int]]
 log = logging.getLogger("datapipe.bench")
 
 
@@ -151,7 +157,7 @@ def _check_whole(flag: str, value: object, *, least: int) -> None:
 # ----------------------------------------------------------------------------- stages
 
 
-def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | None = None) -> dict:
+def measure_stages(cache: Cache, *, batch_size: int, crop: int, device: torch.device, timers: StageTimers | None = None) -> dict:
     """Each stage on its own, one thread: read, assemble, decode, copy, augment.
 
     ``timers``, when given, receives ``{stage: (fn, images per call)}`` for the stages on the
@@ -167,14 +173,14 @@ def measure_stages(cache, *, batch_size: int, crop: int, device, timers: dict | 
 class _Batch:
     """One shuffled batch's buffers, reused by every stage (as the loader reuses its own)."""
 
-    cache: Any
+    cache: Cache
     size: int
     images: np.ndarray  # uint8 [size, *cache.shape]
     labels: np.ndarray  # int64 [size]
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     @classmethod
-    def of(cls, cache, batch_size: int) -> _Batch:
+    def of(cls, cache: Cache, batch_size: int) -> _Batch:
         size = min(batch_size, len(cache))
         return cls(cache, size, np.empty((size, *cache.shape), np.uint8), np.empty(size, np.int64))
 
@@ -183,12 +189,12 @@ class _Batch:
         return self.rng.choice(len(self.cache), self.size, replace=False)
 
 
-def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -> dict:
+def _stages(cache: Cache, *, batch_size: int, crop: int, device: torch.device, timers: StageTimers | None) -> dict:
     batch = _Batch.of(cache, batch_size)
     stages: dict[str, dict] = {"read": _read_stage(cache)}
     stages["assemble"], assemble = _assemble_stage(batch)
     stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
-    path: dict[str, tuple] = {}  # the stages on the loader's path: {stage: (fn, images per call)}
+    path: StageTimers = {}  # the stages on the loader's path
     if device.type == "cuda":
         stages["h2d"], copy, on_device = _h2d_stage(batch, device)
         path["assemble"], path["h2d"] = (assemble, batch.size), (copy, batch.size)
@@ -206,7 +212,7 @@ def _stages(cache, *, batch_size: int, crop: int, device, timers: dict | None) -
     return stages
 
 
-def _read_stage(cache) -> dict:
+def _read_stage(cache: Cache) -> dict:
     """Sequential bytes of the shard files: a first pass (disk or page cache), then again from the page cache."""
     files = [cache._shard_path(shard) for shard, count in enumerate(cache.counts) if count]  # the cache's own file names
     buf = bytearray(1 << 24)
@@ -235,7 +241,7 @@ def _assemble_stage(batch: _Batch) -> tuple[dict, Callable[[], None]]:
              "what": "gather of a shuffled batch from memory-mapped shards"}, assemble)
 
 
-def _h2d_stage(batch: _Batch, device) -> tuple[dict, Callable[[], None], Any]:
+def _h2d_stage(batch: _Batch, device: torch.device) -> tuple[dict, Callable[[], None], torch.Tensor]:
     """The gathered batch, pinned, copied to the device; returns the stage, its timer and the batch on the device."""
     import torch
 
@@ -252,7 +258,7 @@ def _h2d_stage(batch: _Batch, device) -> tuple[dict, Callable[[], None], Any]:
     return stage, copy, images.to(device)
 
 
-def _augment_on_device(on_device, crop: int, device) -> tuple[dict, Callable[[], None]]:
+def _augment_on_device(on_device: torch.Tensor, crop: int, device: torch.device) -> tuple[dict, Callable[[], None]]:
     """The train preset on the whole batch, already on the device."""
     import torch
 
@@ -270,7 +276,7 @@ def _augment_on_device(on_device, crop: int, device) -> tuple[dict, Callable[[],
              "what": f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"}, run_aug)
 
 
-def _augment_on_cpu(batch: _Batch, crop: int, device) -> tuple[dict, Callable[[], None]]:
+def _augment_on_cpu(batch: _Batch, crop: int, device: torch.device) -> tuple[dict, Callable[[], None]]:
     """Exactly what the CPU loader does per batch (so it includes the reading): a fresh shuffled
     batch's samples viewed in place, each crop resized into reused output buffers."""
     import torch
@@ -306,7 +312,8 @@ class _Peers:
     work: Path  # where the peers write their shards
 
     @classmethod
-    def chosen(cls, cache, against: Iterable[str], source, work_dir) -> _Peers:
+    def chosen(cls, cache: Cache, against: Iterable[str], source: str | os.PathLike[str] | None,
+               work_dir: str | os.PathLike[str] | None) -> _Peers:
         """The named peers (``["all"]``: every one), checked before anything is measured.
 
         Raises:
@@ -321,14 +328,17 @@ class _Peers:
         names = list(peer_mod.PEERS) if every else [a for a in against if a]
         for name in names:
             peer_mod.get_peer(name)  # raises ArgumentError naming the choices
-        if names and source is None:
-            raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
-        listing = peer_mod.cache_samples(cache, source) if names else None  # refuses a source that is not the cache's
+        listing = None
+        if names:
+            if source is None:
+                raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
+            listing = peer_mod.cache_samples(cache, source)  # refuses a source that is not the cache's
         work = Path(work_dir) if work_dir else cache.root.parent / f"{cache.root.name}-bench-work"
         return cls(names, every, listing, work)
 
 
-def _datapipe_loader(cache, spec: BenchSpec, device, *, workers: int | None = None, seed: int = 0):
+def _datapipe_loader(cache: Cache, spec: BenchSpec, device: torch.device, *, workers: int | None = None,
+                     seed: int = 0) -> DeviceLoader:
     from .. import augment
     from ..dataset import StreamingDataset
     from ..device import DeviceLoader
@@ -338,7 +348,7 @@ def _datapipe_loader(cache, spec: BenchSpec, device, *, workers: int | None = No
                         augment=augment.train(spec.crop))
 
 
-def _prepare_systems(cache, spec: BenchSpec, device, peers: _Peers) -> tuple[dict[str, Measurement], dict[str, Any]]:
+def _prepare_systems(cache: Cache, spec: BenchSpec, device: torch.device, peers: _Peers) -> tuple[dict[str, Measurement], dict[str, Any]]:
     """datapipe's loader, then each peer's shards and loader; a peer that cannot be prepared is
     marked failed (or, for ``--against all``, skipped where it is not installed) and gets no loader."""
     systems = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train", samples=len(cache))}
@@ -378,8 +388,8 @@ def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measuremen
 # ----------------------------------------------------------------------------- run
 
 
-def run(cache, spec: BenchSpec | None = None, *, source=None, against: Iterable[str] = (), work_dir=None,
-        progress: bool = True) -> BenchResult:
+def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.PathLike[str] | None = None,
+        against: Iterable[str] = (), work_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> BenchResult:
     """Measure datapipe stage by stage and against ``against`` peers on the same data.
 
     Args:
@@ -406,31 +416,31 @@ def run(cache, spec: BenchSpec | None = None, *, source=None, against: Iterable[
     spec = BenchSpec() if spec is None else spec
     if not isinstance(spec, BenchSpec):
         raise ArgumentError(f"spec must be a datapipe.bench.BenchSpec, got {show(spec)} ({type(spec).__name__})")
-    cache = Cache(cache)
+    opened = Cache(cache)
     dev = _resolve_device(spec.device)
-    peers = _Peers.chosen(cache, against, source, work_dir)
-    batches = spec.batches_per_pass(len(cache))
-    log.info(f"datapipe bench: {len(cache):,} samples, batch {spec.batch_size}, {spec.workers} workers, {spec.repeats} "
+    peers = _Peers.chosen(opened, against, source, work_dir)
+    batches = spec.batches_per_pass(len(opened))
+    log.info(f"datapipe bench: {len(opened):,} samples, batch {spec.batch_size}, {spec.workers} workers, {spec.repeats} "
              f"rounds of {batches} batches on {dev}")
 
-    timers: dict = {}
-    stages = measure_stages(cache, batch_size=spec.batch_size, crop=spec.crop, device=dev, timers=timers)
-    stages["bytes_on_disk_per_image"] = cache.manifest.nbytes / max(len(cache), 1)
-    systems, loaders = _prepare_systems(cache, spec, dev, peers)
+    timers: StageTimers = {}
+    stages = measure_stages(opened, batch_size=spec.batch_size, crop=spec.crop, device=dev, timers=timers)
+    stages["bytes_on_disk_per_image"] = opened.manifest.nbytes / max(len(opened), 1)
+    systems, loaders = _prepare_systems(opened, spec, dev, peers)
     cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches, sync=_sync(dev), progress=progress)
     _summarise(systems, cpu)
-    attribution = _attribution(cache, timers, spec, dev, batches=batches)
+    attribution = _attribution(opened, timers, spec, dev, batches=batches)
     if spec.step_ms > 0:
-        attribution["model_step"] = _with_step(cache, spec, dev, batches=batches)
+        attribution["model_step"] = _with_step(opened, spec, dev, batches=batches)
     for loader in loaders.values():
         close = getattr(loader, "close", None)
         if close:
             close()
-    return BenchResult(machine=describe_machine(), config=_config(cache, spec, source, dev, batches), stages=stages,
+    return BenchResult(machine=describe_machine(), config=_config(opened, spec, source, dev, batches), stages=stages,
                        systems=systems, attribution=attribution)
 
 
-def _config(cache, spec: BenchSpec, source, device, batches: int) -> dict:
+def _config(cache: Cache, spec: BenchSpec, source: str | os.PathLike[str] | None, device: torch.device, batches: int) -> dict:
     """What was measured, as the result's ``config`` reports it."""
     return {"cache": str(cache.root), "source": str(source) if source else None, "samples": len(cache),
             "batch_size": spec.batch_size, "workers": spec.workers, "repeats": spec.repeats, "batches_per_pass": batches,
@@ -438,15 +448,15 @@ def _config(cache, spec: BenchSpec, source, device, batches: int) -> dict:
             "output": f"float32 [B, 3, {spec.crop}, {spec.crop}] after RandomResizedCrop + flip"}
 
 
-def _sync(device) -> Callable[[], None] | None:
+def _sync(device: torch.device) -> Callable[[], None] | None:
     """What a timed pass calls before its clock stops, so that queued device work counts."""
     import torch
 
     return torch.cuda.synchronize if device.type == "cuda" else None
 
 
-def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *, repeats: int, batches: int, sync,
-                    progress: bool) -> dict[str, list[float]]:
+def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *, repeats: int, batches: int,
+                    sync: Callable[[], None] | None, progress: bool) -> dict[str, list[float]]:
     """A warm-up round, then ``repeats`` rounds that each time every loader once, in turn.
 
     Each system's images/s go into its :class:`Measurement`; a system whose pass fails is marked
@@ -496,7 +506,7 @@ def _failed(m: Measurement, exc: BaseException) -> None:
     log.warning(f"datapipe bench: {m.name} failed: {m.reason}")
 
 
-def _attribution(cache, timers, spec: BenchSpec, device, *, batches: int, rounds: int = 3) -> dict:
+def _attribution(cache: Cache, timers: StageTimers, spec: BenchSpec, device: torch.device, *, batches: int, rounds: int = 3) -> dict:
     """Does the stage breakdown add up? One reader thread end to end vs the sum of the stages.
 
     The stages on the loader's path and the end-to-end pass are timed alternately, ``rounds``
@@ -535,7 +545,7 @@ def _attribution(cache, timers, spec: BenchSpec, device, *, batches: int, rounds
     }
 
 
-def _with_step(cache, spec: BenchSpec, device, *, batches: int) -> dict:
+def _with_step(cache: Cache, spec: BenchSpec, device: torch.device, *, batches: int) -> dict:
     """datapipe with a synthetic model step of ``spec.step_ms`` after each batch: how long the loop waits."""
     loader = _datapipe_loader(cache, spec, device)
     timed_pass(loader, min(batches, 2))
@@ -596,7 +606,7 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def plot(result: BenchResult, path) -> None:
+def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -55,6 +55,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from PIL import Image as PILImage
 
+    from ..cache import Cache
+
 __all__ = [
     "IMG_EXTENSIONS",
     "PEERS",
@@ -99,7 +101,7 @@ class SampleList:
         return len(self.samples)
 
 
-def cache_samples(cache, source: str | os.PathLike, *, check: int = 8) -> SampleList:
+def cache_samples(cache: Cache, source: str | os.PathLike, *, check: int = 8) -> SampleList:
     """A cache's own samples as the source files they were built from, for the peers to read.
 
     Every peer then decodes exactly the files the cache holds, with the cache's labels: files the
@@ -137,7 +139,7 @@ def cache_samples(cache, source: str | os.PathLike, *, check: int = 8) -> Sample
     return SampleList(root=root, samples=tuple((root / p, lab) for p, lab in zip(rel, labels, strict=True)))
 
 
-def _same_pixels(cache, index: int, file: Path) -> bool:
+def _same_pixels(cache: Cache, index: int, file: Path) -> bool:
     """Does ``file``, decoded as the build decoded it, give sample ``index``'s pixels?"""
     from ..codecs import DecodeSpec, decode_sample
     from ..errors import DecodeError
@@ -322,7 +324,7 @@ class _FolderDataset:
 class _DecodeRecord:
     """Turn a stored record (a dict with raw JPEG bytes and a label) into ``(image, label)``."""
 
-    def __init__(self, transform: ImageFolderTransform, image_key: str = "jpg", label_key: str = "cls"):
+    def __init__(self, transform: ImageFolderTransform, image_key: str = "jpg", label_key: str = "cls") -> None:
         self.transform = transform
         self.image_key = image_key
         self.label_key = label_key
@@ -341,7 +343,7 @@ class _DecodeCollate:
     collate function still runs inside the DataLoader workers, in parallel.
     """
 
-    def __init__(self, transform: ImageFolderTransform, image_key: str = "jpg", label_key: str = "cls"):
+    def __init__(self, transform: ImageFolderTransform, image_key: str = "jpg", label_key: str = "cls") -> None:
         self.decode = _DecodeRecord(transform, image_key, label_key)
 
     def __call__(self, records: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,7 +510,9 @@ class DataLoaderPeer(Peer):
         _as_samples(source)  # fail early on a bad source
         return 0.0
 
-    def loader(self, source, workdir, *, batch_size, workers, seed=0):
+    def loader(
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
         import torch
@@ -541,7 +545,7 @@ class WebDatasetPeer(Peer):
     min_shards = 16
     shuffle_buffer = 1000
 
-    def _write(self, samples, out):
+    def _write(self, samples: list[tuple[Path, int]], out: Path) -> None:
         import webdataset as wds
 
         per_shard = max(1, min(self.max_per_shard, math.ceil(len(samples) / self.min_shards)))
@@ -558,7 +562,9 @@ class WebDatasetPeer(Peer):
             raise FileNotFoundError(f"no shards in {self.folder(workdir)}")
         return urls
 
-    def loader(self, source, workdir, *, batch_size, workers, seed=0):
+    def loader(
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
         import webdataset as wds
@@ -595,7 +601,7 @@ class LitDataPeer(Peer):
 
     chunk_bytes = "64MB"
 
-    def _write(self, samples, out):
+    def _write(self, samples: list[tuple[Path, int]], out: Path) -> None:
         import multiprocessing
 
         import litdata
@@ -622,7 +628,9 @@ class LitDataPeer(Peer):
         # optimize() can return normally although its writer processes died: check the result.
         _check_index(out, "chunks", "chunk_size", len(samples))
 
-    def loader(self, source, workdir, *, batch_size, workers, seed=0):
+    def loader(
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
         import litdata
@@ -646,7 +654,7 @@ class StreamingPeer(Peer):
     install = "pip install mosaicml-streaming torchvision"
     modules = ("streaming", "torch")
 
-    def _write(self, samples, out):
+    def _write(self, samples: list[tuple[Path, int]], out: Path) -> None:
         from streaming import MDSWriter
 
         with MDSWriter(out=str(out), columns={"jpg": "bytes", "cls": "int"}, progress_bar=False) as writer:
@@ -655,7 +663,9 @@ class StreamingPeer(Peer):
                 writer.write({"jpg": Path(path).read_bytes(), "cls": int(label)})
         _check_index(out, "shards", "samples", len(samples))
 
-    def loader(self, source, workdir, *, batch_size, workers, seed=0):
+    def loader(
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+    ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
         import gc
