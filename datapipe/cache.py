@@ -227,7 +227,9 @@ class Cache:
         """(height, width) of every sample, int64 [num_samples, 2]; for the indexed layout read from
         every shard's sample index on first use (each index is read and checked once)."""
         if self._shapes is None:
-            self._load_table()
+            with self._lock:
+                if self._shapes is None:
+                    self._load_table()
         assert self._shapes is not None
         return self._shapes
 
@@ -235,7 +237,9 @@ class Cache:
     def sample_nbytes(self) -> np.ndarray:
         """The stored bytes of every sample, int64 [num_samples] (raw: h·w·3; jpeg: the compressed size)."""
         if self._nbytes is None:
-            self._load_table()
+            with self._lock:
+                if self._nbytes is None:
+                    self._load_table()
         assert self._nbytes is not None
         return self._nbytes
 
@@ -252,7 +256,7 @@ class Cache:
                     shapes[rec.first : rec.first + rec.count, 0] = index.heights
                     shapes[rec.first : rec.first + rec.count, 1] = index.widths
                     nbytes[rec.first : rec.first + rec.count] = index.nbytes
-        self._shapes, self._nbytes = shapes, nbytes
+        self._nbytes, self._shapes = nbytes, shapes  # shapes last: the unlocked check of shapes sees both
 
     # ----------------------------------------------------------------- index files
     @property
