@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from build_fixtures import build, write_good_source
+from s3_server import s3, s3_server  # noqa: F401 - fixtures: a moto S3 server on loopback
 
 import datapipe
 
