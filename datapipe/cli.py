@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
 
     k = _command(sub, "bench", help="measure the loader stage by stage and against other loaders")
     k.add_argument("cache", help="cache folder written by `datapipe build`")
+    k.add_argument("--also", nargs="+", action="extend", default=[], metavar="CACHE",
+                   help="more caches (the same source built with another --encoding or --fit), each measured as one "
+                        "more datapipe system in the same rounds")
     k.add_argument("--source", default=None, help="the source image folder, for the peers that read it")
     k.add_argument("--against", default="", help="comma-separated peers: dataloader,webdataset,litdata,streaming or 'all'")
     k.add_argument("--batch-size", type=_positive_int, default=256, help="samples per batch for every system (default 256)")
@@ -281,7 +284,8 @@ def _bench(args) -> int:
     spec = BenchSpec(batch_size=args.batch_size, workers=args.workers, crop=args.crop, batches=args.batches,
                      device=args.device, repeats=args.repeats, step_ms=args.step_ms)  # checks every flag
     against = [a.strip() for a in args.against.split(",") if a.strip()]
-    result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir, progress=not args.quiet)
+    result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir, progress=not args.quiet,
+                 also=args.also)
     print(format_table(result))
     if args.json:
         with _writing("--json", args.json):

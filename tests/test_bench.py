@@ -159,3 +159,86 @@ def test_the_bench_command_checks_its_flags_through_the_spec(tmp_path, capsys):
     assert cli.main(["bench", str(tmp_path / "no-cache"), "--step-ms", "-5"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line == "datapipe bench: error: --step-ms must be a number of milliseconds >= 0, got -5.0"
+
+
+# ----------------------------------------------------------------------------- caches side by side
+
+
+@pytest.fixture(scope="module")
+def formats(tiny):
+    """The tiny source built three more ways: JPEG square, raw aspect-kept, JPEG aspect-kept."""
+    caches = {"raw-crop": tiny / "cache"}
+    for encoding, fit in (("jpeg", "crop"), ("raw", "short"), ("jpeg", "short")):
+        caches[f"{encoding}-{fit}"] = tiny / f"cache-{encoding}-{fit}"
+        datapipe.build(tiny / "src", caches[f"{encoding}-{fit}"], size=64, fit=fit, encoding=encoding, shard_size=10,
+                       cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    return caches
+
+
+def test_bench_reports_a_raw_and_a_jpeg_cache_side_by_side(tiny, formats, tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    code = cli.main(["bench", str(formats["raw-crop"]), "--also", str(formats["jpeg-crop"]), "--source", str(tiny / "src"),
+                     "--against", "dataloader", "--batch-size", "8", "--workers", "1", "--repeats", "2", "--batches", "2",
+                     "--crop", "48", "--work-dir", str(tmp_path / "work"), "--json", str(out_json), "--quiet"])
+    assert code == 0
+    table = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    systems = result["systems"]
+    assert list(systems) == ["datapipe", "datapipe-jpeg-crop", "dataloader"]
+    raw, jpeg, peer = systems["datapipe"], systems["datapipe-jpeg-crop"], systems["dataloader"]
+    for s in (raw, jpeg, peer):
+        assert {"bytes_per_sample", "cpu_s_per_image", "median", "images_per_s", "encoding", "fit", "cache"} <= set(s)
+        assert s["status"] == "ok" and s["median"] > 0 and len(s["images_per_s"]) == 2 and s["cpu_s_per_image"] > 0
+    assert (raw["encoding"], raw["fit"], raw["cache"]) == ("raw", "crop", str(formats["raw-crop"]))
+    assert (jpeg["encoding"], jpeg["fit"], jpeg["cache"]) == ("jpeg", "crop", str(formats["jpeg-crop"]))
+    assert peer["encoding"] is None and peer["fit"] is None
+    # stored bytes per sample: the raw square's pixels, the JPEG's compressed sizes (smaller), the peer's source files
+    assert raw["bytes_per_sample"] == 64 * 64 * 3
+    assert jpeg["bytes_per_sample"] == pytest.approx(float(datapipe.open(formats["jpeg-crop"]).sample_nbytes.mean()))
+    assert 0 < jpeg["bytes_per_sample"] < raw["bytes_per_sample"] / 2
+    sources = [p for p in (tiny / "src").rglob("*") if p.is_file() and p.suffix.lower() in (".jpg", ".jpeg", ".png")]
+    assert peer["bytes_per_sample"] == pytest.approx(sum(p.stat().st_size for p in sources) / len(sources))
+    assert jpeg["ratio"] and jpeg["ratio"] > 0 and peer["ratio"] and peer["ratio"] > 0
+    assert result["config"]["also"] == [str(formats["jpeg-crop"])]
+    # the table: one row per system, datapipe labelled with its encoding and fit, a bytes column
+    rows = {line.split()[0]: line for line in table.splitlines()
+            if line.startswith(("datapipe", "dataloader")) and "stages" not in line}
+    assert set(rows) == {"datapipe", "datapipe-jpeg-crop", "dataloader"}
+    assert "datapipe (raw, crop)" in rows["datapipe"] and "KiB/sample" in table
+    assert rows["datapipe"].split()[-1] == "12.0" and float(rows["datapipe-jpeg-crop"].split()[-1]) < 6.0
+    assert "datapipe stages (one thread each) on the raw cache, fit crop" in table
+
+
+@pytest.mark.parametrize("first", ["jpeg-crop", "raw-short", "jpeg-short"])
+def test_every_encoding_and_fit_is_benched_stage_by_stage(formats, first):
+    """The stage breakdown is measured on any cache: samples of varying shapes read one by one, a
+    JPEG cache's decode timed, its augment stage decoding each sample for its crop as the loader does."""
+    others = [formats[k] for k in formats if k != first]
+    result = bench.run(formats[first], BenchSpec(batch_size=8, workers=0, repeats=1, batches=1, crop=48), also=others,
+                       progress=False)
+    encoding, fit = first.split("-")
+    assert (result.systems["datapipe"].encoding, result.systems["datapipe"].fit) == (encoding, fit)
+    assert len(result.systems) == 4 and all(s.status == "ok" and s.median > 0 for s in result.systems.values())
+    assert {(s.encoding, s.fit) for s in result.systems.values()} == {(e, f) for e in ("raw", "jpeg") for f in ("crop", "short")}
+    for s in result.systems.values():
+        cache = datapipe.open(s.cache)
+        assert s.bytes_per_sample == pytest.approx(float(cache.sample_nbytes.mean()))
+        assert s.samples == len(cache)
+    stages = result.stages
+    assert stages["assemble"]["images_per_s"] > 0 and stages["augment"]["images_per_s"] > 0
+    assert (stages["decode"]["images_per_s"] is not None) == (encoding == "jpeg")
+    assert ("decoded for its crop" in stages["augment"]["what"]) == (encoding == "jpeg")
+    assert result.attribution["end_to_end_s_per_image"] > 0
+
+
+def test_caches_built_alike_get_numbered_names(formats):
+    caches = [datapipe.open(formats[k]) for k in ("raw-crop", "jpeg-crop", "jpeg-crop", "raw-crop")]
+    assert bench._system_names(caches) == ["datapipe", "datapipe-jpeg-crop", "datapipe-jpeg-crop-2", "datapipe-raw-crop"]
+
+
+def test_a_missing_also_cache_is_one_line_before_anything_runs(formats, tmp_path, capsys):
+    with pytest.raises(CacheError, match="does not exist"):
+        bench.run(formats["raw-crop"], also=[tmp_path / "nope"], progress=False)
+    assert cli.main(["bench", str(formats["raw-crop"]), "--also", str(tmp_path / "nope"), "--quiet"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "nope" in line and "does not exist" in line

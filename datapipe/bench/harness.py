@@ -60,7 +60,17 @@ class Measurement:
     ratio: float | None = None  # datapipe / this, median of per-round ratios
     prepare_s: float | None = None  # time to write this system's shards from the source
     cpu_s_per_image: float | None = None
+    bytes_per_sample: float | None = None  # mean stored bytes a sample takes in what this system reads
+    cache: str | None = None  # datapipe systems: the cache folder measured
+    encoding: str | None = None  # datapipe systems: "raw" or "jpeg"
+    fit: str | None = None  # datapipe systems: the build's --fit ("crop", "short", ...)
     notes: str = ""
+
+    @property
+    def label(self) -> str:
+        """How the table names the system: datapipe on the first cache with its encoding and fit (the
+        others' names carry theirs: ``datapipe-jpeg-short``)."""
+        return f"{self.name} ({self.encoding}, {self.fit})" if self.encoding and self.name == SYSTEM else self.name
 
     def finish(self) -> None:
         if self.images_per_s:
@@ -175,14 +185,20 @@ class _Batch:
 
     cache: Cache
     size: int
-    images: np.ndarray  # uint8 [size, *cache.shape]
+    images: np.ndarray  # uint8 [size, H, W, 3]: the samples' shape, or the largest (padded) where shapes vary
     labels: np.ndarray  # int64 [size]
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     @classmethod
     def of(cls, cache: Cache, batch_size: int) -> _Batch:
         size = min(batch_size, len(cache))
-        return cls(cache, size, np.empty((size, *cache.shape), np.uint8), np.empty(size, np.int64))
+        shape = cache.fixed_shape or (*(int(v) for v in cache.shapes.max(axis=0, initial=1)), 3)
+        return cls(cache, size, np.empty((size, *shape), np.uint8), np.empty(size, np.int64))
+
+    @property
+    def varied(self) -> bool:
+        """Whether the cache's samples vary in shape (fit short): read one by one, never one gathered batch."""
+        return self.cache.fixed_shape is None
 
     def shuffled(self) -> np.ndarray:
         """The indices of a fresh shuffled batch, as in an epoch."""
@@ -193,18 +209,22 @@ def _stages(cache: Cache, *, batch_size: int, crop: int, device: torch.device, t
     batch = _Batch.of(cache, batch_size)
     stages: dict[str, dict] = {"read": _read_stage(cache)}
     stages["assemble"], assemble = _assemble_stage(batch)
-    stages["decode"] = {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
+    stages["decode"] = _decode_stage(batch)
     path: StageTimers = {}  # the stages on the loader's path
     if device.type == "cuda":
         stages["h2d"], copy, on_device = _h2d_stage(batch, device)
         path["assemble"], path["h2d"] = (assemble, batch.size), (copy, batch.size)
-        stages["augment"], augment = _augment_on_device(on_device, crop, device)
+        stages["augment"], augment = _augment_on_device(on_device, crop, device, _shapes_of(batch))
     else:
-        # The CPU loader reads the batch's samples into its reused buffer and resizes each crop from
-        # there: no gathered batch on this path, the reading is part of the augment stage.
+        # The CPU loader reads the batch's samples (raw: views of the maps, or copies; JPEG: the stored
+        # bytes, each decoded for its own crop) and resizes each crop from there: no gathered batch on
+        # this path, the reading (and decoding) is part of the augment stage.
         stages["h2d"] = {"GB_per_s": None, "what": "skipped: no GPU"}
         stages["assemble"]["on_this_path"] = False
         stages["assemble"]["what"] += " (on the CPU path it is part of the augment stage)"
+        if stages["decode"].get("images_per_s"):
+            stages["decode"]["on_this_path"] = False
+            stages["decode"]["what"] += " (on the CPU path each sample is decoded for its crop, in the augment stage)"
         stages["augment"], augment = _augment_on_cpu(batch, crop, device)
     path["augment"] = (augment, batch.size)
     if timers is not None:
@@ -231,14 +251,50 @@ def _read_stage(cache: Cache) -> dict:
 
 
 def _assemble_stage(batch: _Batch) -> tuple[dict, Callable[[], None]]:
-    """A shuffled batch gathered from the memory maps into the batch's buffer."""
-    def assemble() -> None:
-        batch.cache.read_batch(batch.shuffled(), batch.images, batch.labels)
+    """A shuffled batch gathered from the shards into the batch's buffer, as the GPU path reads it:
+    square samples in one gather (a square JPEG cache decodes each into its slot), samples of varying
+    shapes copied out one by one into the rows of a padded buffer."""
+    cache = batch.cache
 
+    def gather() -> None:
+        cache.read_batch(batch.shuffled(), batch.images, batch.labels)
+
+    def padded() -> None:
+        for row, x in zip(batch.images, cache.read_samples(batch.shuffled(), batch.labels), strict=False):
+            row[: x.shape[0], : x.shape[1]] = x
+
+    assemble = padded if batch.varied else gather
     sec = timeit(assemble)
-    per_image = batch.cache.shape[0] * batch.cache.shape[1] * batch.cache.shape[2]
-    return ({"images_per_s": batch.size / sec, "GB_per_s": batch.size * per_image / sec / 1e9,
-             "what": "gather of a shuffled batch from memory-mapped shards"}, assemble)
+    pixels = float(np.mean(np.prod(cache.shapes, axis=1))) * 3 if len(cache) else 0.0
+    what = ("copy of a shuffled batch's samples of varying shapes into a padded buffer" if batch.varied
+            else "gather of a shuffled batch from memory-mapped shards")
+    if cache.encoding == "jpeg":
+        what += ", each JPEG decoded"
+    return ({"images_per_s": batch.size / sec, "GB_per_s": batch.size * pixels / sec / 1e9, "what": what}, assemble)
+
+
+def _decode_stage(batch: _Batch) -> dict:
+    """A raw cache decodes nothing; a JPEG cache: each stored sample of a shuffled batch decoded whole, one thread."""
+    from ..samples import decode_jpeg
+
+    cache = batch.cache
+    if cache.encoding != "jpeg":
+        return {"images_per_s": None, "what": "none: the cache holds decoded pixels (decoded once at build)"}
+    encoded = cache.read_encoded(batch.shuffled(), batch.labels)
+
+    def decode() -> None:
+        for e in encoded:
+            decode_jpeg(e.data, e.height, e.width, where=e.where)
+
+    sec = timeit(decode)
+    return {"images_per_s": len(encoded) / sec, "what": "libjpeg-turbo decode of each stored sample, whole, one thread"}
+
+
+def _shapes_of(batch: _Batch) -> np.ndarray | None:
+    """The (h, w) of the samples in the batch's buffer rows where shapes vary (crops drawn within each), else None."""
+    if not batch.varied:
+        return None
+    return batch.cache.shapes[batch.shuffled()]
 
 
 def _h2d_stage(batch: _Batch, device: torch.device) -> tuple[dict, Callable[[], None], torch.Tensor]:
@@ -258,27 +314,42 @@ def _h2d_stage(batch: _Batch, device: torch.device) -> tuple[dict, Callable[[], 
     return stage, copy, images.to(device)
 
 
-def _augment_on_device(on_device: torch.Tensor, crop: int, device: torch.device) -> tuple[dict, Callable[[], None]]:
-    """The train preset on the whole batch, already on the device."""
+def _augment_on_device(on_device: torch.Tensor, crop: int, device: torch.device,
+                       shapes: np.ndarray | None = None) -> tuple[dict, Callable[[], None]]:
+    """The train preset on the whole batch, already on the device (``shapes``: each padded row's
+    sample shape, for samples of varying shapes, whose crops are drawn within their own extent)."""
     import torch
 
     from .. import augment
 
     aug = augment.train(crop)
+    size = int(on_device.shape[0])
+    params = None
+    if shapes is not None:
+        sizes = torch.from_numpy(np.ascontiguousarray(shapes, dtype=np.int64))
+        params = aug.sample(size, sizes[:, 0].contiguous(), sizes[:, 1].contiguous(), 1)
 
     def run_aug() -> None:
-        aug(on_device, seed=1)
+        aug(on_device, seed=1, params=params)
         torch.cuda.synchronize()
 
     sec = timeit(run_aug)
-    size = int(on_device.shape[0])
     return ({"images_per_s": size / sec, "where": str(device),
              "what": f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"}, run_aug)
 
 
+def _reads_in_place(cache: Cache, aug: Any) -> bool:
+    """Whether the CPU loader reads ``cache``'s samples as views of the shard files' maps (as DeviceLoader decides)."""
+    if not cache.mapped or cache.encoding != "raw" or not len(cache):
+        return False
+    h, w = (int(v) for v in cache.shapes.min(axis=0))
+    return bool(aug.reads_in_place(h, w))
+
+
 def _augment_on_cpu(batch: _Batch, crop: int, device: torch.device) -> tuple[dict, Callable[[], None]]:
-    """Exactly what the CPU loader does per batch (so it includes the reading): a fresh shuffled
-    batch's samples viewed in place, each crop resized into reused output buffers."""
+    """Exactly what the CPU loader does per batch (so it includes the reading, and a JPEG cache's
+    decoding): a fresh shuffled batch's samples viewed in place (raw) or their stored bytes each
+    decoded for its own crop (JPEG), each crop resized into reused output buffers."""
     import torch
 
     from .. import augment
@@ -286,17 +357,23 @@ def _augment_on_cpu(batch: _Batch, crop: int, device: torch.device) -> tuple[dic
     aug = augment.train(crop)
     out = torch.empty((batch.size, 3, crop, crop))
     cache = batch.cache
-    mapped = aug.reads_in_place(*cache.shape[:2])  # as the loader does: crops read from the maps
+    mapped = _reads_in_place(cache, aug)  # as the loader does: crops read from the maps
 
-    def run_aug() -> None:
+    def run_raw() -> None:
         idx = batch.shuffled()
-        views = cache.sample_views(idx, batch.labels, out=batch.images, mapped=mapped)
+        views = cache.sample_views(idx, batch.labels, out=None if batch.varied else batch.images, mapped=mapped)
         with cache.mapped_reads(idx) if mapped else contextlib.nullcontext():
             aug(views, seed=1, out=out)
 
+    def run_jpeg() -> None:
+        aug.decode(cache.read_encoded(batch.shuffled(), batch.labels), seed=1, out=out)
+
+    jpeg = cache.encoding == "jpeg"
+    run_aug = run_jpeg if jpeg else run_raw
     sec = timeit(run_aug)
+    reading = "read the batch's JPEG samples, each decoded for its crop" if jpeg else "read the batch"
     return ({"images_per_s": batch.size / sec, "where": str(device),
-             "what": f"read the batch + RandomResizedCrop({crop}) + flip + normalise"}, run_aug)
+             "what": f"{reading} + RandomResizedCrop({crop}) + flip + normalise"}, run_aug)
 
 
 # ----------------------------------------------------------------------------- systems
@@ -348,16 +425,57 @@ def _datapipe_loader(cache: Cache, spec: BenchSpec, device: torch.device, *, wor
                         augment=augment.train(spec.crop))
 
 
-def _prepare_systems(cache: Cache, spec: BenchSpec, device: torch.device, peers: _Peers) -> tuple[dict[str, Measurement], dict[str, Any]]:
-    """datapipe's loader, then each peer's shards and loader; a peer that cannot be prepared is
-    marked failed (or, for ``--against all``, skipped where it is not installed) and gets no loader."""
-    systems = {SYSTEM: Measurement(SYSTEM, notes="DeviceLoader + augment.train", samples=len(cache))}
-    loaders: dict[str, Any] = {SYSTEM: _datapipe_loader(cache, spec, device)}
+def _prepare_systems(caches: dict[str, Cache], spec: BenchSpec, device: torch.device,
+                     peers: _Peers) -> tuple[dict[str, Measurement], dict[str, Any]]:
+    """datapipe's loader on each cache, then each peer's shards and loader; a peer that cannot be
+    prepared is marked failed (or, for ``--against all``, skipped where it is not installed) and gets no loader."""
+    systems: dict[str, Measurement] = {}
+    loaders: dict[str, Any] = {}
+    for name, cache in caches.items():
+        systems[name] = _datapipe_measurement(name, cache)
+        loaders[name] = _datapipe_loader(cache, spec, device)
     for name in peers.names:
         systems[name], loader = _prepare_peer(name, spec, peers)
         if loader is not None:
             loaders[name] = loader
     return systems, loaders
+
+
+def _datapipe_measurement(name: str, cache: Cache) -> Measurement:
+    """The record of datapipe on ``cache``: its folder, encoding, fit and stored bytes per sample."""
+    fit = str(cache.manifest.config.get("fit", "crop"))
+    nbytes = float(cache.sample_nbytes.mean()) if len(cache) else None
+    quality = f" quality {cache.manifest.config.get('quality')}" if cache.encoding == "jpeg" else ""
+    return Measurement(name, notes=f"DeviceLoader + augment.train on {cache.encoding}{quality}, fit {fit}, size {cache.size}",
+                       samples=len(cache), bytes_per_sample=nbytes, cache=str(cache.root), encoding=cache.encoding, fit=fit)
+
+
+def _system_names(caches: Iterable[Cache]) -> list[str]:
+    """``datapipe`` for the first cache; ``datapipe-<encoding>-<fit>`` for each other one (numbered where two share it)."""
+    names: list[str] = []
+    for k, cache in enumerate(caches):
+        base = SYSTEM if k == 0 else f"{SYSTEM}-{cache.encoding}-{cache.manifest.config.get('fit', 'crop')}"
+        name, n = base, 2
+        while name in names:
+            name, n = f"{base}-{n}", n + 1
+        names.append(name)
+    return names
+
+
+def _peer_bytes(peer: Any, peers: _Peers) -> float | None:
+    """Mean bytes a sample takes in what ``peer`` reads: its shards under the work folder, or for a
+    peer that reads the source files (no shards), those files."""
+    assert peers.listing is not None
+    n = len(peers.listing)
+    if not n:
+        return None
+    folder = peer.folder(peers.work)
+    from .peers import _MARKER
+
+    files = [f for f in folder.rglob("*") if f.is_file() and f.name != _MARKER] if folder.is_dir() else []
+    if not files:
+        files = [Path(path) for path, _ in peers.listing.samples]
+    return sum(f.stat().st_size for f in files) / n
 
 
 def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measurement, Any]:
@@ -379,6 +497,7 @@ def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measuremen
         m.prepare_s = peer.prepare(peers.listing, peers.work)
         loader = peer.loader(peers.listing, peers.work, batch_size=spec.batch_size, workers=spec.workers)
         m.samples = len(peers.listing)
+        m.bytes_per_sample = _peer_bytes(peer, peers)
         return m, loader
     except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
         _failed(m, exc)
@@ -389,11 +508,16 @@ def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measuremen
 
 
 def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.PathLike[str] | None = None,
-        against: Iterable[str] = (), work_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> BenchResult:
+        against: Iterable[str] = (), work_dir: str | os.PathLike[str] | None = None, progress: bool = True,
+        also: Iterable[str | os.PathLike[str]] = ()) -> BenchResult:
     """Measure datapipe stage by stage and against ``against`` peers on the same data.
 
     Args:
         cache: a cache folder written by ``datapipe build``.
+        also: more caches (the same source built another way: ``--encoding jpeg``, ``--fit short``),
+            each measured as one more datapipe system in the same interleaved rounds — named
+            ``datapipe-<encoding>-<fit>``, its bytes per sample, CPU ms per image and images/s
+            side by side with the first cache's. The stage breakdown is the first cache's.
         spec: the workload every system runs and the measurement plan (default: :class:`BenchSpec`'s defaults).
         source: the source image folder (needed by every peer).
         against: peer names (``dataloader``, ``webdataset``, ``litdata``, ``streaming``) or ``["all"]``.
@@ -407,6 +531,7 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
 
     Raises:
         ArgumentError: ``spec`` is not a :class:`BenchSpec`, or an unknown peer is named.
+        CacheError: ``cache`` or a cache of ``also`` is not a readable cache (checked before anything is measured).
         SourceError: ``source`` is missing, or does not hold the cache's samples (see
             :func:`datapipe.bench.peers.cache_samples`).
     """
@@ -417,6 +542,8 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
     if not isinstance(spec, BenchSpec):
         raise ArgumentError(f"spec must be a datapipe.bench.BenchSpec, got {show(spec)} ({type(spec).__name__})")
     opened = Cache(cache)
+    others = [Cache(Path(path)) for path in ([also] if isinstance(also, (str, os.PathLike)) else also)]
+    caches = dict(zip(_system_names([opened, *others]), [opened, *others], strict=True))
     dev = _resolve_device(spec.device)
     peers = _Peers.chosen(opened, against, source, work_dir)
     batches = spec.batches_per_pass(len(opened))
@@ -426,7 +553,7 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
     timers: StageTimers = {}
     stages = measure_stages(opened, batch_size=spec.batch_size, crop=spec.crop, device=dev, timers=timers)
     stages["bytes_on_disk_per_image"] = opened.manifest.nbytes / max(len(opened), 1)
-    systems, loaders = _prepare_systems(opened, spec, dev, peers)
+    systems, loaders = _prepare_systems(caches, spec, dev, peers)
     cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches, sync=_sync(dev), progress=progress)
     _summarise(systems, cpu)
     attribution = _attribution(opened, timers, spec, dev, batches=batches)
@@ -436,13 +563,16 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
         close = getattr(loader, "close", None)
         if close:
             close()
-    return BenchResult(machine=describe_machine(), config=_config(opened, spec, source, dev, batches), stages=stages,
+    return BenchResult(machine=describe_machine(), config=_config(caches, spec, source, dev, batches), stages=stages,
                        systems=systems, attribution=attribution)
 
 
-def _config(cache: Cache, spec: BenchSpec, source: str | os.PathLike[str] | None, device: torch.device, batches: int) -> dict:
-    """What was measured, as the result's ``config`` reports it."""
-    return {"cache": str(cache.root), "source": str(source) if source else None, "samples": len(cache),
+def _config(caches: dict[str, Cache], spec: BenchSpec, source: str | os.PathLike[str] | None, device: torch.device,
+            batches: int) -> dict:
+    """What was measured, as the result's ``config`` reports it (``cache``: the first cache; ``also``: the others)."""
+    cache, *others = caches.values()
+    return {"cache": str(cache.root), "also": [str(c.root) for c in others], "source": str(source) if source else None,
+            "samples": len(cache),
             "batch_size": spec.batch_size, "workers": spec.workers, "repeats": spec.repeats, "batches_per_pass": batches,
             "crop": spec.crop, "device": str(device),
             "output": f"float32 [B, 3, {spec.crop}, {spec.crop}] after RandomResizedCrop + flip"}
@@ -569,28 +699,34 @@ def format_table(result: BenchResult) -> str:
                  f"{c['repeats']} rounds of {c['batches_per_pass']} batches")
     lines.append(f"same samples for all: the cache's {c['samples']:,} (the peers read their source files)")
     lines.append("")
-    lines.append(f"{'system':<12} {'images/s (median)':>18} {'min..max':>18} {'datapipe ×':>11} {'prep s':>8} {'CPU ms/img':>11}")
+    width = max([12, *(len(s.label) for s in result.systems.values())])
+    lines.append(f"{'system':<{width}} {'images/s (median)':>18} {'min..max':>18} {'datapipe ×':>11} {'prep s':>8} "
+                 f"{'CPU ms/img':>11} {'KiB/sample':>11}")
     for s in result.systems.values():
         if s.status == "failed":
-            lines.append(f"{s.name:<12} FAILED: {s.reason}")
+            lines.append(f"{s.label:<{width}} FAILED: {s.reason}")
             continue
         if s.status != "ok":
-            lines.append(f"{s.name:<12} skipped: {s.reason} (install: {s.install})")
+            lines.append(f"{s.label:<{width}} skipped: {s.reason} (install: {s.install})")
             continue
         ratio = f"{s.ratio:.1f}×" if s.ratio else "—"
         prep = f"{s.prepare_s:.1f}" if s.prepare_s is not None else "—"
         cpu = f"{1000 * s.cpu_s_per_image:.2f}" if s.cpu_s_per_image is not None else "—"
-        lines.append(f"{s.name:<12} {s.median:>18,.0f} {f'{s.spread[0]:,.0f}..{s.spread[1]:,.0f}':>18} "
-                     f"{ratio:>11} {prep:>8} {cpu:>11}")
+        kib = f"{s.bytes_per_sample / 1024:,.1f}" if s.bytes_per_sample is not None else "—"
+        lines.append(f"{s.label:<{width}} {s.median:>18,.0f} {f'{s.spread[0]:,.0f}..{s.spread[1]:,.0f}':>18} "
+                     f"{ratio:>11} {prep:>8} {cpu:>11} {kib:>11}")
     lines.append("")
     st = result.stages
-    lines.append("datapipe stages (one thread each):")
+    first = result.systems.get(SYSTEM)
+    lines.append(f"datapipe stages (one thread each){f' on the {first.encoding} cache, fit {first.fit}' if first else ''}:")
     lines.append(f"  read      {st['read']['MB_per_s']:,.0f} MB/s first pass, {st['read']['MB_per_s_cached']:,.0f} MB/s "
                  "again from the page cache (sequential, every shard file)")
     off_path = "" if st["assemble"].get("on_this_path", True) else " (not on this path: crops read from the maps)"
     lines.append(f"  assemble  {st['assemble']['images_per_s']:,.0f} img/s, {st['assemble']['GB_per_s']:.2f} GB/s"
                  f"{off_path}")
-    lines.append(f"  decode    {st['decode']['what']}")
+    decode = st["decode"]
+    lines.append(f"  decode    {decode['images_per_s']:,.0f} img/s, {decode['what']}" if decode.get("images_per_s")
+                 else f"  decode    {decode['what']}")
     h2d = st["h2d"]
     h2d_text = f"{h2d['GB_per_s']:.1f} GB/s" if h2d.get("GB_per_s") else h2d["what"]
     lines.append(f"  h2d       {h2d_text}")
@@ -617,7 +753,7 @@ def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
     names = [s.name for s in ok]
     values = [s.median for s in ok]
     errs = [[s.median - s.spread[0] for s in ok], [s.spread[1] - s.median for s in ok]]
-    colors = ["#2a7ab0" if n == SYSTEM else "#999999" for n in names]
+    colors = ["#2a7ab0" if s.encoding else "#999999" for s in ok]  # datapipe's systems in blue
     ax1.bar(names, values, yerr=errs, color=colors, capsize=4)
     for i, s in enumerate(ok):
         label = f"{s.median:,.0f}" + (f"\n({s.ratio:.1f}× slower)" if s.ratio else "")
