@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset
 from . import partition as part
 from .cache import Cache
 from .errors import ArgumentError, DatapipeError, StateError
+from .fetch import ShardFetcher, is_url
 from .text import show
 from .world import World, detect_ranks, detect_worker
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # Version 2 names the build of the cache a state belongs to (build_id); version 1 did not.
 STATE_VERSION = 2
 STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "num_samples", "config_hash", "build_id")
+# A state of order="shards" also holds these (a state without them is of the global order).
+SHARD_STATE_KEYS = ("order", "window", "nodes")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
@@ -94,6 +97,34 @@ def _check_shm(batch_bytes: int, worker_info: WorkerInfo | None, path: str = "/d
             "memory), or use fewer workers or a smaller batch.")
 
 
+def check_order(order: str | None, window: object, nodes: object, world_size: int) -> tuple[str, int, int]:
+    """(order, window, nodes), checked; order None is the local-cache default, nodes None is detected.
+
+    Nodes come from torchrun's LOCAL_WORLD_SIZE (ranks per node); they matter to "shards" only,
+    so a global order ignores the environment.
+    """
+    order = part.default_order(is_remote=False) if order is None else order
+    if order not in part.ORDERS:
+        raise ArgumentError(f"order must be one of {', '.join(map(repr, part.ORDERS))}, got {show(order)}")
+    window = check_int(window, "window", 1)
+    if nodes is not None:
+        nodes = check_int(nodes, "nodes", 1)
+    elif order == "shards" and os.environ.get("LOCAL_WORLD_SIZE"):
+        local = os.environ["LOCAL_WORLD_SIZE"]
+        if not local.strip().isdigit() or int(local) < 1:
+            raise ArgumentError(f"LOCAL_WORLD_SIZE must be a positive integer, got {show(local)}; unset it or pass nodes=")
+        if world_size % int(local):
+            raise ArgumentError(f"world_size={world_size} is not a multiple of LOCAL_WORLD_SIZE={int(local)} (the ranks "
+                                "per node); pass nodes= or fix LOCAL_WORLD_SIZE")
+        nodes = world_size // int(local)
+    else:
+        nodes = 1
+    if world_size % nodes:
+        raise ArgumentError(f"world_size={world_size} is not a multiple of nodes={nodes} (ranks per node must be equal); "
+                            "pass nodes= or fix LOCAL_WORLD_SIZE")
+    return order, window, nodes
+
+
 class StreamingDataset(IterableDataset):
     """Stream a cache as batches ``(images, labels[, indices])``.
 
@@ -108,6 +139,21 @@ class StreamingDataset(IterableDataset):
         rank: this process's rank; default: what torch.distributed or RANK say.
         world_size: the number of ranks; default: what torch.distributed or WORLD_SIZE say.
         return_index: also yield the global sample indices (as ``datapipe.open(cache)[i]`` numbers them).
+        order: ``"global"`` (one permutation of all samples; the default for a local cache) or
+            ``"shards"`` (shard order permuted, samples shuffled within windows of ``window``
+            shards, each node reading its own part; the default for a remote cache). See
+            :mod:`datapipe.partition` and docs/loader.md.
+        window: shards per window of the ``"shards"`` order.
+        nodes: machines the ranks run on (ranks numbered node-major); default: WORLD_SIZE //
+            LOCAL_WORLD_SIZE (torchrun's environment), 1 when unset. Used by ``"shards"`` only.
+        local_cache: for a cache in object storage (``cache`` an fsspec URL such as
+            ``s3://bucket/cache``): the node-local folder its shards are downloaded into, shared by
+            every rank and worker on the node (see :mod:`datapipe.fetch`).
+        cache_limit: bytes (or a size such as ``"200GB"``) ``local_cache`` may hold; least recently
+            used shards are evicted beyond it. None: no limit.
+        storage_options: for the URL's filesystem (fsspec: credentials, ``endpoint_url``...).
+        prefetch: shards downloaded ahead of the reader (an int), or bytes ahead (``"2GB"``).
+        timeout: seconds without a byte arriving before a download raises RemoteStoreError.
 
     Iterating yields ``images`` uint8 [B, H, W, 3] and ``labels`` int64 [B] (and ``indices``
     int64 [B]).
@@ -115,7 +161,10 @@ class StreamingDataset(IterableDataset):
 
     def __init__(self, cache: str | Path | Cache, /, *, batch_size: int = 256, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False, rank: int | None = None,
-                 world_size: int | None = None, return_index: bool = False) -> None:
+                 world_size: int | None = None, return_index: bool = False, order: str | None = None,
+                 window: int = part.DEFAULT_WINDOW, nodes: int | None = None,
+                 local_cache: str | PathLike | None = None, cache_limit: int | str | None = None,
+                 storage_options: dict | None = None, prefetch: int | str = 2, timeout: float = 60.0) -> None:
         super().__init__()
         if not isinstance(cache, (str, PathLike, Cache)):
             raise ArgumentError(f"cache must be a cache folder or a datapipe.Cache, got {type(cache).__name__}")
@@ -132,7 +181,20 @@ class StreamingDataset(IterableDataset):
             World(self.rank, self.world_size)  # validates
         except ValueError as exc:  # RANK/WORLD_SIZE that are no numbers, or a rank out of range
             raise ArgumentError(f"{exc} (from the arguments, torch.distributed or RANK/WORLD_SIZE)") from None
-        self.cache = cache if isinstance(cache, Cache) else Cache(cache)
+        if order is None and is_url(cache):
+            order = part.default_order(is_remote=True)
+        self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size)
+        if is_url(cache):
+            if local_cache is None:
+                raise ArgumentError(f"{cache} is in object storage: pass local_cache= (a node-local folder its shards "
+                                    "are downloaded into)")
+            self.cache = ShardFetcher(str(cache), local_cache, storage_options=storage_options, cache_limit=cache_limit,
+                                      prefetch=prefetch, timeout=timeout).open()
+        elif local_cache is not None or cache_limit is not None or storage_options is not None:
+            raise ArgumentError(f"local_cache, cache_limit and storage_options are for a cache in object storage (a URL "
+                                f"such as s3://bucket/cache); {show(str(cache))} is read in place")
+        else:
+            self.cache = cache if isinstance(cache, Cache) else Cache(cache)
         self._identity = cache_identity(self.cache)
         # [epoch, start, read by workers]: shared with DataLoader workers (also persistent ones)
         # through shared memory. The third is set by a worker that reads this epoch: then only the
@@ -174,11 +236,19 @@ class StreamingDataset(IterableDataset):
 
     def plan(self, start: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The current epoch's global order [N] and this rank's batch bounds [n, 2] from ``start``."""
-        order = part.epoch_order(len(self.cache), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        order = self.epoch_order()
         bounds = part.batch_bounds(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
                                    rank=self.rank, drop_last=self.drop_last,
                                    start=self.start if start is None else start)
         return order, bounds
+
+    def epoch_order(self) -> np.ndarray:
+        """The current epoch's order of all samples, int64 [N] (rank slicing: :meth:`plan`)."""
+        if self.order == "shards":
+            return part.shard_order(self.cache.counts, seed=self.seed, epoch=self.epoch, nodes=self.nodes,
+                                    window=self.window, batch_size=self.batch_size,
+                                    local_world=self.world_size // self.nodes, shuffle=self.shuffle)
+        return part.epoch_order(len(self.cache), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
@@ -195,16 +265,39 @@ class StreamingDataset(IterableDataset):
         self._shared[1] = 0
         self._shared[2] = 0
         self._consumed = 0
+        self._follow(order, bounds, np.arange(len(bounds)))
         return order, bounds
+
+    def _follow(self, order: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> None:
+        """A remote cache prefetches shards in the order these batches first read them (each batch's
+        samples are read sorted, so its shards in ascending order)."""
+        remote = self.cache.remote
+        if remote is None:
+            return
+        batches = np.asarray(batches, np.int64)
+        sizes = bounds[batches, 1] - bounds[batches, 0]  # [b]
+        total = int(sizes.sum())
+        if not total:
+            remote.follow([])
+            return
+        before = np.concatenate(([0], np.cumsum(sizes)[:-1]))  # [b]
+        positions = np.repeat(bounds[batches, 0] - before, sizes) + np.arange(total)  # [total]
+        shards = np.searchsorted(self.cache.starts, order[positions], side="right") - 1
+        s = len(self.cache.counts)
+        reads = np.unique(np.repeat(np.arange(len(batches), dtype=np.int64), sizes) * s + shards) % s  # (batch, shard)
+        _, first = np.unique(reads, return_index=True)
+        remote.follow(reads[np.sort(first)])
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
         worker, num_workers = detect_worker()
         in_worker = torch.utils.data.get_worker_info() is not None
         order, bounds = self.plan() if in_worker else self.begin_iteration()
+        mine = part.worker_batches(len(bounds), worker=worker, num_workers=num_workers)
         if in_worker:  # batches go back through shared memory: is there room for them?
             self._shared[2] = 1
+            self._follow(order, bounds, mine)
             _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
-        for j in part.worker_batches(len(bounds), worker=worker, num_workers=num_workers):
+        for j in mine:
             begin, end = bounds[j]
             batch = self._read(order[begin:end], shared=in_worker)
             if not in_worker:
@@ -270,7 +363,7 @@ class StreamingDataset(IterableDataset):
             "num_samples": len(self.cache),
             "config_hash": config_hash,
             "build_id": build_id,
-        }
+        } | ({"order": self.order, "window": self.window, "nodes": self.nodes} if self.order == "shards" else {})
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (seeks: skipped samples are never read).
@@ -304,8 +397,9 @@ class StreamingDataset(IterableDataset):
         if not is_int(version) or version != STATE_VERSION:
             raise StateError(f"unknown loader state version {show(version)}; this datapipe reads version "
                              f"{STATE_VERSION} (a dict from StreamingDataset/DeviceLoader.state_dict())")
-        missing = [k for k in STATE_KEYS if k not in state]
-        extra = [show(k) for k in state if k not in STATE_KEYS]
+        keys = STATE_KEYS + (SHARD_STATE_KEYS if "order" in state else ())
+        missing = [k for k in keys if k not in state]
+        extra = [show(k) for k in state if k not in keys]
         if missing or extra:
             what = f"lacks {', '.join(missing)}" if missing else f"has unknown keys {', '.join(extra[:5])}"
             raise StateError(f"the loader state {what}; a version {STATE_VERSION} state holds exactly "
@@ -325,6 +419,7 @@ class StreamingDataset(IterableDataset):
             if saved != mine:
                 raise StateError(f"the saved state is for {key}={show(saved)}, this dataset has {show(mine)} "
                                  f"(cache {self.cache.root}); resume with the same cache, seed and shuffle")
+        self._check_state_order(state)
         position = check_int(state["position"], "the state's position", 0, n, error=StateError)
         step = self.batch_size * self.world_size
         if position < n and position % step:
@@ -333,6 +428,22 @@ class StreamingDataset(IterableDataset):
                 f"{self.world_size} × batch_size={self.batch_size}: it is not a multiple of {step}. "
                 "Resume with a global batch that divides the position (e.g. the saved one).")
         return epoch, position
+
+    def _check_state_order(self, state: Mapping) -> None:
+        """The state's order (and for "shards" its window and nodes) is this dataset's."""
+        if "order" not in state:
+            saved: tuple = ("global", self.window, self.nodes)
+        else:
+            if state["order"] != "shards":
+                raise StateError(f"the state's order must be 'shards' (a global-order state has no order key), "
+                                 f"got {show(state['order'])}")
+            saved = ("shards", check_int(state["window"], "the state's window", 1, error=StateError),
+                     check_int(state["nodes"], "the state's nodes", 1, error=StateError))
+        for key, was, mine in zip(SHARD_STATE_KEYS, saved, (self.order, self.window, self.nodes), strict=True):
+            if was != mine:
+                raise StateError(f"the saved state is for {key}={show(was)}, this dataset has {show(mine)} "
+                                 f"(cache {self.cache.root}); resume with the same order, window and nodes "
+                                 "(nodes: WORLD_SIZE // LOCAL_WORLD_SIZE)")
 
     def __repr__(self) -> str:
         return (f"StreamingDataset({str(self.cache.root)!r}, batch_size={self.batch_size}, "

@@ -113,12 +113,13 @@ def _rank_main(rank: int, port: int, cache: str, out: str) -> None:
         raise
 
 
-def _run_ranks(cache: Path, out: Path, timeout: float = 100.0) -> list[dict]:
+def _run_ranks(cache: Path, out: Path, timeout: float = 100.0, target=None) -> list[dict]:
+    """Start WORLD ranks running ``target`` (default: ``_rank_main``) and return what each wrote."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(cache), str(out))) for r in range(WORLD)]
+    procs = [ctx.Process(target=target or _rank_main, args=(r, port, str(cache), str(out))) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
