@@ -10,6 +10,14 @@ loop asks for it (for a debugger), and the stream, the state and the statistics 
   stream and records an event; the consuming stream waits on that event, and a host buffer is only
   refilled after its event has completed (the reader synchronises on it first). Conversion to
   float, layout (NCHW or channels_last), normalisation and augmentation all run on the device.
+* On CUDA with a JPEG cache and a GPU JPEG decoder (:mod:`datapipe.gpu_decode`: nvImageCodec, else
+  torchvision; ``DATAPIPE_GPU_DECODE=0`` turns it off), each reader thread copies its batch's
+  compressed bytes out of the shards and decodes them on the GPU on a stream of its own, pads them
+  into one batch there and records an event; the consuming stream waits on it, and the decoder's
+  outputs are kept until a reader refilling the buffer has seen that event complete. Decoding in the
+  readers (not the loop's thread) keeps the decoders' host-side work (parsing, Huffman decoding) in
+  parallel with the training step and with each other, and prefetches decoded batches.
+  ``loader.decode_path`` says which decoder runs: ``"cpu"``, ``"nvimgcodec"`` or ``"torchvision"``.
 * On the CPU, each reader thread also augments its batch (one intra-op thread per reader, so the
   threads do not fight over cores), cropping and flipping on uint8 before converting to float.
   With a preset (``augment.train``/``eval``) the batch is not gathered at all: each sample's crop
@@ -24,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import queue
 import threading
 import time
@@ -37,6 +46,7 @@ from torch import nn
 from .augment import BatchAugment, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
 from .errors import ArgumentError
+from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
 from .text import show
 
@@ -53,6 +63,8 @@ class _Slot:
     index: torch.Tensor  # int64 [B]
     event: object = None  # CUDA event of the last copy out of this buffer
     params: dict | None = None  # per-sample crops of a padded batch of samples of varying shapes
+    decoded: torch.cuda.Event | None = None  # CUDA event after the GPU decode (and padding) of the batch last read into this slot
+    keep: list[torch.Tensor] | None = None  # that decode's outputs (a GPU decoder's own memory): kept until the event has completed
 
 
 class _OutputPool:
@@ -184,6 +196,13 @@ class DeviceLoader:
                                 "augment=datapipe.augment.train(size) or eval(size), which crop them to one size")
         # JPEG samples on the CPU: decoded in the reader threads, each for its own crop (see augment.decode)
         self._decodes = self._direct and cache.encoding == "jpeg"
+        # JPEG samples on CUDA: decoded on the GPU by the reader threads when a decoder works here
+        self._gpu: GpuJpegDecoder | None = None
+        if self.cuda and cache.encoding == "jpeg":
+            self._gpu = jpeg_decoder(self.device, host_threads=max(1, (os.cpu_count() or 1) // max(1, self.num_workers)))
+        #: which decoder turns the cache's JPEG samples into pixels: "cpu", "nvimgcodec" or "torchvision" (None: raw samples)
+        self.decode_path: str | None = None if cache.encoding != "jpeg" else "cpu" if self._gpu is None else self._gpu.name
+        self._decode_streams = threading.local()  # each reader thread's CUDA stream for its GPU decodes
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         _LIVE.add(self)  # its reader threads are stopped at interpreter exit
@@ -223,6 +242,10 @@ class DeviceLoader:
         for t in self._threads:
             t.join(timeout=5)
         self._threads.clear()
+        for slot in self._slots:  # a GPU decode still running must not lose its decoder's memory
+            if slot.decoded is not None:
+                slot.decoded.synchronize()
+                slot.decoded = slot.keep = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -288,7 +311,8 @@ class DeviceLoader:
         if self._started:
             return
         self._started = True
-        b, shape = self._slot_rows(), self._buffer_shape()
+        # decoded on the GPU, the samples never pass through the host buffers: only labels and indices do
+        b, shape = self._slot_rows(), (0, 0, 3) if self._gpu is not None else self._buffer_shape()
         pin = self.cuda
         _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
         for _ in range(self._num_slots()):
@@ -340,6 +364,36 @@ class DeviceLoader:
         slot.params = self.augment.sample(n, shapes[:, 0], shapes[:, 1], seed)
         return n
 
+    def _decode_on_gpu(self, indices: np.ndarray, slot: _Slot, seed: int) -> tuple[int, torch.Tensor]:
+        """JPEG samples decoded on the GPU on this thread's stream, stacked or padded into one uint8
+        [n, H, W, 3] batch there; an event marks the end of that work. Crops of samples of varying shapes
+        are drawn from their own shapes, as :meth:`_read_padded` draws them."""
+        assert self._gpu is not None
+        encoded = self.dataset.cache.read_encoded(indices, slot.labels.numpy(), slot.index.numpy())
+        n = len(encoded)
+        stream = self._decode_stream()
+        with torch.cuda.stream(stream):
+            decoded = self._gpu.decode([e.data for e in encoded], [(e.height, e.width) for e in encoded],
+                                       [e.where for e in encoded], self.device, stream)
+            empty = (0, *self._buffer_shape())  # a rank's empty last batch
+            images = pad_batch(decoded) if n else torch.empty(empty, dtype=torch.uint8, device=self.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+        slot.decoded, slot.keep = event, decoded
+        if self._varied:
+            assert isinstance(self.augment, (TrainAugment, EvalAugment))
+            heights = torch.tensor([e.height for e in encoded], dtype=torch.int64)
+            widths = torch.tensor([e.width for e in encoded], dtype=torch.int64)
+            slot.params = self.augment.sample(n, heights, widths, seed)
+        return n, images
+
+    def _decode_stream(self) -> torch.cuda.Stream:
+        """This thread's stream for GPU decodes (one per reader, so their decodes overlap)."""
+        stream = getattr(self._decode_streams, "stream", None)
+        if stream is None:
+            stream = self._decode_streams.stream = torch.cuda.Stream(device=self.device)
+        return stream
+
     def _submit(self, gen: int, j: int, indices: np.ndarray, slot: _Slot, seed: int) -> None:
         with self._cond:
             self._inflight += 1
@@ -390,11 +444,18 @@ class DeviceLoader:
             if slot.event is not None:
                 slot.event.synchronize()  # the GPU has finished copying this buffer out
                 slot.event = None
+            if slot.decoded is not None:
+                slot.decoded.synchronize()  # the last GPU decode into this slot is done: its outputs may go
+                slot.decoded = None
+            slot.keep = None
             cache = self.dataset.cache
             mapped = False
             slot.params = None
             images: object
-            if self._decodes:  # the stored JPEG bytes: decoded per sample for its crop by the preset
+            if self._gpu is not None:  # the stored JPEG bytes, decoded on the GPU into one batch there
+                n, on_gpu = self._decode_on_gpu(indices, slot, seed)
+                images = on_gpu
+            elif self._decodes:  # the stored JPEG bytes: decoded per sample for its crop by the preset
                 images = cache.read_encoded(indices, slot.labels.numpy(), slot.index.numpy())
                 n = len(images)
             elif self._direct:  # views of the shard files' maps when only the guarded kernels read them
@@ -425,18 +486,22 @@ class DeviceLoader:
     def _on_device(self, slot: _Slot, batch, seed: int):
         images, labels, index = batch
         with torch.cuda.stream(self._copy_stream):
-            images = images.to(self.device, non_blocking=True)
+            if not images.is_cuda:  # decoded on the GPU already otherwise (see _decode_on_gpu)
+                images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             index = index.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         slot.event = event  # the reader refilling this buffer waits for the copy first
         params, slot.params = slot.params, None
+        decoded = slot.decoded  # read before the slot goes back: only this thread hands slots to readers
         self._release(slot)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
+        if decoded is not None:
+            current.wait_event(decoded)  # the reader's GPU decode of this batch
         for t in (images, labels, index):
-            t.record_stream(current)  # allocated on the copy stream, used on this one
+            t.record_stream(current)  # allocated on the copy stream (or a reader's decode stream), used on this one
         return self._transform((images, labels, index), seed, on_device=True, params=params)
 
     def _out_buffer(self, n: int, aug: BatchAugment) -> torch.Tensor | None:

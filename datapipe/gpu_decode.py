@@ -104,9 +104,10 @@ class GpuJpegDecoder:
 
 def failure(name: str, data: Sequence[np.ndarray], shapes: Sequence[tuple[int, int]], wheres: Sequence[str],
             suspects: Sequence[int], exc: BaseException | None) -> Exception:
-    """The error for samples the GPU decoder ``name`` did not decode (``suspects``: their positions):
-    the host decoder's CorruptShardError for the first that is damaged (it names the shard file and
-    sample), else — the data is sound — a RuntimeError naming the decoder, the sample and the way out."""
+    """The error for samples the GPU decoder ``name`` did not decode (``suspects``: their positions).
+
+    Raises the host decoder's CorruptShardError for the first that is damaged (it names the shard file
+    and sample); returns — the data is sound — a RuntimeError naming the decoder, the sample and the way out."""
     for i in suspects:
         decode_jpeg(data[i], shapes[i][0], shapes[i][1], where=wheres[i])  # raises CorruptShardError when damaged
     why = f" ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})" if exc is not None else ""

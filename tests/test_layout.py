@@ -27,8 +27,9 @@ LAYERS = [
     {"shards", "manifest"},  # the shard layout and the manifest: names, paths, documents
     {"writer", "output"},  # writing a shard; owning an output folder
     {"builder", "dask_plugins"},
-    {"cache"},
+    {"cache", "fetch"},  # fetch: a remote cache's node-local shard cache, under a Cache
     {"dataset", "partition"},
+    {"gpu_decode"},  # JPEG samples decoded on the GPU for the CUDA loader
     {"augment", "device"},
 ]
 
