@@ -123,9 +123,9 @@ class NvImageCodecDecoder(GpuJpegDecoder):
     name = "nvimgcodec"
 
     def __init__(self, device: torch.device, host_threads: int = 0) -> None:
-        super().__init__(device)
-        from nvidia import nvimgcodec
+        from nvidia import nvimgcodec  # first: a missing library is the likelier and more useful reason
 
+        super().__init__(device)
         self._lib = nvimgcodec
         self.host_threads = max(0, int(host_threads))
         self._local = threading.local()
@@ -154,9 +154,9 @@ class TorchvisionDecoder(GpuJpegDecoder):
     name = "torchvision"
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        super().__init__(device)
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
 
     def _decode(self, data: Sequence[np.ndarray], device: torch.device, stream: torch.cuda.Stream) -> list[torch.Tensor | None]:
