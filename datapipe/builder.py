@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import manifest as mf
-from . import samples
+from . import remote, samples
 from ._threads import torch_threads
 from .bounded import Watchdog, max_file_bytes, read_file, warm_up
 from .codecs import DecodeSpec, Fit, decode_fitted
@@ -45,7 +46,7 @@ from .errors import (
 from .files import atomic_write_text, file_crc32c, fsync_dir
 from .output import Output, prepare, remove_shards, shard_build_id
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of
-from .shards import SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
+from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
 from .sources import Listing, plan_shards, scan, shown
 from .text import plural
 from .writer import ShardWriter
@@ -198,7 +199,8 @@ SERIAL_TIMEOUT = ("datapipe build: error: reading and decoding {path} did not fi
 
 def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str = "",
                 verify: bool = False, isolate: bool = False, serial: bool = False, encoding: samples.Encoding = "raw",
-                quality: int = samples.DEFAULT_QUALITY) -> dict:
+                quality: int = samples.DEFAULT_QUALITY, source_options: dict | None = None,
+                output_options: dict | None = None) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
     ``spec`` is the :class:`DecodeSpec`'s fields; ``encoding`` and ``quality`` say how samples are
@@ -207,7 +209,49 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     worker) every file is first decoded in a separate process; one that crashes it or never
     finishes is quarantined. A file that takes longer than DATAPIPE_FILE_TIMEOUT ends the process
     (see :mod:`datapipe.bounded`); ``serial`` says the process is the build's own.
+
+    ``source_options`` (not None: ``root`` is a URL) and ``output_options`` (``output`` is a URL) are the
+    storage options of a source or output in object storage: the files are then read as objects, and the
+    shard is written into a local temporary folder and uploaded, its zarr.json last.
     """
+    if output_options is None:
+        return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
+                            verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
+                            source_options=source_options)
+    loc = remote.open_location(output, output_options)
+    name = shard_name(plan["shard"])
+    _clear_remote_shard(loc, name, build_id)
+    staging = Path(tempfile.mkdtemp(prefix="datapipe-shard-"))
+    try:
+        record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
+                              build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
+                              source_options=source_options)
+        remote.upload_folder(loc, staging / SHARDS_DIR / name, f"{SHARDS_DIR}/{name}")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return record
+
+
+def _clear_remote_shard(loc: remote.Location, name: str, build_id: str) -> None:
+    """Before a shard is uploaded: remove the zarr.json of an earlier attempt of this build (so the shard
+    never looks whole while its data objects are replaced); refuse one that is not this build's."""
+    key = f"{SHARDS_DIR}/{name}/{GROUP_META}"
+    try:
+        doc = remote.read_doc(loc, key)
+    except CacheError:
+        doc = {}
+    if doc is None:
+        return
+    record = remote.shard_record(doc)
+    if record is None or record.get("build_id") != build_id:
+        raise BuildError(f"{loc.url_of(key)} is in the way and was not written by this build; datapipe does not "
+                         "delete what it did not write: move it away and rerun")
+    remote.delete(loc, [key])
+
+
+def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str, verify: bool = False,
+                 isolate: bool, serial: bool, encoding: samples.Encoding, quality: int, source_options: dict | None) -> dict:
+    """build_shard into a local output folder."""
     import resource
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
@@ -241,13 +285,13 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     with ShardWriter(final, size=side, layout=layout, encoding=encoding, quality=quality) as writer, \
             _no_cyclic_gc(), torch_threads(1), watchdog:
         for path, label in zip(plan["paths"], plan["labels"], strict=True):
-            file = os.path.join(root, path)
-            failure = _probe(file, spec) if isolate else None
+            file = os.path.join(root, path) if source_options is None else f"{root}/{path}"
+            failure = _probe(file, spec, source_options) if isolate else None
             if failure is not None:
                 quarantined.append({"path": path, **failure})
                 continue
             watchdog.watch(path)
-            loaded = _load(file, decode_spec, path, quarantined, sample, limit)
+            loaded = _load(file, decode_spec, path, quarantined, sample, limit, source_options)
             watchdog.watch(None)
             if loaded is not None:
                 writer.add(loaded[0], label, path)
@@ -285,11 +329,23 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _probe(file: str, spec: dict) -> dict | None:
+def _probe(file: str, spec: dict, source_options: dict | None = None) -> dict | None:
     """Decode ``file`` in a child process; None if that works, else its quarantine entry's
-    ``error`` and ``reason``."""
+    ``error`` and ``reason``. (An object of a remote source is read here and decoded there.)"""
     import signal
     import subprocess
+
+    if source_options is not None:
+        try:
+            data = remote.read_object(file, max_file_bytes(int(spec["max_pixels"])), source_options)
+        except DecodeError as exc:
+            return {"error": exc.kind, "reason": str(exc)}
+        except OSError as exc:
+            return unreadable(exc)
+        with tempfile.NamedTemporaryFile(prefix="datapipe-probe-", suffix=os.path.splitext(file)[1]) as tmp:
+            tmp.write(data)
+            tmp.flush()
+            return _probe(tmp.name, spec)
 
     timeout = float(os.environ.get("DATAPIPE_PROBE_TIMEOUT", "120"))
     try:
@@ -320,11 +376,12 @@ def _checksums_match(shard_dir: Path, record: dict) -> bool:
 
 
 def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray,
-          limit: int) -> tuple[np.ndarray, bool] | None:
-    """Read and decode one file into ``out``: the sample and whether its longer side was cut by
-    ``max_aspect``; on failure record why in ``quarantined`` and return None."""
+          limit: int, source_options: dict | None = None) -> tuple[np.ndarray, bool] | None:
+    """Read and decode one file (an object, with ``source_options``) into ``out``: the sample and whether
+    its longer side was cut by ``max_aspect``; on failure record why in ``quarantined`` and return None."""
     try:
-        data = read_file(file, limit)  # a regular file only, one unbuffered read, at most ``limit`` bytes
+        # a regular file only, one unbuffered read, at most ``limit`` bytes (an object: at most ``limit`` too)
+        data = read_file(file, limit) if source_options is None else remote.read_object(file, limit, source_options)
         return decode_fitted(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
@@ -356,6 +413,7 @@ def build(
     max_aspect: float | None = None,
     encoding: samples.Encoding | None = None,
     quality: int | None = None,
+    storage_options: dict | None = None,
 ) -> BuildReport:
     """Decode every image in ``source`` once and write a sharded cache to ``output``.
 
@@ -378,6 +436,9 @@ def build(
         max_aspect: see :class:`BuildSpec` (fit ``short`` only).
         encoding: see :class:`BuildSpec`: ``raw`` or ``jpeg``.
         quality: see :class:`BuildSpec` (``jpeg`` only).
+        storage_options: for a ``source`` or ``output`` that is an fsspec URL (``s3://bucket/prefix``): the
+            options of its filesystem (credentials, ``endpoint_url`` ...), on top of fsspec's configuration
+            and the environment. A remote output is written object by object, the manifest last.
 
     Returns:
         A :class:`BuildReport`; also written to ``output/report.json``.
@@ -398,15 +459,21 @@ def build(
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ArgumentError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
     t0 = time.perf_counter()
-    listing = scan(source)
-    out = Path(output).expanduser().absolute()
+    remote_source = remote.is_url(os.fspath(source))
+    listing = remote.scan(os.fspath(source), storage_options) if remote_source else scan(source)
     config = spec.config(listing.kind)
     chash = mf.config_hash(config)
+    options = {"source_options": dict(storage_options or {}) if remote_source else None}
+    if remote.is_url(os.fspath(output)):
+        return _build_remote(remote.open_location(os.fspath(output), storage_options), listing, config, chash, spec,
+                             cluster=cluster, max_bad_fraction=max_bad_fraction, force=force, verify=verify,
+                             progress=progress, t0=t0, options=options)
+    out = Path(output).expanduser().absolute()
     target = prepare(out, config, chash, listing.identity, force)
     try:
         with _write_errors():
             return _build_locked(target, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
-                                 verify=verify, progress=progress, t0=t0)
+                                 verify=verify, progress=progress, t0=t0, options=options)
     except BaseException:
         target.discard_if_untouched()  # a build that failed before its first shard leaves nothing behind
         raise
@@ -440,18 +507,15 @@ def _write_errors():
 
 
 def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: BuildSpec, *, cluster: Cluster,
-                  max_bad_fraction: float, verify: bool, progress: bool, t0: float) -> BuildReport:
+                  max_bad_fraction: float, verify: bool, progress: bool, t0: float, options: dict) -> BuildReport:
     """The build proper, run while holding the output's lock."""
     out = target.path
-    shard_size = spec.samples_per_shard
-    plans = plan_shards(listing, shard_size)
+    plans = plan_shards(listing, spec.samples_per_shard)
     _retire_stale_manifest(out, plans, chash)
     t_scan = time.perf_counter() - t0
-    log.info(f"datapipe build: {plural(len(listing), 'file')} in {plural(len(listing.classes), 'class', 'classes')} "
-             f"from {listing.root} -> {plural(len(plans), 'shard')} of up to {plural(shard_size, 'sample')} "
-             f"at {_describe(spec)}")
-    kwargs = {"root": str(listing.root.absolute()), "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
-              "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality}
+    _log_plan(listing, plans, spec)
+    kwargs = {"root": listing.location, "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
+              "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality, **options}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
     done: dict[int, dict] = {}
@@ -460,6 +524,20 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
             rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=target.build_id)
             if rec is not None:
                 done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
+    return _build_todo(out, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
+                       max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
+
+
+def _log_plan(listing: Listing, plans: list[dict], spec: BuildSpec) -> None:
+    log.info(f"datapipe build: {plural(len(listing), 'file')} in {plural(len(listing.classes), 'class', 'classes')} "
+             f"from {listing.url or listing.root} -> {plural(len(plans), 'shard')} of up to "
+             f"{plural(spec.samples_per_shard, 'sample')} at {_describe(spec)}")
+
+
+def _build_todo(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict], done: dict[int, dict], kwargs: dict,
+                config: dict, chash: str, *, cluster: Cluster, progress: bool, max_bad_fraction: float, t0: float,
+                t_scan: float, build_id: str) -> BuildReport:
+    """Build the shards not ``done`` and finish the cache."""
     todo = [p for p in plans if p["shard"] not in done]
     timing = {"scan": t_scan, "shards": 0.0}
     t1 = time.perf_counter()
@@ -470,7 +548,76 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
     records = [done[p["shard"]] for p in plans]
     return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,
-                   workers=n_workers, dashboard=dashboard, t0=t0, build_id=target.build_id)
+                   workers=n_workers, dashboard=dashboard, t0=t0, build_id=build_id)
+
+
+# ----------------------------------------------------------------------------- an output in object storage
+
+
+def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: str, spec: BuildSpec, *, cluster: Cluster,
+                  max_bad_fraction: float, force: bool, verify: bool, progress: bool, t0: float,
+                  options: dict) -> BuildReport:
+    """A build into object storage: the prefix claimed (build.json, the lock object), one listing decides the
+    finished shards, workers upload theirs, the index objects and the manifest come last."""
+    if loc.url.startswith("memory://"):
+        raise ArgumentError(f"{loc.url}: a memory:// filesystem is not shared with the Dask workers; use a real store")
+    target = remote.prepare(loc, config, chash, listing.identity, force)
+    try:
+        with remote.store_errors(loc, "write the cache", OutputWriteError):
+            plans = plan_shards(listing, spec.samples_per_shard)
+            _log_plan(listing, plans, spec)
+            done = _finished_remote(target, plans, chash, verify=verify)
+            if len(done) < len(plans) and mf.MANIFEST in target.objects:
+                remote.delete(loc, [mf.MANIFEST])  # a half-rebuilt cache must not read as finished
+            kwargs = {"root": listing.location, "output": loc.url, "spec": asdict(spec.decode), "config_hash": chash,
+                      "build_id": target.build_id, "encoding": spec.encoding, "quality": spec.quality,
+                      "output_options": loc.storage_options, **options}
+            return _build_todo(target, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
+                               max_bad_fraction=max_bad_fraction, t0=t0, t_scan=time.perf_counter() - t0,
+                               build_id=target.build_id)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            target.discard_if_untouched()
+        raise
+    finally:
+        target.lock.release()
+
+
+def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool) -> dict[int, dict]:
+    """The plans' shards already whole in the store, from the listing and their zarr.json records (with
+    ``verify``, also their data's crc32c, streamed)."""
+    names = {shard_name(p["shard"]): p for p in plans}
+    records = remote.shard_records(target.loc, target.objects, names)
+    done: dict[int, dict] = {}
+    for name, rec in records.items():
+        plan = names[name]
+        objects = remote.shard_objects(target.objects, name)
+        if (rec.get("inputs_hash") != plan["inputs_hash"] or rec.get("config_hash") != chash
+                or rec.get("build_id") != target.build_id or not remote.whole(rec, objects)):
+            continue
+        if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec):
+            continue
+        done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
+    return done
+
+
+def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, rec: dict) -> bool:
+    layout = shard_layout(rec)
+    base = f"{SHARDS_DIR}/{name}/"
+    data = base + images_path(Path(), layout).as_posix()
+    if remote.stream_crc32c(loc, data)[1] != rec["crc32c"]:
+        return True
+    return layout == "indexed" and remote.stream_crc32c(loc, base + index_path(Path()).as_posix())[1] != rec["index_crc32c"]
+
+
+def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans, records, config, chash, *, build_id: str) -> None:
+    """Remove this build's shards no longer planned, then upload labels.npy and paths.json, then the manifest."""
+    loc = target.loc
+    remote.remove_shards(loc, remote.listing(loc, SHARDS_DIR), build_id, keep={shard_name(p["shard"]) for p in plans})
+    with tempfile.TemporaryDirectory(prefix="datapipe-index-") as tmp:
+        _write_index(Path(tmp), listing, plans, records, config, chash, build_id=build_id)
+        for name in (mf.LABELS, mf.PATHS, mf.MANIFEST):
+            loc.fs.put_file(os.path.join(tmp, name), loc.path(name))
 
 
 def _describe(spec: BuildSpec) -> str:
@@ -722,7 +869,7 @@ def _dashboard(client) -> str | None:
         return None
 
 
-def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_fraction, *, seconds,
+def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans, records, config, chash, max_bad_fraction, *, seconds,
             workers, dashboard, t0, build_id: str) -> BuildReport:
     quarantined = list(listing.dropped)
     for rec in records:
@@ -732,7 +879,8 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
     n_samples = sum(r["count"] for r in records)
     on_disk = sum(r["nbytes"] for r in records)
     report = BuildReport(
-        output=str(out), status="ok", num_samples=n_samples, scanned=total, quarantined=quarantined,
+        output=out.loc.url if isinstance(out, remote.RemoteOutput) else str(out),
+        status="ok", num_samples=n_samples, scanned=total, quarantined=quarantined,
         ignored=len(listing.ignored), shards_total=len(plans), shards_built=len(built),
         shards_skipped=len(records) - len(built), workers=workers, dashboard=dashboard, config=config,
         bytes_on_disk=on_disk, bytes_per_sample=on_disk / max(n_samples, 1),
@@ -751,13 +899,16 @@ def _finish(out: Path, listing: Listing, plans, records, config, chash, max_bad_
         raise TooManyBadFilesError(
             f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "
             f"--max-bad-fraction {max_bad_fraction:g}. First: {first}. Every file and its reason "
-            f"is in {out / mf.REPORT}; finished shards are kept, so fixing the files or raising the "
+            f"is in {_report_location(out)}; finished shards are kept, so fixing the files or raising the "
             "budget and rerunning resumes the build.")
     t_fin = time.perf_counter()
     # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
     # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
-    remove_shards(out, build_id, keep={shard_name(p["shard"]) for p in plans})
-    _write_index(out, listing, plans, records, config, chash, build_id=build_id)
+    if isinstance(out, remote.RemoteOutput):
+        _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
+    else:
+        remove_shards(out, build_id, keep={shard_name(p["shard"]) for p in plans})
+        _write_index(out, listing, plans, records, config, chash, build_id=build_id)
     seconds["finalize"] = time.perf_counter() - t_fin
     report.seconds = {**seconds, "total": time.perf_counter() - t0}
     _write_report(out, report)
@@ -782,7 +933,7 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, 
         first += r["count"]
     manifest = Manifest(
         config=config, config_hash=chash, num_samples=first, classes=tuple(listing.classes),
-        source=SourceRecord(root=str(listing.root.absolute()), kind=listing.kind),
+        source=SourceRecord(root=listing.location, kind=listing.kind),
         files={"labels": FileRecord(name=mf.LABELS, crc32c=file_crc32c(out / mf.LABELS)),
                "paths": FileRecord(name=mf.PATHS, crc32c=file_crc32c(out / mf.PATHS))},
         shards=tuple(shards), build_id=build_id,
@@ -790,6 +941,14 @@ def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, 
     mf.write_manifest(out, manifest)
 
 
-def _write_report(out: Path, report: BuildReport) -> None:
-    atomic_write_text(out / mf.REPORT, json.dumps(asdict(report), indent=1, ensure_ascii=False))
+def _write_report(out: Path | remote.RemoteOutput, report: BuildReport) -> None:
+    text = json.dumps(asdict(report), indent=1, ensure_ascii=False)
+    if isinstance(out, remote.RemoteOutput):
+        remote.write_bytes(out.loc, mf.REPORT, text.encode())
+    else:
+        atomic_write_text(out / mf.REPORT, text)
+
+
+def _report_location(out: Path | remote.RemoteOutput) -> str:
+    return out.loc.url_of(mf.REPORT) if isinstance(out, remote.RemoteOutput) else str(out / mf.REPORT)
 

@@ -32,6 +32,20 @@ def _check_build_args(args) -> None:
         raise ArgumentError(f"--max-bad-fraction must be a share from 0 to 1, got {args.max_bad_fraction:g}")
 
 
+def _storage_option_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the object store's fsspec filesystem for s3:// (gs://, az://) URLs, e.g. "
+                             "endpoint_url=http://minio:9000 or client_kwargs.region_name=eu-west-1 (repeatable; "
+                             "values JSON: numbers, true/false); credentials also come from AWS_* variables")
+
+
+def _storage_options(args) -> dict | None:
+    from .remote import parse_storage_options
+
+    return parse_storage_options(args.storage_option) if args.storage_option else None
+
+
+
 def _command(sub, name: str, **kwargs) -> argparse.ArgumentParser:
     """A subcommand that accepts full option names only (a renamed option must not live on as a prefix)."""
     return sub.add_parser(name, allow_abbrev=False, **kwargs)
@@ -46,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its options)")
 
     b = _command(sub, "build", help="decode a folder of images (or a CSV list) into a sharded cache")
-    b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label")
-    b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op)")
+    b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label, or an "
+                                  "s3:// (gs://, az://) URL of class folders")
+    b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op), or an s3:// (gs://, az://) URL")
+    _storage_option_flag(b)
     b.add_argument("--size", type=_positive_int, default=256,
                    help="side of the square samples, or the shorter side with --fit short (default 256)")
     b.add_argument("--fit", choices=("crop", "pad", "stretch", "short"), default="crop",
@@ -76,9 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     i = _command(sub, "info", help="describe a cache, or the environment with --env")
     i.add_argument("cache", nargs="?", help="cache folder")
     i.add_argument("--env", action="store_true", help="print the active decoders and library versions")
+    _storage_option_flag(i)
 
     v = _command(sub, "verify", help="check every shard's size and checksum against the manifest")
-    v.add_argument("cache", help="cache folder")
+    v.add_argument("cache", help="cache folder, or the s3:// (gs://, az://) URL of one")
+    _storage_option_flag(v)
 
     s = _command(sub, "sample", help="generate an ImageNet-like sample image folder")
     s.add_argument("output", help="folder to write (new or empty; a rerun with the same options completes it)")
@@ -183,10 +201,12 @@ def _build(args) -> int:
     from .builder import BuildSpec, Cluster, build
 
     _check_build_args(args)
+    storage_options = _storage_options(args)
     spec = BuildSpec(size=args.size, fit=args.fit, max_pixels=args.max_pixels, shard_size=args.shard_size,
                      max_aspect=args.max_aspect, encoding=args.encoding, quality=args.quality)
     build(args.source, args.output, spec, cluster=Cluster(workers=args.workers, scheduler=args.scheduler),
-          max_bad_fraction=args.max_bad_fraction, force=args.force, verify=args.verify, progress=not args.quiet)
+          max_bad_fraction=args.max_bad_fraction, force=args.force, verify=args.verify, progress=not args.quiet,
+          storage_options=storage_options)
     return 0
 
 
@@ -195,6 +215,10 @@ def _info(args) -> int:
         print(json.dumps(environment(), indent=1))
         if not args.cache:
             return 0
+    from .remote import is_url
+
+    if is_url(args.cache):
+        return _remote_info(args)
     from .cache import Cache
     from .records import read_report
 
@@ -228,7 +252,55 @@ def _info(args) -> int:
     return 0
 
 
+def _remote_info(args) -> int:
+    """``datapipe info URL``: what the manifest and report of a cache in object storage say (no shard is read)."""
+    from pathlib import Path
+
+    from . import remote
+    from .records import parse_report
+
+    loc = remote.open_location(args.cache, _storage_options(args))
+    m = remote.read_manifest(loc)
+    with remote.store_errors(loc, "read report.json"):
+        doc = remote.read_doc(loc, "report.json")
+    report = parse_report(doc, Path(loc.url_of("report.json"))) if doc is not None else None
+    shape = f"{m.fixed_shape}" if m.fixed_shape is not None else f"shorter side {m.size}, aspect kept"
+    print(f"cache      {loc.url}")
+    print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
+    print(f"samples    {m.num_samples:,} of shape {shape} uint8 in {plural(len(m.shards), 'shard')}")
+    print(f"encoding   {m.encoding}{' (quality ' + str(m.config.get('quality')) + ')' if m.encoding == 'jpeg' else ''}")
+    print(f"layout     {m.layout}")
+    print(f"classes    {len(m.classes)}: {', '.join(m.classes[:8])}{' …' if len(m.classes) > 8 else ''}")
+    print(f"config     {json.dumps(m.config)}")
+    print(f"source     {m.source.root} ({m.source.kind})")
+    print(f"in store   {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
+    if report is not None:
+        print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
+              f"{report.images_per_second:,.0f} img/s on {report.workers} workers "
+              f"(every file and reason: {loc.url_of('report.json')})")
+    return 0
+
+
+def _remote_verify(args) -> int:
+    """``datapipe verify URL``: every object of a cache in object storage checked by streaming it."""
+    from . import remote
+
+    loc = remote.open_location(args.cache, _storage_options(args))
+    manifest = remote.read_manifest(loc)
+    problems = remote.verify(loc, manifest)
+    for line in problems:
+        print(line)
+    verdict = "OK" if not problems else (f"{plural(len(problems), 'problem')}; `datapipe build SOURCE {loc.url} --verify` "
+                                         "rewrites damaged shards")
+    print(f"{loc.url}: {plural(len(manifest.shards), 'shard')}, {plural(manifest.num_samples, 'sample')}: {verdict}")
+    return 0 if not problems else 1
+
+
 def _verify(args) -> int:
+    from .remote import is_url
+
+    if is_url(args.cache):
+        return _remote_verify(args)
     from .cache import Cache
 
     cache = Cache(args.cache)

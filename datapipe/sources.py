@@ -57,14 +57,20 @@ class Listing:
     ignored: list[str] = field(default_factory=list)  # files skipped for their extension, links not followed
     dropped: list[dict] = field(default_factory=list)  # entries quarantined at scan time (path, error, reason)
     source: Path | None = None  # the resolved folder or CSV file: the build's identity
+    url: str | None = None  # a source in object storage: its URL (``root`` is then the path inside its filesystem)
 
     def __len__(self) -> int:
         return len(self.paths)
 
     @property
     def identity(self) -> dict[str, str]:
-        """What the build was made from: the resolved source path and its kind."""
-        return {"path": str(self.source or self.root.resolve()), "kind": self.kind}
+        """What the build was made from: the resolved source path (or URL) and its kind."""
+        return {"path": self.url or str(self.source or self.root.resolve()), "kind": self.kind}
+
+    @property
+    def location(self) -> str:
+        """Where the workers read the files: the source's URL or its absolute folder."""
+        return self.url or str(self.root.absolute())
 
 
 def scan(source: str | os.PathLike) -> Listing:

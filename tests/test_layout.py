@@ -25,7 +25,7 @@ LAYERS = [
     {"records"},  # the format's documents, parsed and checked
     {"sources", "codecs", "bounded", "probe"},
     {"shards", "manifest"},  # the shard layout and the manifest: names, paths, documents
-    {"writer", "output"},  # writing a shard; owning an output folder
+    {"writer", "output", "remote"},  # writing a shard; owning an output folder; objects in a store (fsspec URLs)
     {"builder", "dask_plugins"},
     {"cache", "fetch"},  # fetch: a remote cache's node-local shard cache, under a Cache
     {"dataset", "partition"},

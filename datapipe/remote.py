@@ -1,0 +1,596 @@
+"""Sources and caches in object storage: fsspec URLs (``s3://bucket/prefix``, ``gs://``, ``az://``, ``file://``).
+
+A location is a URL plus the storage options of its filesystem; credentials and the endpoint come the
+way the ecosystem gives them (fsspec's configuration, AWS_ACCESS_KEY_ID / AWS_ENDPOINT_URL ... in the
+environment, ``--storage-option key=value``). Object stores have no rename and no flock, so a cache is
+written as objects each of which is whole once it exists (one PUT per file), in an order that makes the
+last one the proof: a shard's ``zarr.json`` after its data, the manifest after every shard.
+
+What datapipe deletes in object storage: only objects whose names are the shard layout's, under a shard
+of its own build id, and the documents carrying that build id; any other object under the prefix stays.
+fsspec and s3fs are imported only when a URL is used (``pip install ".[remote]"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import ArgumentError, CacheError, ConfigMismatchError, MissingExtraError, OutputBusyError, OutputError, SourceError
+from .files import crc32c
+from .records import (
+    BUILD_LOCK,
+    FORMAT,
+    INDEX_ROW_BYTES,
+    LABELS,
+    MANIFEST,
+    PATHS,
+    REPORT,
+    BuildRecord,
+    Manifest,
+    parse_build_record,
+    parse_json,
+    parse_manifest,
+)
+from .shards import GROUP_META, IMAGES_FILE, INDEX_FILE, INDEXED_IMAGES_FILE, LABELS_FILE, SHARDS_DIR, shard_layout
+
+URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+INSTALL = 'pip install ".[remote]"'
+LOCK_OBJECT = ".datapipe.lock"
+LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
+MAX_DOC_BYTES = 256 << 20
+# The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
+SHARD_OBJECTS = frozenset({
+    GROUP_META, "images/zarr.json", "labels/zarr.json", "index/zarr.json",
+    "/".join(IMAGES_FILE), "/".join(INDEXED_IMAGES_FILE), "/".join(INDEX_FILE), "/".join(LABELS_FILE),
+})
+SHARD_NAME = re.compile(r"\d{6}\.zarr")
+
+
+def is_url(location: object) -> bool:
+    """Whether ``location`` is an fsspec URL (``scheme://...``) rather than a local path."""
+    return isinstance(location, str) and bool(URL.match(location))
+
+
+# ----------------------------------------------------------------------------- storage options
+
+
+def parse_storage_options(items: Iterable[str], flag: str = "--storage-option") -> dict[str, Any]:
+    """``key=value`` items as fsspec storage options: values JSON-ish (numbers, true/false, null, JSON
+    objects; anything else a string), dotted keys nested (``client_kwargs.region_name=eu-west-1``)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ArgumentError(f"{flag} expects key=value (e.g. {flag} endpoint_url=http://127.0.0.1:9000), got {item!r}")
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        node = options
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ArgumentError(f"{flag} {item!r}: {part!r} was given a value already and cannot also hold keys")
+            node = child
+        if isinstance(node.get(leaf), dict):
+            raise ArgumentError(f"{flag} {item!r}: {key!r} holds nested keys already")
+        node[leaf] = value
+    return options
+
+
+# ----------------------------------------------------------------------------- locations
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place in object storage: its URL, the fsspec filesystem and the root path inside it."""
+
+    url: str
+    fs: Any
+    root: str
+    storage_options: dict[str, Any]
+
+    def path(self, *keys: str) -> str:
+        """The filesystem path of a key under the root (``keys`` joined with '/')."""
+        return "/".join([self.root, *[k.strip("/") for k in keys if k]])
+
+    def url_of(self, *keys: str) -> str:
+        return "/".join([self.url.rstrip("/"), *[k.strip("/") for k in keys if k]])
+
+    def key_of(self, path: str) -> str:
+        """The key of a filesystem path under the root."""
+        return path[len(self.root):].lstrip("/")
+
+
+def _fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise MissingExtraError(f"URLs need fsspec, which is not installed: {INSTALL}") from None
+    return fsspec
+
+
+def open_location(url: str, storage_options: dict[str, Any] | None = None) -> Location:
+    """Open the filesystem of ``url`` (fsspec's own configuration and environment apply, then ``storage_options``).
+
+    Raises:
+        MissingExtraError: fsspec, or the filesystem's package (s3fs, gcsfs, adlfs), is not installed.
+        ArgumentError: the URL's scheme is unknown or the storage options are refused by the filesystem.
+    """
+    fsspec = _fsspec()
+    options = dict(storage_options or {})
+    scheme = url.split("://", 1)[0].lower()
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        raise MissingExtraError(f"{url}: the {scheme}:// filesystem needs a package that is not installed ({exc}); "
+                                f"{INSTALL} (s3fs), or gcsfs / adlfs for gs:// and az://") from None
+    except ValueError as exc:
+        raise ArgumentError(f"{url}: {exc}; check the URL's scheme (s3://, gs://, az://, file://)") from None
+    except TypeError as exc:
+        raise ArgumentError(f"{url}: the {scheme}:// filesystem refuses the storage options ({exc}); "
+                            "check --storage-option") from None
+    return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
+
+
+@contextlib.contextmanager
+def store_errors(loc: Location, what: str, error: type[Exception] = OutputError) -> Iterator[None]:
+    """Errors of the object store (no such bucket, no permission, no connection) as one line naming the URL."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, ArgumentError | CacheError | OutputError | SourceError | ConfigMismatchError):
+            raise
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise error(f"{loc.url}: cannot {what} ({type(exc).__name__}: {reason}); check the URL, the credentials "
+                    "and the endpoint (--storage-option, AWS_* variables)") from None
+
+
+# ----------------------------------------------------------------------------- objects
+
+
+def listing(loc: Location, prefix: str = "") -> dict[str, int]:
+    """Every object under ``prefix`` (a key under the root): key -> size in bytes. One listing request (paged)."""
+    loc.fs.invalidate_cache(loc.path(prefix))  # the store, not the filesystem's memory of an earlier listing
+    try:
+        found = loc.fs.find(loc.path(prefix), detail=True)
+    except FileNotFoundError:
+        return {}
+    out: dict[str, int] = {}
+    for path, info in found.items():
+        if info.get("type", "file") == "file":
+            out[loc.key_of(path)] = int(info.get("size") or 0)
+    return out
+
+
+def read_bytes(loc: Location, key: str, limit: int = MAX_DOC_BYTES) -> bytes | None:
+    """The object at ``key`` (None when there is none); CacheError when it holds more than ``limit`` bytes."""
+    try:
+        with loc.fs.open(loc.path(key), "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > limit:
+        raise CacheError(f"{loc.url_of(key)} holds more than the {limit:,} bytes this object may hold")
+    return bytes(data)
+
+
+def read_doc(loc: Location, key: str) -> Any | None:
+    """The JSON document at ``key`` (None when there is none); CacheError naming the URL when it is not JSON."""
+    data = read_bytes(loc, key)
+    return None if data is None else parse_json(data, Path(loc.url_of(key)))
+
+
+def read_docs(loc: Location, keys: list[str]) -> dict[str, bytes]:
+    """Several small objects at once (the filesystem fetches them concurrently); missing ones left out."""
+    if not keys:
+        return {}
+    got = loc.fs.cat([loc.path(k) for k in keys], on_error="omit")
+    return {loc.key_of(path): bytes(data) for path, data in got.items() if isinstance(data, bytes | bytearray)}
+
+
+def write_bytes(loc: Location, key: str, data: bytes) -> None:
+    """One object, written whole by a single PUT: a reader sees the old object or the new one."""
+    loc.fs.pipe_file(loc.path(key), data)
+
+
+def write_doc(loc: Location, key: str, doc: Any) -> None:
+    write_bytes(loc, key, json.dumps(doc, indent=1, ensure_ascii=False).encode())
+
+
+def delete(loc: Location, keys: Iterable[str]) -> None:
+    """Delete exactly these keys (never a prefix)."""
+    paths = [loc.path(k) for k in keys]
+    if paths:
+        with contextlib.suppress(FileNotFoundError):
+            loc.fs.rm(paths)
+
+
+def upload_folder(loc: Location, folder: Path, key: str, *, last: str = GROUP_META) -> list[str]:
+    """Upload every file under ``folder`` as one object each under ``key``, the file named ``last`` at the top
+    after all others (it is the proof the rest is there); returns the keys written."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    first = [p for p in files if p.relative_to(folder).as_posix() != last]
+    final = [p for p in files if p.relative_to(folder).as_posix() == last]
+    keys = []
+    if first:
+        remote = [loc.path(key, p.relative_to(folder).as_posix()) for p in first]
+        loc.fs.put([str(p) for p in first], remote)
+        keys += [loc.key_of(r) for r in remote]
+    for p in final:
+        loc.fs.put_file(str(p), loc.path(key, last))
+        keys.append(f"{key}/{last}")
+    return keys
+
+
+def stream_crc32c(loc: Location, key: str, chunk: int = 8 << 20) -> tuple[int, str]:
+    """The size and crc32c (8 hex digits) of an object, read in chunks (never held whole)."""
+    value, size = 0, 0
+    loc.fs.invalidate_cache(loc.path(key))
+    with loc.fs.open(loc.path(key), "rb", block_size=chunk) as f:
+        while True:
+            data = f.read(chunk)
+            if not data:
+                break
+            value = crc32c(data, value)
+            size += len(data)
+    return size, f"{value:08x}"
+
+
+def read_object(url: str, limit: int, storage_options: dict[str, Any] | None) -> bytes:
+    """A source object's bytes for decoding (a worker reads it directly); at most ``limit`` bytes, as
+    :func:`datapipe.bounded.read_file` reads a local file."""
+    from .errors import DecodeError
+
+    fsspec = _fsspec()
+    with fsspec.open(url, "rb", **(storage_options or {})) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise DecodeError(f"object of more than {limit:,} bytes, over the limit for its max_pixels "
+                          "(raise --max-pixels to build it)", kind="too-large")
+    return bytes(data)
+
+
+# ----------------------------------------------------------------------------- shards in the store
+
+
+def shard_objects(objects: dict[str, int], name: str) -> dict[str, int]:
+    """The objects of shard ``name`` that carry layout names (relative name -> size)."""
+    prefix = f"{SHARDS_DIR}/{name}/"
+    return {k[len(prefix):]: v for k, v in objects.items() if k.startswith(prefix) and k[len(prefix):] in SHARD_OBJECTS}
+
+
+def shard_record(doc: Any) -> dict[str, Any] | None:
+    """The datapipe record in a shard group's zarr.json document, or None when it carries none."""
+    record = doc.get("attributes") if isinstance(doc, dict) else None
+    record = record.get("datapipe") if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        return None
+    for key, kind in (("count", int), ("nbytes", int), ("crc32c", str)):
+        if isinstance(record.get(key), bool) or not isinstance(record.get(key), kind):
+            return None
+    return record
+
+
+def whole(record: dict[str, Any], objects: dict[str, int]) -> bool:
+    """Whether a shard's objects (relative name -> size) are of the sizes its record gives."""
+    if record["count"] == 0:
+        return True
+    layout = shard_layout(record)
+    data = "/".join(INDEXED_IMAGES_FILE if layout == "indexed" else IMAGES_FILE)
+    if objects.get(data) != record["nbytes"]:
+        return False
+    return layout == "fixed" or objects.get("/".join(INDEX_FILE)) == record["count"] * INDEX_ROW_BYTES
+
+
+def shard_records(loc: Location, objects: dict[str, int], names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The records of the named shards whose zarr.json exists (fetched concurrently): name -> record."""
+    keys = [f"{SHARDS_DIR}/{n}/{GROUP_META}" for n in names if f"{SHARDS_DIR}/{n}/{GROUP_META}" in objects]
+    out: dict[str, dict[str, Any]] = {}
+    for key, data in read_docs(loc, keys).items():
+        try:
+            record = shard_record(json.loads(data))
+        except ValueError:
+            record = None
+        if record is not None:
+            out[key.split("/")[1]] = record
+    return out
+
+
+def remove_shards(loc: Location, objects: dict[str, int], build_id: str, keep: Iterable[str] = ()) -> int:
+    """Delete the layout objects of every shard whose zarr.json carries ``build_id`` and whose name is not in
+    ``keep``; the group's zarr.json first, so that a shard is never whole-looking while half deleted."""
+    keep = set(keep)
+    names = sorted({k.split("/")[1] for k in objects if k.startswith(f"{SHARDS_DIR}/") and k.count("/") >= 2} - keep)
+    records = shard_records(loc, objects, [n for n in names if SHARD_NAME.fullmatch(n)])
+    removed = 0
+    for name, record in records.items():
+        if record.get("build_id") != build_id:
+            continue
+        delete(loc, [f"{SHARDS_DIR}/{name}/{GROUP_META}"])
+        delete(loc, [f"{SHARDS_DIR}/{name}/{rel}" for rel in shard_objects(objects, name) if rel != GROUP_META])
+        removed += 1
+    return removed
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+class RemoteLock:
+    """A best-effort lock object (an object store has no flock): host, pid and a heartbeat the holder
+    refreshes. A second build refuses a lock refreshed within LOCK_TTL seconds, unless it was left by a
+    process of this host that is gone (a SIGKILLed build); two builds starting within the same second on
+    two hosts can both believe they hold it."""
+
+    def __init__(self, loc: Location) -> None:
+        self.loc = loc
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ttl = float(os.environ.get("DATAPIPE_REMOTE_LOCK_TTL", LOCK_TTL))
+
+    def _doc(self) -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "refreshed": time.time(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    def acquire(self) -> None:
+        try:
+            held = read_doc(self.loc, LOCK_OBJECT)
+        except CacheError:
+            held = None  # a damaged lock object holds nobody
+        if isinstance(held, dict) and self._alive(held):
+            raise OutputBusyError(
+                f"output {self.loc.url} is being written by another datapipe build (pid {held.get('pid')} on host "
+                f"{held.get('host')}, refreshed {time.time() - float(held.get('refreshed', 0)):.0f} s ago); wait for it "
+                f"to finish or stop it, or build into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
+        write_doc(self.loc, LOCK_OBJECT, self._doc())
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="datapipe-remote-lock")
+        self._thread.start()
+
+    def _alive(self, held: dict[str, Any]) -> bool:
+        try:
+            age = time.time() - float(held.get("refreshed", 0))
+        except (TypeError, ValueError):
+            return False
+        if age > self.ttl:
+            return False
+        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+            try:
+                os.kill(held["pid"], 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+        return True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            with contextlib.suppress(Exception):
+                write_doc(self.loc, LOCK_OBJECT, self._doc())
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+            with contextlib.suppress(Exception):
+                held = read_doc(self.loc, LOCK_OBJECT)
+                if isinstance(held, dict) and held.get("token") == self.token:
+                    delete(self.loc, [LOCK_OBJECT])
+
+
+# ----------------------------------------------------------------------------- owning a prefix
+
+
+@dataclass
+class RemoteOutput:
+    """A prepared output in object storage: its build id, the lock, and the listing read when it was prepared."""
+
+    loc: Location
+    build_id: str
+    lock: RemoteLock
+    objects: dict[str, int]
+    created_marker: bool = False
+
+    def discard_if_untouched(self) -> None:
+        """After a failure before any shard was written: remove the build.json this run wrote."""
+        if self.created_marker and not any(k.startswith(f"{SHARDS_DIR}/") for k in listing(self.loc, SHARDS_DIR)):
+            delete(self.loc, [BUILD_LOCK])
+
+
+def _marker_doc(loc: Location, key: str) -> dict[str, Any] | None:
+    doc = _any_doc(loc, key)
+    return doc if doc is not None and doc.get("format") == FORMAT else None
+
+
+def _any_doc(loc: Location, key: str) -> dict[str, Any] | None:
+    """The JSON object at ``key``; None when there is none or it is not a JSON object."""
+    try:
+        doc = read_doc(loc, key)
+    except CacheError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], force: bool) -> RemoteOutput:
+    """Claim the prefix of ``loc`` for a build of ``config`` (the object-store twin of output.prepare).
+
+    Raises:
+        OutputError: the prefix holds objects and no datapipe build.json, or cannot be listed or written.
+        OutputBusyError: another build's lock object is fresh.
+        ConfigMismatchError: it holds a build of another configuration or source (``force`` rebuilds).
+    """
+    from .output import new_build_id
+
+    with store_errors(loc, "list the output"):
+        objects = listing(loc)
+    others = [k for k in objects if k != LOCK_OBJECT]
+    marker = _marker_doc(loc, BUILD_LOCK) if BUILD_LOCK in objects else None
+    if others and marker is None and _marker_doc(loc, MANIFEST) is None:
+        raise OutputError(f"output {loc.url} holds {len(others)} objects (e.g. {others[0]}) and is not a datapipe cache; "
+                          "choose an empty or new prefix (datapipe never deletes objects it did not write)")
+    lock = RemoteLock(loc)
+    with store_errors(loc, "write the lock object"):
+        lock.acquire()
+    try:
+        build_id = new_build_id()
+        created = marker is None
+        if marker is not None:
+            build_id = _claim(loc, objects, parse_build_record(marker, Path(loc.url_of(BUILD_LOCK))), config, chash,
+                              source, force)
+            if force and build_id != marker.get("build_id"):
+                objects = listing(loc)
+        elif others:
+            raise OutputError(f"{loc.url} holds a datapipe manifest but no build.json of datapipe's, so its objects "
+                              "cannot be told from yours; build into a new prefix")
+        with store_errors(loc, "write build.json"):
+            write_doc(loc, BUILD_LOCK, BuildRecord(config=config, config_hash=chash, build_id=build_id,
+                                                   source=source).to_json())
+    except BaseException:
+        lock.release()
+        raise
+    return RemoteOutput(loc, build_id, lock, objects, created_marker=created)
+
+
+def _claim(loc: Location, objects: dict[str, int], previous: BuildRecord, config: dict, chash: str,
+           source: dict[str, str], force: bool) -> str:
+    from .output import _describe, _diff
+
+    if not previous.build_id:
+        raise OutputError(f"{loc.url} was written by an earlier datapipe whose build.json has no build id; build into a new prefix")
+    for key in (MANIFEST, REPORT):
+        if key in objects:
+            doc = _any_doc(loc, key)
+            if doc is None or doc.get("build_id") != previous.build_id:
+                raise OutputError(f"{loc.url_of(key)} was not written by the build recorded in {loc.url_of(BUILD_LOCK)}, "
+                                  "and datapipe does not overwrite objects it did not write; move it away and rerun")
+    same_source = not previous.source or previous.source == source
+    if previous.config_hash == chash and same_source:
+        return previous.build_id
+    if not force:
+        what = []
+        if previous.config_hash != chash:
+            what.append(f"another configuration ({_diff(previous.config, config)})")
+        if not same_source:
+            what.append(f"another source (it was built from {_describe(previous.source)}, this build reads {_describe(source)})")
+        raise ConfigMismatchError(f"{loc.url} holds a build with {' and '.join(what)}; choose another output prefix, "
+                                  "or pass --force to rebuild it")
+    remove_build(loc, objects, previous.build_id)
+    from .output import new_build_id
+
+    return new_build_id()
+
+
+def remove_build(loc: Location, objects: dict[str, int], build_id: str) -> None:
+    """Delete what the build ``build_id`` wrote under ``loc`` (its documents, index objects, shards), nothing else."""
+    manifest = _marker_doc(loc, MANIFEST) if MANIFEST in objects else None
+    ours = [k for k in (MANIFEST, REPORT) if k in objects and (_any_doc(loc, k) or {}).get("build_id") == build_id]
+    delete(loc, ours)
+    if manifest is None or manifest.get("build_id") == build_id:
+        delete(loc, [k for k in (LABELS, PATHS) if k in objects])
+    remove_shards(loc, objects, build_id)
+
+
+# ----------------------------------------------------------------------------- reading a cache
+
+
+def read_manifest(loc: Location) -> Manifest:
+    """A remote cache's manifest, checked as a local one is (CacheError naming the URL)."""
+    with store_errors(loc, "read the manifest", CacheError):
+        doc = read_doc(loc, MANIFEST)
+        started = doc is None and read_bytes(loc, BUILD_LOCK, 1 << 20) is not None
+    if doc is None:
+        hint = " — a build was started here but did not finish; run the same `datapipe build` again" if started else ""
+        raise CacheError(f"{loc.url} is not a finished datapipe cache (no {MANIFEST}){hint}")
+    return parse_manifest(doc, Path(loc.url_of(MANIFEST)))
+
+
+def verify(loc: Location, manifest: Manifest | None = None) -> list[str]:
+    """Check every object of a remote cache against its manifest by streaming it: the index objects'
+    and each shard's data (and sample index) size and crc32c, and each shard's record. Problems, one line each."""
+    manifest = manifest or read_manifest(loc)
+    problems: list[str] = []
+    with store_errors(loc, "list the cache", CacheError):
+        objects = listing(loc)
+    for rec in manifest.files.values():
+        problems += _check_object(loc, objects, rec.name, None, rec.crc32c)
+    records = shard_records(loc, objects, [s.name for s in manifest.shards])
+    for shard in manifest.shards:
+        base = f"{SHARDS_DIR}/{shard.name}"
+        record = records.get(shard.name)
+        if record is None:
+            problems.append(f"shard {shard.name}: {loc.url_of(base, GROUP_META)} is missing or holds no shard record")
+            continue
+        for key, want in (("count", shard.count), ("nbytes", shard.nbytes), ("crc32c", shard.crc32c)):
+            if record.get(key) != want:
+                problems.append(f"shard {shard.name}: {loc.url_of(base, GROUP_META)} says {key} {record.get(key)!r}, "
+                                f"the manifest {want!r}")
+        if shard.count == 0:
+            continue
+        indexed = "index_crc32c" in record
+        data = "/".join(INDEXED_IMAGES_FILE if indexed else IMAGES_FILE)
+        problems += _check_object(loc, objects, f"{base}/{data}", shard.nbytes, shard.crc32c, f"shard {shard.name}: ")
+        if indexed:
+            problems += _check_object(loc, objects, f"{base}/{'/'.join(INDEX_FILE)}", shard.count * INDEX_ROW_BYTES,
+                                      shard.index_crc32c, f"shard {shard.name}: ")
+    return problems
+
+
+def _check_object(loc: Location, objects: dict[str, int], key: str, size: int | None, crc: str, what: str = "") -> list[str]:
+    url = loc.url_of(key)
+    if key not in objects:
+        return [f"{what}{url} is missing"]
+    if size is not None and objects[key] != size:
+        return [f"{what}{url} is {objects[key]:,} bytes, the manifest says {size:,}"]
+    try:
+        _, got = stream_crc32c(loc, key)
+    except OSError as exc:
+        return [f"{what}{url} cannot be read: {exc}"]
+    return [] if got == crc else [f"{what}{url}: checksum {got} differs from the manifest's {crc}"]
+
+
+# ----------------------------------------------------------------------------- a source in object storage
+
+
+def scan(url: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """List a source of class folders in object storage (one listing): a :class:`datapipe.sources.Listing`
+    whose ``root`` is the URL's path and ``url`` the URL; workers read each object directly."""
+    from .sources import IMAGE_EXTENSIONS, Listing
+
+    loc = open_location(url, storage_options)
+    with store_errors(loc, "list the source", SourceError):
+        objects = listing(loc)
+    if not objects:
+        raise SourceError(f"source {url} holds no objects; pass a prefix of class folders (PREFIX/<class>/<image>)")
+    records: list[tuple[str, str]] = []
+    ignored: list[str] = []
+    for key in sorted(objects):
+        parts = PurePosixPath(key).parts
+        if any(p.startswith(".") for p in parts):
+            continue
+        if len(parts) < 2 or os.path.splitext(key)[1].lower() not in IMAGE_EXTENSIONS:
+            ignored.append(key)
+            continue
+        records.append((key, parts[0]))
+    if not records:
+        raise SourceError(f"source {url} holds no image objects under class folders ({len(ignored)} other objects, "
+                          f"e.g. {ignored[:3]}); expected PREFIX/<class>/<image>")
+    classes = sorted({c for _, c in records})
+    index = {c: i for i, c in enumerate(classes)}
+    listing_ = Listing(root=Path(loc.root), kind="folder", classes=classes, paths=[k for k, _ in records],
+                       labels=[index[c] for _, c in records], stats=[(objects[k], 0) for k, _ in records],
+                       ignored=ignored)
+    listing_.url = loc.url
+    return listing_

@@ -1,0 +1,193 @@
+"""Builds into and from object storage, against a real S3-API server (moto's, on loopback).
+
+A build into ``s3://`` writes the very shards a local build writes (byte for byte), resumes after the
+client or a worker is killed, is a no-op on an unchanged rerun (no shard object rewritten), refuses a
+different configuration, never deletes an object it did not write (also with --force); a source in
+the store builds the same cache; ``datapipe verify`` finds a shard damaged in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from build_fixtures import SIZE, build
+from s3_server import MISSING, REASON
+
+import datapipe
+from datapipe import remote
+from datapipe.errors import ArgumentError, ConfigMismatchError, OutputError
+
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=REASON)
+
+
+def download(s3, url: str, dest: Path) -> Path:
+    """Every object under ``url`` as files under ``dest`` (to compare with a local build)."""
+    fs = s3.filesystem()
+    root = url.removeprefix("s3://")
+    for path in fs.find(root):
+        target = dest / path[len(root):].lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(fs.cat_file(path))
+    return dest
+
+
+def shard_files(tree: dict[str, bytes]) -> dict[str, bytes]:
+    """The shard files, labels and paths of a cache tree (the manifest and build.json name their source)."""
+    return {k: v for k, v in tree.items() if k.startswith("shards/") or k in ("labels.npy", "paths.json")}
+
+
+def without_inputs_hash(tree: dict[str, bytes]) -> dict[str, bytes]:
+    """A tree with the shards' inputs hashes blanked (they cover the files' modification times, which objects lack)."""
+    return {k: re.sub(rb'"inputs_hash": "[0-9a-f]+"', b'"inputs_hash": ""', v) for k, v in tree.items()}
+
+
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "datapipe.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=240)
+
+
+# ----------------------------------------------------------------------------- storage options and URLs
+
+
+def test_storage_options_parse_json_values_and_dotted_keys():
+    got = remote.parse_storage_options(["anon=false", "client_kwargs.region_name=eu-west-1", "max_concurrency=8",
+                                        "endpoint_url=http://127.0.0.1:9000", 'config_kwargs={"retries": {"max_attempts": 2}}'])
+    assert got == {"anon": False, "client_kwargs": {"region_name": "eu-west-1"}, "max_concurrency": 8,
+                   "endpoint_url": "http://127.0.0.1:9000", "config_kwargs": {"retries": {"max_attempts": 2}}}
+
+
+@pytest.mark.parametrize("item", ["novalue", "=x", "a..b=1", ".a=1"])
+def test_storage_option_errors_name_the_flag(item):
+    with pytest.raises(ArgumentError, match="--storage-option"):
+        remote.parse_storage_options([item])
+
+
+def test_storage_option_conflicts_are_refused():
+    with pytest.raises(ArgumentError, match="--storage-option"):
+        remote.parse_storage_options(["a=1", "a.b=2"])
+    with pytest.raises(ArgumentError, match="--storage-option"):
+        remote.parse_storage_options(["a.b=2", "a=1"])
+
+
+def test_cli_storage_option_error_names_the_flag(tmp_path):
+    proc = cli("build", str(tmp_path), "s3://bucket/x", "--storage-option", "oops", env={})
+    assert proc.returncode == 2 and "--storage-option" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_urls_and_paths_are_told_apart():
+    assert remote.is_url("s3://b/p") and remote.is_url("gs://b") and remote.is_url("file:///tmp/x")
+    assert not remote.is_url("/tmp/x") and not remote.is_url("relative/s3:/x") and not remote.is_url(Path("/x"))
+
+
+def test_importing_datapipe_imports_no_fsspec():
+    code = "import sys, datapipe; datapipe.build; import datapipe.builder; print('fsspec' in sys.modules, 's3fs' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+# ----------------------------------------------------------------------------- builds into the store
+
+
+def test_serial_build_into_s3_equals_the_local_build_and_reruns_as_a_no_op(s3, source, built, tmp_path, imaging):
+    url = s3.bucket() + "/cache"
+    report = build(source[0], url, storage_options=s3.storage_options)
+    assert report.status == "ok" and report.output == url and report.shards_built == report.shards_total > 1
+    local = imaging.tree_bytes(built[0])
+    got = imaging.tree_bytes(download(s3, url, tmp_path / "got"))
+    assert shard_files(got) == shard_files(local)
+    assert json.loads(got["manifest.json"])["source"]["root"] == str(source[0].absolute())
+    before = s3.objects(url)
+    again = build(source[0], url, storage_options=s3.storage_options)
+    assert again.shards_built == 0 and again.shards_skipped == report.shards_total
+    after = s3.objects(url)
+    shards = {k: v for k, v in before.items() if k.split("/", 1)[1].startswith("shards/")}
+    assert shards and all(after[k] == v for k, v in shards.items())  # no shard object written again
+    assert ".datapipe.lock" not in {k.split("/", 1)[1] for k in after}
+
+
+def test_remote_cache_verify_info_and_a_shard_corrupted_in_the_store(s3, source, tmp_path):
+    url = s3.bucket() + "/c"
+    build(source[0], url, storage_options=s3.storage_options)
+    loc = remote.open_location(url, s3.storage_options)
+    assert remote.verify(loc) == []
+    proc = cli("verify", url, env=s3.env)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
+    proc = cli("info", url, env=s3.env)
+    assert proc.returncode == 0 and f"samples    {len(source[1])} of" in proc.stdout, proc.stdout + proc.stderr
+    fs = s3.filesystem()
+    data = url.removeprefix("s3://") + "/shards/000001.zarr/images/c/0/0/0/0"
+    blob = bytearray(fs.cat_file(data))
+    blob[100] ^= 0xFF
+    fs.pipe_file(data, bytes(blob))  # same size, other bytes
+    problems = remote.verify(loc)
+    assert len(problems) == 1 and "000001.zarr" in problems[0] and "checksum" in problems[0]
+    proc = cli("verify", url, env=s3.env)
+    assert proc.returncode == 1 and "000001.zarr" in proc.stdout
+    fs.pipe_file(data, bytes(blob[:-10]))  # shorter: the size is named before any byte is read
+    assert "bytes, the manifest says" in remote.verify(loc)[0]
+    # --verify rebuilds exactly the damaged shard
+    report = build(source[0], url, storage_options=s3.storage_options, verify=True)
+    assert report.shards_built == 1 and remote.verify(loc) == []
+
+
+def test_a_different_configuration_is_refused_and_force_keeps_foreign_objects(s3, source):
+    url = s3.bucket() + "/cache"
+    build(source[0], url, storage_options=s3.storage_options)
+    fs = s3.filesystem()
+    root = url.removeprefix("s3://")
+    foreign = [f"{root}/notes.txt", f"{root}/shards/README", f"{root}/shards/000000.zarr/mine.bin",
+               f"{root}/shards/999999.zarr/zarr.json"]
+    for key in foreign:
+        fs.pipe_file(key, b"the user's")
+    with pytest.raises(ConfigMismatchError, match="--force"):
+        build(source[0], url, storage_options=s3.storage_options, size=SIZE + 8)
+    report = build(source[0], url, storage_options=s3.storage_options, size=SIZE + 8, force=True)
+    assert report.status == "ok" and report.config["size"] == SIZE + 8
+    for key in foreign:
+        assert fs.cat_file(key) == b"the user's"
+    loc = remote.open_location(url, s3.storage_options)
+    assert remote.verify(loc) == []
+    assert remote.read_manifest(loc).config["size"] == SIZE + 8
+
+
+def test_a_prefix_holding_other_objects_is_refused(s3, source):
+    url = s3.bucket() + "/data"
+    s3.filesystem().pipe_file(url.removeprefix("s3://") + "/x.bin", b"x")
+    with pytest.raises(OutputError, match="not a datapipe cache"):
+        build(source[0], url, storage_options=s3.storage_options)
+    assert set(s3.objects(url)) == {"data/x.bin"}
+
+
+def test_a_fresh_lock_of_another_build_is_refused_and_a_dead_one_taken_over(s3, source):
+    url = s3.bucket() + "/cache"
+    fs = s3.filesystem()
+    lock = url.removeprefix("s3://") + "/.datapipe.lock"
+    fs.pipe_file(lock, json.dumps({"host": "elsewhere", "pid": 1, "refreshed": time.time()}).encode())
+    with pytest.raises(datapipe.errors.OutputBusyError, match="elsewhere"):
+        build(source[0], url, storage_options=s3.storage_options)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    fs.pipe_file(lock, json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "refreshed": time.time()}).encode())
+    assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
+
+
+def test_a_source_in_s3_builds_the_same_cache_as_the_local_source(s3, source, built, tmp_path, imaging):
+    src = s3.bucket() + "/images"
+    fs = s3.filesystem()
+    for path in sorted(source[0].rglob("*")):
+        if path.is_file():
+            fs.put_file(str(path), src.removeprefix("s3://") + "/" + path.relative_to(source[0]).as_posix())
+    out = tmp_path / "from-s3"
+    report = build(src, out, storage_options=s3.storage_options)
+    assert report.status == "ok"
+    got, want = shard_files(imaging.tree_bytes(out)), shard_files(imaging.tree_bytes(built[0]))
+    assert got != want and without_inputs_hash(got) == without_inputs_hash(want)
+    assert datapipe.open(out).manifest.source.root == src
