@@ -8,17 +8,24 @@ are found through a **sample index**: per shard, one row of four little-endian i
 file. The index is small (32 bytes a sample); a reader loads and checks it once per shard, and a
 sample then costs one positioned read, as a square raw sample does.
 
-The JPEG decoders here release the GIL (simplejpeg's binding does), so reader threads decode in
-parallel. :func:`decode_crop` decodes only as many pixels as a crop needs: when the crop is at least
-twice the output size, libjpeg-turbo scales the image down in the DCT domain while decoding (1/2,
-1/4, 1/8 ...), and the crop box is mapped onto the smaller image.
+The JPEG decoders here release the GIL (simplejpeg's binding does, and ctypes for the partial
+decoder), so reader threads decode in parallel. :func:`decode_crop` decodes only as many pixels as a
+crop needs: when the crop is at least twice the output size, libjpeg-turbo scales the image down in
+the DCT domain while decoding (1/2, 1/4, 1/8 ...), and the crop box is mapped onto the smaller image;
+with the optional partial decoder (``datapipe/_jpegcrop.c``, :func:`partial_decoder`) only the crop's
+region is decoded, the same pixels as a whole decode's there.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.machinery
 import math
+import os
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -147,20 +154,60 @@ def decode_crop(data: bytes | np.ndarray, height: int, width: int, box: tuple[in
 
     When the crop is at least twice ``out_size`` on both sides, the image is decoded scaled down in
     the DCT domain (libjpeg-turbo's M/8 factors), so that the crop still has at least ``out_size``
-    pixels on each side; otherwise it is decoded at full size. The image lives in a per-thread
+    pixels on each side, and the box is mapped onto the scaled image. With the partial decoder
+    (``datapipe/_jpegcrop.c``) only the crop's region is decoded — its rows, and its columns from
+    the iMCU boundary left of it — and the returned image is that region; without it the whole
+    (scaled) image is. The crop's pixels are the same either way. The image lives in a per-thread
     buffer, valid until this thread decodes the next sample.
+
+    Raises:
+        CorruptShardError: the bytes do not decode, or their header gives another shape than the index.
     """
+    m = _scale_eighths(box, out_size, height, width)
+    decoder = partial_decoder()
+    if decoder is None:
+        return _decode_crop_whole(data, height, width, box, m, where)
+    sh, sw = _scaled(height, m), _scaled(width, m)
+    region = box if m == 8 else _map_box(box, height, width, sh, sw)
+    return decoder.crop(data, height, width, m, region, where)
+
+
+def _scaled(side: int, eighths: int) -> int:
+    """A side decoded at ``eighths``/8 of its size (libjpeg rounds up)."""
+    return -(-side * eighths // 8)
+
+
+def _scale_eighths(box: tuple[int, int, int, int], out_size: int, height: int, width: int) -> int:
+    """The DCT scale M (of M/8) a crop is decoded at: the smallest that leaves the crop ``out_size`` pixels
+    on each side when it is at least twice ``out_size``, else 8 (no scaling) — the factor simplejpeg
+    picks for the same minimum sizes."""
+    _, _, h, w = box
+    if min(h, w) / out_size < 2.0:
+        return 8
+    min_h, min_w = math.ceil(height * out_size / h), math.ceil(width * out_size / w)
+    return next((m for m in range(1, 8) if _scaled(height, m) >= min_h and _scaled(width, m) >= min_w), 8)
+
+
+def _map_box(box: tuple[int, int, int, int], height: int, width: int, dh: int, dw: int) -> tuple[int, int, int, int]:
+    """The crop ``box`` of a ``height`` x ``width`` image, on the same image decoded at ``dh`` x ``dw``."""
+    top, left, h, w = box
+    sy, sx = dh / height, dw / width
+    t, lf = min(int(top * sy), dh - 1), min(int(left * sx), dw - 1)
+    return t, lf, max(1, min(round(h * sy), dh - t)), max(1, min(round(w * sx), dw - lf))
+
+
+def _decode_crop_whole(data: bytes | np.ndarray, height: int, width: int, box: tuple[int, int, int, int], eighths: int,
+                       where: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """:func:`decode_crop` with simplejpeg: the whole image, at ``eighths``/8 of its size."""
     import simplejpeg
 
-    top, left, h, w = box
-    scale = min(h, w) / out_size
+    buffer = _scratch_buffer(height * width * 3)
     try:
-        if scale >= 2.0:
-            min_h, min_w = math.ceil(height * out_size / h), math.ceil(width * out_size / w)
-            img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w,
-                                         buffer=_scratch_buffer(height * width * 3))
+        if eighths < 8:
+            img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=_scaled(height, eighths),
+                                         min_width=_scaled(width, eighths), buffer=buffer)
         else:
-            img = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=_scratch_buffer(height * width * 3))
+            img = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=buffer)
     except (ValueError, RuntimeError) as exc:
         raise _decode_error(where, exc) from None
     dh, dw = img.shape[:2]
@@ -168,8 +215,127 @@ def decode_crop(data: bytes | np.ndarray, height: int, width: int, box: tuple[in
         return img, box
     if dh > height or dw > width or dh < 1 or dw < 1:
         raise _decode_error(where, ValueError(f"decoded {dh}x{dw}, the index says {height}x{width}"))
-    sy, sx = dh / height, dw / width
-    t, lf = min(int(top * sy), dh - 1), min(int(left * sx), dw - 1)
-    ch = max(1, min(round(h * sy), dh - t))
-    cw = max(1, min(round(w * sx), dw - lf))
-    return img, (t, lf, ch, cw)
+    return img, _map_box(box, height, width, dh, dw)
+
+
+# ----------------------------------------------------------------------------- the partial decoder
+
+_JPEGCROP_ABI = 1  # must match DATAPIPE_JPEGCROP_ABI in _jpegcrop.c
+_ERRLEN = 200
+
+
+class PartialDecoder:
+    """``datapipe/_jpegcrop.c`` through ctypes (the GIL released while it decodes), with the libjpeg-turbo it opened."""
+
+    def __init__(self, lib: ctypes.CDLL, libjpeg: str) -> None:
+        self.libjpeg = libjpeg
+        f = self._decode = lib.datapipe_jpeg_decode_crop
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 7,
+                      ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        self._local = threading.local()
+
+    def crop(self, data: bytes | np.ndarray, height: int, width: int, eighths: int, box: tuple[int, int, int, int],
+             where: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+        """The region of ``box`` (top, left, h, w; on the image scaled to ``eighths``/8) with the box mapped onto it.
+
+        Raises:
+            CorruptShardError: the bytes do not decode, or their header gives another shape than ``height`` x ``width``.
+            ValueError: the box lies outside the scaled image.
+        """
+        local = self._local
+        if not hasattr(local, "geom"):
+            local.geom, local.err = (ctypes.c_int32 * 6)(), ctypes.create_string_buffer(_ERRLEN)
+        src = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+        if src.dtype != np.uint8 or src.ndim != 1 or not src.flags.c_contiguous:
+            src = np.ascontiguousarray(src, dtype=np.uint8).reshape(-1)
+        if src.size == 0:
+            raise _decode_error(where, ValueError("the sample has no bytes"))
+        out = _scratch_buffer(height * width * 3)
+        top, left, h, w = box
+        rc = self._decode(src.ctypes.data, src.size, height, width, eighths, top, left, h, w, out.ctypes.data, out.nbytes,
+                          local.geom, local.err, _ERRLEN)
+        if rc == -1:
+            raise _decode_error(where, ValueError(local.err.value.decode(errors="replace")))
+        if rc != 0:
+            raise ValueError(f"{where}: cannot decode the crop {box} at {eighths}/8: {local.err.value.decode(errors='replace')}")
+        y0, x0, rows, cols = local.geom[:4]
+        return out[: rows * cols * 3].reshape(rows, cols, 3), (top - y0, left - x0, h, w)
+
+
+@lru_cache(maxsize=1)
+def _partial() -> tuple[PartialDecoder | None, str]:
+    """(the partial decoder or None, a line saying which libjpeg it uses, or why there is none)."""
+    if os.environ.get("DATAPIPE_NATIVE", "1").strip() == "0":
+        return None, "off (DATAPIPE_NATIVE=0): whole-image decodes with simplejpeg"
+    here = Path(__file__).resolve().parent
+    path = next((p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := here / f"_jpegcrop{s}").exists()), None)
+    if path is None:
+        return None, "not built (no C compiler at install time): whole-image decodes with simplejpeg"
+    try:
+        lib = ctypes.CDLL(str(path))
+        abi = lib.datapipe_jpegcrop_abi()
+    except (OSError, AttributeError) as exc:
+        return None, f"unusable ({path.name}: {exc}): whole-image decodes with simplejpeg"
+    if abi != _JPEGCROP_ABI:
+        return None, f"stale build ({path.name} has ABI {abi}, this datapipe needs {_JPEGCROP_ABI}; reinstall): whole-image decodes"
+    lib.datapipe_jpeg_open.restype = ctypes.c_int
+    lib.datapipe_jpeg_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    err = ctypes.create_string_buffer(_ERRLEN)
+    reasons = []
+    for candidate in _libjpeg_candidates():
+        if lib.datapipe_jpeg_open(os.fsencode(candidate), err, _ERRLEN) != 0:
+            reasons.append(err.value.decode(errors="replace"))
+            continue
+        decoder = PartialDecoder(lib, candidate)
+        mismatch = _self_check(decoder)
+        if mismatch is None:
+            return decoder, f"{path.name} with {candidate} (crops decoded alone)"
+        return None, f"unusable ({candidate}: {mismatch}): whole-image decodes with simplejpeg"
+    return None, f"no libjpeg-turbo found ({'; '.join(reasons[-2:])}): whole-image decodes with simplejpeg"
+
+
+def _libjpeg_candidates() -> list[str]:
+    """The libjpeg-turbo (v6.2 ABI) libraries to try, best first: Pillow's bundled one, then the system's."""
+    found: list[str] = []
+    try:
+        import PIL
+
+        pil = Path(PIL.__file__).resolve().parent
+        for folder in (pil.parent / "pillow.libs", pil.parent / "Pillow.libs", pil / ".dylibs"):
+            found += sorted(str(p) for p in folder.glob("libjpeg*62*"))
+    except ImportError:
+        pass
+    return [*found, "libjpeg.so.62", "libjpeg.62.dylib"]
+
+
+def _self_check(decoder: PartialDecoder) -> str | None:
+    """None when the opened library's crops equal simplejpeg's whole decodes on a small 4:2:0 image, else what differs.
+
+    The library was found at run time; its pixels must be those the rest of datapipe (and its tests) expect."""
+    import simplejpeg
+
+    yy, xx = np.mgrid[:37, :53]
+    image = np.stack([xx * 5 % 256, (yy * 7 + xx) % 256, (xx * yy) % 256], axis=-1).astype(np.uint8)
+    data = simplejpeg.encode_jpeg(image, quality=90, colorspace="RGB", colorsubsampling="420")
+    for eighths, box in ((8, (3, 9, 21, 30)), (4, (5, 3, 11, 17))):
+        sh, sw = _scaled(37, eighths), _scaled(53, eighths)
+        whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=sh, min_width=sw)
+        try:
+            img, (t, lf, h, w) = decoder.crop(data, 37, 53, eighths, box, "self-check")
+        except (CorruptShardError, ValueError) as exc:
+            return f"a test crop fails ({exc})"
+        top, left, bh, bw = box
+        if not np.array_equal(img[t : t + h, lf : lf + w], whole[top : top + bh, left : left + bw]):
+            return f"its crop at {eighths}/8 differs from simplejpeg's decode"
+    return None
+
+
+def partial_decoder() -> PartialDecoder | None:
+    """The partial decoder of crops, or None where it is not built, finds no libjpeg-turbo, or ``DATAPIPE_NATIVE=0``."""
+    return _partial()[0]
+
+
+def describe_decoder() -> str:
+    """One line: how :func:`decode_crop` decodes (the partial decoder and its libjpeg, or why whole images)."""
+    return _partial()[1]

@@ -54,7 +54,7 @@ def test_decode_into_a_given_buffer():
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_a_damaged_jpeg_is_an_error_naming_the_sample(damage):
+def test_a_damaged_jpeg_is_an_error_naming_the_sample(damage, crop_path):
     data = bytes(samples.encode(_photo(64, 64), "jpeg"))
     bad = {"truncate": data[: len(data) // 3], "garbage": b"\x00" * 200, "empty": b""}[damage]
     with pytest.raises(CorruptShardError, match="shard 7, sample 3"):
@@ -70,30 +70,51 @@ def test_a_jpeg_of_another_shape_than_the_index_says_is_an_error():
         samples.decode_jpeg(data, 80, 64, where="s")
 
 
-def test_decode_crop_without_downscale_is_the_full_decode():
+@pytest.fixture(params=["partial", "whole"])
+def crop_path(request, monkeypatch):
+    """decode_crop with the partial decoder (skipped where it is not available) and with whole-image decodes."""
+    if request.param == "whole":
+        monkeypatch.setattr(samples, "partial_decoder", lambda: None)
+    elif samples.partial_decoder() is None:
+        pytest.skip(f"partial decoder: {samples.describe_decoder()}")
+    return request.param
+
+
+def test_decode_crop_without_downscale_is_the_full_decodes_crop(crop_path):
     img = _photo(200, 300)
     data = bytes(samples.encode(img, "jpeg"))
     full = samples.decode_jpeg(data, 200, 300, where="s")
     box = (10, 20, 150, 180)  # under twice the output: no DCT scaling
-    dec, mapped = samples.decode_crop(data, 200, 300, box, 100, where="s")
-    assert mapped == box and np.array_equal(dec, full)
+    dec, (t, lf, h, w) = samples.decode_crop(data, 200, 300, box, 100, where="s")
+    assert (h, w) == box[2:] and np.array_equal(dec[t:t + h, lf:lf + w], full[10:160, 20:200])
+    if crop_path == "whole":
+        assert dec.shape[:2] == (200, 300) and (t, lf) == box[:2]
+    else:  # only the crop's rows, and its columns from an iMCU boundary
+        assert dec.shape[0] == 150 and dec.shape[1] < 300
 
 
 @pytest.mark.parametrize("box,out", [((0, 0, 400, 600), 100), ((40, 60, 320, 400), 64), ((0, 0, 400, 400), 50),
                                      ((100, 200, 256, 300), 128)])
-def test_decode_crop_scales_down_in_the_dct_and_maps_the_box(box, out):
+def test_decode_crop_scales_down_in_the_dct_and_maps_the_box(box, out, crop_path):
     """A crop at least twice the output is decoded smaller; the mapped crop keeps >= ``out`` pixels a
-    side, stays inside the image, and shows the same region as the full-size crop."""
+    side, and shows the same region as the full-size crop."""
     h, w = 400, 600
     img = _photo(h, w, seed=3)
     data = bytes(samples.encode(img, "jpeg", 95))
     dec, (t, lf, ch, cw) = samples.decode_crop(data, h, w, box, out, where="s")
+    dec = dec.copy()  # the decoder's buffer is reused by this thread's next decode
     assert dec.shape[0] < h and dec.shape[1] < w  # decoded at a reduced scale
     assert ch >= out - 1 and cw >= out - 1
     assert 0 <= t and t + ch <= dec.shape[0] and 0 <= lf and lf + cw <= dec.shape[1]
-    sy, sx = dec.shape[0] / h, dec.shape[1] / w
-    assert abs(t - box[0] * sy) <= 1 and abs(lf - box[1] * sx) <= 1
-    assert abs(ch - box[2] * sy) <= 1 and abs(cw - box[3] * sx) <= 1
+    import simplejpeg
+
+    whole, (wt, wl, wh, ww) = samples._decode_crop_whole(data, h, w, box, samples._scale_eighths(box, out, h, w), "s")
+    sy, sx = whole.shape[0] / h, whole.shape[1] / w
+    assert sy < 1 and abs(wt - box[0] * sy) <= 1 and abs(wl - box[1] * sx) <= 1
+    assert (ch, cw) == (wh, ww) and abs(ch - box[2] * sy) <= 1 and abs(cw - box[3] * sx) <= 1
+    # the pixels of simplejpeg's scaled decode of the whole image, there
+    scaled = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=whole.shape[0], min_width=whole.shape[1])
+    assert np.array_equal(dec[t:t + ch, lf:lf + cw], scaled[wt:wt + wh, wl:wl + ww])
     # the same picture: the scaled crop against the full crop block-averaged to the same size
     import torch
 

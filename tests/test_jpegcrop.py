@@ -1,0 +1,239 @@
+"""The partial JPEG decoder of crops (datapipe/_jpegcrop.c, through datapipe.samples.decode_crop).
+
+It decodes only a crop's region of a stored JPEG sample, and its pixels must be those of
+libjpeg-turbo's whole decode there, byte for byte: simplejpeg's decode of the whole image (at the
+same DCT scale) is the reference, over many random boxes (edges and corners included), odd sizes,
+4:2:0 (what a cache stores), the other subsamplings, grey-looking samples and every scale the crops
+use. Damaged data is a CorruptShardError naming the sample, never a crash; and the training augment
+gives the same values with and without it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+
+from datapipe import augment, samples
+from datapipe.errors import CorruptShardError
+
+decoder = samples.partial_decoder()
+needs_decoder = pytest.mark.skipif(decoder is None, reason=f"partial decoder: {samples.describe_decoder()}")
+
+
+def _image(h: int, w: int, seed: int, grey: bool = False) -> np.ndarray:
+    """A smooth picture with texture and sharp edges (chroma that changes across blocks)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([128 + 90 * np.sin(x / (5 + 7 * c) + c) * np.cos(y / (9 + 3 * c) - c) for c in range(3)], axis=-1)
+    img += rng.normal(0, 12, (h, w, 3))
+    img[(x.astype(int) // 11 + y.astype(int) // 7) % 5 == 0] = (250, 20, 40)
+    if grey:
+        img[...] = img[..., :1]
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _encode(img: np.ndarray, subsampling: str = "420", quality: int = 90) -> bytes:
+    return simplejpeg.encode_jpeg(img, quality=quality, colorspace="RGB", colorsubsampling=subsampling)
+
+
+def _boxes(sh: int, sw: int, n: int, rng: np.random.Generator) -> list[tuple[int, int, int, int]]:
+    """Random boxes of a sh x sw image, plus the whole image, its corners, a row and a column."""
+    boxes = [(0, 0, sh, sw), (0, 0, 1, 1), (sh - 1, sw - 1, 1, 1), (sh // 2, 0, 1, sw), (0, sw // 2, sh, 1)]
+    for _ in range(n):
+        h, w = int(rng.integers(1, sh + 1)), int(rng.integers(1, sw + 1))
+        boxes.append((int(rng.integers(0, sh - h + 1)), int(rng.integers(0, sw - w + 1)), h, w))
+    return boxes
+
+
+def _check_crops(data: bytes, h: int, w: int, eighths: int, boxes_per_scale: int, seed: int) -> None:
+    assert decoder is not None
+    sh, sw = samples._scaled(h, eighths), samples._scaled(w, eighths)
+    whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=sh, min_width=sw) if eighths < 8 else \
+        simplejpeg.decode_jpeg(data, colorspace="RGB")
+    assert whole.shape[:2] == (sh, sw)
+    for box in _boxes(sh, sw, boxes_per_scale, np.random.default_rng(seed)):
+        img, (t, lf, bh, bw) = decoder.crop(data, h, w, eighths, box, "s")
+        top, left, _, _ = box
+        assert (bh, bw) == box[2:] and 0 <= t and t + bh <= img.shape[0] and 0 <= lf and lf + bw <= img.shape[1]
+        assert img.shape[0] == bh, "only the crop's rows are decoded"
+        np.testing.assert_array_equal(img[t:t + bh, lf:lf + bw], whole[top:top + bh, left:left + bw], err_msg=f"{box} at {eighths}/8")
+
+
+def test_the_partial_decoder_is_built_where_a_compiler_exists():
+    if os.environ.get("DATAPIPE_NATIVE") == "0":
+        assert decoder is None and "DATAPIPE_NATIVE=0" in samples.describe_decoder()
+        return
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    bundled = [p for p in samples._libjpeg_candidates() if Path(p).is_file()]
+    if compiler and platform.system() == "Linux" and bundled:
+        assert decoder is not None, samples.describe_decoder()
+        assert "crops decoded alone" in samples.describe_decoder()
+
+
+@needs_decoder
+@pytest.mark.parametrize("shape", [(256, 256), (257, 199), (33, 65), (300, 451), (17, 17), (1, 1), (9, 700), (700, 9)])
+def test_crops_are_the_whole_decodes_pixels_at_every_scale(shape):
+    h, w = shape
+    data = _encode(_image(h, w, seed=h * 1000 + w))
+    for eighths in (8, 4, 2, 1, 3, 5, 6, 7):
+        _check_crops(data, h, w, eighths, 25, seed=eighths)
+
+
+@needs_decoder
+@pytest.mark.parametrize("subsampling", ["444", "422", "440", "411"])
+@pytest.mark.parametrize("shape", [(256, 256), (123, 301)])
+def test_crops_are_exact_for_every_subsampling(subsampling, shape):
+    h, w = shape
+    data = _encode(_image(h, w, seed=7), subsampling)
+    for eighths in (8, 4, 3, 1):
+        _check_crops(data, h, w, eighths, 25, seed=eighths + 10)
+
+
+@needs_decoder
+@pytest.mark.parametrize("quality", [50, 95])
+def test_crops_are_exact_for_grey_samples_stored_as_rgb_and_other_qualities(quality):
+    data = _encode(_image(150, 211, seed=3, grey=True), quality=quality)
+    for eighths in (8, 2):
+        _check_crops(data, 150, 211, eighths, 30, seed=quality + eighths)
+
+
+@needs_decoder
+def test_decode_crop_gives_the_whole_image_paths_crops_for_training_boxes(monkeypatch):
+    """decode_crop with the partial decoder against decode_crop without it, on RandomResizedCrop boxes
+    (several scales) of 4:2:0 samples of varied shapes: the same crop's pixels, the same DCT scale."""
+    shapes = [(256, 256), (256, 341), (341, 256), (97, 131), (480, 640)]
+    data = [_encode(_image(h, w, seed=i)) for i, (h, w) in enumerate(shapes)]
+    hs, ws = torch.tensor([h for h, _ in shapes]), torch.tensor([w for _, w in shapes])
+    for out in (224, 64, 32):
+        for seed in range(6):
+            boxes = augment.train(out).sample(len(shapes), hs, ws, seed)["crops"].tolist()
+            for (h, w), d, box in zip(shapes, data, boxes, strict=True):
+                img, (t, lf, bh, bw) = samples.decode_crop(d, h, w, tuple(box), out, where="s")
+                got = img[t:t + bh, lf:lf + bw].copy()
+                with monkeypatch.context() as m:
+                    m.setattr(samples, "partial_decoder", lambda: None)
+                    whole, (wt, wl, wh, ww) = samples.decode_crop(d, h, w, tuple(box), out, where="s")
+                assert (bh, bw) == (wh, ww) and img.size <= whole.size
+                np.testing.assert_array_equal(got, whole[wt:wt + wh, wl:wl + ww])
+
+
+@needs_decoder
+def test_the_training_augment_gives_the_same_values_with_and_without_it(monkeypatch):
+    from datapipe.cache import EncodedSample
+
+    shapes = [(256, 256), (200, 300), (300, 200), (64, 64)]
+    encoded = [EncodedSample(np.frombuffer(_encode(_image(h, w, seed=i)), np.uint8), h, w, f"sample {i}")
+               for i, (h, w) in enumerate(shapes)]
+    train = augment.train(64)
+    partial = train.decode(encoded, seed=5)
+    monkeypatch.setattr(samples, "partial_decoder", lambda: None)
+    assert torch.equal(partial, train.decode(encoded, seed=5))
+
+
+@needs_decoder
+def test_threads_decode_at_once_with_the_same_results():
+    """ctypes releases the GIL; each thread has its own buffers, so concurrent crops stay exact."""
+    data = _encode(_image(256, 320, seed=1))
+    whole = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    boxes = _boxes(256, 320, 200, np.random.default_rng(2))
+    failures: list[str] = []
+
+    def work(part: list[tuple[int, int, int, int]]) -> None:
+        assert decoder is not None
+        for box in part:
+            img, (t, lf, bh, bw) = decoder.crop(data, 256, 320, 8, box, "s")
+            if not np.array_equal(img[t:t + bh, lf:lf + bw], whole[box[0]:box[0] + bh, box[1]:box[1] + bw]):
+                failures.append(str(box))
+
+    threads = [threading.Thread(target=work, args=(boxes[k::4],)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures
+
+
+def _damaged(data: bytes) -> dict[str, bytes]:
+    """Ways a stored sample can be damaged that any crop detects: cut short (in the header, in the scan, by
+    the last bytes only), stray markers, or not a JPEG at all."""
+    scan = data.index(b"\xff\xda")
+    junk = bytearray(data)
+    junk[scan + 30 : scan + 34] = b"\xff\xd0\xff\xc4"  # stray markers in the scan
+    return {"header": data[: scan // 2], "early": data[: scan + 100], "mid": data[: len(data) // 2], "last byte": data[:-1],
+            "markers": bytes(junk), "garbage": b"\x00" * 300, "not a jpeg": b"GIF89a" + data[6:],
+            "empty": b"", "soi only": b"\xff\xd8"}
+
+
+@pytest.mark.parametrize("kind", ["header", "early", "mid", "last byte", "markers", "garbage", "not a jpeg", "empty", "soi only"])
+@pytest.mark.parametrize("box,out", [((0, 0, 200, 240), 224), ((0, 0, 40, 40), 32), ((150, 100, 90, 120), 64),
+                                     ((0, 0, 240, 240), 32)])
+def test_damaged_data_is_an_error_naming_the_sample(kind, box, out):
+    """Every damage raises CorruptShardError with the sample's name, whatever part of the image the crop
+    covers (its top rows, where reading stops early, or its bottom); never another exception."""
+    data = _damaged(_encode(_image(240, 320, seed=4)))[kind]
+    with pytest.raises(CorruptShardError, match="shard 3, sample 9"):
+        samples.decode_crop(data, 240, 320, box, out, where="shard 3, sample 9")
+
+
+@needs_decoder
+@pytest.mark.parametrize("box,out", [((150, 100, 90, 120), 64), ((0, 0, 240, 240), 32), ((0, 0, 240, 320), 224)])
+def test_entropy_data_damaged_in_place_is_an_error_for_crops_reaching_the_last_row(box, out):
+    """Zeroed coded data desynchronises the decoder, which a whole decode notices at the end marker (data left
+    over); a crop reaching the last row reads on to it too. A crop that stops above reads no further: its
+    pixels may be wrong where the damage is, as they would be in a whole decode of a damage that keeps sync."""
+    data = bytearray(_encode(_image(240, 320, seed=4)))
+    scan = data.index(b"\xff\xda")
+    data[scan + 40 : scan + 200] = bytes(160)
+    with pytest.raises(CorruptShardError, match="shard 3, sample 9.*extraneous bytes"):
+        samples.decode_crop(bytes(data), 240, 320, box, out, where="shard 3, sample 9")
+
+
+@needs_decoder
+def test_a_header_of_another_shape_than_the_index_is_an_error():
+    data = _encode(_image(64, 80, seed=0))
+    with pytest.raises(CorruptShardError, match="64x80"):
+        samples.decode_crop(data, 80, 64, (0, 0, 40, 40), 32, where="s")
+
+
+@needs_decoder
+def test_a_box_outside_the_image_is_refused():
+    assert decoder is not None
+    data = _encode(_image(64, 80, seed=0))
+    for box in ((0, 0, 65, 10), (0, 75, 10, 10), (60, 0, 10, 10), (0, 0, 0, 5)):
+        with pytest.raises(ValueError, match="cannot decode the crop"):
+            decoder.crop(data, 64, 80, 8, box, "s")
+    with pytest.raises(ValueError, match="cannot decode the crop"):
+        decoder.crop(data, 64, 80, 4, (0, 0, 33, 10), "s")  # the image is 32 x 40 at 4/8
+
+
+@needs_decoder
+def test_a_progressive_jpeg_decodes_and_repeated_scans_are_refused():
+    """Stored samples are baseline, but a progressive stream must decode exactly too; one that repeats its
+    scans hundreds of times (a decode that would run long) is refused."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    img = _image(120, 160, seed=6)
+    buf = BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=90, progressive=True, subsampling=2)
+    data = buf.getvalue()
+    assert decoder is not None
+    whole = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    crop, (t, lf, bh, bw) = decoder.crop(data, 120, 160, 8, (30, 41, 50, 70), "s")
+    np.testing.assert_array_equal(crop[t:t + bh, lf:lf + bw], whole[30:80, 41:111])
+    # its first scan's header, with no data, 600 times over
+    scan = data.index(b"\xff\xda")
+    sos_len = int.from_bytes(data[scan + 2 : scan + 4], "big")
+    one_scan = data[scan : scan + 2 + sos_len] + b"\x00"  # an empty DC scan of all components
+    bombed = data[:scan] + one_scan * 600 + b"\xff\xd9"
+    with pytest.raises(CorruptShardError, match="s"):
+        decoder.crop(bombed, 120, 160, 8, (0, 0, 10, 10), "s")
