@@ -8,9 +8,11 @@ the store builds the same cache; ``datapipe verify`` finds a shard damaged in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from build_fixtures import SIZE, build
-from s3_server import MISSING, REASON
+from s3_server import MISSING, REASON, free_port
 
 import datapipe
 from datapipe import remote
@@ -191,3 +193,88 @@ def test_a_source_in_s3_builds_the_same_cache_as_the_local_source(s3, source, bu
     got, want = shard_files(imaging.tree_bytes(out)), shard_files(imaging.tree_bytes(built[0]))
     assert got != want and without_inputs_hash(got) == without_inputs_hash(want)
     assert datapipe.open(out).manifest.source.root == src
+
+
+# ----------------------------------------------------------------------------- a real cluster, killed mid-build
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory, imaging) -> Path:
+    """Images large enough that a build of one sample per shard takes a few seconds."""
+    root = tmp_path_factory.mktemp("bigsrc") / "images"
+    imaging.write_source(root, {"a": 12, "b": 12}, shape=(900, 1200), variety=False)
+    return root
+
+
+def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def _finished(objects: dict) -> set[str]:
+    return {k.split("/")[-2] for k in objects if k.endswith(".zarr/zarr.json")}
+
+
+@pytest.mark.distributed
+def test_sigkill_of_the_client_on_a_local_cluster_resumes_uploading_only_unfinished_shards(s3, big_source, tmp_path, imaging):
+    url = s3.bucket() + "/cache"
+    args = ["build", str(big_source), url, "--size", "32", "--shard-size", "1", "--workers", "2", "--quiet",
+            "--storage-option", f"endpoint_url={s3.endpoint_url}"]
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", *args], env={**os.environ, **s3.env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: len(_finished(s3.objects(url))) >= 3, "three finished shards")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the client and its LocalCluster's workers
+        proc.wait()
+    before = s3.objects(url)
+    done = _finished(before)
+    assert "cache/manifest.json" not in before and 3 <= len(done) < 24
+    rerun = cli(*args, env=s3.env)
+    assert rerun.returncode == 0, rerun.stderr
+    report = json.loads(s3.filesystem().cat_file(url.removeprefix("s3://") + "/report.json"))
+    after = s3.objects(url)
+    assert report["shards_skipped"] >= len(done) and report["shards_built"] == 24 - report["shards_skipped"]
+    for key, info in before.items():  # the finished shards' objects are the very objects uploaded before the kill
+        if key.startswith("cache/shards/") and key.split("/")[2] in done:
+            assert after[key]["ETag"] == info["ETag"] and after[key]["LastModified"] == info["LastModified"], key
+    assert remote.verify(remote.open_location(url, s3.storage_options)) == []
+    local = tmp_path / "local"
+    build(big_source, local, size=32, shard_size=1)
+    got = imaging.tree_bytes(download(s3, url, tmp_path / "got"))
+    assert shard_files(got) == shard_files(imaging.tree_bytes(local))  # a Dask build into s3 = a serial local build
+
+
+@pytest.mark.distributed
+def test_sigkill_of_a_dask_worker_mid_upload_is_retried_and_the_cache_is_whole(s3, big_source, tmp_path):
+    psutil = pytest.importorskip("psutil")
+    port = free_port()
+    env = {**os.environ, **s3.env}
+    scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                  "--port", str(port), "--dashboard-address", ":0"], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    workers = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", f"tcp://127.0.0.1:{port}",
+                                 "--nthreads", "1", "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
+    url = s3.bucket() + "/cache"
+    try:
+        build_proc = subprocess.Popen(
+            [sys.executable, "-m", "datapipe.cli", "build", str(big_source), url, "--size", "32", "--shard-size", "1",
+             "--scheduler", f"tcp://127.0.0.1:{port}", "--quiet", "--storage-option", f"endpoint_url={s3.endpoint_url}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_for(lambda: len(_finished(s3.objects(url))) >= 2, "two finished shards")
+        # the worker process (the nanny's child) of the first worker, killed while it builds and uploads shards
+        victim = psutil.Process(workers[0].pid).children(recursive=True)
+        assert victim, "the dask worker has no worker process"
+        victim[0].kill()
+        out, err = build_proc.communicate(timeout=240)
+        assert build_proc.returncode == 0, err
+    finally:
+        for p in [*workers, scheduler]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    loc = remote.open_location(url, s3.storage_options)
+    assert remote.verify(loc) == [] and remote.read_manifest(loc).num_samples == 24
