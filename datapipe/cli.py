@@ -247,7 +247,7 @@ def _info(args) -> int:
     print(f"on disk    {size_on_disk / 2**20:,.1f} MiB ({size_on_disk / max(cache.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
         print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
-              f"{report.images_per_second:,.0f} img/s on {report.workers} workers "
+              f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')} "
               f"(every file and reason: {cache.root / 'report.json'})")
     return 0
 
@@ -276,7 +276,7 @@ def _remote_info(args) -> int:
     print(f"in store   {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
         print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
-              f"{report.images_per_second:,.0f} img/s on {report.workers} workers "
+              f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')} "
               f"(every file and reason: {loc.url_of('report.json')})")
     return 0
 
