@@ -1,0 +1,88 @@
+"""Build into object storage against the same build into a local folder.
+
+One source (the first N JPEGs of a class-folder tree), one Dask cluster (the same workers for both
+sides), builds alternated round by round so that the shared machine's drift hits both alike. The S3
+side is moto's server on loopback (tests/s3_server.py): each worker writes its shard into a local
+temporary folder and uploads its files, zarr.json last. Reported: the shard-building img/s of each
+side (cluster start-up excluded, as in report.json) and the ratio object store / local.
+
+    python benchmarks/remote_bench.py [--source /tmp/benchdata] [--images 1000] [--rounds 2] [--workers 2] [--size 160] [--shard-size 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def subset(source: Path, n: int, dest: Path) -> Path:
+    """The first ``n`` images of ``source`` (sorted), hard-linked (or copied) into ``dest`` by class."""
+    files = sorted(p for p in source.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png") and p.is_file())[:n]
+    for p in files:
+        target = dest / p.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(p, target)
+        except OSError:
+            shutil.copyfile(p, target)
+    return dest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", default="/tmp/benchdata")
+    ap.add_argument("--images", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--size", type=int, default=160)
+    ap.add_argument("--shard-size", type=int, default=50, help="samples per shard (many shards per worker)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from s3_server import running_server
+
+    import datapipe
+    from datapipe.builder import _local_cluster
+
+    work = Path(tempfile.mkdtemp(prefix="remote-bench-"))
+    src = subset(Path(args.source), args.images, work / "src")
+    cluster = _local_cluster(args.workers)
+    rates: dict[str, list[float]] = {"local": [], "s3": []}
+    try:
+        with running_server() as s3:
+            bucket = s3.bucket("bench")
+            spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size)
+            where = datapipe.Cluster(scheduler=cluster.scheduler_address)
+            for r in range(args.rounds):
+                for side in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
+                    out = str(work / f"out-{r}") if side == "local" else f"{bucket}/out-{r}"
+                    report = datapipe.build(src, out, spec, cluster=where, progress=False,
+                                            storage_options=s3.storage_options if side == "s3" else None)
+                    rates[side].append(report.images_per_second)
+                    print(f"round {r} {side:5s}: {report.images_per_second:,.0f} img/s "
+                          f"({report.shards_built} shards, {report.seconds['shards']:.1f} s)", flush=True)
+                    if side == "local":
+                        shutil.rmtree(out)
+                    else:
+                        s3.filesystem().rm(out.removeprefix("s3://"), recursive=True)
+    finally:
+        cluster.close()
+        shutil.rmtree(work, ignore_errors=True)
+    local, store = statistics.median(rates["local"]), statistics.median(rates["s3"])
+    result = {"images": args.images, "workers": args.workers, "size": args.size, "shard_size": args.shard_size, "rounds": args.rounds,
+              "local_img_s": local, "s3_img_s": store, "ratio": store / local, "all": rates}
+    print(f"local {local:,.0f} img/s, s3 (moto on loopback) {store:,.0f} img/s: {store / local:.0%} of local")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
