@@ -70,11 +70,17 @@ class _Shard:
     """An open shard data file: its descriptor, its memory map (None on the positioned-read path,
     or where mapping failed) and the map as a torch [count, H, W, 3] tensor, made on first use."""
 
-    __slots__ = ("fd", "users", "mapping", "tensor")
+    __slots__ = ("fd", "users", "mapping", "tensor", "hold")
 
-    def __init__(self, fd: int, mapping: native.Mapping | None) -> None:
+    def __init__(self, fd: int, mapping: native.Mapping | None, hold: Any = None) -> None:
         self.fd, self.users, self.mapping = fd, 1, mapping
         self.tensor: Any = None  # torch.Tensor, once made (torch is imported only when views are asked for)
+        self.hold = hold  # a remote cache's hold on the local shard file (fetch.Hold): released when closed
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.hold is not None:
+            self.hold.release()
 
 
 class _ShardFiles:
@@ -102,7 +108,7 @@ class _ShardFiles:
         with self._lock:
             entry = self._open.get(shard)
             if entry is not None:  # another thread opened it meanwhile
-                os.close(fresh.fd)
+                fresh.close()
                 entry.users += 1
                 return entry
             self._open[shard] = fresh
@@ -120,12 +126,12 @@ class _ShardFiles:
         if len(self._open) <= self.limit:
             return
         for shard in [s for s, e in self._open.items() if not e.users][: len(self._open) - self.limit]:
-            os.close(self._open.pop(shard).fd)
+            self._open.pop(shard).close()
 
     def close(self) -> None:
         with self._lock:
             for entry in self._open.values():
-                os.close(entry.fd)
+                entry.close()
             self._open.clear()
 
     def __len__(self) -> int:
@@ -157,8 +163,11 @@ class Cache:
     and checked).
     """
 
-    def __init__(self, path: str | Path, *, check_sizes: bool = True) -> None:
+    def __init__(self, path: str | Path, *, check_sizes: bool = True, remote: Any = None) -> None:
         self.root = Path(path).expanduser().absolute()
+        # a remote cache's node-local copy (datapipe.fetch.ShardFetcher): shard files are made local
+        # when first opened, so their sizes are checked then (the rest of the hot path is the same)
+        self.remote = remote
         self.manifest: Manifest = mf.read_manifest(self.root)
         m = self.manifest
         self.build_id: str = m.build_id
@@ -175,12 +184,12 @@ class Cache:
         self.num_samples = m.num_samples
         self._identities: dict[int, Identity] = {}  # shard -> identity of its data file at open
         self._file_identities = {key: self._stat_identity(self.root / rec.name) for key, rec in m.files.items()}
-        if check_sizes:
+        if check_sizes and remote is None:
             self.check_sizes()
         self._init_readers()
 
     def _init_readers(self) -> None:
-        self._files = _ShardFiles(_fd_limit())
+        self._files = _ShardFiles(_fd_limit() if self.remote is None else min(_fd_limit(), self.remote.max_open))
         self._lock = threading.Lock()
         self._labels: np.ndarray | None = None
         self._paths: list[str] | None = None
@@ -250,6 +259,8 @@ class Cache:
             nbytes = np.full(n, self.sample_bytes, np.int64)
         else:
             shapes, nbytes = np.empty((n, 2), np.int64), np.empty(n, np.int64)
+            if self.remote is not None:
+                self.remote.ensure_indexes()  # downloaded in parallel, not one after another
             for s, rec in enumerate(self.manifest.shards):
                 if rec.count:
                     index = self._index(s)
@@ -737,6 +748,8 @@ class Cache:
         rec = self.manifest.shards[shard]
         path = self._index_path(shard)
         where = f"shard {rec.name} ({path})"
+        if self.remote is not None:
+            self.remote.ensure_index(shard)
         limit = rec.count * INDEX_ROW_BYTES
         try:
             raw = read_regular(path, limit)
@@ -783,6 +796,21 @@ class Cache:
         return _changed(self._shard_path(shard), f"shard {self.shard_names[shard]}", what)
 
     def _open_shard(self, shard: int) -> _Shard:
+        if self.remote is None:
+            return self._open_local(shard)
+        hold = self.remote.hold(shard)  # downloaded (checked, renamed into place) and held against eviction
+        try:
+            with self._lock:  # a shard downloaded again is a new file: the one checked on download is the one seen
+                self._identities.pop(shard, None)
+            entry = self._open_local(shard)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+        entry.hold = hold
+        return entry
+
+    def _open_local(self, shard: int) -> _Shard:
         path = self._shard_path(shard)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

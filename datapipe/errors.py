@@ -111,3 +111,8 @@ class OutputWriteError(OutputError):
 
 class MissingExtraError(DatapipeError, ImportError):
     """A command needs a library of an optional extra that is not installed (the message says which extra)."""
+
+
+class RemoteStoreError(DatapipeError, OSError):
+    """An object store did not answer: unreachable, stopped, or no data arrived for the timeout (the message
+    names the object and says what to check)."""

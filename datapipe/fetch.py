@@ -1,0 +1,824 @@
+"""Streaming a cache from object storage: the node-local shard cache under a remote cache.
+
+``StreamingDataset("s3://bucket/cache", local_cache="/nvme/datapipe")`` opens a cache that lives in
+an object store by downloading its small files (manifest, labels, paths) into
+``local_cache/<build id>/`` and then each shard's data file (and sample index) when a reader first
+needs it — or before, when the prefetch thread, following the order this process will read,
+gets there first. The folder has the layout of a local cache, so :class:`~datapipe.cache.Cache`
+reads it through its usual hot path; the only hook is :meth:`ShardFetcher.hold`, called when a
+shard file is opened, and :meth:`ShardFetcher.ensure_index` before a sample index is read.
+
+Why each rule holds:
+
+- **Nothing partial is visible.** A file is downloaded to a temporary name beside its place
+  (``<name>.part-<pid>-<random>``), its crc32c (and size) checked against the manifest, and renamed
+  into place: a killed download leaves only a temporary file, which the next download of that shard
+  removes. A mismatch is downloaded again (``retries`` times in all), then a CorruptShardError naming
+  the shard and the object.
+- **One download per shard per node.** Every process on the node (ranks, DataLoader workers) takes an
+  ``flock`` on ``.datapipe-locks/<shard>.lock``: exclusive to download, shared while the shard is open
+  for reading. A waiting process sees the download's temporary file grow; when nothing arrives for
+  ``timeout`` seconds it raises instead of waiting for ever.
+- **Eviction touches only what it downloaded.** The lock file records the identity (inode, size,
+  mtime) of each file downloaded under it; beyond ``cache_limit`` the least recently used shard data
+  files (the lock file's mtime is the access stamp) whose identity still matches are deleted — never a
+  file of another name or identity, never one whose lock is held (open by a reader, or downloading).
+  The limit is kept by evicting before each download; shards held open by readers cannot be evicted,
+  so the folder may exceed the limit by what is open at once (each process keeps at most a share of
+  the limit open, see :attr:`ShardFetcher.max_open`).
+- **No hang.** A store that stops answering is a RemoteStoreError after ``timeout`` seconds without
+  a byte arriving (the transfer runs in its own thread; the caller stops waiting for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cache import Cache
+from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, MissingExtraError, RemoteStoreError
+from .files import atomic_write_text, file_crc32c
+from .records import MANIFEST, Manifest, parse_json, parse_manifest
+from .shards import SHARDS_DIR, images_path, index_path
+from .text import show
+
+log = logging.getLogger("datapipe.fetch")
+
+MARKER = ".datapipe-local-cache"  # in the local cache folder and in each build's folder under it
+LOCKS = ".datapipe-locks"  # <shard name>.lock: the flock and the record of the files downloaded under it
+DOWNLOADS = ".datapipe-downloads"  # one JSON line per file downloaded (what, bytes, pid, time)
+EVICT_LOCK = ".datapipe-evict.lock"
+FILES_LOCK = "_files"  # the lock of the manifest's own files (labels, paths)
+PART = ".part-"
+MANIFEST_LIMIT = 1 << 30
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def is_url(location: object) -> bool:
+    """Whether ``location`` is a URL (``s3://...``, ``gs://...``) rather than a local path."""
+    return isinstance(location, str) and bool(_URL.match(location))
+
+
+def parse_size(value: object, what: str) -> int:
+    """Bytes from an int or a size such as ``"200GB"``, ``"1.5 TiB"``, ``"500MB"`` (decimal and binary units)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ArgumentError(f"{what} must be a number of bytes or a size such as '200GB' or '1.5TiB', got {show(value)}")
+
+
+def downloads(folder: str | Path) -> list[dict]:
+    """The downloads recorded in a build's local folder (``local_cache/<build id>``), oldest first."""
+    try:
+        text = (Path(folder) / DOWNLOADS).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            found.append(json.loads(line))
+    return found
+
+
+class _Progress:
+    """Bytes a transfer has written so far (an fsspec callback); ``cancelled`` tells a late transfer to stop counting."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.cancelled = False
+
+    def set_size(self, size: Any) -> None:
+        pass
+
+    def absolute_update(self, value: int) -> None:
+        self.value = int(value)
+
+    def relative_update(self, inc: int = 1) -> None:
+        self.value += int(inc)
+
+    def branched(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def branch_coro(self, fn: Any) -> Any:
+        return fn
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class Hold:
+    """A shard held open by a reader: a shared flock on its lock file, so it is not evicted; release it once."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)  # closing the descriptor releases its flock
+
+
+class ShardFetcher:
+    """The node-local shard cache of one remote cache (see the module's docstring).
+
+    Args:
+        url: the remote cache, an fsspec URL (``s3://bucket/cache``).
+        local_cache: the node-local folder shared by every process on the node.
+        storage_options: passed to fsspec (credentials, ``endpoint_url``...).
+        cache_limit: bytes (or ``"200GB"``) the local cache may hold; None: no limit.
+        prefetch: shards to download ahead of the reader (an int), or bytes ahead (``"2GB"``); 0: none.
+        timeout: seconds without a byte arriving before a download (or the wait for another
+            process's download) raises RemoteStoreError.
+        retries: downloads of one file in all before a checksum mismatch is a CorruptShardError.
+    """
+
+    def __init__(self, url: str, local_cache: str | os.PathLike, *, storage_options: dict | None = None,
+                 cache_limit: int | str | None = None, prefetch: int | str = 2, timeout: float = 60.0,
+                 retries: int = 3) -> None:
+        if not is_url(url):
+            raise ArgumentError(f"a remote cache is a URL such as s3://bucket/cache, got {show(url)}")
+        if not isinstance(local_cache, (str, os.PathLike)) or is_url(local_cache):
+            raise ArgumentError(f"local_cache must be a local folder (shared by the node's processes), got {show(local_cache)}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ArgumentError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ArgumentError(f"timeout must be a positive number of seconds, got {show(timeout)}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
+            raise ArgumentError(f"retries must be an integer >= 1, got {show(retries)}")
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.local_root = Path(local_cache).expanduser().absolute()
+        self.limit: int | None = None if cache_limit is None else parse_size(cache_limit, "cache_limit")
+        if isinstance(prefetch, str):
+            self._prefetch_bytes: int | None = parse_size(prefetch, "prefetch")
+            self._prefetch_shards = 0
+        elif isinstance(prefetch, (int, np.integer)) and not isinstance(prefetch, bool) and prefetch >= 0:
+            self._prefetch_bytes, self._prefetch_shards = None, int(prefetch)
+        else:
+            raise ArgumentError(f"prefetch must be a number of shards (an int >= 0) or bytes ahead ('2GB'), got {show(prefetch)}")
+        self.timeout = float(timeout)
+        self.retries = retries
+        self.folder = self.local_root  # the build's folder, set by open()
+        self.manifest: Manifest | None = None
+        self._init_runtime()
+
+    # ----------------------------------------------------------------- process-local state
+    def _init_runtime(self) -> None:
+        self._fs: Any = None
+        self._fs_pid = -1
+        self._root = ""
+        self._pool: _DaemonPool | None = None
+        self._pool_pid = -1
+        self._lock = threading.Lock()
+        self._follower: _Follower | None = None
+        self.downloaded_bytes = 0  # by this process
+        self._warned = False
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for key in ("_fs", "_fs_pid", "_root", "_pool", "_pool_pid", "_lock", "_follower", "downloaded_bytes", "_warned"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return f"ShardFetcher({self.url!r}, local_cache={str(self.local_root)!r}, cache_limit={self.limit})"
+
+    def filesystem(self) -> tuple[Any, str]:
+        """(fsspec filesystem, root path inside it), made once per process (never shared across a fork)."""
+        if self._fs is None or self._fs_pid != os.getpid():
+            self._fs, self._root = _open_filesystem(self.url, self.storage_options, self.timeout)
+            self._fs_pid = os.getpid()
+        return self._fs, self._root
+
+    def _transfers(self) -> _DaemonPool:
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = _DaemonPool(16, "datapipe-fetch")
+                self._pool_pid = os.getpid()
+            return self._pool
+
+    # ----------------------------------------------------------------- opening
+    def open(self) -> Cache:
+        """Download the manifest and its files (labels, paths) into ``local_cache/<build id>/`` and open
+        the local folder as a :class:`Cache` that downloads shards through this fetcher."""
+        raw = self._read_small(MANIFEST)
+        where = Path(f"{self.url}/{MANIFEST}")
+        manifest = parse_manifest(parse_json(raw, where), where)
+        build = manifest.build_id or "m-" + hashlib.sha256(raw).hexdigest()[:32]
+        self.manifest = manifest
+        try:
+            self.local_root.mkdir(parents=True, exist_ok=True)
+            _write_marker(self.local_root, {"format": "datapipe-local-cache"})
+            self.folder = self.local_root / build
+            (self.folder / LOCKS).mkdir(parents=True, exist_ok=True)
+            _write_marker(self.folder, {"format": "datapipe-local-cache", "url": self.url, "build_id": manifest.build_id})
+        except OSError as exc:
+            raise ArgumentError(f"local_cache {self.local_root} cannot be used ({exc.strerror or exc}); pass a "
+                                "writable local folder") from None
+        with self._locked(FILES_LOCK, fcntl.LOCK_EX, FILES_LOCK) as fd:
+            local_manifest = self.folder / MANIFEST
+            if _read_or_none(local_manifest) != raw:
+                self._check_ours(fd, MANIFEST)
+                atomic_write_text(local_manifest, raw.decode("utf-8"))
+            self._record(fd, MANIFEST, os.stat(local_manifest), evict=False)
+            for rec in manifest.files.values():
+                path = self.folder / rec.name
+                if path.is_file() and file_crc32c(path) == rec.crc32c:
+                    self._record(fd, rec.name, os.stat(path), evict=False)
+                else:
+                    self._check_ours(fd, rec.name)
+                    self._fetch_file(fd, rec.name, rec.crc32c, None, f"{rec.name} of {self.url}", evict=False)
+        return Cache(self.folder, remote=self)
+
+    def _read_small(self, name: str) -> bytes:
+        """A small object of the remote cache (the manifest), read whole with the same timeout."""
+        fs, root = self.filesystem()
+        rpath = f"{root}/{name}"
+
+        def read() -> bytes:
+            return fs.cat_file(rpath, start=0, end=MANIFEST_LIMIT)
+
+        future = self._transfers().submit(read)
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise RemoteStoreError(f"{self.url}/{name}: the store did not answer within {self.timeout:g} s; check "
+                                   "the endpoint and that the store is up, or raise timeout=") from None
+        except FileNotFoundError:
+            raise CacheError(f"{self.url} is not a finished datapipe cache (no {name}); build it with "
+                             f"`datapipe build SOURCE {self.url}`") from None
+        except DatapipeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
+            raise RemoteStoreError(f"{self.url}/{name} cannot be read: {_one_line(exc)}; check the URL, the "
+                                   "credentials (storage_options) and that the store is up") from None
+
+    # ----------------------------------------------------------------- paths and records
+    def _rel_data(self, shard: int) -> str:
+        assert self.manifest is not None
+        return images_path(Path(SHARDS_DIR) / self.manifest.shards[shard].name, self.manifest.layout).as_posix()
+
+    def _rel_index(self, shard: int) -> str:
+        assert self.manifest is not None
+        return index_path(Path(SHARDS_DIR) / self.manifest.shards[shard].name).as_posix()
+
+    def _indexed(self) -> bool:
+        assert self.manifest is not None
+        return self.manifest.layout == "indexed"
+
+    def _present(self, shard: int, fd: int) -> bool:
+        """The shard's files are in place, each the very file downloaded under its lock (``fd``, held)."""
+        return all(self._ours(fd, rel) for rel in self._shard_rels(shard))
+
+    def _ours(self, fd: int, rel: str) -> bool:
+        """``rel`` is in place and is the file this node downloaded (the record in the lock file, held)."""
+        entry = _read_record(fd).get(rel)
+        return entry is not None and _same_file(self.folder / rel, entry)
+
+    def _check_ours(self, fd: int, rel: str) -> None:
+        """Refuse to replace a file at ``rel`` that this node did not download (it is the user's)."""
+        if os.path.lexists(self.folder / rel) and not self._ours(fd, rel):
+            raise CacheError(f"{self.folder / rel} is in the way of a download and was not downloaded by datapipe; "
+                             "move it away, or use another local_cache")
+
+    def _lock_path(self, name: str) -> Path:
+        return self.folder / LOCKS / f"{name}.lock"
+
+    @staticmethod
+    def _record(fd: int, rel: str, st: os.stat_result, *, evict: bool) -> None:
+        """Record in the lock file (held exclusively) the identity of the file downloaded to ``rel`` —
+        before it is renamed into place (a rename keeps inode, size and mtime), so a file in place is
+        always recorded."""
+        files = _read_record(fd)
+        files[rel] = {"path": rel, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "evict": evict}
+        _write_record(fd, files)
+
+    def _log_download(self, what: str, rel: str, nbytes: int) -> None:
+        line = json.dumps({"what": what, "file": rel, "bytes": nbytes, "pid": os.getpid(), "time": time.time()}) + "\n"
+        fd = os.open(self.folder / DOWNLOADS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.downloaded_bytes += nbytes
+
+    # ----------------------------------------------------------------- locks
+    @contextlib.contextmanager
+    def _locked(self, name: str, op: int, what: str, temps: Sequence[str] = ()) -> Iterator[int]:
+        fd = self._lock_fd(name)
+        try:
+            self._flock_wait(fd, op, what, temps)
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _lock_fd(self, name: str) -> int:
+        return os.open(self._lock_path(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def _flock_wait(self, fd: int, op: int, what: str, temps: Sequence[str] = ()) -> None:
+        """Take the flock; while another process downloads under it, wait as long as its temporary files grow."""
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        seen, since, pause = self._temp_bytes(temps), time.monotonic(), 0.002
+        while True:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            now_bytes = self._temp_bytes(temps)
+            if now_bytes != seen:
+                seen, since = now_bytes, time.monotonic()
+            elif time.monotonic() - since > self.timeout:
+                raise RemoteStoreError(f"{what}: another process on this node has been downloading it for "
+                                       f"{self.timeout:g} s without a byte arriving (lock {self._lock_path(what)}); "
+                                       "check that the store is up, or raise timeout=")
+
+    def _temp_bytes(self, rels: Sequence[str]) -> int:
+        total = 0
+        for rel in rels:
+            final = self.folder / rel
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(final.parent):
+                    if entry.name.startswith(final.name + PART):
+                        with contextlib.suppress(OSError):
+                            total += entry.stat().st_size
+        return total
+
+    def _clean_temps(self, rels: Sequence[str]) -> None:
+        """Remove the temporary files a killed download of these files left (the exclusive lock is held)."""
+        for rel in rels:
+            final = self.folder / rel
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(final.parent):
+                    if entry.name.startswith(final.name + PART):
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.path)
+
+    # ----------------------------------------------------------------- the Cache's hook
+    @property
+    def max_open(self) -> int:
+        """Shard files one process keeps open (its Cache's descriptor limit): half of its share of the limit."""
+        budget = self._budget_shards()
+        return 1 << 20 if budget is None else max(1, budget // 2)
+
+    def _budget_shards(self) -> int | None:
+        """Shards this process's share of ``cache_limit`` holds (the limit split over the node's ranks)."""
+        if self.limit is None or self.manifest is None:
+            return None
+        sizes = [s.nbytes for s in self.manifest.shards if s.count]
+        per_shard = max(sizes) if sizes else 1
+        local = _local_world_size()
+        return max(1, self.limit // max(1, per_shard) // local)
+
+    def hold(self, shard: int) -> Hold | None:
+        """Make shard ``shard``'s files local (downloading them, or waiting for another process's download)
+        and hold it against eviction until :meth:`Hold.release`. None for a shard without samples."""
+        assert self.manifest is not None
+        rec = self.manifest.shards[shard]
+        if rec.count == 0:
+            return None
+        follower = self._follower
+        if follower is not None:
+            follower.reached(shard)
+        rels = self._shard_rels(shard)
+        for _ in range(8):  # a shard evicted between its download and the shared lock is downloaded again
+            fd = self._lock_fd(rec.name)
+            try:
+                self._flock_wait(fd, fcntl.LOCK_SH, f"shard {rec.name}", rels)
+                if self._present(shard, fd):
+                    with contextlib.suppress(OSError):
+                        os.utime(fd)  # the access stamp eviction orders by
+                    hold, fd = Hold(fd), -1
+                    return hold
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            self.download(shard)
+        raise RemoteStoreError(f"shard {rec.name}: evicted from {self.folder} again and again before it could be read; "
+                               "raise cache_limit (other processes on this node fill it)")
+
+    def ensure_index(self, shard: int) -> None:
+        """Make an indexed shard's sample index local (the data file is left to :meth:`hold`)."""
+        assert self.manifest is not None
+        rel = self._rel_index(shard)
+        if (self.folder / rel).is_file():
+            return
+        rec = self.manifest.shards[shard]
+        with self._locked(rec.name, fcntl.LOCK_EX, f"shard {rec.name}", [rel]) as fd:
+            if self._ours(fd, rel):
+                return
+            self._check_ours(fd, rel)
+            self._clean_temps([rel])
+            self._make_room(rec.count * 32)
+            self._fetch_file(fd, rel, rec.index_crc32c, None, f"shard {rec.name}", evict=False)
+
+    def ensure_indexes(self) -> None:
+        """Every sample index local, downloaded in parallel (for the table of every sample's shape)."""
+        assert self.manifest is not None
+        missing = [s for s, rec in enumerate(self.manifest.shards)
+                   if rec.count and not (self.folder / self._rel_index(s)).is_file()]
+        if missing:
+            with ThreadPoolExecutor(max_workers=8, thread_name_prefix="datapipe-index") as pool:
+                list(pool.map(self.ensure_index, missing))
+
+    def _shard_rels(self, shard: int) -> list[str]:
+        return [self._rel_index(shard), self._rel_data(shard)] if self._indexed() else [self._rel_data(shard)]
+
+    def download(self, shard: int) -> bool:
+        """Download shard ``shard`` unless it is local (one process on the node does; the others wait).
+        Returns whether this call downloaded it."""
+        assert self.manifest is not None
+        rec = self.manifest.shards[shard]
+        rels = self._shard_rels(shard)
+        with self._locked(rec.name, fcntl.LOCK_SH, f"shard {rec.name}", rels) as fd:
+            if self._present(shard, fd):  # (readers hold it shared: an exclusive lock would wait for them)
+                return False
+        with self._locked(rec.name, fcntl.LOCK_EX, f"shard {rec.name}", rels) as fd:
+            if self._present(shard, fd):
+                return False
+            missing = [rel for rel in rels if not self._ours(fd, rel)]
+            for rel in missing:
+                self._check_ours(fd, rel)
+            self._clean_temps(rels)
+            self._make_room(rec.nbytes)
+            for rel in missing:
+                data = rel == self._rel_data(shard)
+                self._fetch_file(fd, rel, rec.crc32c if data else rec.index_crc32c, rec.nbytes if data else None,
+                                 f"shard {rec.name}", evict=data)
+            os.utime(fd)
+            return True
+
+    # ----------------------------------------------------------------- one file
+    def _fetch_file(self, fd: int, rel: str, want_crc: str, want_size: int | None, what: str, *, evict: bool) -> None:
+        """Download ``rel`` to a temporary name, check it against the manifest, record it under the lock
+        ``fd`` (held exclusively) and rename it into place.
+
+        Raises:
+            CorruptShardError: the object's checksum (or size) differs from the manifest's ``retries`` times.
+            RemoteStoreError: the store did not answer (nothing arrived for ``timeout`` seconds).
+        """
+        final = self.folder / rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        url = f"{self.url}/{rel}"
+        mismatch = ""
+        started = time.monotonic()
+        attempt = 0
+        while attempt < self.retries:
+            attempt += 1
+            tmp = final.with_name(f"{final.name}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                self._transfer(rel, tmp, what)
+                size = os.stat(tmp).st_size
+                crc = file_crc32c(tmp)
+                if crc == want_crc and (want_size is None or size == want_size):
+                    self._record(fd, rel, os.stat(tmp), evict=evict)
+                    os.replace(tmp, final)
+                    self._log_download(what, rel, size)
+                    return
+                mismatch = (f"checksum {crc} of {size:,} bytes differs from the manifest's {want_crc}"
+                            + (f" of {want_size:,} bytes" if want_size is not None else ""))
+                log.warning("%s: %s (%s), download %d of %d", what, mismatch, url, attempt, self.retries)
+            except FileNotFoundError:
+                raise CorruptShardError(f"{what}: {url} is missing from the store; rerun the same `datapipe build` "
+                                        "to rewrite it") from None
+            except _Transient as exc:
+                if time.monotonic() - started > self.timeout:
+                    raise RemoteStoreError(f"{what}: {url} cannot be downloaded: {exc}; check that the store is up, "
+                                           "or raise timeout=") from None
+                attempt -= 1  # only checksum mismatches use up the retries; failures end with the timeout
+                time.sleep(min(0.1 * 2 ** min(attempt, 4), 1.0))
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; the object was altered "
+                                "after the build: rerun the same `datapipe build` to rewrite it")
+
+    def _transfer(self, rel: str, tmp: Path, what: str) -> None:
+        """Copy object ``rel`` to ``tmp`` in a transfer thread; give up when nothing arrives for ``timeout`` s."""
+        fs, root = self.filesystem()
+        progress = _Progress()
+        future = self._transfers().submit(fs.get_file, f"{root}/{rel}", str(tmp), callback=progress)
+        seen, since = 0, time.monotonic()
+        while True:
+            try:
+                future.result(timeout=min(0.25, self.timeout))
+                return
+            except FutureTimeout:
+                if progress.value != seen:
+                    seen, since = progress.value, time.monotonic()
+                elif time.monotonic() - since > self.timeout:
+                    progress.cancelled = True
+                    raise RemoteStoreError(f"{what}: {self.url}/{rel}: no data arrived for {self.timeout:g} s (the "
+                                           "store stopped answering); check that it is up, or raise timeout=") from None
+            except (FileNotFoundError, DatapipeError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
+                raise _Transient(_one_line(exc)) from None
+
+    # ----------------------------------------------------------------- eviction
+    def _make_room(self, need: int) -> None:
+        """Evict least recently used shard data files this node downloaded until ``need`` more bytes fit."""
+        if self.limit is None:
+            return
+        with contextlib.ExitStack() as stack:
+            fd = os.open(self.local_root / EVICT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            stack.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            usage, candidates = _scan(self.local_root)
+            if usage + need <= self.limit:
+                return
+            for _, lock_path, folder, rel in sorted(candidates):
+                freed = _evict(lock_path, folder, rel)
+                if freed is not None:
+                    usage -= freed
+                if usage + need <= self.limit:
+                    return
+            if not self._warned:
+                self._warned = True
+                log.warning("%s holds %s bytes in files open for reading; the cache_limit of %s is exceeded until "
+                            "they are closed", self.local_root, f"{usage:,}", f"{self.limit:,}")
+
+    # ----------------------------------------------------------------- prefetch
+    def follow(self, shards: Sequence[int] | np.ndarray) -> None:
+        """Prefetch ``shards`` (the order this process will first read them) in a background thread,
+        ``prefetch`` shards ahead of the furthest one a reader has opened; replaces the previous order."""
+        previous, self._follower = self._follower, None
+        if previous is not None:
+            previous.stop()
+        depth = self._depth()
+        if depth and len(shards):
+            self._follower = _Follower(self, [int(s) for s in shards], depth)
+
+    def _depth(self) -> int:
+        assert self.manifest is not None
+        depth = self._prefetch_shards
+        if self._prefetch_bytes is not None:
+            sizes = [s.nbytes for s in self.manifest.shards if s.count]
+            depth = self._prefetch_bytes // max(1, int(np.mean(sizes)) if sizes else 1)
+        budget = self._budget_shards()
+        return depth if budget is None else min(depth, max(1, budget // 2))
+
+    def close(self) -> None:
+        """Stop prefetching (transfers in flight finish in the background)."""
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.stop()
+
+
+class _Follower:
+    """The prefetch thread: downloads ``shards[k]`` once a reader has opened ``shards[k - depth]``."""
+
+    def __init__(self, fetcher: ShardFetcher, shards: list[int], depth: int) -> None:
+        self.fetcher, self.shards, self.depth = fetcher, shards, depth
+        self.position = {s: k for k, s in reversed(list(enumerate(shards)))}
+        self.reached_k = -1
+        self.done = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="datapipe-prefetch", daemon=True)
+        self.thread.start()
+
+    def reached(self, shard: int) -> None:
+        k = self.position.get(shard)
+        if k is not None and k > self.reached_k:
+            with self.cond:
+                self.reached_k = max(self.reached_k, k)
+                self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.done = True
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        pool = _DaemonPool(min(self.depth, 8), "datapipe-prefetch")
+        running: set = set()
+        for k, shard in enumerate(self.shards):
+            with self.cond:
+                while not self.done and (k > self.reached_k + self.depth or len(running) >= min(self.depth, 8)):
+                    self.cond.wait(0.5)
+                if self.done:
+                    break
+            future = pool.submit(self._one, shard)
+            running.add(future)
+            future.add_done_callback(self._finished(running))
+        pool.close()
+
+    def _finished(self, running: set) -> Any:
+        def done(future: Any) -> None:
+            with self.cond:
+                running.discard(future)
+                self.cond.notify_all()
+        return done
+
+    def _one(self, shard: int) -> None:
+        if self.done:
+            return
+        try:
+            self.fetcher.download(shard)
+        except Exception as exc:  # noqa: BLE001 - the reader's own download reports it
+            log.debug("prefetch of shard %d failed: %s", shard, exc)
+
+
+class _DaemonPool:
+    """A small pool of daemon threads: a transfer stuck on a store that stopped answering never holds up
+    the interpreter's exit (a ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def close(self) -> None:
+        """The threads end once the work queued before finishes."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
+
+
+class _Transient(Exception):
+    """A transfer failed in a way a retry may mend (a connection error, an HTTP 5xx)."""
+
+
+def _evict(lock_path: Path, folder: Path, rel: str) -> int | None:
+    """Delete ``folder/rel`` if its lock is free (no reader, no download) and the file is still the one
+    downloaded under it; returns its size, or None when it was kept."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        files = _read_record(fd)
+        entry = files.get(rel)
+        if entry is None or not entry.get("evict") or not _same_file(folder / rel, entry):
+            return None
+        os.unlink(folder / rel)
+        del files[rel]
+        _write_record(fd, files)
+        return int(entry["size"])
+    finally:
+        os.close(fd)
+
+
+def _scan(root: Path) -> tuple[int, list[tuple[int, Path, Path, str]]]:
+    """Bytes of the files every build folder under ``root`` downloaded (still the files downloaded), and
+    the evictable ones: (access stamp, lock file, folder, relative path)."""
+    usage = 0
+    candidates: list[tuple[int, Path, Path, str]] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            folder = Path(entry.path)
+            if not entry.is_dir(follow_symlinks=False) or not (folder / MARKER).is_file():
+                continue
+            with contextlib.suppress(OSError):
+                for lock in os.scandir(folder / LOCKS):
+                    if not lock.name.endswith(".lock"):
+                        continue
+                    try:
+                        with open(lock.path, "rb") as f:
+                            record = _parse_record(f.read(1 << 20))
+                        stamp = lock.stat().st_mtime_ns
+                    except OSError:
+                        continue
+                    for file in record.values():
+                        if _same_file(folder / file["path"], file):
+                            usage += int(file["size"])
+                            if file.get("evict"):
+                                candidates.append((stamp, Path(lock.path), folder, file["path"]))
+    return usage, candidates
+
+
+def _read_record(fd: int) -> dict[str, dict]:
+    return _parse_record(os.pread(fd, 1 << 20, 0))
+
+
+def _parse_record(data: bytes) -> dict[str, dict]:
+    """A lock file's record: relative path -> {path, ino, size, mtime_ns, evict}; {} when empty or unreadable
+    (a record half written when read without the lock)."""
+    try:
+        doc = json.loads(data.decode("utf-8")) if data else {}
+    except ValueError:
+        return {}
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, list):
+        return {}
+    return {f["path"]: f for f in files if isinstance(f, dict) and isinstance(f.get("path"), str)}
+
+
+def _write_record(fd: int, files: dict[str, dict]) -> None:
+    data = json.dumps({"files": list(files.values())}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+
+
+def _same_file(path: Path, entry: dict) -> bool:
+    """``path`` is still the file a record names (inode, size, mtime): never delete one datapipe did not write."""
+    if ".." in Path(str(entry.get("path", ""))).parts:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_size, st.st_mtime_ns) == (entry.get("ino"), entry.get("size"), entry.get("mtime_ns"))
+
+
+def _write_marker(folder: Path, doc: dict) -> None:
+    marker = folder / MARKER
+    if not marker.is_file():
+        atomic_write_text(marker, json.dumps(doc))
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _local_world_size() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]
+
+
+def _open_filesystem(url: str, storage_options: dict, timeout: float) -> tuple[Any, str]:
+    """An fsspec filesystem and the root path of ``url`` in it; on S3 the connection and read timeouts
+    default to ``timeout`` (a stopped store is an error, not a hang)."""
+    options = dict(storage_options)
+    if url.split("://", 1)[0] in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeout)
+        config.setdefault("read_timeout", timeout)
+        config.setdefault("retries", {"max_attempts": 3})
+        options["config_kwargs"] = config
+        options.setdefault("skip_instance_cache", True)
+    try:
+        import fsspec
+    except ImportError:
+        raise MissingExtraError(f"reading {url} needs fsspec and s3fs: pip install 'datapipe[remote]'") from None
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        raise MissingExtraError(f"reading {url} needs {exc.name or 'its fsspec backend'}: pip install 'datapipe[remote]'") from None
+    except (TypeError, ValueError) as exc:
+        raise ArgumentError(f"storage_options for {url} are not accepted: {_one_line(exc)}") from None
+    return fs, str(root).rstrip("/")
+

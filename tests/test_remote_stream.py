@@ -1,0 +1,296 @@
+"""Streaming a cache from object storage through the node-local shard cache (datapipe.fetch).
+
+A real S3 API (moto's standalone server on loopback, tests/s3_server.py) holds caches built
+locally and uploaded file by file (a remote cache has the local layout); ranks are real processes.
+Checked: every sample once per epoch over two simulated nodes × two ranks, each node downloading
+each shard once; eviction beyond cache_limit that never deletes a file datapipe did not download;
+a rank SIGKILLed mid-download leaves no partial shard visible and the next reader completes it; a
+shard altered in the store is a CorruptShardError naming it after the retries; a stopped or frozen
+store is a RemoteStoreError, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from s3_server import requires_s3
+
+import datapipe
+from datapipe import fetch
+from datapipe.errors import ArgumentError, CacheError, CorruptShardError, RemoteStoreError
+from datapipe.testing import build_index_cache, index_map
+
+pytestmark = requires_s3
+
+REPO = Path(__file__).resolve().parents[1]
+N, SHARD = 101, 7  # 15 shards
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    """Local caches to upload: the fixed layout (square raw) and the indexed one (--fit short)."""
+    from datapipe.builder import Cluster, build
+
+    root = tmp_path_factory.mktemp("remote-src")
+    fixed = build_index_cache(root / "fixed", N, shard_size=SHARD)
+    indexed = root / "indexed"
+    build(root / "fixed" / "source", indexed, size=32, fit="short", shard_size=SHARD, cluster=Cluster(scheduler="sync"),
+          progress=False)
+    return {"fixed": fixed, "indexed": indexed, "ids": index_map(fixed)}
+
+
+def upload(s3, local: Path) -> str:
+    """A fresh bucket holding ``local`` under ``cache/``; returns its URL."""
+    url = s3.bucket() + "/cache"
+    s3.filesystem().put(str(local), url.removeprefix("s3://"), recursive=True)
+    return url
+
+
+def open_remote(s3, url: str, local_cache: Path, **kwargs) -> datapipe.StreamingDataset:
+    kwargs.setdefault("batch_size", 8)
+    kwargs.setdefault("return_index", True)
+    return datapipe.StreamingDataset(url, local_cache=local_cache, storage_options=s3.storage_options, **kwargs)
+
+
+def shard_downloads(folder: Path) -> Counter:
+    """Downloads of each shard's data file (a sample index is downloaded apart from its data file)."""
+    return Counter(d["what"] for d in fetch.downloads(folder) if d["what"].startswith("shard ") and "/images/" in d["file"])
+
+
+def read_epoch(ds) -> list[int]:
+    return [i for batch in ds for i in batch[2].tolist()]
+
+
+# ----------------------------------------------------------------------------- two nodes x two ranks
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import datapipe
+    from torch.utils.data import DataLoader
+    url, local_cache, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    ds = datapipe.StreamingDataset(url, local_cache=local_cache, storage_options=options, batch_size=4,
+                                   return_index=True, window=2, prefetch=2)
+    workers = int(os.environ.get("TEST_WORKERS", "0"))
+    seen = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        loader = DataLoader(ds, batch_size=None, num_workers=workers)
+        seen.append([int(i) for batch in loader for i in batch[2].tolist()])
+    json.dump({"seen": seen, "folder": str(ds.cache.remote.folder)}, open(out, "w"))
+""")
+
+
+def test_two_nodes_two_ranks_read_every_sample_once_and_download_each_shard_once_per_node(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    procs = []
+    for rank in range(4):
+        node = rank // 2
+        env = {**os.environ, **s3.env, "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+               "LOCAL_WORLD_SIZE": "2", "TEST_WORKERS": "2" if node == 1 else "0",
+               "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, str(script), url, str(tmp_path / f"node{node}"), str(tmp_path / f"rank{rank}.json"),
+               json.dumps(s3.storage_options)]
+        procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    starts = np.array([s.first for s in datapipe.open(built["fixed"]).manifest.shards])
+    for epoch in range(2):
+        everything = sorted(i for r in results for i in r["seen"][epoch])
+        assert everything == list(range(N)), f"epoch {epoch}: not every sample exactly once"
+    for node in range(2):
+        folder = Path(results[2 * node]["folder"])
+        assert folder.parent == tmp_path / f"node{node}"
+        counts = shard_downloads(folder)
+        read = {int(np.searchsorted(starts, i, side="right") - 1) for r in results[2 * node: 2 * node + 2]
+                for epoch in r["seen"] for i in epoch}
+        assert counts and max(counts.values()) == 1, counts  # once per node over both epochs: the cache holds it
+        assert {f"shard {s:06d}.zarr" for s in read} <= set(counts)
+
+
+# ----------------------------------------------------------------------------- eviction
+
+
+def test_eviction_keeps_the_limit_and_never_deletes_a_foreign_file(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    local = tmp_path / "lc"
+    shard_bytes = datapipe.open(built["fixed"]).manifest.shards[0].nbytes
+    limit = 5 * shard_bytes + 20_000  # five shards and the small files
+    ds = open_remote(s3, url, local, cache_limit=limit, window=2, prefetch=1)
+    folder = ds.cache.remote.folder
+    foreign = [local / "notes.txt", folder / "mine.bin", folder / "shards" / "000003.zarr" / "extra.bin"]
+    for f in foreign:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"x" * 50_000)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        assert sorted(read_epoch(ds)) == list(range(N))
+        counted = sum(p.stat().st_size for p in folder.rglob("*")
+                      if p.is_file() and not p.name.startswith(".") and p not in foreign)
+        assert counted <= limit
+    assert sum(shard_downloads(folder).values()) > 15  # shards were evicted and downloaded again
+    for f in foreign:
+        assert f.read_bytes() == b"x" * 50_000
+
+
+def test_a_foreign_file_at_a_shard_path_is_refused_not_replaced(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    data = ds.cache._shard_path(0)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_bytes(b"y" * ds.cache.manifest.shards[0].nbytes)
+    with pytest.raises(CacheError, match="not downloaded by datapipe"):
+        next(iter(ds))
+    assert data.read_bytes() == b"y" * ds.cache.manifest.shards[0].nbytes
+
+
+# ----------------------------------------------------------------------------- faults
+
+KILL_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import datapipe
+    url, local_cache, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    ds = datapipe.StreamingDataset(url, local_cache=local_cache, storage_options=options, batch_size=4,
+                                   shuffle=False, prefetch=0)
+    print("opened", flush=True)
+    sys.stdin.readline()
+    for batch in ds:
+        pass
+""")
+
+
+def test_a_rank_killed_mid_download_leaves_no_partial_shard_and_the_next_reader_completes_it(s3, tmp_path):
+    big = build_index_cache(tmp_path / "big", 48, size=320, shard_size=48)  # one shard of ~15 MB
+    url = upload(s3, big)
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    local = tmp_path / "lc"
+    proc = subprocess.Popen([sys.executable, str(script), url, str(local), json.dumps(s3.storage_options)],
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "opened"
+        folder = next(p for p in local.iterdir() if p.is_dir())
+        final = folder / "shards" / "000000.zarr" / "images" / "c" / "0" / "0" / "0" / "0"
+        s3.pause()  # the download starts and stalls: killed with nothing (or part) of the shard written
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        lock = folder / fetch.LOCKS / "000000.zarr.lock"
+        for _ in range(1000):  # until the rank holds the shard's download lock
+            if lock.exists() and _locked(lock):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the rank never started downloading")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        s3.resume()
+    assert not final.exists()
+    ds = datapipe.StreamingDataset(url, local_cache=local, storage_options=s3.storage_options, batch_size=16,
+                                   return_index=True, shuffle=False, prefetch=0)
+    assert sorted(read_epoch(ds)) == list(range(48))
+    assert final.stat().st_size == ds.cache.manifest.shards[0].nbytes
+    assert not [p for p in final.parent.iterdir() if fetch.PART in p.name]
+
+
+def _locked(path: Path) -> bool:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("layout", ["fixed", "indexed"])
+def test_a_shard_altered_in_the_store_is_an_error_naming_it_after_the_retries(s3, built, tmp_path, layout):
+    url = upload(s3, built[layout])
+    fs = s3.filesystem()
+    rel = "shards/000002.zarr/images/c/0" + ("/0/0/0" if layout == "fixed" else "")
+    data = bytearray(fs.cat_file(f"{url.removeprefix('s3://')}/{rel}"))
+    data[100] ^= 0xFF  # same size, another checksum
+    fs.pipe_file(f"{url.removeprefix('s3://')}/{rel}", bytes(data))
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    with pytest.raises(CorruptShardError, match=r"shard 000002\.zarr.*3 downloads"):
+        read_epoch(ds)
+    folder = ds.cache.remote.folder
+    assert not (folder / rel).exists()
+    assert not list((folder / rel).parent.glob("*" + fetch.PART + "*"))
+    assert shard_downloads(folder)["shard 000001.zarr"] == 1  # the shards before it were read
+
+
+@pytest.mark.parametrize("fault", ["stop", "pause"])
+def test_a_store_that_stops_answering_mid_epoch_is_an_error_not_a_hang(s3, built, tmp_path, fault):
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, timeout=2)
+    batches = iter(ds)
+    next(batches)  # the first shard is local
+    (s3.stop if fault == "stop" else s3.pause)()
+    try:
+        with pytest.raises(RemoteStoreError, match=r"shard 0000\d\d\.zarr"):
+            for _ in batches:
+                pass
+    finally:
+        if fault == "pause":
+            s3.resume()
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_remote_arguments_are_checked(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    with pytest.raises(ArgumentError, match="local_cache"):
+        datapipe.StreamingDataset(url, storage_options=s3.storage_options)
+    with pytest.raises(ArgumentError, match="object storage"):
+        datapipe.StreamingDataset(built["fixed"], local_cache=tmp_path)
+    with pytest.raises(ArgumentError, match="cache_limit"):
+        open_remote(s3, url, tmp_path / "a", cache_limit="lots")
+    with pytest.raises(ArgumentError, match="prefetch"):
+        open_remote(s3, url, tmp_path / "a", prefetch=-1)
+    with pytest.raises(CacheError, match="not a finished datapipe cache"):
+        open_remote(s3, url + "-missing", tmp_path / "a")
+
+
+@pytest.mark.parametrize(("text", "value"), [("200GB", 200 * 10**9), ("1.5 GiB", 3 * 2**29), ("500mb", 500 * 10**6),
+                                             ("1024", 1024), (4096, 4096), ("0", 0)])
+def test_sizes_parse(text, value):
+    assert fetch.parse_size(text, "cache_limit") == value
+
+
+@pytest.mark.parametrize("bad", ["-1GB", "GB", "1 parsec", True, 1.5, None, -5])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ArgumentError, match="cache_limit"):
+        fetch.parse_size(bad, "cache_limit")
+
+
+def test_indexed_cache_reads_samples_at_their_shapes(s3, built, tmp_path):
+    url = upload(s3, built["indexed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False)
+    local = datapipe.open(built["indexed"])
+    assert np.array_equal(ds.cache.shapes, local.shapes)  # every sample index downloaded and checked
+    for images, _, index in ds:
+        for image, i in zip(images, index.tolist(), strict=True):
+            assert np.array_equal(image.numpy(), local[i][0])
