@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from .cache import Cache
-from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, MissingExtraError, RemoteStoreError
+from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError
 from .files import atomic_write_text, file_crc32c
 from .records import MANIFEST, Manifest, parse_json, parse_manifest
 from .shards import SHARDS_DIR, images_path, index_path
@@ -67,14 +67,15 @@ EVICT_LOCK = ".datapipe-evict.lock"
 FILES_LOCK = "_files"  # the lock of the manifest's own files (labels, paths)
 PART = ".part-"
 MANIFEST_LIMIT = 1 << 30
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def is_url(location: object) -> bool:
     """Whether ``location`` is a URL (``s3://...``, ``gs://...``) rather than a local path."""
-    return isinstance(location, str) and bool(_URL.match(location))
+    from .remote import is_url as url
+
+    return url(location)
 
 
 def parse_size(value: object, what: str) -> int:
@@ -810,15 +811,8 @@ def _open_filesystem(url: str, storage_options: dict, timeout: float) -> tuple[A
         config.setdefault("retries", {"max_attempts": 3})
         options["config_kwargs"] = config
         options.setdefault("skip_instance_cache", True)
-    try:
-        import fsspec
-    except ImportError:
-        raise MissingExtraError(f"reading {url} needs fsspec and s3fs: pip install 'datapipe[remote]'") from None
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        raise MissingExtraError(f"reading {url} needs {exc.name or 'its fsspec backend'}: pip install 'datapipe[remote]'") from None
-    except (TypeError, ValueError) as exc:
-        raise ArgumentError(f"storage_options for {url} are not accepted: {_one_line(exc)}") from None
-    return fs, str(root).rstrip("/")
+    from .remote import open_location
+
+    loc = open_location(url, options)
+    return loc.fs, loc.root
 
