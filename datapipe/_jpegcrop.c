@@ -128,11 +128,11 @@ static void limit_scans(j_common_ptr cinfo)
 }
 
 /* Decode rows [y, y + h) and columns [x, x + w) of the image scaled by scale_m/8 (1..8) into out, RGB rows of
- * geom[3] * 3 bytes: geom = {first row, first column, rows, columns} of the decoded region within the scaled
- * image, which contains the requested one (the rows are the requested ones; the left edge snaps down to an
- * iMCU boundary, and one more column is decoded on each side where the image goes on), then {scaled height, scaled width}. The header must say
- * expect_h x expect_w. 0 on success; -1 with a message in err for data that does not decode, -2 for a
- * region outside the image or an out buffer smaller than capacity bytes. */
+ * geom[3] * 3 bytes. geom = {first row, first column, rows, columns} of the decoded region within the scaled
+ * image, then {scaled height, scaled width}. The region holds the requested one: the same rows; its left edge
+ * snapped down to an iMCU boundary, and one more column on each side where the image goes on. The header must
+ * say expect_h x expect_w. Returns 0; -1 with a message in err for data that does not decode; -2 for a region
+ * outside the image or an out buffer of capacity bytes too small for it. */
 int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, int expect_w, int scale_m, int y, int x,
                               int h, int w, uint8_t *out, size_t capacity, int32_t *geom, char *err, size_t errlen)
 {
@@ -189,7 +189,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     api.start_decompress(&cinfo);
 
     const int sh = (int)cinfo.output_height, sw = (int)cinfo.output_width;
-    if (y + h > sh || x + w > sw || cinfo.output_components != 3) {
+    if ((long long)y + h > sh || (long long)x + w > sw || cinfo.output_components != 3) {
         snprintf(err, errlen, "the region %d+%d x %d+%d lies outside the %dx%d image", y, h, x, w, sh, sw);
         api.destroy_decompress(&cinfo);
         return -2;

@@ -263,9 +263,17 @@ class PartialDecoder:
         return out[: rows * cols * 3].reshape(rows, cols, 3), (top - y0, left - x0, h, w)
 
 
+_open_lock = threading.Lock()
+
+
 @lru_cache(maxsize=1)
 def _partial() -> tuple[PartialDecoder | None, str]:
     """(the partial decoder or None, a line saying which libjpeg it uses, or why there is none)."""
+    with _open_lock:  # the library is opened once, whichever reader thread asks first
+        return _open_partial()
+
+
+def _open_partial() -> tuple[PartialDecoder | None, str]:
     if os.environ.get("DATAPIPE_NATIVE", "1").strip() == "0":
         return None, "off (DATAPIPE_NATIVE=0): whole-image decodes with simplejpeg"
     here = Path(__file__).resolve().parent

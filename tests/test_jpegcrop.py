@@ -98,6 +98,15 @@ def test_crops_are_exact_for_every_subsampling(subsampling, shape):
 
 
 @needs_decoder
+def test_crops_of_a_one_component_jpeg_are_exact():
+    """Stored samples have three components, but a greyscale stream decodes to RGB the same way in both."""
+    img = _image(99, 131, seed=8)[..., :1].copy()
+    data = simplejpeg.encode_jpeg(img, quality=90, colorspace="GRAY")
+    for eighths in (8, 4, 3):
+        _check_crops(data, 99, 131, eighths, 25, seed=eighths + 20)
+
+
+@needs_decoder
 @pytest.mark.parametrize("quality", [50, 95])
 def test_crops_are_exact_for_grey_samples_stored_as_rgb_and_other_qualities(quality):
     data = _encode(_image(150, 211, seed=3, grey=True), quality=quality)
