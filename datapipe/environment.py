@@ -7,12 +7,13 @@ import platform
 
 
 def environment() -> dict:
-    """Versions of datapipe, Python and the libraries it uses, and the active decoders and CPU kernel."""
-    from . import __version__, native
+    """Versions of datapipe, Python and the libraries it uses, and the active decoders and CPU kernels."""
+    from . import __version__, native, samples
     from .codecs import decoder_info
 
     env = {"datapipe": __version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cpus": os.cpu_count(), "decoders": decoder_info(), "cpu_kernel": native.describe()}
+           "cpus": os.cpu_count(), "decoders": decoder_info(), "cpu_kernel": native.describe(),
+           "jpeg_crop_decoder": samples.describe_decoder()}
     for name in ("numpy", "torch", "kornia", "zarr", "dask", "distributed", "bokeh"):
         try:
             env[name] = __import__(name).__version__
