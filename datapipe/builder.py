@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,8 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
 
     ``source_options`` (not None: ``root`` is a URL) and ``output_options`` (``output`` is a URL) are the
     storage options of a source or output in object storage: the files are then read as objects, and the
-    shard is written into a local temporary folder and uploaded, its zarr.json last.
+    shard is written into a local temporary folder and uploaded while it is written (its data object
+    streamed by a thread of this task, see :class:`datapipe.remote.ShardUpload`), its zarr.json last.
     """
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
@@ -220,13 +222,16 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
                             source_options=source_options)
     loc = remote.open_location(output, output_options)
     name = shard_name(plan["shard"])
-    _clear_remote_shard(loc, name, build_id)
     staging = Path(tempfile.mkdtemp(prefix="datapipe-shard-"))
+    upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}", before=lambda: _clear_remote_shard(loc, name, build_id))
     try:
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
                               build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
-                              source_options=source_options)
-        remote.upload_folder(loc, staging / SHARDS_DIR / name, f"{SHARDS_DIR}/{name}")
+                              source_options=source_options, opened=upload.follow)
+        upload.finish(staging / SHARDS_DIR / name)
+    except BaseException:
+        upload.abort()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return record
@@ -250,8 +255,10 @@ def _clear_remote_shard(loc: remote.Location, name: str, build_id: str) -> None:
 
 
 def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str, verify: bool = False,
-                 isolate: bool, serial: bool, encoding: samples.Encoding, quality: int, source_options: dict | None) -> dict:
-    """build_shard into a local output folder."""
+                 isolate: bool, serial: bool, encoding: samples.Encoding, quality: int, source_options: dict | None,
+                 opened: Callable[[Path, str], None] | None = None) -> dict:
+    """build_shard into a local output folder; ``opened`` is told the data file's path (and its name inside
+    the shard) as soon as the writer opens it (an upload follows it while it is written)."""
     import resource
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
@@ -284,6 +291,9 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
     # the compiled kernel) would otherwise start threads per image.
     with ShardWriter(final, size=side, layout=layout, encoding=encoding, quality=quality) as writer, \
             _no_cyclic_gc(), torch_threads(1), watchdog:
+        if opened is not None:
+            data = images_path(writer.tmp_dir, layout)
+            opened(data, data.relative_to(writer.tmp_dir).as_posix())
         for path, label in zip(plan["paths"], plan["labels"], strict=True):
             file = os.path.join(root, path) if source_options is None else f"{root}/{path}"
             failure = _probe(file, spec, source_options) if isolate else None

@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import ArgumentError, CacheError, ConfigMismatchError, MissingExtraError, OutputBusyError, OutputError, SourceError
+from .errors import (
+    ArgumentError,
+    CacheError,
+    ConfigMismatchError,
+    DatapipeError,
+    MissingExtraError,
+    OutputBusyError,
+    OutputError,
+    SourceError,
+)
 from .files import crc32c
 from .records import (
     BUILD_LOCK,
@@ -151,7 +160,7 @@ def store_errors(loc: Location, what: str, error: type[Exception] = OutputError)
     try:
         yield
     except (OSError, ValueError, RuntimeError) as exc:
-        if isinstance(exc, ArgumentError | CacheError | OutputError | SourceError | ConfigMismatchError):
+        if isinstance(exc, DatapipeError):  # says what to do already
             raise
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise error(f"{loc.url}: cannot {what} ({type(exc).__name__}: {reason}); check the URL, the credentials "
@@ -177,9 +186,8 @@ def listing(loc: Location, prefix: str = "") -> dict[str, int]:
 
 def read_bytes(loc: Location, key: str, limit: int = MAX_DOC_BYTES) -> bytes | None:
     """The object at ``key`` (None when there is none); CacheError when it holds more than ``limit`` bytes."""
-    try:
-        with loc.fs.open(loc.path(key), "rb") as f:
-            data = f.read(limit + 1)
+    try:  # one ranged GET (opening the file would first ask for its size, and list its prefix when it is missing)
+        data = loc.fs.cat_file(loc.path(key), start=0, end=limit + 1)
     except FileNotFoundError:
         return None
     if len(data) > limit:
@@ -218,21 +226,122 @@ def delete(loc: Location, keys: Iterable[str]) -> None:
             loc.fs.rm(paths)
 
 
-def upload_folder(loc: Location, folder: Path, key: str, *, last: str = GROUP_META) -> list[str]:
-    """Upload every file under ``folder`` as one object each under ``key``, the file named ``last`` at the top
-    after all others (it is the proof the rest is there); returns the keys written."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    first = [p for p in files if p.relative_to(folder).as_posix() != last]
-    final = [p for p in files if p.relative_to(folder).as_posix() == last]
-    keys = []
-    if first:
-        remote = [loc.path(key, p.relative_to(folder).as_posix()) for p in first]
-        loc.fs.put([str(p) for p in first], remote)
-        keys += [loc.key_of(r) for r in remote]
-    for p in final:
-        loc.fs.put_file(str(p), loc.path(key, last))
-        keys.append(f"{key}/{last}")
-    return keys
+PART_BYTES = 8 << 20  # a shard's data object is uploaded in parts of this size while the shard is written
+MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
+POLL_SECONDS = 0.02  # how often the uploader looks for newly written bytes
+
+
+class ShardUpload:
+    """Upload one shard while its task is still writing it, its zarr.json last.
+
+    A thread of the task follows the shard's local data file as it grows and streams it into the store
+    (``fs.open(path, "wb")``: parts of ``part_bytes`` leave as soon as they are written; the object
+    appears only when the upload is completed, after the shard's last byte), so the upload overlaps the
+    decoding of the shard's images instead of following it. ``before`` (the removal of an earlier
+    attempt's zarr.json) runs first in that thread. :meth:`finish` then uploads the rest and the
+    group's zarr.json last, the proof that the shard is whole; :meth:`abort` abandons an unfinished
+    upload (an S3 multipart upload is aborted: it never becomes an object). A process killed mid-upload
+    leaves at most an unfinished multipart upload, which no reader sees (a bucket lifecycle rule
+    ``AbortIncompleteMultipartUpload`` reclaims its parts). Filesystems without buffered writes
+    (``file://``) get the data object whole at the end, as put_file writes it.
+    """
+
+    def __init__(self, loc: Location, key: str, *, before: Any = None, part_bytes: int | None = None) -> None:
+        self.loc = loc
+        self.key = key
+        self.part = max(MIN_PART_BYTES, part_bytes or PART_BYTES)
+        self.stream = bool(getattr(loc.fs, "async_impl", False))  # s3fs, gcsfs, adlfs: buffered, atomic at close
+        self._before = before
+        self._source: tuple[Any, str] | None = None  # the data file open for reading, its name in the shard
+        self._opened = threading.Event()
+        self._written = threading.Event()
+        self._cancel = threading.Event()
+        self._error: BaseException | None = None
+        self.sent = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="datapipe-shard-upload")
+        self._thread.start()
+
+    def follow(self, data: Path, rel: str) -> None:
+        """The task's writer opened the shard's data file ``data`` (``rel``: its name inside the shard); it is
+        opened here, in the task's thread, before the writer may rename its folder."""
+        self._source = (open(data, "rb"), rel)  # noqa: SIM115 - closed by the upload thread
+        self._opened.set()
+
+    def _run(self) -> None:
+        remote_file = None
+        try:
+            if self._before is not None:
+                self._before()
+            while not (self._opened.wait(POLL_SECONDS) or self._written.is_set() or self._cancel.is_set()):
+                pass
+            if self._source is None:
+                return
+            if self._cancel.is_set():
+                self._source[0].close()
+                return
+            local, rel = self._source
+            with local:
+                if not self.stream:
+                    self._written.wait()
+                    if not self._cancel.is_set() and os.fstat(local.fileno()).st_size:
+                        self.loc.fs.pipe_file(self.loc.path(self.key, rel), local.read())
+                        self.sent = os.fstat(local.fileno()).st_size
+                    return
+                while True:
+                    done = self._written.is_set()
+                    size = os.fstat(local.fileno()).st_size
+                    while size - self.sent >= self.part or (done and size > self.sent):
+                        chunk = os.pread(local.fileno(), min(self.part, size - self.sent), self.sent)
+                        if remote_file is None:
+                            remote_file = self.loc.fs.open(self.loc.path(self.key, rel), "wb", block_size=self.part)
+                        remote_file.write(chunk)
+                        self.sent += len(chunk)
+                        if self._cancel.is_set():
+                            return
+                    if done:
+                        break
+                    if self._cancel.wait(POLL_SECONDS):
+                        return
+            if remote_file is not None:
+                remote_file.close()  # completes the upload: the object appears now, whole
+                remote_file = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the task by finish()
+            self._error = exc
+        finally:
+            if remote_file is not None:
+                with contextlib.suppress(Exception):
+                    remote_file.discard()  # an S3 multipart upload is aborted: no object appears
+                remote_file.closed = True  # never completed by close() when it is collected
+
+    def finish(self, folder: Path) -> list[str]:
+        """The shard is written (renamed to ``folder``): upload the rest of its data and, meanwhile, its other
+        files, then its zarr.json; returns the keys written. Raises what the upload raised."""
+        self._written.set()  # the upload thread sends the data's last part
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        data = self._source[1] if self._source is not None else None
+        rest = {self.loc.path(self.key, p.relative_to(folder).as_posix()): p.read_bytes() for p in files
+                if p.relative_to(folder).as_posix() not in (data, GROUP_META)}
+        try:
+            if rest:
+                self.loc.fs.pipe(rest)
+        finally:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if data is not None and (folder / data).is_file() and self.sent != (folder / data).stat().st_size:
+            raise OSError(f"{self.loc.url_of(self.key, data)}: {self.sent:,} bytes uploaded of "
+                          f"{(folder / data).stat().st_size:,}")
+        keys = [self.loc.key_of(p) for p in rest] + ([f"{self.key}/{data}"] if self.sent else [])
+        if (folder / GROUP_META).is_file():
+            write_bytes(self.loc, f"{self.key}/{GROUP_META}", (folder / GROUP_META).read_bytes())
+            keys.append(f"{self.key}/{GROUP_META}")
+        return keys
+
+    def abort(self) -> None:
+        """The task failed: stop the upload and abandon what it sent (no object appears)."""
+        self._cancel.set()
+        self._written.set()
+        self._thread.join()
 
 
 def stream_crc32c(loc: Location, key: str, chunk: int = 8 << 20) -> tuple[int, str]:

@@ -195,6 +195,73 @@ def test_a_source_in_s3_builds_the_same_cache_as_the_local_source(s3, source, bu
     assert datapipe.open(out).manifest.source.root == src
 
 
+def test_a_shard_larger_than_a_part_is_streamed_in_parts_and_equals_the_local_build(s3, big_source, tmp_path, imaging,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(remote, "PART_BYTES", remote.MIN_PART_BYTES)
+    url = s3.bucket() + "/cache"
+    spec = datapipe.BuildSpec(size=300, shard_size=24)  # one shard of 24 x 300x300x3 bytes: 6.5 MB, two parts
+    assert build(big_source, url, spec, storage_options=s3.storage_options).status == "ok"
+    etag = s3.objects(url)["cache/shards/000000.zarr/images/c/0/0/0/0"]["ETag"]
+    assert etag.strip('"').endswith("-2")  # a multipart upload of two parts, not one PUT after the shard
+    build(big_source, tmp_path / "local", spec)
+    got = imaging.tree_bytes(download(s3, url, tmp_path / "got"))
+    assert shard_files(got) == shard_files(imaging.tree_bytes(tmp_path / "local"))
+    assert remote.verify(remote.open_location(url, s3.storage_options)) == []
+
+
+def _uploads(s3, bucket: str) -> list:
+    return s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def test_an_aborted_shard_upload_leaves_no_object_and_no_unfinished_upload(s3, tmp_path):
+    url = s3.bucket()
+    bucket = url.removeprefix("s3://")
+    loc = remote.open_location(url, s3.storage_options)
+    data = tmp_path / "data"
+    with open(data, "wb") as f:
+        upload = remote.ShardUpload(loc, "shards/000000.zarr", part_bytes=remote.MIN_PART_BYTES)
+        upload.follow(data, "images/c/0/0/0/0")
+        f.write(os.urandom(remote.MIN_PART_BYTES + 1000))  # one whole part: it leaves while the file is written
+        f.flush()
+        _wait_for(lambda: len(_uploads(s3, bucket)) == 1, "the first part's upload", timeout=30)
+        upload.abort()
+    assert _uploads(s3, bucket) == [] and s3.objects(url) == {}
+
+
+def test_an_upload_finished_after_the_writer_renamed_its_folder_has_every_object_and_zarr_json_last(s3, tmp_path):
+    url = s3.bucket()
+    loc = remote.open_location(url, s3.storage_options)
+    tmp, final = tmp_path / ".tmp-shard", tmp_path / "shard"
+    (tmp / "images").mkdir(parents=True)
+    payload = os.urandom(remote.MIN_PART_BYTES * 2 + 123)
+    upload = remote.ShardUpload(loc, "shards/000003.zarr")
+    with open(tmp / "images" / "0", "wb") as f:
+        upload.follow(tmp / "images" / "0", "images/0")
+        f.write(payload)
+    (tmp / "images" / "zarr.json").write_text("{}")
+    (tmp / "zarr.json").write_text('{"last": true}')
+    tmp.rename(final)  # as ShardWriter.commit does: the upload keeps reading the renamed file
+    keys = upload.finish(final)
+    assert keys[-1] == "shards/000003.zarr/zarr.json"
+    fs = s3.filesystem()
+    assert fs.cat_file(f"{url.removeprefix('s3://')}/shards/000003.zarr/images/0") == payload
+    assert sorted(s3.objects(url)) == sorted(keys)
+
+
+def test_a_foreign_zarr_json_in_a_shards_place_is_left_alone(s3, source):
+    url = s3.bucket() + "/cache"
+    build(source[0], url, storage_options=s3.storage_options)
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://") + "/shards/000001.zarr/zarr.json"
+    fs.pipe_file(key, b'{"zarr_format": 3, "node_type": "group"}')
+    before = s3.objects(url)
+    with pytest.raises(datapipe.errors.BuildError, match="000001.zarr/zarr.json is in the way"):
+        build(source[0], url, storage_options=s3.storage_options)
+    assert fs.cat_file(key) == b'{"zarr_format": 3, "node_type": "group"}'
+    after = s3.objects(url)
+    assert {k: v["ETag"] for k, v in after.items() if "/shards/" in k} == {k: v["ETag"] for k, v in before.items() if "/shards/" in k}
+
+
 # ----------------------------------------------------------------------------- a real cluster, killed mid-build
 
 
