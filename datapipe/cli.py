@@ -225,31 +225,40 @@ def _info(args) -> int:
     cache = Cache(args.cache)
     report = read_report(cache.root)  # checked before anything is printed
     m = cache.manifest
-    size_on_disk = m.nbytes
     shapes, stored = cache.shapes, cache.sample_nbytes  # an indexed cache's sample indexes are read (and checked) here
     if cache.fixed_shape is not None:
         shape = f"{cache.fixed_shape}"
     else:
         lo, hi = (shapes.min(axis=0).tolist(), shapes.max(axis=0).tolist()) if len(shapes) else ([0, 0], [0, 0])
         shape = f"HxW from {lo[0]}x{lo[1]} to {hi[0]}x{hi[1]} (shorter side {cache.size}, aspect kept)"
-    print(f"cache      {cache.root}")
+    _print_summary(m, str(cache.root), shape=shape, shards=len(cache.counts), report=report,
+                   report_at=str(cache.root / "report.json"), where="on disk", stored=(shapes, stored))
+    return 0
+
+
+def _print_summary(m, location: str, *, shape: str, shards: int, report, report_at: str, where: str,
+                   stored: tuple | None = None) -> None:
+    """What ``datapipe info`` prints of a cache, local or in object storage (``stored``: the shapes and
+    stored sizes of every sample, when the sample indexes were read)."""
+    print(f"cache      {location}")
     print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
-    print(f"samples    {cache.num_samples:,} of shape {shape} uint8 in {plural(len(cache.counts), 'shard')}")
-    quality = f" (quality {m.config.get('quality')})" if cache.encoding == "jpeg" else ""
-    print(f"encoding   {cache.encoding}{quality}")
-    print(f"layout     {cache.layout} ({'one sample every S*S*3 bytes' if cache.layout == 'fixed' else 'per-shard sample index'})")
-    raw_bytes = float((shapes[:, 0] * shapes[:, 1] * 3).mean()) if len(shapes) else 0.0
-    mean = float(stored.mean()) if len(stored) else 0.0
-    print(f"stored     {mean:,.0f} bytes/sample mean ({mean / max(raw_bytes, 1.0):.0%} of the raw pixels)")
-    print(f"classes    {len(cache.classes)}: {', '.join(cache.classes[:8])}{' …' if len(cache.classes) > 8 else ''}")
+    print(f"samples    {m.num_samples:,} of shape {shape} uint8 in {plural(shards, 'shard')}")
+    quality = f" (quality {m.config.get('quality')})" if m.encoding == "jpeg" else ""
+    print(f"encoding   {m.encoding}{quality}")
+    print(f"layout     {m.layout} ({'one sample every S*S*3 bytes' if m.layout == 'fixed' else 'per-shard sample index'})")
+    if stored is not None:
+        shapes, nbytes = stored
+        raw_bytes = float((shapes[:, 0] * shapes[:, 1] * 3).mean()) if len(shapes) else 0.0
+        mean = float(nbytes.mean()) if len(nbytes) else 0.0
+        print(f"stored     {mean:,.0f} bytes/sample mean ({mean / max(raw_bytes, 1.0):.0%} of the raw pixels)")
+    print(f"classes    {len(m.classes)}: {', '.join(m.classes[:8])}{' …' if len(m.classes) > 8 else ''}")
     print(f"config     {json.dumps(m.config)}")
     print(f"source     {m.source.root} ({m.source.kind})")
-    print(f"on disk    {size_on_disk / 2**20:,.1f} MiB ({size_on_disk / max(cache.num_samples, 1) / 1024:,.1f} KiB/sample)")
+    print(f"{where:<10} {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
         print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
               f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')} "
-              f"(every file and reason: {cache.root / 'report.json'})")
-    return 0
+              f"(every file and reason: {report_at})")
 
 
 def _remote_info(args) -> int:
@@ -265,19 +274,8 @@ def _remote_info(args) -> int:
         doc = remote.read_doc(loc, "report.json")
     report = parse_report(doc, Path(loc.url_of("report.json"))) if doc is not None else None
     shape = f"{m.fixed_shape}" if m.fixed_shape is not None else f"shorter side {m.size}, aspect kept"
-    print(f"cache      {loc.url}")
-    print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
-    print(f"samples    {m.num_samples:,} of shape {shape} uint8 in {plural(len(m.shards), 'shard')}")
-    print(f"encoding   {m.encoding}{' (quality ' + str(m.config.get('quality')) + ')' if m.encoding == 'jpeg' else ''}")
-    print(f"layout     {m.layout}")
-    print(f"classes    {len(m.classes)}: {', '.join(m.classes[:8])}{' …' if len(m.classes) > 8 else ''}")
-    print(f"config     {json.dumps(m.config)}")
-    print(f"source     {m.source.root} ({m.source.kind})")
-    print(f"in store   {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
-    if report is not None:
-        print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
-              f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')} "
-              f"(every file and reason: {loc.url_of('report.json')})")
+    _print_summary(m, loc.url, shape=shape, shards=len(m.shards), report=report,
+                   report_at=loc.url_of("report.json"), where="in store")
     return 0
 
 
