@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import posixpath
 import re
 import socket
 import threading
@@ -674,11 +675,16 @@ def _check_object(loc: Location, objects: dict[str, int], key: str, size: int | 
 
 
 def scan(url: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """List a source of class folders in object storage (one listing): a :class:`datapipe.sources.Listing`
-    whose ``root`` is the URL's path and ``url`` the URL; workers read each object directly."""
+    """List a source in object storage: a prefix of class folders (one listing), or a CSV object of
+    ``path,label`` rows (a URL ending in .csv: read once, and its folder listed once). A
+    :class:`datapipe.sources.Listing` whose ``root`` is the path of the folder its paths are relative
+    to and ``url`` that folder's URL; workers read each object directly."""
     from .sources import IMAGE_EXTENSIONS, Listing
 
     loc = open_location(url, storage_options)
+    if loc.root.lower().endswith(".csv"):
+        with store_errors(loc, "read the source", SourceError):
+            return _scan_csv(loc)
     with store_errors(loc, "list the source", SourceError):
         objects = listing(loc)
     if not objects:
@@ -703,3 +709,63 @@ def scan(url: str, storage_options: dict[str, Any] | None = None) -> Any:
                        ignored=ignored)
     listing_.url = loc.url
     return listing_
+
+
+def _scan_csv(loc: Location) -> Any:
+    """The Listing of a CSV object of ``path,label`` rows: paths relative to the CSV's folder, or URLs of the
+    same bucket; the listing's root is the deepest folder holding them all (the CSV's, unless a URL leads
+    elsewhere), listed once for the objects' sizes (a missing object is quarantined when it is read)."""
+    from .sources import MAX_CSV_BYTES, Listing, csv_labels, csv_rows, csv_text
+
+    data = read_bytes(loc, "", MAX_CSV_BYTES)
+    if data is None:
+        raise SourceError(f"source {loc.url} does not exist; pass a prefix of class folders or a CSV object of path,label")
+    folder = posixpath.dirname(loc.root)
+    bucket = loc.root.split("/", 1)[0]
+    scheme = loc.url.split("://", 1)[0]
+    beside = listing(Location(loc.url, loc.fs, folder, loc.storage_options))
+
+    def full(cell: str, lineno: int) -> str:
+        path = cell.strip()
+        where = f"{loc.url}:{lineno}"
+        if not path or "\x00" in path:
+            raise SourceError(f"{where}: {'empty path' if not path else 'the path holds a NUL character'}; "
+                              "every row must be 'path,label'")
+        if is_url(path):
+            if not path.lower().startswith(f"{scheme.lower()}://"):
+                raise SourceError(f"{where}: {path!r} is in another kind of store; a CSV object's rows name objects of "
+                                  f"its own store ({scheme}://{bucket}/...) or paths relative to its folder")
+            key = posixpath.normpath(str(loc.fs._strip_protocol(path)))
+            if key.split("/", 1)[0] != bucket:
+                raise SourceError(f"{where}: {path!r} is in another bucket; a CSV object's rows name objects of "
+                                  f"its own bucket {scheme}://{bucket} (the workers read them with its options)")
+            return key
+        if path.startswith("/") or path.startswith("~"):
+            raise SourceError(f"{where}: absolute path {path!r}; write a path relative to the CSV's folder "
+                              f"{scheme}://{folder} or a full {scheme}:// URL")
+        rel = posixpath.normpath(path)
+        if rel == "." or rel == ".." or rel.startswith("../"):
+            raise SourceError(f"{where}: path {path!r} leads outside the CSV's folder {scheme}://{folder}; "
+                              "write a full URL instead")
+        return f"{folder}/{rel}"
+
+    rows = csv_rows(csv_text(data, loc.url), loc.url, lambda cell: posixpath.normpath(cell.strip()) in beside, full)
+    keys = [key for key, _, _ in rows]
+    root = posixpath.commonpath([folder, *(posixpath.dirname(k) for k in keys)]) if keys else folder
+    objects = beside if root == folder else listing(Location(loc.url, loc.fs, root, loc.storage_options))
+    seen: dict[str, str] = {}
+    dropped: list[dict[str, str]] = []
+    for key, label, _ in rows:  # file order: the first row of a duplicated path wins
+        rel = key[len(root):].lstrip("/")
+        if rel in seen:
+            dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
+            continue
+        seen[rel] = label
+    names, paths, labels = csv_labels(seen)
+    if not paths:
+        raise SourceError(f"source {loc.url} lists no images; write one 'path,label' row per image")
+    out = Listing(root=Path(root), kind="csv", classes=names, paths=paths, labels=labels,
+                  stats=[(objects[p], 0) if p in objects else (-1, -1) for p in paths], dropped=dropped)
+    out.url = f"{scheme}://{root}"
+    out.listed_from = loc.url
+    return out

@@ -22,6 +22,7 @@ import json
 import os
 import posixpath
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class Listing:
     dropped: list[dict] = field(default_factory=list)  # entries quarantined at scan time (path, error, reason)
     source: Path | None = None  # the resolved folder or CSV file: the build's identity
     url: str | None = None  # a source in object storage: its URL (``root`` is then the path inside its filesystem)
+    listed_from: str | None = None  # a CSV object's URL (the build's identity; ``url`` is the folder its paths are under)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -65,7 +67,7 @@ class Listing:
     @property
     def identity(self) -> dict[str, str]:
         """What the build was made from: the resolved source path (or URL) and its kind."""
-        return {"path": self.url or str(self.source or self.root.resolve()), "kind": self.kind}
+        return {"path": self.listed_from or self.url or str(self.source or self.root.resolve()), "kind": self.kind}
 
     @property
     def location(self) -> str:
@@ -252,22 +254,28 @@ def _csv_text(csv_path: Path) -> str:
                           "path,label rows may hold; is it the right file?") from None
     except OSError as exc:
         raise SourceError(f"source {csv_path} cannot be read: {exc.strerror or exc}") from None
+    return csv_text(data, str(csv_path))
+
+
+def csv_text(data: bytes, name: str) -> str:
+    """The text of a CSV's bytes (``name``: the file or object, for messages): UTF-8 with or without a
+    byte-order mark; other encodings refused by name."""
     for bom, encoding in _OTHER_BOMS:
         if data.startswith(bom):
-            raise SourceError(f"{csv_path} is {encoding} text; save it as UTF-8 (in Excel: 'CSV UTF-8') and rerun")
+            raise SourceError(f"{name} is {encoding} text; save it as UTF-8 (in Excel: 'CSV UTF-8') and rerun")
     try:
         return data.decode("utf-8-sig")  # Excel's "CSV UTF-8" starts with a byte-order mark
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise SourceError(f"{csv_path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+        raise SourceError(f"{name}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
                           "save the CSV as UTF-8 and rerun") from None
 
 
-def _is_header(row: list[str], root: Path) -> bool:
+def _is_header(row: list[str], exists: Callable[[str], bool]) -> bool:
     """The documented header rule: the first row's first cell names a column (see HEADER_NAMES),
     not a file that exists beside the CSV."""
     cell = row[0].strip().lstrip("\ufeff").strip()
-    return cell.casefold() in HEADER_NAMES and not os.path.lexists(root / cell)
+    return cell.casefold() in HEADER_NAMES and not exists(cell)
 
 
 def _relative(cell: str, csv_path: Path, lineno: int) -> str:
@@ -289,8 +297,17 @@ def _relative(cell: str, csv_path: Path, lineno: int) -> str:
 
 def _csv_rows(csv_path: Path) -> list[tuple[str, str, int]]:
     """(relative path, label, line number) of every data row."""
+    return csv_rows(_csv_text(csv_path), str(csv_path), lambda cell: os.path.lexists(csv_path.parent / cell),
+                    lambda cell, lineno: _relative(cell, csv_path, lineno))
+
+
+def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
+             relative: Callable[[str, int], str]) -> list[tuple[str, str, int]]:
+    """(path, label, line number) of every data row of a CSV's ``text``: ``exists(cell)`` says whether a
+    first cell that looks like a header names a file beside the CSV, ``relative(cell, lineno)`` makes
+    a path cell the path the listing records (or raises SourceError naming the line)."""
     rows: list[tuple[str, str, int]] = []
-    reader = csv.reader(io.StringIO(_csv_text(csv_path), newline=""))
+    reader = csv.reader(io.StringIO(text, newline=""))
     first_row = True
     try:
         for row in reader:
@@ -305,14 +322,14 @@ def _csv_rows(csv_path: Path) -> list[tuple[str, str, int]]:
                     "one class label per image, so boxes, masks or other targets in further columns "
                     "would be lost: keep them in a file of your own, keyed by path (ds.path(i)), or "
                     "write the CSV with two columns")
-            if first_row and _is_header(row, csv_path.parent):
+            if first_row and _is_header(row, exists):
                 first_row = False
                 continue
             first_row = False
             label = row[1].strip()
             if not label:
                 raise SourceError(f"{csv_path}:{lineno}: empty label for {row[0].strip()!r}; every row must be 'path,label'")
-            rows.append((_relative(row[0], csv_path, lineno), label, lineno))
+            rows.append((relative(row[0], lineno), label, lineno))
     except csv.Error as exc:
         raise SourceError(f"{csv_path}:{reader.line_num}: not a CSV row ({exc}); write plain 'path,label' rows") from None
     return rows
@@ -339,14 +356,18 @@ def _scan_csv(csv_path: Path) -> Listing:
             dropped.append({"path": rel, **not_regular(mode)})
             continue
         seen[rel] = label
+    names, paths, labels = csv_labels(seen)
+    return Listing(root=root, kind="csv", classes=names, paths=paths, labels=labels,
+                   stats=[_stat(root / p) for p in paths], dropped=dropped)
+
+
+def csv_labels(seen: dict[str, str]) -> tuple[list[str], list[str], list[int]]:
+    """The classes (numbers in numeric order, then names), the sorted paths and their label indices of a
+    CSV's path -> label rows."""
     names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))
     index = {name: i for i, name in enumerate(names)}
     records = sorted((rel, index[label]) for rel, label in seen.items())
-    paths = [p for p, _ in records]
-    return Listing(
-        root=root, kind="csv", classes=names, paths=paths, labels=[lab for _, lab in records],
-        stats=[_stat(root / p) for p in paths], dropped=dropped,
-    )
+    return names, [p for p, _ in records], [lab for _, lab in records]
 
 
 def plan_shards(listing: Listing, shard_size: int) -> list[dict]:

@@ -262,6 +262,74 @@ def test_a_foreign_zarr_json_in_a_shards_place_is_left_alone(s3, source):
     assert {k: v["ETag"] for k, v in after.items() if "/shards/" in k} == {k: v["ETag"] for k, v in before.items() if "/shards/" in k}
 
 
+def _upload_tree(s3, root: Path, url: str) -> list[str]:
+    """Upload every file under ``root``; return the images a class-folder build reads (no hidden names)."""
+    fs = s3.filesystem()
+    rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    for rel in rels:
+        fs.put_file(str(root / rel), url.removeprefix("s3://") + "/" + rel)
+    return [r for r in rels if not any(part.startswith(".") for part in r.split("/"))]
+
+
+def test_a_csv_object_in_s3_builds_the_same_cache_as_the_local_csv(s3, source, tmp_path, imaging):
+    images = s3.bucket() + "/data/images"
+    rels = [r for r in _upload_tree(s3, source[0], images) if r.lower().endswith((".jpg", ".jpeg", ".png"))]
+    assert len(rels) > 4
+    labels = {r: r.split("/")[0] for r in rels}
+    local_csv = source[0] / "list.csv"
+    rows = ["path,label"] + [f"{r},{labels[r]}" for r in rels]
+    try:
+        local_csv.write_text("\n".join(rows) + "\n")
+        local = build(local_csv, tmp_path / "from-local-csv")
+    finally:
+        local_csv.unlink()
+    # the same rows in the store: relative to the CSV's folder, as full URLs of the bucket, one duplicated
+    remote_rows = ["path,label"] + [f"{images}/{r},{labels[r]}" if i % 2 else f"{r},{labels[r]}" for i, r in enumerate(rels)]
+    remote_rows.append(f"./{rels[0]},{labels[rels[0]]}")
+    s3.filesystem().pipe_file(images.removeprefix("s3://") + "/list.csv", ("\n".join(remote_rows) + "\n").encode())
+    out = tmp_path / "from-s3-csv"
+    report = build(images + "/list.csv", out, storage_options=s3.storage_options, max_bad_fraction=0.5)
+    assert report.status == "ok" and report.num_samples == local.num_samples == len(rels)
+    assert [q["error"] for q in report.quarantined] == ["duplicate"]
+    got, want = shard_files(imaging.tree_bytes(out)), shard_files(imaging.tree_bytes(tmp_path / "from-local-csv"))
+    assert without_inputs_hash(got) == without_inputs_hash(want)
+    manifest = datapipe.open(out).manifest
+    assert manifest.source.root == images and manifest.source.kind == "csv"
+    assert json.loads((out / "build.json").read_text())["source"]["path"] == images + "/list.csv"
+
+
+def test_a_csv_object_naming_objects_above_its_folder_and_missing_ones(s3, source, tmp_path):
+    bucket = s3.bucket()
+    rels = [r for r in _upload_tree(s3, source[0], bucket + "/pool") if r.lower().endswith((".jpg", ".jpeg", ".png"))]
+    rows = [f"{bucket}/pool/{r},{r.split('/')[0]}" for r in rels] + ["missing.jpg,cat"]
+    s3.filesystem().pipe_file(bucket.removeprefix("s3://") + "/lists/train.csv", ("\n".join(rows) + "\n").encode())
+    report = build(bucket + "/lists/train.csv", tmp_path / "out", storage_options=s3.storage_options, max_bad_fraction=0.5)
+    assert report.num_samples == len(rels)
+    assert [q["path"] for q in report.quarantined] == ["lists/missing.jpg"]
+    assert datapipe.open(tmp_path / "out").manifest.source.root == bucket  # the folder holding every row
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ("s3://another-bucket/a.jpg,x", "another bucket"),
+    ("gs://b/a.jpg,x", "another kind of store"),
+    ("/abs/a.jpg,x", "absolute path"),
+    ("../a.jpg,x", "outside the CSV's folder"),
+    ("a.jpg,x,extra", "3 columns"),
+])
+def test_a_bad_row_of_a_csv_object_is_refused_naming_the_object_and_line(s3, tmp_path, row, message):
+    url = s3.bucket() + "/lists/train.csv"
+    s3.filesystem().pipe_file(url.removeprefix("s3://"), f"path,label\nok.jpg,y\n{row}\n".encode())
+    with pytest.raises(datapipe.errors.SourceError, match=message) as info:
+        build(url, tmp_path / "out", storage_options=s3.storage_options)
+    assert f"{url}:3" in str(info.value)
+
+
+def test_a_missing_csv_object_is_a_source_error(s3, tmp_path):
+    url = s3.bucket() + "/nothing.csv"
+    with pytest.raises(datapipe.errors.SourceError, match="does not exist"):
+        build(url, tmp_path / "out", storage_options=s3.storage_options)
+
+
 # ----------------------------------------------------------------------------- a real cluster, killed mid-build
 
 
