@@ -3,6 +3,7 @@
     python examples/train.py --cache CACHE
     torchrun --nproc_per_node=2 examples/train.py --cache CACHE            # DDP (gloo on CPU, nccl on GPU)
     python examples/train.py --cache CACHE --resume checkpoint.pt          # continue where it stopped
+    python examples/train.py --cache s3://bucket/cache --local-cache /nvme/datapipe   # stream from a store
 
 A checkpoint (model, optimizer and loader position) is written at the end of every epoch and when
 --max-steps stops the run; --resume continues mid-epoch with exactly the batches not yet seen.
@@ -27,7 +28,10 @@ import datapipe
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache", required=True, help="cache folder written by `datapipe build`")
+    p.add_argument("--cache", required=True, help="cache folder or URL (s3://...) written by `datapipe build`")
+    p.add_argument("--local-cache", default=None,
+                   help="a cache URL's node-local shard cache (a folder); credentials and endpoint from the AWS_* variables")
+    p.add_argument("--cache-limit", default=None, help="at most this much of --local-cache (e.g. 200GB)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="samples per batch on each process")
     p.add_argument("--crop", type=int, default=224, help="RandomResizedCrop output size")
@@ -86,8 +90,9 @@ def main(argv=None) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
 
     # Every rank reads its own share of each global batch; drop_last keeps every batch full.
+    remote = {"local_cache": args.local_cache, "cache_limit": args.cache_limit} if args.local_cache else {}
     dataset = datapipe.StreamingDataset(args.cache, batch_size=args.batch_size, shuffle=True, seed=args.seed,
-                                        drop_last=True)
+                                        drop_last=True, **remote)
     loader = datapipe.DeviceLoader(dataset, device=device, num_workers=args.workers,
                                    augment=datapipe.augment.train(args.crop))
 

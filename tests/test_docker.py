@@ -1,14 +1,17 @@
 """docker/ stays runnable: the Compose services, the commands they run (checked against the real
-datapipe and dask command lines, so renaming an option breaks this test), the Dockerfile's sources
-and the commands in docker/README.md. No Docker engine is needed."""
+datapipe, dask and examples/train.py command lines, so renaming an option breaks this test), the
+object store they share (its endpoint, credentials and bucket), the Dockerfile's sources and the
+commands in docker/README.md. No Docker engine is needed."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import importlib
 import importlib.metadata
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -25,6 +28,8 @@ COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 README = DOCKER / "README.md"
 SHELL_OPERATORS = {"&&", "||", ";", "|", "(", ")", "&"}
+STORE_IMAGES = {"store": "minio/minio", "bucket": "minio/mc"}  # the object store and its one-shot bucket job
+BUCKET = "datapipe"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -47,10 +52,23 @@ def argv_of(command) -> list[str]:
 
 
 def simple_commands(argv: list[str]) -> list[list[str]]:
-    """The simple commands of an argv: itself, or each one inside an ``sh -c SCRIPT``."""
+    """The simple commands of an argv: itself, each one inside an ``sh -c SCRIPT``, or the argv lists
+    (``["datapipe", ...]``) that a ``python -c CODE`` runs."""
     if len(argv) >= 3 and Path(argv[0]).name in ("sh", "bash") and argv[1] == "-c":
         return shell_commands(argv[2])
+    if len(argv) >= 3 and Path(argv[0]).name.startswith("python") and argv[1] == "-c":
+        return python_commands(argv[2])
     return [argv]
+
+
+def python_commands(code: str) -> list[list[str]]:
+    """The list literals of strings in Python code (the argvs it hands to subprocess)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.List) and node.elts and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                                                            for e in node.elts):
+            found.append([e.value for e in node.elts])  # type: ignore[attr-defined]
+    return found
 
 
 def shell_commands(script: str) -> list[list[str]]:
@@ -218,7 +236,7 @@ def check_dask(argv: list[str]) -> None:
 
 def test_compose_file_parses_with_the_expected_services():
     names = set(services())
-    assert {"scheduler", "worker-1", "worker-2", "sample", "build"} <= names
+    assert {"store", "bucket", "scheduler", "worker-1", "worker-2", "sample", "build", "train"} <= names
     assert argv_of(services()["scheduler"]["command"])[:2] == ["dask", "scheduler"]
     for worker in ("worker-1", "worker-2"):
         assert argv_of(services()[worker]["command"])[:2] == ["dask", "worker"]
@@ -236,32 +254,107 @@ def test_every_service_runs_the_image_that_compose_builds():
     assert dockerfile.resolve() == DOCKERFILE.resolve()
     assert context == ROOT, "the build context must be the repository root (the Dockerfile copies from it)"
     for name, service in services().items():
-        assert service.get("image") == image, f"service {name} runs {service.get('image')!r}, not {image!r}"
+        want = STORE_IMAGES.get(name, image)
+        assert service.get("image", "").split(":")[0] == want.split(":")[0] if name in STORE_IMAGES else (
+            service.get("image") == want), f"service {name} runs {service.get('image')!r}, not {want!r}"
 
 
-def test_cluster_and_jobs_share_one_volume_at_the_same_path():
-    declared = set(compose().get("volumes") or {})
-    mounts = {name: volume_mounts(s) for name, s in services().items()}
-    shared = set.intersection(*(mounts[n] for n in ("scheduler", "worker-1", "worker-2", "sample", "build")))
-    named = {(source, target) for source, target in shared if source in declared}
-    assert named, f"no named volume mounted at the same path everywhere: {mounts}"
-    (_, target), = named
-    build = tool_commands([argv_of(services()["build"]["command"])], "datapipe")[0]
-    sample = tool_commands([argv_of(services()["sample"]["command"])], "datapipe")[0]
+def datapipe_services() -> list[str]:
+    return [name for name in services() if name not in STORE_IMAGES]
+
+
+def environment(name: str) -> dict[str, str]:
+    env = services()[name].get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def build_args() -> argparse.Namespace:
     from datapipe.cli import _parser
 
-    args = _parser().parse_args(build[1:])
-    assert Path(args.source).is_relative_to(target) and Path(args.output).is_relative_to(target)
-    assert sample[2] == args.source, "the sample job must write where the build job reads"
+    return _parser().parse_args(tool_commands([argv_of(services()["build"]["command"])], "datapipe")[0][1:])
 
 
-def test_build_job_waits_for_the_cluster_and_the_sample():
+def train_args() -> argparse.Namespace:
+    argv = argv_of(services()["train"]["command"])
+    assert argv[0] == "python" and argv[1].endswith("examples/train.py"), argv
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        train = importlib.import_module("train")
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    try:
+        return train.parse_args(argv[2:])
+    except SystemExit as exc:
+        pytest.fail(f"examples/train.py rejects {shlex.join(argv)!r} (exit {exc.code})")
+
+
+def test_the_build_reads_and_writes_the_bucket_and_no_volume_is_shared():
+    args = build_args()
+    assert args.source == f"s3://{BUCKET}/source" and args.output == f"s3://{BUCKET}/cache"
+    bucket_job = " ".join(argv_of(services()["bucket"]["entrypoint"]))
+    assert f"mc mb --ignore-existing store/{BUCKET}" in bucket_job
+    sample = " ".join(argv_of(services()["sample"]["command"]))
+    assert f'"{BUCKET}/source/' in sample, "the sample job must upload where the build job reads"
+    # the workers need no shared volume: they read the source objects and upload their shards themselves
+    declared = set(compose().get("volumes") or {})
+    users: dict[str, list[str]] = {}
+    for name, service in services().items():
+        for source, _ in volume_mounts(service):
+            if source in declared:
+                users.setdefault(source, []).append(name)
+    assert all(len(names) == 1 for names in users.values()), f"a volume shared by services: {users}"
+
+
+def test_every_datapipe_service_reaches_the_store_with_its_credentials():
+    store = services()["store"]
+    port = option_value(argv_of(store["command"]), "--address").rsplit(":", 1)[-1]
+    minio = environment("store")
+    for name in datapipe_services():
+        env = environment(name)
+        assert env.get("AWS_ENDPOINT_URL_S3") == f"http://store:{port}", name
+        assert env.get("AWS_ACCESS_KEY_ID") == minio["MINIO_ROOT_USER"], name
+        assert env.get("AWS_SECRET_ACCESS_KEY") == minio["MINIO_ROOT_PASSWORD"], name
+    assert environment("bucket")["AWS_ACCESS_KEY_ID"] == minio["MINIO_ROOT_USER"]
+    assert f"http://store:{port}" in " ".join(argv_of(services()["bucket"]["entrypoint"]))
+    assert "mc ready local" in " ".join(argv_of(store["healthcheck"]["test"]))
+
+
+def test_botocore_takes_the_endpoint_from_aws_endpoint_url_s3():
+    """The compose file gives the endpoint only as AWS_ENDPOINT_URL_S3: s3fs (through botocore) must read it."""
+    pytest.importorskip("s3fs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update({"AWS_ENDPOINT_URL_S3": "http://store:9000", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                "AWS_DEFAULT_REGION": "us-east-1"})
+    code = ("import s3fs; fs = s3fs.S3FileSystem(); fs.connect(); print(fs.s3.meta.endpoint_url)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "http://store:9000"
+
+
+def test_train_streams_the_built_cache_into_a_volume_of_its_own():
+    args = train_args()
+    assert args.cache == build_args().output
+    assert args.local_cache, "train must stream through a node-local cache"
+    mounts = volume_mounts(services()["train"])
+    assert any(Path(args.local_cache).is_relative_to(target) for source, target in mounts
+               if source in (compose().get("volumes") or {}))
+    assert Path(args.checkpoint).is_relative_to(Path(args.local_cache).parent)
+    depends = services()["train"]["depends_on"]
+    assert depends["build"].get("condition") == "service_completed_successfully"
+    assert any(keyword == "COPY" and rest.split()[0] == "examples" for keyword, rest in dockerfile_instructions())
+
+
+def test_jobs_wait_for_the_store_the_cluster_and_each_other():
     depends = services()["build"]["depends_on"]
     depends = depends if isinstance(depends, dict) else {name: {} for name in depends}
     assert {"scheduler", "worker-1", "worker-2", "sample"} <= set(depends)
     assert depends["sample"].get("condition") == "service_completed_successfully"
     for worker in ("worker-1", "worker-2"):
         assert "scheduler" in services()[worker]["depends_on"]
+    assert services()["sample"]["depends_on"]["bucket"]["condition"] == "service_completed_successfully"
+    assert services()["bucket"]["depends_on"]["store"]["condition"] == "service_healthy"
 
 
 def test_workers_and_build_point_at_the_scheduler_service():
