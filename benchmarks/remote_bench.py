@@ -4,7 +4,9 @@ One source (the first N JPEGs of a class-folder tree), one Dask cluster (the sam
 sides), builds alternated round by round so that the shared machine's drift hits both alike. The S3
 side is moto's server on loopback (tests/s3_server.py): each worker writes its shard into a local
 temporary folder and uploads its files, zarr.json last. Reported: the shard-building img/s of each
-side (cluster start-up excluded, as in report.json) and the ratio object store / local.
+side (cluster start-up excluded, as in report.json) and the ratio object store / local, and the CPU
+seconds each side's build took in the workers, in the client and in moto's server (psutil), since moto
+shares the machine's cores with the workers. ``--shard-size 0``: datapipe's default (about 100 MB).
 
     python benchmarks/remote_bench.py [--source /tmp/benchdata] [--images 1000] [--rounds 2] [--workers 2] [--size 160] [--shard-size 50]
 """
@@ -36,6 +38,23 @@ def subset(source: Path, n: int, dest: Path) -> Path:
     return dest
 
 
+def cpu_seconds(moto, workers) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the Dask workers (and nannies), this client and moto's server."""
+    import psutil
+
+    def of(procs) -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+    return {"workers": of(workers), "client": of([psutil.Process()]), "moto": of([moto])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default="/tmp/benchdata")
@@ -43,10 +62,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--size", type=int, default=160)
-    ap.add_argument("--shard-size", type=int, default=50, help="samples per shard (many shards per worker)")
+    ap.add_argument("--shard-size", type=int, default=50, help="samples per shard (many shards per worker); 0: the default")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    import psutil
     from s3_server import running_server
 
     import datapipe
@@ -56,19 +76,26 @@ def main() -> None:
     src = subset(Path(args.source), args.images, work / "src")
     cluster = _local_cluster(args.workers)
     rates: dict[str, list[float]] = {"local": [], "s3": []}
+    cpu: dict[str, list[dict[str, float]]] = {"local": [], "s3": []}
     try:
         with running_server() as s3:
             bucket = s3.bucket("bench")
-            spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size)
+            spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size or None)
+            moto = psutil.Process(s3._proc.pid)  # type: ignore[union-attr]
+            workers = [p for p in psutil.Process().children(recursive=True) if p.pid != moto.pid]
             where = datapipe.Cluster(scheduler=cluster.scheduler_address)
             for r in range(args.rounds):
                 for side in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
                     out = str(work / f"out-{r}") if side == "local" else f"{bucket}/out-{r}"
+                    before = cpu_seconds(moto, workers)
                     report = datapipe.build(src, out, spec, cluster=where, progress=False,
                                             storage_options=s3.storage_options if side == "s3" else None)
+                    used = {k: v - before[k] for k, v in cpu_seconds(moto, workers).items()}
                     rates[side].append(report.images_per_second)
+                    cpu[side].append(used)
                     print(f"round {r} {side:5s}: {report.images_per_second:,.0f} img/s "
-                          f"({report.shards_built} shards, {report.seconds['shards']:.1f} s)", flush=True)
+                          f"({report.shards_built} shards, {report.seconds['shards']:.1f} s); CPU s: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in used.items()), flush=True)
                     if side == "local":
                         shutil.rmtree(out)
                     else:
@@ -78,8 +105,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     local, store = statistics.median(rates["local"]), statistics.median(rates["s3"])
     result = {"images": args.images, "workers": args.workers, "size": args.size, "shard_size": args.shard_size, "rounds": args.rounds,
-              "local_img_s": local, "s3_img_s": store, "ratio": store / local, "all": rates}
-    print(f"local {local:,.0f} img/s, s3 (moto on loopback) {store:,.0f} img/s: {store / local:.0%} of local")
+              "local_img_s": local, "s3_img_s": store, "ratio": store / local, "all": rates, "cpu_seconds": cpu}
+    moto_share = sum(c["moto"] for c in cpu["s3"]) / max(sum(sum(c.values()) for c in cpu["s3"]), 1e-9)
+    print(f"local {local:,.0f} img/s, s3 (moto on loopback) {store:,.0f} img/s: {store / local:.0%} of local; "
+          f"moto's server took {moto_share:.0%} of the CPU time of the s3 builds")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
