@@ -190,6 +190,8 @@ class Cache:
 
     def _init_readers(self) -> None:
         self._files = _ShardFiles(_fd_limit() if self.remote is None else min(_fd_limit(), self.remote.max_open))
+        if self.remote is not None:
+            self.remote.attach(self._files)  # the remote's plan sizes what stays open
         self._lock = threading.Lock()
         self._labels: np.ndarray | None = None
         self._paths: list[str] | None = None

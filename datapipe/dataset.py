@@ -284,9 +284,13 @@ class StreamingDataset(IterableDataset):
         positions = np.repeat(bounds[batches, 0] - before, sizes) + np.arange(total)  # [total]
         shards = np.searchsorted(self.cache.starts, order[positions], side="right") - 1
         s = len(self.cache.counts)
-        reads = np.unique(np.repeat(np.arange(len(batches), dtype=np.int64), sizes) * s + shards) % s  # (batch, shard)
-        _, first = np.unique(reads, return_index=True)
-        remote.follow(reads[np.sort(first)])
+        reads = np.unique(np.repeat(np.arange(len(batches), dtype=np.int64), sizes) * s + shards)  # (batch, shard), sorted
+        at, shard = reads // s, reads % s
+        _, first = np.unique(shard, return_index=True)  # [u] by shard number
+        _, from_end = np.unique(shard[::-1], return_index=True)
+        last = at[len(reads) - 1 - from_end]
+        by_first = np.argsort(first, kind="stable")
+        remote.follow(shard[first[by_first]], at[first[by_first]], last[by_first])
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
         worker, num_workers = detect_worker()
@@ -297,7 +301,10 @@ class StreamingDataset(IterableDataset):
             self._shared[2] = 1
             self._follow(order, bounds, mine)
             _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
-        for j in mine:
+        remote = self.cache.remote
+        for k, j in enumerate(mine):
+            if remote is not None:
+                remote.advance(k)  # the plan's position (_follow): what is finished, how far to prefetch
             begin, end = bounds[j]
             batch = self._read(order[begin:end], shared=in_worker)
             if not in_worker:

@@ -43,6 +43,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -66,6 +67,9 @@ DOWNLOADS = ".datapipe-downloads"  # one JSON line per file downloaded (what, by
 EVICT_LOCK = ".datapipe-evict.lock"
 FILES_LOCK = "_files"  # the lock of the manifest's own files (labels, paths)
 PART = ".part-"
+# A lock file's mtime is its shard's access stamp; a shard every reader of this process has finished in
+# this epoch gets a stamp below this (1970, ordered by when it was finished): evicted before any other.
+FINISHED_BELOW_NS = 10**15
 MANIFEST_LIMIT = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -195,12 +199,15 @@ class ShardFetcher:
         self._pool_pid = -1
         self._lock = threading.Lock()
         self._follower: _Follower | None = None
+        self._open_files: Any = None  # weakref to the Cache's open shard files (their limit follows the plan)
+        self._open_cap = 1 << 20
         self.downloaded_bytes = 0  # by this process
         self._warned = False
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_fs", "_fs_pid", "_root", "_pool", "_pool_pid", "_lock", "_follower", "downloaded_bytes", "_warned"):
+        for key in ("_fs", "_fs_pid", "_root", "_pool", "_pool_pid", "_lock", "_follower", "_open_files", "_open_cap",
+                    "downloaded_bytes", "_warned"):
             state.pop(key, None)
         return state
 
@@ -331,6 +338,15 @@ class ShardFetcher:
         with self._lock:
             self.downloaded_bytes += nbytes
 
+    def _stamp_finished(self, shards: Sequence[int]) -> None:
+        """Give these shards' locks a finished stamp (eviction takes them first; a reader opening one
+        again stamps it as used)."""
+        assert self.manifest is not None
+        base = time.time_ns() // 10**6  # below FINISHED_BELOW_NS, ordered by when they were finished
+        for shard in shards:
+            with contextlib.suppress(OSError):
+                os.utime(self._lock_path(self.manifest.shards[shard].name), ns=(time.time_ns(), base))
+
     # ----------------------------------------------------------------- locks
     @contextlib.contextmanager
     def _locked(self, name: str, op: int, what: str, temps: Sequence[str] = ()) -> Iterator[int]:
@@ -368,6 +384,41 @@ class ShardFetcher:
                                        f"{self.timeout:g} s without a byte arriving (lock {self._lock_path(what)}); "
                                        "check that the store is up, or raise timeout=")
 
+    @contextlib.contextmanager
+    def _exclusive_unless_present(self, shard: int) -> Iterator[int]:
+        """The shard's lock held exclusively to download it, or -1 once it is present. Never waits for the
+        exclusive lock while readers hold it shared: a shard another process downloaded meanwhile may be
+        held open by readers for a long time (ranks waiting for each other at a step)."""
+        assert self.manifest is not None
+        rec = self.manifest.shards[shard]
+        rels = self._shard_rels(shard)
+        what = f"shard {rec.name}"
+        since, pause = time.monotonic(), 0.001
+        while True:
+            with self._locked(rec.name, fcntl.LOCK_SH, what, rels) as fd:  # waits while another process downloads
+                if self._present(shard, fd):
+                    yield -1
+                    return
+            fd = self._lock_fd(rec.name)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() - since > self.timeout:
+                    raise RemoteStoreError(f"{what}: its lock {self._lock_path(rec.name)} was never free to download it "
+                                           f"in {self.timeout:g} s; raise timeout=") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                continue
+            try:
+                if self._present(shard, fd):
+                    yield -1
+                else:
+                    yield fd
+                return
+            finally:
+                os.close(fd)
+
     def _temp_bytes(self, rels: Sequence[str]) -> int:
         total = 0
         for rel in rels:
@@ -392,18 +443,34 @@ class ShardFetcher:
     # ----------------------------------------------------------------- the Cache's hook
     @property
     def max_open(self) -> int:
-        """Shard files one process keeps open (its Cache's descriptor limit): half of its share of the limit."""
-        budget = self._budget_shards()
-        return 1 << 20 if budget is None else max(1, budget // 2)
+        """Shard files one process keeps open before its plan is known: the shards ``cache_limit`` holds
+        (:meth:`follow` lowers it to the most shards the plan reads at once)."""
+        slots = self.slots()
+        return 1 << 20 if slots is None else slots
 
-    def _budget_shards(self) -> int | None:
-        """Shards this process's share of ``cache_limit`` holds (the limit split over the node's ranks)."""
+    def attach(self, files: Any) -> None:
+        """The Cache's open shard files (``cache._ShardFiles``): :meth:`follow` sizes their limit from the plan."""
+        self._open_files = weakref.ref(files)
+        self._open_cap = int(files.limit)
+
+    def open_shards(self) -> set[int]:
+        """The shards this process's Cache holds open (they cannot be evicted)."""
+        files = self._open_files() if self._open_files is not None else None
+        return set() if files is None else set(list(files._open))
+
+    def slots(self) -> int | None:
+        """Shard data files ``cache_limit`` holds on this node beside the cache's small files (manifest,
+        labels, paths, sample indexes, which are never evicted); None without a limit.
+
+        Not split over the node's ranks: with the ``"shards"`` order they read the same window of shards."""
         if self.limit is None or self.manifest is None:
             return None
         sizes = [s.nbytes for s in self.manifest.shards if s.count]
-        per_shard = max(sizes) if sizes else 1
-        local = _local_world_size()
-        return max(1, self.limit // max(1, per_shard) // local)
+        small = sum(s.count * 32 for s in self.manifest.shards) if self._indexed() else 0
+        for name in (MANIFEST, *(rec.name for rec in self.manifest.files.values())):
+            with contextlib.suppress(OSError):
+                small += os.stat(self.folder / name).st_size
+        return max(1, (self.limit - small) // max(1, max(sizes) if sizes else 1))
 
     def hold(self, shard: int) -> Hold | None:
         """Make shard ``shard``'s files local (downloading them, or waiting for another process's download)
@@ -415,6 +482,7 @@ class ShardFetcher:
         follower = self._follower
         if follower is not None:
             follower.reached(shard)
+            follower.wait_for(shard)  # a download this process's prefetch started: no lock polling
         rels = self._shard_rels(shard)
         for _ in range(8):  # a shard evicted between its download and the shared lock is downloaded again
             fd = self._lock_fd(rec.name)
@@ -465,11 +533,8 @@ class ShardFetcher:
         assert self.manifest is not None
         rec = self.manifest.shards[shard]
         rels = self._shard_rels(shard)
-        with self._locked(rec.name, fcntl.LOCK_SH, f"shard {rec.name}", rels) as fd:
-            if self._present(shard, fd):  # (readers hold it shared: an exclusive lock would wait for them)
-                return False
-        with self._locked(rec.name, fcntl.LOCK_EX, f"shard {rec.name}", rels) as fd:
-            if self._present(shard, fd):
+        with self._exclusive_unless_present(shard) as fd:
+            if fd < 0:
                 return False
             missing = [rel for rel in rels if not self._ours(fd, rel)]
             for rel in missing:
@@ -562,7 +627,7 @@ class ShardFetcher:
             usage, candidates = _scan(self.local_root)
             if usage + need <= self.limit:
                 return
-            for _, lock_path, folder, rel in sorted(candidates):
+            for _, lock_path, folder, rel in sorted(candidates, key=self._eviction_key):
                 freed = _evict(lock_path, folder, rel)
                 if freed is not None:
                     usage -= freed
@@ -573,25 +638,69 @@ class ShardFetcher:
                 log.warning("%s holds %s bytes in files open for reading; the cache_limit of %s is exceeded until "
                             "they are closed", self.local_root, f"{usage:,}", f"{self.limit:,}")
 
+    def _eviction_key(self, candidate: tuple[int, Path, Path, str]) -> tuple[int, float, int]:
+        """Which shard goes first: those finished in this epoch (oldest first), then those this process
+        does not read again soon (furthest next read first, never-again first: Belady's rule on the plan),
+        each in least recently used order."""
+        stamp, _, folder, rel = candidate
+        if stamp < FINISHED_BELOW_NS:
+            return 0, 0.0, stamp
+        follower = self._follower
+        if follower is None or folder != self.folder:
+            return 1, -float("inf"), stamp
+        return 1, -follower.next_read(rel), stamp
+
     # ----------------------------------------------------------------- prefetch
-    def follow(self, shards: Sequence[int] | np.ndarray) -> None:
-        """Prefetch ``shards`` (the order this process will first read them) in a background thread,
-        ``prefetch`` shards ahead of the furthest one a reader has opened; replaces the previous order."""
+    def follow(self, shards: Sequence[int] | np.ndarray, first: Sequence[int] | np.ndarray | None = None,
+               last: Sequence[int] | np.ndarray | None = None) -> None:
+        """Prefetch ``shards`` (the order this process will first read them; ``first`` and ``last``: the
+        positions of the batches that first and last read each, default one shard per batch) in background
+        threads; replaces the previous order.
+
+        What the batch being read needs is downloaded first (in parallel); then up to ``prefetch`` shards
+        ahead, never more than ``cache_limit`` holds together with the shards still to be read.
+        """
         previous, self._follower = self._follower, None
         if previous is not None:
             previous.stop()
-        depth = self._depth()
-        if depth and len(shards):
-            self._follower = _Follower(self, [int(s) for s in shards], depth)
+        shard_list = [int(s) for s in shards]
+        first_at = np.arange(len(shard_list), dtype=np.int64) if first is None else np.asarray(first, np.int64)
+        last_at = first_at.copy() if last is None else np.asarray(last, np.int64)
+        self._size_open_files(first_at, last_at)
+        if self._depth() is not None and len(shard_list):
+            assert self.manifest is not None
+            rel = {self._rel_data(s): s for s in set(shard_list)}
+            self._follower = _Follower(self, shard_list, first_at, last_at, self._depth() or 0, self.slots(), rel)
 
-    def _depth(self) -> int:
+    def advance(self, position: int) -> None:
+        """The reader starts the batch at ``position`` of the plan given to :meth:`follow`."""
+        follower = self._follower
+        if follower is not None:
+            follower.advance(position)
+
+    def _size_open_files(self, first: np.ndarray, last: np.ndarray) -> None:
+        """Keep open the shards the plan reads at once (a window of the ``"shards"`` order, two where a batch
+        straddles windows) and no more: a shard closed is evictable, and one kept open past its last read
+        holds room another shard needs."""
+        files = self._open_files() if self._open_files is not None else None
+        slots = self.slots()
+        if files is None or slots is None:
+            return
+        at_once = 1
+        if len(first):
+            events = np.concatenate([np.stack([first, np.ones_like(first)], 1), np.stack([last + 1, -np.ones_like(last)], 1)])
+            events = events[np.lexsort((events[:, 1], events[:, 0]))]  # closes before opens at the same batch
+            at_once = int(np.cumsum(events[:, 1]).max())
+        files.limit = max(1, min(self._open_cap, slots, at_once))
+
+    def _depth(self) -> int | None:
+        """Shards to prefetch ahead of the batch being read; None: no prefetch at all (``prefetch=0``)."""
         assert self.manifest is not None
         depth = self._prefetch_shards
         if self._prefetch_bytes is not None:
             sizes = [s.nbytes for s in self.manifest.shards if s.count]
             depth = self._prefetch_bytes // max(1, int(np.mean(sizes)) if sizes else 1)
-        budget = self._budget_shards()
-        return depth if budget is None else min(depth, max(1, budget // 2))
+        return depth or None
 
     def close(self) -> None:
         """Stop prefetching (transfers in flight finish in the background)."""
@@ -601,57 +710,145 @@ class ShardFetcher:
 
 
 class _Follower:
-    """The prefetch thread: downloads ``shards[k]`` once a reader has opened ``shards[k - depth]``."""
+    """The prefetch threads of one plan (shards in first-read order, the batch positions that first and
+    last read each).
 
-    def __init__(self, fetcher: ShardFetcher, shards: list[int], depth: int) -> None:
-        self.fetcher, self.shards, self.depth = fetcher, shards, depth
-        self.position = {s: k for k, s in reversed(list(enumerate(shards)))}
-        self.reached_k = -1
+    Scheduling: first every shard the batch being read needs (``THREADS`` at once; at the start of an
+    epoch nothing else until they are local, so the first batch does not share the store's bandwidth
+    with shards read later); then shards ahead, at most ``depth`` beyond the batch being read, and only
+    while the shards from here to it fit ``slots``. A reader needing a shard in flight here waits for
+    that download (:meth:`wait_for`); a shard not started yet it downloads itself. A shard whose last
+    read is behind the reader gets a finished stamp (see ``FINISHED_BELOW_NS``) so eviction takes it first.
+    """
+
+    THREADS = 8
+
+    def __init__(self, fetcher: ShardFetcher, shards: list[int], first: np.ndarray, last: np.ndarray, depth: int,
+                 slots: int | None, rel_to_shard: dict[str, int]) -> None:
+        self.fetcher, self.shards, self.first, self.last = fetcher, shards, first, last
+        self.depth, self.slots = depth, slots
+        self.index = {s: k for k, s in reversed(list(enumerate(shards)))}
+        self.rel_to_shard = rel_to_shard
+        self.by_last = np.argsort(last, kind="stable")
+        self.finished_upto = 0  # entries of by_last already stamped finished
+        self.position = 0  # the batch being read
+        self.next_k = 0  # the first entry not started
+        self.started: dict[int, Future] = {}
+        self.head_done = False  # every shard of the first batch is local: prefetching ahead may start
         self.done = False
         self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._run, name="datapipe-prefetch", daemon=True)
-        self.thread.start()
+        # threads start one at a time as work appears (starting eight costs a steady epoch's reader ~10 ms on
+        # a busy machine); none at all when every shard is local and held open
+        self.threads = min(self.THREADS, len(set(shards) - fetcher.open_shards()))
+        self.running = 0
+        self.idle = 0
+        if self.threads:
+            self._spawn()
 
+    # ----------------------------------------------------------------- the reader's side
     def reached(self, shard: int) -> None:
-        k = self.position.get(shard)
-        if k is not None and k > self.reached_k:
-            with self.cond:
-                self.reached_k = max(self.reached_k, k)
+        """A reader opens ``shard``: it reads at least the batch that first reads it."""
+        k = self.index.get(shard)
+        if k is not None:
+            self.advance(int(self.first[k]))
+
+    def advance(self, position: int) -> None:
+        finished: list[int] = []
+        with self.cond:
+            if position <= self.position:
+                return
+            self.position = position
+            self.head_done = True
+            wake = self.next_k < len(self.shards)
+            while self.finished_upto < len(self.by_last) and self.last[self.by_last[self.finished_upto]] < position - 1:
+                finished.append(self.shards[self.by_last[self.finished_upto]])  # one batch of slack: workers interleave
+                self.finished_upto += 1
+            if wake:
                 self.cond.notify_all()
+        if finished:
+            self.fetcher._stamp_finished(finished)
+
+    def wait_for(self, shard: int) -> None:
+        """Wait for this process's prefetch of ``shard`` when one is in flight (its errors are the caller's
+        own download's to report); claim it when not started, so the caller's download is the only one."""
+        with self.cond:
+            future = self.started.get(shard)
+            if future is None:
+                if shard in self.index:
+                    mine: Future = Future()
+                    mine.set_result(None)
+                    self.started[shard] = mine  # the reader downloads it now
+                return
+        with contextlib.suppress(Exception):
+            future.result(timeout=4 * self.fetcher.timeout)  # the download's own timeouts end it before
+
+    def next_read(self, rel: str) -> float:
+        """The batch position this process next reads the shard of data file ``rel``; inf when never again."""
+        shard = self.rel_to_shard.get(rel)
+        k = self.index.get(shard) if shard is not None else None
+        if k is None or self.last[k] < self.position:
+            return float("inf")
+        return float(max(int(self.first[k]), self.position))
 
     def stop(self) -> None:
         with self.cond:
             self.done = True
             self.cond.notify_all()
 
-    def _run(self) -> None:
-        pool = _DaemonPool(min(self.depth, 8), "datapipe-prefetch")
-        running: set = set()
-        for k, shard in enumerate(self.shards):
+    # ----------------------------------------------------------------- the prefetch threads
+    def _pick(self) -> tuple[int, Future] | None:
+        """The next shard to download (held: self.cond), or None when none may start now."""
+        held = self.fetcher.open_shards()  # held open here: local, and not evictable
+        while self.next_k < len(self.shards) and (self.shards[self.next_k] in self.started or self.shards[self.next_k] in held):
+            self.next_k += 1
+        k = self.next_k
+        if k >= len(self.shards):
+            return None
+        now = max(self.position, 0)
+        if self.first[k] > now:  # ahead of the batch being read
+            if not self.head_done:
+                return None
+            ahead = int(np.count_nonzero(self.first[:k + 1] > now))
+            if ahead > self.depth:
+                return None
+            if self.slots is not None:
+                live = {self.shards[j] for j in np.flatnonzero(self.last[:k + 1] >= now)}
+                if len(live | self.fetcher.open_shards()) > self.slots:
+                    return None  # would evict a shard still to be read, or need room held open
+        future: Future = Future()
+        self.started[self.shards[k]] = future
+        self.next_k += 1
+        return self.shards[k], future
+
+    def _spawn(self) -> None:
+        self.running += 1
+        threading.Thread(target=self._work, name=f"datapipe-prefetch_{self.running}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
             with self.cond:
-                while not self.done and (k > self.reached_k + self.depth or len(running) >= min(self.depth, 8)):
+                job = self._pick()
+                while job is None and not self.done and self.next_k < len(self.shards):
+                    self.idle += 1
                     self.cond.wait(0.5)
-                if self.done:
-                    break
-            future = pool.submit(self._one, shard)
-            running.add(future)
-            future.add_done_callback(self._finished(running))
-        pool.close()
-
-    def _finished(self, running: set) -> Any:
-        def done(future: Any) -> None:
+                    self.idle -= 1
+                    job = self._pick()
+                if job is None:
+                    self.running -= 1
+                    return  # stopped, or every shard of the plan started (or local and held open)
+                if not self.idle and self.running < self.threads and self.next_k < len(self.shards):
+                    self._spawn()  # more work may be ready: one more thread
+            shard, future = job
+            try:
+                future.set_result(self.fetcher.download(shard))
+            except Exception as exc:  # noqa: BLE001 - the reader's own download reports it
+                log.debug("prefetch of shard %d failed: %s", shard, exc)
+                future.set_exception(exc)
             with self.cond:
-                running.discard(future)
+                if not self.head_done and all(f.done() for s, f in self.started.items()
+                                              if self.first[self.index[s]] <= max(self.position, 0)):
+                    self.head_done = True
                 self.cond.notify_all()
-        return done
-
-    def _one(self, shard: int) -> None:
-        if self.done:
-            return
-        try:
-            self.fetcher.download(shard)
-        except Exception as exc:  # noqa: BLE001 - the reader's own download reports it
-            log.debug("prefetch of shard %d failed: %s", shard, exc)
 
 
 class _DaemonPool:

@@ -122,6 +122,66 @@ def test_two_nodes_two_ranks_read_every_sample_once_and_download_each_shard_once
         assert {f"shard {s:06d}.zarr" for s in read} <= set(counts)
 
 
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    import datapipe
+    url, local_cache, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    dist.init_process_group("gloo")
+    ds = datapipe.StreamingDataset(url, local_cache=local_cache, storage_options=options, batch_size=4,
+                                   return_index=True, window=2, prefetch=2, cache_limit=int(sys.argv[5]))
+    seen = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        mine = []
+        for batch in ds:
+            mine += batch[2].tolist()
+            dist.barrier()  # the ranks step together, as a training step's all-reduce makes them
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        seen.append(everyone)
+    if dist.get_rank() == 0:
+        json.dump({"seen": seen, "folder": str(ds.cache.remote.folder), "nodes": ds.nodes}, open(out, "w"))
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_ranks_stream_every_sample_once_per_epoch(s3, built, tmp_path):
+    """Real ranks started by torchrun (gloo, one node): every sample once per epoch over the ranks, each shard
+    downloaded once per epoch at most while the cache_limit holds two windows."""
+    url = upload(s3, built["fixed"])
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    shard_bytes = datapipe.open(built["fixed"]).manifest.shards[0].nbytes
+    limit = 6 * shard_bytes + 20_000
+    out = tmp_path / "out.json"
+    env = {**os.environ, **s3.env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), url, str(tmp_path / "lc"),
+           str(out), json.dumps(s3.storage_options), str(limit)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["nodes"] == 1
+    for epoch, ranks in enumerate(result["seen"]):
+        assert len(ranks) == 2 and all(ranks), "both ranks read"
+        assert sorted(i for r in ranks for i in r) == list(range(N)), f"epoch {epoch}: not every sample exactly once"
+    downloads = [d for d in fetch.downloads(Path(result["folder"])) if "/images/" in d["file"]]
+    per_shard = Counter(d["what"] for d in downloads)
+    assert set(per_shard) == {f"shard {s:06d}.zarr" for s in range(15)}
+    assert max(per_shard.values()) <= 2, per_shard  # at most once per epoch on the node, whichever rank fetched it
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 # ----------------------------------------------------------------------------- eviction
 
 
