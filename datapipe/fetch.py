@@ -23,9 +23,10 @@ Why each rule holds:
   mtime) of each file downloaded under it; beyond ``cache_limit`` the least recently used shard data
   files (the lock file's mtime is the access stamp) whose identity still matches are deleted — never a
   file of another name or identity, never one whose lock is held (open by a reader, or downloading).
-  The limit is kept by evicting before each download; shards held open by readers cannot be evicted,
-  so the folder may exceed the limit by what is open at once (each process keeps at most a share of
-  the limit open, see :attr:`ShardFetcher.max_open`).
+  The limit is kept by evicting before each download, shards finished in this epoch first (see
+  ``FINISHED_BELOW_NS``), then those read again furthest ahead; shards held open by readers cannot be
+  evicted, so the folder may exceed the limit by what is open at once (each process keeps open the
+  shards its plan reads at once, see :meth:`ShardFetcher.follow`).
 - **No hang.** A store that stops answering is a RemoteStoreError after ``timeout`` seconds without
   a byte arriving (the transfer runs in its own thread; the caller stops waiting for it).
 """
