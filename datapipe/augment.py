@@ -40,8 +40,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -63,6 +63,8 @@ Path_ = Literal["auto", "uint8", "device", "kornia"]
 # A batch: uint8 [B, H, W, 3], or a list of uint8 [H, W, 3] samples (views into the cache's shard
 # files, which the CPU loader hands over so that only the cropped pixels are ever read).
 Batch = torch.Tensor | list[torch.Tensor]
+# A third-party augmentation on float [B, 3, H, W] batches in [0, 1] (an nn.Module or any callable).
+BatchFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _stack(images: Batch) -> torch.Tensor:
@@ -88,7 +90,7 @@ def sample_sizes(images: Batch) -> tuple[int | torch.Tensor, int | torch.Tensor]
             torch.tensor([x.shape[1] for x in images], dtype=torch.int64))
 
 
-def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = torch.float32,
+def normalize_uint8(images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, dtype: torch.dtype = torch.float32,
                     channels_last: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 NHWC -> normalised float NCHW: on the CPU one pass per sample through the compiled
     kernel (:mod:`datapipe.native`) where it is built, else a converting copy and an in-place scale and shift.
@@ -107,7 +109,7 @@ def normalize_uint8(images: torch.Tensor, mean, std, *, dtype: torch.dtype = tor
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def _normalize_into(samples: Batch, out: torch.Tensor, mean, std, top: int = 0, left: int = 0) -> None:
+def _normalize_into(samples: Batch, out: torch.Tensor, mean: Sequence[float], std: Sequence[float], top: int = 0, left: int = 0) -> None:
     """CPU: out[i] = the normalised [h, w] window at (top, left) of uint8 sample i, sample by sample
     while it is in cache. ``out``: float32 [B, 3, h, w], contiguous or channels_last. One pass per
     sample through the compiled kernel (datapipe/native.py) where it is built and a sample's pixels
@@ -132,7 +134,8 @@ def _check_crop(x: torch.Tensor, top: int, left: int, h: int, w: int) -> None:
         raise ValueError(f"crop (top {top}, left {left}, {h}x{w}) outside a sample of {tuple(x.shape)}")
 
 
-def _resize_crop(x: torch.Tensor, top: int, left: int, h: int, w: int, dst: torch.Tensor, resizer, resize) -> None:
+def _resize_crop(x: torch.Tensor, top: int, left: int, h: int, w: int, dst: torch.Tensor,
+                 resizer: native.Resizer | None, resize: Callable[..., object]) -> None:
     """Resize the (top, left, h, w) crop of uint8 sample ``x`` [H, W, 3] into the packed uint8 [s, s, 3]
     tensor ``dst``: the compiled kernel (``resizer``, datapipe/native.py) where it is built and x's
     pixels are packed, read in place; torch's kernel (``resize``) otherwise. Both give the same pixels."""
@@ -154,25 +157,25 @@ def _crop_chw(x: torch.Tensor, top: int, left: int, h: int, w: int) -> torch.Ten
     return x[top : top + h, left : left + w].permute(2, 0, 1)[None]
 
 
-def _resize_aa():
+def _resize_aa() -> Callable[..., object]:
     """torch's antialiased bilinear resize with ``out=``: the direct binding where torch has it
     (~2 µs less per call than the boxed ``torch.ops`` path; this runs once per sample)."""
     return getattr(torch._C._nn, "_upsample_bilinear2d_aa", None) or torch.ops.aten._upsample_bilinear2d_aa.out
 
 
-def _scale_shift(mean, std, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_shift(mean: Sequence[float], std: Sequence[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`datapipe.native.scale_shift` as tensors of shape [3, 1, 1] on ``device``."""
     scale, shift = native.scale_shift(mean, std)
     return torch.tensor(scale, device=device).view(3, 1, 1), torch.tensor(shift, device=device).view(3, 1, 1)
 
 
-def _scale_shift_(x: torch.Tensor, mean, std) -> torch.Tensor:
+def _scale_shift_(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """In place: float [B, 3, h, w] in 0..255 units -> normalised, with the scale and shift the CPU kernel uses."""
     scale, shift = _scale_shift(mean, std, x.device)
     return x.mul_(scale).add_(shift)
 
 
-def _channel_triple(values, what: str, *, nonzero: bool = False) -> tuple[float, float, float]:
+def _channel_triple(values: Iterable[float], what: str, *, nonzero: bool = False) -> tuple[float, float, float]:
     """Three finite per-channel numbers (RGB), for ``mean`` and ``std``."""
     try:
         triple = tuple(float(v) for v in values)
@@ -184,7 +187,7 @@ def _channel_triple(values, what: str, *, nonzero: bool = False) -> tuple[float,
     return triple
 
 
-def _normalize_float(x: torch.Tensor, mean, std) -> torch.Tensor:
+def _normalize_float(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
     return (x - m) / s
@@ -199,8 +202,9 @@ def _generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def sample_resized_crops(batch: int, height: int | torch.Tensor, width: int | torch.Tensor, *, scale=(0.08, 1.0),
-                         ratio=(3 / 4, 4 / 3), generator: torch.Generator) -> torch.Tensor:
+def sample_resized_crops(batch: int, height: int | torch.Tensor, width: int | torch.Tensor, *,
+                         scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3),
+                         generator: torch.Generator) -> torch.Tensor:
     """torchvision's RandomResizedCrop parameters for ``batch`` samples: int64 [B, 4] (top, left, h, w).
 
     Ten attempts per sample at a random area and log-uniform aspect ratio; the first that fits
@@ -243,7 +247,7 @@ def _sizes(size: int | torch.Tensor, batch: int, what: str) -> torch.Tensor:
     return size.cpu()
 
 
-def _fallback_crops(hs: torch.Tensor, ws: torch.Tensor, ratio) -> torch.Tensor:
+def _fallback_crops(hs: torch.Tensor, ws: torch.Tensor, ratio: Sequence[float]) -> torch.Tensor:
     """Per sample: the whole image with its aspect ratio clamped into ``ratio``, centered: int64 [B, 4].
 
     float64 and round-half-to-even, as Python's ``round`` of the same quotients."""
@@ -349,7 +353,8 @@ class BatchAugment(nn.Module):
     #: shard files instead of gathering the batch (the presets crop each sample straight out of them)
     takes_views = True
 
-    def __init__(self, size: int | None, *, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: torch.dtype = torch.float32,
+    def __init__(self, size: int | None, *, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 dtype: torch.dtype = torch.float32,
                  channels_last: bool = False, path: Path_ = "auto") -> None:
         super().__init__()
         if path not in ("auto", "uint8", "device", "kornia"):
@@ -417,8 +422,8 @@ class BatchAugment(nn.Module):
 class TrainAugment(BatchAugment):
     """RandomResizedCrop(size) + horizontal flip (+ colour jitter), normalised. See module docs."""
 
-    def __init__(self, size: int, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
-                 color_jitter: tuple[float, float, float, float] | None = None, **kwargs) -> None:
+    def __init__(self, size: int, *, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3),
+                 flip: float = 0.5, color_jitter: tuple[float, float, float, float] | None = None, **kwargs: Any) -> None:
         super().__init__(size, **kwargs)
         self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), float(flip)
         self.color_jitter = tuple(color_jitter) if color_jitter else None
@@ -543,7 +548,7 @@ class EvalAugment(BatchAugment):
     The same values on both paths: a crop is copied, a resize is the antialiased bilinear one.
     """
 
-    def forward(self, images: Batch, seed: int | None = None, params=None,
+    def forward(self, images: Batch, seed: int | None = None, params: dict[str, torch.Tensor] | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         b, h, w, device = self._check(images, varied=True)
         s = self.size
@@ -618,8 +623,8 @@ class Convert(BatchAugment):
 
     takes_views = False  # it converts a gathered batch
 
-    def __init__(self, *, dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN,
-                 std=IMAGENET_STD, channels_last: bool = False, module=None) -> None:
+    def __init__(self, *, dtype: torch.dtype = torch.float32, normalize: bool = True, mean: Sequence[float] = IMAGENET_MEAN,
+                 std: Sequence[float] = IMAGENET_STD, channels_last: bool = False, module: BatchFn | None = None) -> None:
         super().__init__(None, mean=mean, std=std, dtype=dtype, channels_last=channels_last)
         self.normalize = check_bool(normalize, "normalize")
         if module is not None and not callable(module):
@@ -627,7 +632,7 @@ class Convert(BatchAugment):
                                 f"got {show(module)} ({type(module).__name__})")
         self.module = module
 
-    def forward(self, images: Batch, seed: int | None = None, params=None,
+    def forward(self, images: Batch, seed: int | None = None, params: dict[str, torch.Tensor] | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Convert a uint8 [B, H, W, 3] batch; ``out`` (float32 [>=B, 3, H, W]) optionally receives
         a normalised result (CPU reuse)."""
@@ -637,20 +642,21 @@ class Convert(BatchAugment):
             return normalize_uint8(x, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last, out=out)
         x = x.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
         if self.module is not None:
-            x = self._run_module(x, seed)
+            x = self._run_module(self.module, x, seed)
         return self._finish(_normalize_float(x, self.mean, self.std) if self.normalize else x)
 
-    def _run_module(self, x: torch.Tensor, seed: int | None) -> torch.Tensor:
+    @staticmethod
+    def _run_module(module: BatchFn, x: torch.Tensor, seed: int | None) -> torch.Tensor:
         """The module, its random state (torch's global generator) seeded from ``seed`` and then restored."""
         if seed is None:
-            return self.module(x)
+            return module(x)
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            return self.module(x)
+            return module(x)
 
 
-def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-            channels_last: bool = False, module=None) -> Convert:
+def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean: Sequence[float] = IMAGENET_MEAN,
+            std: Sequence[float] = IMAGENET_STD, channels_last: bool = False, module: BatchFn | None = None) -> Convert:
     """A plain conversion, no augmentation: float [B, 3, H, W] batches at the cache's own size,
     normalised with ``mean``/``std`` (unless ``normalize=False``: [0, 1]), in ``dtype``, NCHW or
     ``channels_last``. The loader's transform when it is given ``augment=None``; ``module`` applies
@@ -658,9 +664,10 @@ def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean=
     return Convert(dtype=dtype, normalize=normalize, mean=mean, std=std, channels_last=channels_last, module=module)
 
 
-def train(size: int = 224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
+def train(size: int = 224, *, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), flip: float = 0.5,
           color_jitter: tuple[float, float, float, float] | float | None = None, dtype: torch.dtype = torch.float32,
-          channels_last: bool = False, mean=IMAGENET_MEAN, std=IMAGENET_STD, path: Path_ = "auto") -> TrainAugment:
+          channels_last: bool = False, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+          path: Path_ = "auto") -> TrainAugment:
     """The ImageNet training preset. ``color_jitter=0.4`` means (0.4, 0.4, 0.4, 0.1).
 
     ``dtype``, ``channels_last``, ``mean`` and ``std`` set the output's form (see :class:`BatchAugment`);
@@ -675,7 +682,7 @@ def train(size: int = 224, *, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip: flo
 
 
 def eval(size: int = 224, *, dtype: torch.dtype = torch.float32, channels_last: bool = False,  # noqa: A001 - mirrors train()
-         mean=IMAGENET_MEAN, std=IMAGENET_STD, path: Path_ = "auto") -> EvalAugment:
+         mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, path: Path_ = "auto") -> EvalAugment:
     """The ImageNet evaluation preset: center crop (a 256 cache + eval(224) is the usual 0.875 crop).
     The output's form as in :func:`train`."""
     return EvalAugment(size, dtype=dtype, channels_last=channels_last, mean=mean, std=std, path=path)

@@ -19,10 +19,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,10 @@ from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_
 from .sources import Listing, plan_shards, scan, shown
 from .text import plural
 from .writer import ShardWriter
+
+if TYPE_CHECKING:
+    from dask.distributed import Client, Future, LocalCluster
+    from tqdm import tqdm
 
 TARGET_SHARD_BYTES = 100 * 2**20
 JPEG_SHRINK = 8  # a JPEG sample is taken to be ~1/8 of its raw bytes when sizing shards (measured: ~1/10 at q90)
@@ -620,7 +624,8 @@ def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, re
     return layout == "indexed" and remote.stream_crc32c(loc, base + index_path(Path()).as_posix())[1] != rec["index_crc32c"]
 
 
-def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans, records, config, chash, *, build_id: str) -> None:
+def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict,
+                    chash: str, *, build_id: str) -> None:
     """Remove this build's shards no longer planned, then upload labels.npy and paths.json, then the manifest."""
     loc = target.loc
     remote.remove_shards(loc, remote.listing(loc, SHARDS_DIR), build_id, keep={shard_name(p["shard"]) for p in plans})
@@ -640,7 +645,7 @@ def _describe(spec: BuildSpec) -> str:
     return text + (f", {spec.encoding} q{spec.quality}" if spec.encoding != "raw" else "")
 
 
-def _retire_stale_manifest(out: Path, plans, chash: str) -> None:
+def _retire_stale_manifest(out: Path, plans: list[dict], chash: str) -> None:
     """Remove an earlier build's manifest unless it already describes this build's shards.
 
     A build that replaces, adds or removes any shard would otherwise leave, if it is stopped or
@@ -705,7 +710,7 @@ def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
         return records, n_workers, dashboard
 
 
-def _progress_bar(total: int, progress: bool):
+def _progress_bar(total: int, progress: bool) -> tqdm:
     from tqdm import tqdm
 
     return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=sys.stderr)
@@ -724,7 +729,7 @@ def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[
 
 
 @contextlib.contextmanager
-def _dask_client(cluster: Cluster):
+def _dask_client(cluster: Cluster) -> Iterator[Client]:
     """A Dask client of the scheduler at ``cluster.scheduler``, or of a LocalCluster of our own;
     closed when the block ends, and our own workers with it (none may outlive the build)."""
     from dask.distributed import Client
@@ -748,7 +753,7 @@ def _dask_client(cluster: Cluster):
         _close(client, own)
 
 
-def _connect(scheduler: str):
+def _connect(scheduler: str) -> Client:
     from dask.distributed import Client
 
     wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
@@ -759,7 +764,7 @@ def _connect(scheduler: str):
                           f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
 
 
-def _local_cluster(n_workers: int):
+def _local_cluster(n_workers: int) -> LocalCluster:
     import dask
     from dask.distributed import LocalCluster
 
@@ -771,7 +776,7 @@ def _local_cluster(n_workers: int):
                             silence_logs=40)
 
 
-def _ready_workers(client, cluster: Cluster) -> tuple[int, str | None]:
+def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
     """Warm every worker up and say where the build runs: the number of workers and the dashboard."""
     client.run(_warm_up)  # imports on every worker before the clock for shards starts
     n_workers = len(client.scheduler_info()["workers"])
@@ -785,7 +790,7 @@ def _ready_workers(client, cluster: Cluster) -> tuple[int, str | None]:
 # ----------------------------------------------------------------------------- the tasks
 
 
-def _map_shards(client, plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
+def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
     """One build_shard task per plan; their records in plan order. A task that kills its worker is
     handled by :class:`_Isolation`."""
     from dask.distributed import as_completed
@@ -815,12 +820,12 @@ class _Isolation:
     that never finishes): it is built again with every file first decoded in a separate process, so
     that the culprit is quarantined; if that task kills its worker too, the build fails."""
 
-    def __init__(self, client, kwargs: dict, plans: dict[str, dict]) -> None:
+    def __init__(self, client: Client, kwargs: dict, plans: dict[str, dict]) -> None:
         self.client = client
         self.kwargs = kwargs
         self.tasks = {key: (plan, False) for key, plan in plans.items()}  # key -> (plan, isolated)
 
-    def retry(self, key: str):
+    def retry(self, key: str) -> Future:
         """The future of the isolated rebuild of the shard whose task ``key`` killed its worker;
         BuildError when that task was already the isolated one."""
         plan, isolated = self.tasks[key]
@@ -834,12 +839,13 @@ class _Isolation:
                 "--max-pixels catches huge images) and rerun to resume.") from None
         log.warning(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
                     "separate processes to quarantine the culprit")
-        future = self.client.submit(build_shard, plan, key=f"{key}-isolated", pure=False, isolate=True, **self.kwargs)
-        self.tasks[future.key] = (plan, True)
+        retry_key = f"{key}-isolated"
+        future = self.client.submit(build_shard, plan, key=retry_key, pure=False, isolate=True, **self.kwargs)
+        self.tasks[retry_key] = (plan, True)
         return future
 
 
-def _close(client, cluster) -> None:
+def _close(client: Client, cluster: LocalCluster | None) -> None:
     """Close the client and our LocalCluster; after an interrupted close, end its worker processes
     that are still running (none may outlive the build)."""
     procs = []
@@ -868,7 +874,7 @@ def _quiet_dask() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
-def _dashboard(client) -> str | None:
+def _dashboard(client: Client) -> str | None:
     try:
         import bokeh  # noqa: F401
     except ImportError:
@@ -879,8 +885,9 @@ def _dashboard(client) -> str | None:
         return None
 
 
-def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans, records, config, chash, max_bad_fraction, *, seconds,
-            workers, dashboard, t0, build_id: str) -> BuildReport:
+def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str,
+            max_bad_fraction: float, *, seconds: dict[str, float], workers: int, dashboard: str | None, t0: float,
+            build_id: str) -> BuildReport:
     quarantined = list(listing.dropped)
     for rec in records:
         quarantined.extend(rec.get("quarantined", []))
@@ -926,7 +933,8 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans, records, c
     return report
 
 
-def _write_index(out: Path, listing: Listing, plans, records, config, chash, *, build_id: str = "") -> None:
+def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str, *,
+                 build_id: str = "") -> None:
     label_of = dict(zip(listing.paths, listing.labels, strict=True))  # a shard's samples are its plan's surviving files
     paths = [p for r in records for p in r["paths"]]
     labels = np.fromiter((label_of[p] for p in paths), np.int64, count=len(paths))

@@ -8,10 +8,18 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from .environment import environment
 from .errors import DatapipeError, describe_quarantine
 from .text import plural
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    import numpy as np
+
+    from .records import Manifest, ReportRecord
 
 __all__ = ["environment", "main"]
 
@@ -23,7 +31,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _check_build_args(args) -> None:
+def _check_build_args(args: argparse.Namespace) -> None:
     """Ranges argparse's types do not express, checked before anything starts; the message names the flag.
     (The sample format's ranges are checked by BuildSpec, whose messages name the flags too.)"""
     from .errors import ArgumentError
@@ -39,14 +47,14 @@ def _storage_option_flag(parser: argparse.ArgumentParser) -> None:
                              "values JSON: numbers, true/false); credentials also come from AWS_* variables")
 
 
-def _storage_options(args) -> dict | None:
+def _storage_options(args: argparse.Namespace) -> dict | None:
     from .remote import parse_storage_options
 
     return parse_storage_options(args.storage_option) if args.storage_option else None
 
 
 
-def _command(sub, name: str, **kwargs) -> argparse.ArgumentParser:
+def _command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A subcommand that accepts full option names only (a renamed option must not live on as a prefix)."""
     return sub.add_parser(name, allow_abbrev=False, **kwargs)
 
@@ -137,7 +145,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, turned into an exception so that the command stops the way Ctrl-C stops it."""
 
 
-def _on_sigterm(signum, frame) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
@@ -197,7 +205,7 @@ def _quiet() -> None:
     logging.disable(logging.CRITICAL)
 
 
-def _build(args) -> int:
+def _build(args: argparse.Namespace) -> int:
     from .builder import BuildSpec, Cluster, build
 
     _check_build_args(args)
@@ -210,7 +218,7 @@ def _build(args) -> int:
     return 0
 
 
-def _info(args) -> int:
+def _info(args: argparse.Namespace) -> int:
     if args.env or not args.cache:
         print(json.dumps(environment(), indent=1))
         if not args.cache:
@@ -236,8 +244,8 @@ def _info(args) -> int:
     return 0
 
 
-def _print_summary(m, location: str, *, shape: str, shards: int, report, report_at: str, where: str,
-                   stored: tuple | None = None) -> None:
+def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, report: ReportRecord | None, report_at: str,
+                   where: str, stored: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """What ``datapipe info`` prints of a cache, local or in object storage (``stored``: the shapes and
     stored sizes of every sample, when the sample indexes were read)."""
     print(f"cache      {location}")
@@ -261,7 +269,7 @@ def _print_summary(m, location: str, *, shape: str, shards: int, report, report_
               f"(every file and reason: {report_at})")
 
 
-def _remote_info(args) -> int:
+def _remote_info(args: argparse.Namespace) -> int:
     """``datapipe info URL``: what the manifest and report of a cache in object storage say (no shard is read)."""
     from pathlib import Path
 
@@ -279,7 +287,7 @@ def _remote_info(args) -> int:
     return 0
 
 
-def _remote_verify(args) -> int:
+def _remote_verify(args: argparse.Namespace) -> int:
     """``datapipe verify URL``: every object of a cache in object storage checked by streaming it."""
     from . import remote
 
@@ -294,7 +302,7 @@ def _remote_verify(args) -> int:
     return 0 if not problems else 1
 
 
-def _verify(args) -> int:
+def _verify(args: argparse.Namespace) -> int:
     from .remote import is_url
 
     if is_url(args.cache):
@@ -323,7 +331,7 @@ def _require(extra: str, command: str, *modules: str) -> None:
                                 f"pip install 'datapipe[{extra}]'")
 
 
-def _sample(args) -> int:
+def _sample(args: argparse.Namespace) -> int:
     _require("sample", "sample", "skimage")
     from .bench.sample import make_sample_dataset, sample_is_complete
 
@@ -337,7 +345,7 @@ def _sample(args) -> int:
     return 0
 
 
-def _demo(args) -> int:
+def _demo(args: argparse.Namespace) -> int:
     _require("bench", "demo", "skimage", "psutil")
     from .bench.demo import run_demo
 
@@ -345,7 +353,7 @@ def _demo(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
+def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
@@ -373,7 +381,7 @@ def _bench(args) -> int:
 
 
 @contextlib.contextmanager
-def _writing(flag: str, path) -> Iterator[None]:
+def _writing(flag: str, path: str) -> Iterator[None]:
     """A file the command was asked to write cannot be: one line naming the flag and the file."""
     from .errors import OutputError
 

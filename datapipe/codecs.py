@@ -22,11 +22,16 @@ import math
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from .errors import ArgumentError, DecodeError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from PIL import Image
 
 Fit = Literal["crop", "pad", "stretch", "short"]
 FITS = ("crop", "pad", "stretch", "short")
@@ -367,7 +372,7 @@ _ALPHA = ("RGBA", "LA", "PA")  # straight alpha: Pillow converts these to RGBA e
 _PREMULTIPLIED = {"RGBa": 3, "La": 1}  # colour already multiplied by alpha: composited as is
 
 
-def _to_rgb(img) -> np.ndarray:
+def _to_rgb(img: Image.Image) -> np.ndarray:
     """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3.
 
     Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
@@ -489,7 +494,7 @@ def _clean_jpeg_header(data: bytes) -> bytes:
     return data
 
 
-def _jpeg_header(sj, data: bytes) -> tuple[bytes, tuple]:
+def _jpeg_header(sj: ModuleType, data: bytes) -> tuple[bytes, tuple]:
     """(the bytes to decode, their header): ``data`` itself, or with a header that libjpeg-turbo warns
     about cleaned (:func:`_clean_jpeg_header`). Raises DecodeError when neither has a readable header."""
     try:
@@ -508,7 +513,7 @@ def _jpeg_header(sj, data: bytes) -> tuple[bytes, tuple]:
     raise DecodeError(f"corrupt JPEG header: {first}") from None
 
 
-def _jpeg_pixels(sj, data: bytes, what: str = "JPEG", **kwargs) -> np.ndarray:
+def _jpeg_pixels(sj: ModuleType, data: bytes, what: str = "JPEG", **kwargs: object) -> np.ndarray:
     """libjpeg-turbo's full decode of ``data``, strict first (the common case: no warning at all).
 
     A warning that means damaged pixels is a DecodeError; any other warning is recoverable, and the
@@ -528,7 +533,7 @@ def _jpeg_pixels(sj, data: bytes, what: str = "JPEG", **kwargs) -> np.ndarray:
         raise DecodeError(f"corrupt {what}: {first}") from None
 
 
-def _decode_simplejpeg(sj, data: bytes, spec: DecodeSpec, reuse: bool = False) -> np.ndarray | None:
+def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, reuse: bool = False) -> np.ndarray | None:
     """Decode with libjpeg-turbo; None when the JPEG needs Pillow (CMYK/YCCK, or a file only Pillow reads).
 
     With ``reuse`` the pixels land in this thread's scratch buffer (valid until its next decode).
@@ -614,7 +619,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
     return apply_orientation(rgb, orientation)
 
 
-def _scale_low_depth_gray_trns(img, data: bytes) -> None:
+def _scale_low_depth_gray_trns(img: Image.Image, data: bytes) -> None:
     """Pillow scales 2- and 4-bit gray PNG samples to 8 bits but keeps the tRNS gray value at the
     file's depth, so the wrong level (or none) would turn transparent; scale the value the same way."""
     depth, color_type = data[24], data[25]  # IHDR, which a PNG must start with
@@ -623,7 +628,7 @@ def _scale_low_depth_gray_trns(img, data: bytes) -> None:
         img.info["transparency"] = value * (255 // (2**depth - 1))
 
 
-def _pillow_orientation(img) -> int:
+def _pillow_orientation(img: Image.Image) -> int:
     try:
         value = int(img.getexif().get(0x0112, 1))
     except Exception:  # noqa: BLE001 - broken EXIF is tolerated, the image is not

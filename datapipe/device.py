@@ -38,17 +38,30 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from .augment import BatchAugment, Convert, EvalAugment, TrainAugment
+from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
 from .errors import ArgumentError
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
 from .text import show
+
+if TYPE_CHECKING:
+    from .cache import EncodedSample
+
+# A batch as a reader reads it: (images, labels int64 [B], index int64 [B]); the images are a uint8
+# [B, H, W, 3] tensor, [H, W, 3] views of the shard files, or stored JPEG samples (decoded by the preset).
+_Images: TypeAlias = "torch.Tensor | list[torch.Tensor] | list[EncodedSample]"
+_ReadBatch = tuple[_Images, torch.Tensor, torch.Tensor]
+# A batch as the loop yields it: (images, labels) or (images, labels, index).
+_OutBatch = tuple[torch.Tensor, ...]
+# A reader's result: its slot, the batch (read, or transformed when the reader transforms) and its seed.
+_Result = tuple["_Slot", Any, int]
 
 
 def _seed_for(seed: int, epoch: int, position: int) -> int:
@@ -61,7 +74,7 @@ class _Slot:
     images: torch.Tensor  # uint8 [B, H, W, 3]
     labels: torch.Tensor  # int64 [B]
     index: torch.Tensor  # int64 [B]
-    event: object = None  # CUDA event of the last copy out of this buffer
+    event: torch.cuda.Event | None = None  # CUDA event of the last copy out of this buffer
     params: dict | None = None  # per-sample crops of a padded batch of samples of varying shapes
     decoded: torch.cuda.Event | None = None  # CUDA event after the GPU decode (and padding) of the batch last read into this slot
     keep: list[torch.Tensor] | None = None  # that decode's outputs (a GPU decoder's own memory): kept until the event has completed
@@ -173,7 +186,7 @@ class DeviceLoader:
         self._threads: list[threading.Thread] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
-        self._results: dict[tuple[int, int], object] = {}
+        self._results: dict[tuple[int, int], _Result | _Failure] = {}
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._generation = 0
@@ -405,7 +418,7 @@ class DeviceLoader:
     def _release(self, slot: _Slot) -> None:
         self._free.append(slot)
 
-    def _wait(self, gen: int, j: int, started: float):
+    def _wait(self, gen: int, j: int, started: float) -> tuple[_Result, float]:
         deadline = started + self.timeout
         with self._cond:
             while (gen, j) not in self._results:
@@ -432,7 +445,7 @@ class DeviceLoader:
             self._results.clear()
         self._free = list(self._slots)
 
-    def _handle(self, job) -> None:
+    def _handle(self, job: tuple[int, int, np.ndarray, _Slot, int]) -> None:
         """Read (and on the CPU, augment) one batch in a reader thread."""
         gen, j, indices, slot, seed = job
         if gen != self._generation:
@@ -451,7 +464,7 @@ class DeviceLoader:
             cache = self.dataset.cache
             mapped = False
             slot.params = None
-            images: object
+            images: _Images
             if self._gpu is not None:  # the stored JPEG bytes, decoded on the GPU into one batch there
                 n, on_gpu = self._decode_on_gpu(indices, slot, seed)
                 images = on_gpu
@@ -469,12 +482,13 @@ class DeviceLoader:
             else:
                 n = cache.read_batch(indices, slot.images.numpy(), slot.labels.numpy(), slot.index.numpy())
                 images = slot.images[:n]
-            batch = (images, slot.labels[:n], slot.index[:n])
+            read: _ReadBatch = (images, slot.labels[:n], slot.index[:n])
+            batch: _ReadBatch | _OutBatch = read
             if self._reader_transforms:
                 # a shard file that shrank under a crop's read is an error naming it
                 with cache.mapped_reads(slot.index[:n].numpy()) if mapped else contextlib.nullcontext():
-                    batch = self._transform(batch, seed)
-            result: object = (slot, batch, seed)
+                    batch = self._transform(read, seed)
+            result: _Result | _Failure = (slot, batch, seed)
         except BaseException as exc:  # noqa: BLE001 - delivered to the training loop
             result = _Failure(exc)
         with self._cond:
@@ -483,7 +497,7 @@ class DeviceLoader:
                 self._results[(gen, j)] = result
             self._cond.notify_all()
 
-    def _on_device(self, slot: _Slot, batch, seed: int):
+    def _on_device(self, slot: _Slot, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seed: int) -> _OutBatch:
         images, labels, index = batch
         with torch.cuda.stream(self._copy_stream):
             if not images.is_cuda:  # decoded on the GPU already otherwise (see _decode_on_gpu)
@@ -510,15 +524,16 @@ class DeviceLoader:
         buf = self._pool.get((self._slot_rows(), 3, h, w), aug.channels_last)
         return None if buf is None else buf[:n]
 
-    def _transform(self, batch, seed: int, on_device: bool = False, params: dict | None = None):
+    def _transform(self, batch: _ReadBatch, seed: int, on_device: bool = False,
+                   params: dict[str, torch.Tensor] | None = None) -> _OutBatch:
         images, labels, index = batch
         if self.augment is None:  # output="uint8"
-            out = images
+            out = cast(torch.Tensor, images)  # the gathered uint8 batch
         else:
             buf = None if on_device or not _fills_out(self.augment) else self._out_buffer(len(images), self.augment)
             if self._decodes:  # stored JPEG samples (the reader's CPU path)
                 assert isinstance(self.augment, (TrainAugment, EvalAugment))
-                out = self.augment.decode(images, seed=seed, out=buf)
+                out = self.augment.decode(cast("list[EncodedSample]", images), seed=seed, out=buf)
             elif params is not None:  # a padded batch of samples of varying shapes, with their crops
                 out = self.augment(images, seed=seed, params=params)
             else:
@@ -529,7 +544,7 @@ class DeviceLoader:
         return (out, labels, index) if self.dataset.return_index else (out, labels)
 
 
-def _reader_loop(ref, jobs: queue.SimpleQueue, single_thread: bool) -> None:
+def _reader_loop(ref: weakref.ref[DeviceLoader], jobs: queue.SimpleQueue, single_thread: bool) -> None:
     """A reader thread. It holds the loader only while handling a job, so an unused loader is
     garbage-collected (which stops its threads)."""
     if single_thread:
@@ -564,7 +579,7 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _batch_transform(augment) -> BatchAugment:
+def _batch_transform(augment: BatchFn | None) -> BatchAugment:
     """The loader's batch transform: a BatchAugment as it is, None as the plain conversion, a
     generic module wrapped in one (it gets [0, 1] floats; the conversion normalises its output)."""
     if augment is None:
@@ -579,7 +594,7 @@ def _fills_out(aug: BatchAugment) -> bool:
     return not isinstance(aug, Convert) or (aug.normalize and aug.module is None)
 
 
-def _positive_seconds(timeout) -> float:
+def _positive_seconds(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
             or not math.isfinite(timeout) or timeout <= 0:
         raise ArgumentError(f"timeout must be a positive, finite number of seconds, got {show(timeout)}")
