@@ -27,14 +27,16 @@ truncated under the decoder is a short copy naming the shard rather than a SIGBU
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -47,6 +49,7 @@ from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import SHARDS_DIR, images_path, index_path, read_shard_metadata, shard_labels_path
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+T = TypeVar("T")
 
 
 def _identity(st: os.stat_result) -> Identity:
@@ -96,7 +99,7 @@ class _ShardFiles:
         self._open: OrderedDict[int, _Shard] = OrderedDict()
         self._lock = threading.Lock()
 
-    def acquire(self, shard: int, opener) -> _Shard:
+    def acquire(self, shard: int, opener: Callable[[], _Shard]) -> _Shard:
         """The open shard (its user count raised; pair with :meth:`release`); ``opener()`` makes one."""
         with self._lock:
             entry = self._open.get(shard)
@@ -542,7 +545,8 @@ class Cache:
         for k, (a, size, (h, w)) in enumerate(zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), strict=True)):
             decode_jpeg(buf[a : a + size], h, w, where=self._where(int(shard_of[k]), int(idx[k])), out=out[k])
 
-    def _locate(self, indices, labels_out: np.ndarray, index_out: np.ndarray | None):
+    def _locate(self, indices: np.ndarray | Sequence[int], labels_out: np.ndarray,
+                index_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Sorted, range-checked indices [n] and the shard of each; their labels (and the indices) written out."""
         idx = np.sort(np.asarray(indices, np.int64).reshape(-1))  # [n]
         n = idx.shape[0]
@@ -614,7 +618,7 @@ class Cache:
         return entry
 
     def sample_views(self, indices: np.ndarray, labels_out: np.ndarray,
-                     index_out: np.ndarray | None = None, out=None, *, mapped: bool = False) -> list:
+                     index_out: np.ndarray | None = None, out: Any = None, *, mapped: bool = False) -> list:
         """Samples ``indices`` as uint8 [H, W, 3] torch tensors, sorted by index.
 
         With ``mapped=True`` where the cache reads through memory maps (:attr:`mapped`), the
@@ -648,7 +652,7 @@ class Cache:
         n = self.read_batch(indices, out.numpy(), labels_out, index_out)
         return list(out[:n].unbind(0))
 
-    def _mapped_views(self, indices, labels_out: np.ndarray, index_out: np.ndarray | None) -> list:
+    def _mapped_views(self, indices: np.ndarray, labels_out: np.ndarray, index_out: np.ndarray | None) -> list:
         import torch
 
         idx, shard_of = self._locate(indices, labels_out, index_out)
@@ -699,7 +703,7 @@ class Cache:
         return [t[o : o + h * w * 3].view(h, w, 3) for o, h, w in zip(offsets, heights, widths, strict=True)]
 
     @contextmanager
-    def mapped_reads(self, indices: np.ndarray):
+    def mapped_reads(self, indices: np.ndarray) -> Iterator[None]:
         """Around the reads of mapped views of samples ``indices`` (``sample_views(mapped=True)``):
         a guarded read that faulted becomes the error naming the shard (:meth:`shard_error`), and
         when the reads are done each shard file they touched is checked (one fstat) to be the file
@@ -896,14 +900,14 @@ class Cache:
         for key, rec in self.manifest.files.items():
             if key not in ("labels", "paths"):
                 path = self.root / rec.name
-                if self._verify_step(problems, lambda path=path: file_crc32c(path)) not in (None, rec.crc32c):
+                if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         for s, _ in enumerate(tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress)):
             problems.extend(self._verify_shard(s, labels, paths))
         return problems
 
     @staticmethod
-    def _verify_step(problems: list[str], fn):
+    def _verify_step(problems: list[str], fn: Callable[[], T]) -> T | None:
         try:
             return fn()
         except (CacheError, OSError) as exc:
@@ -986,7 +990,7 @@ def _read_regular(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def _crc32c_hex(data) -> str:
+def _crc32c_hex(data: bytes | bytearray | np.ndarray) -> str:
     import google_crc32c
 
     return f"{google_crc32c.value(bytes(data)):08x}"
