@@ -288,9 +288,31 @@ class StreamingDataset(IterableDataset):
         at, shard = reads // s, reads % s
         _, first = np.unique(shard, return_index=True)  # [u] by shard number
         _, from_end = np.unique(shard[::-1], return_index=True)
-        last = at[len(reads) - 1 - from_end]
+        last = at[len(reads) - 1 - from_end]  # [u] by shard number
+        # The node's other ranks read the same shards in the same steps (order "shards"): a shard is
+        # finished (evicted first) only once every rank of this node has passed its last read of it.
+        node_last = self._node_last_steps(order)[shard[first]]  # [u]: batch numbers
+        last = np.maximum(last, np.searchsorted(batches, node_last, side="right") - 1)
         by_first = np.argsort(first, kind="stable")
         remote.follow(shard[first[by_first]], at[first[by_first]], last[by_first])
+
+    def _node_last_steps(self, order: np.ndarray) -> np.ndarray:
+        """For every shard, the last batch number (from ``self.start``) in which a rank of this node
+        reads it; -1 where none does."""
+        local = max(1, self.world_size // self.nodes)
+        node = self.rank // local
+        last = np.full(len(self.cache.counts), -1, np.int64)
+        for rank in range(node * local, min(node * local + local, self.world_size)):
+            bounds = part.batch_bounds(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
+                                       rank=rank, drop_last=self.drop_last, start=self.start)
+            sizes = bounds[:, 1] - bounds[:, 0]
+            if not len(bounds) or not sizes.sum():
+                continue
+            steps = np.repeat(np.arange(len(bounds), dtype=np.int64), sizes)
+            positions = np.concatenate([np.arange(b, e) for b, e in bounds.tolist()])
+            shards = np.searchsorted(self.cache.starts, order[positions], side="right") - 1
+            np.maximum.at(last, shards, steps)
+        return last
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
         worker, num_workers = detect_worker()
