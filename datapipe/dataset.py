@@ -270,49 +270,49 @@ class StreamingDataset(IterableDataset):
 
     def _follow(self, order: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> None:
         """A remote cache prefetches shards in the order these batches first read them (each batch's
-        samples are read sorted, so its shards in ascending order)."""
+        samples are read sorted, so its shards in ascending order). The node's ranks share one local
+        cache and read the same window's shards in the same steps: what a step reads is what every rank
+        of this node reads in it, so a shard is neither evicted nor stamped finished while another rank
+        of the node still has samples in it."""
         remote = self.cache.remote
         if remote is None:
             return
         batches = np.asarray(batches, np.int64)
-        sizes = bounds[batches, 1] - bounds[batches, 0]  # [b]
-        total = int(sizes.sum())
-        if not total:
+        steps, positions = self._node_reads(bounds, batches)
+        if not len(positions):
             remote.follow([])
             return
-        before = np.concatenate(([0], np.cumsum(sizes)[:-1]))  # [b]
-        positions = np.repeat(bounds[batches, 0] - before, sizes) + np.arange(total)  # [total]
         shards = np.searchsorted(self.cache.starts, order[positions], side="right") - 1
         s = len(self.cache.counts)
-        reads = np.unique(np.repeat(np.arange(len(batches), dtype=np.int64), sizes) * s + shards)  # (batch, shard), sorted
+        reads = np.unique(steps * s + shards)  # (batch, shard), sorted
         at, shard = reads // s, reads % s
         _, first = np.unique(shard, return_index=True)  # [u] by shard number
         _, from_end = np.unique(shard[::-1], return_index=True)
-        last = at[len(reads) - 1 - from_end]  # [u] by shard number
-        # The node's other ranks read the same shards in the same steps (order "shards"): a shard is
-        # finished (evicted first) only once every rank of this node has passed its last read of it.
-        node_last = self._node_last_steps(order)[shard[first]]  # [u]: batch numbers
-        last = np.maximum(last, np.searchsorted(batches, node_last, side="right") - 1)
+        last = at[len(reads) - 1 - from_end]
         by_first = np.argsort(first, kind="stable")
         remote.follow(shard[first[by_first]], at[first[by_first]], last[by_first])
 
-    def _node_last_steps(self, order: np.ndarray) -> np.ndarray:
-        """For every shard, the last batch number (from ``self.start``) in which a rank of this node
-        reads it; -1 where none does."""
-        local = max(1, self.world_size // self.nodes)
+    def _node_reads(self, bounds: np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(k, position in the order) of every sample that a rank of this node reads in the step of this
+        process's k-th batch (this rank's own ``bounds`` included)."""
+        local = max(1, self.world_size // self.nodes) if self.order == "shards" else 1
         node = self.rank // local
-        last = np.full(len(self.cache.counts), -1, np.int64)
+        steps, positions = [], []
         for rank in range(node * local, min(node * local + local, self.world_size)):
-            bounds = part.batch_bounds(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
-                                       rank=rank, drop_last=self.drop_last, start=self.start)
-            sizes = bounds[:, 1] - bounds[:, 0]
-            if not len(bounds) or not sizes.sum():
+            b = bounds if rank == self.rank else part.batch_bounds(
+                len(self.cache), batch_size=self.batch_size, world_size=self.world_size, rank=rank,
+                drop_last=self.drop_last, start=self.start)
+            b = b[batches]
+            sizes = b[:, 1] - b[:, 0]
+            total = int(sizes.sum())
+            if not total:
                 continue
-            steps = np.repeat(np.arange(len(bounds), dtype=np.int64), sizes)
-            positions = np.concatenate([np.arange(b, e) for b, e in bounds.tolist()])
-            shards = np.searchsorted(self.cache.starts, order[positions], side="right") - 1
-            np.maximum.at(last, shards, steps)
-        return last
+            before = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+            steps.append(np.repeat(np.arange(len(batches), dtype=np.int64), sizes))
+            positions.append(np.repeat(b[:, 0] - before, sizes) + np.arange(total))
+        if not steps:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return np.concatenate(steps), np.concatenate(positions)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
         worker, num_workers = detect_worker()
