@@ -180,25 +180,9 @@ def figures(rel: np.ndarray, reference: np.ndarray | None, boxes: np.ndarray, re
 
 
 def subset(source: Path, out: Path, images: int) -> Path:
-    """``images`` files of ``source`` spread evenly over its sorted listing, copied into ``out`` in
-    the same class folders (reused when already there)."""
-    from datapipe.bench.peers import list_image_folder
+    from datapipe.bench.sample import subset_folder
 
-    _, files = list_image_folder(source)
-    if images < len(files):
-        files = [files[i] for i in np.linspace(0, len(files) - 1, images).round().astype(int)]
-    marker = out / ".subset.json"
-    wanted = {"source": str(source.resolve()), "files": [str(p.relative_to(source)) for p, _ in files]}
-    if marker.is_file() and json.loads(marker.read_text()) == wanted:
-        return out
-    if out.exists():
-        shutil.rmtree(out)
-    for path, _ in files:
-        dest = out / path.relative_to(source)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, dest)
-    marker.write_text(json.dumps(wanted))
-    return out
+    return subset_folder(source, out, images)
 
 
 def oriented_size(path: Path) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["make_sample_dataset", "sample_is_complete", "PHOTOS"]
+__all__ = ["make_sample_dataset", "sample_is_complete", "subset_folder", "PHOTOS"]
 
 MARKER = ".datapipe-sample.json"  # the parameters of the sample a folder holds (hidden: not a class)
 
@@ -180,3 +180,27 @@ def _generate(root: Path, images: int, classes: int, seed: int, workers: int) ->
                 for a in range(0, images, step)]
         for job in jobs:
             job.result()
+
+
+def subset_folder(source: Path, out: Path, images: int) -> Path:
+    """Copy ``images`` files of the class folders in ``source`` (spread evenly over its sorted listing,
+    so every class keeps its share) into ``out`` in the same class folders; reused when already there."""
+    import shutil
+
+    from datapipe.bench.peers import list_image_folder
+
+    _, files = list_image_folder(source)
+    if images < len(files):
+        files = [files[i] for i in np.linspace(0, len(files) - 1, images).round().astype(int)]
+    marker = out / ".subset.json"
+    wanted = {"source": str(source.resolve()), "files": [str(p.relative_to(source)) for p, _ in files]}
+    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    for path, _ in files:
+        dest = out / path.relative_to(source)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+    marker.write_text(json.dumps(wanted))
+    return out
