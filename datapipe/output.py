@@ -208,9 +208,23 @@ def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: b
                           "cannot be told from yours; build into a new folder, or remove this one yourself")
     _check_owned(out, records.MANIFEST, previous.build_id)
     _check_owned(out, records.REPORT, previous.build_id)
+    if resumes(previous, config, chash, source, force=force, where=str(out), place="folder"):
+        return previous.build_id
+    remove_build(out, previous.build_id)
+    return new_build_id()
+
+
+def resumes(previous: records.BuildRecord, config: dict, chash: str, source: dict[str, str], *, force: bool,
+            where: str, place: str) -> bool:
+    """Whether a build finds its own earlier build at ``where`` (same configuration and source: resume
+    it). False when it is another build that ``force`` lets this one replace.
+
+    Raises:
+        ConfigMismatchError: another build, and no ``force`` (the message names what differs).
+    """
     same_source = not previous.source or previous.source == source
     if previous.config_hash == chash and same_source:
-        return previous.build_id
+        return True
     if not force:
         what = []
         if previous.config_hash != chash:
@@ -218,10 +232,9 @@ def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: b
         if not same_source:
             what.append(f"another source (it was built from {_describe(previous.source)}, this build reads "
                         f"{_describe(source)})")
-        raise ConfigMismatchError(f"{out} holds a build with {' and '.join(what)}; choose another output folder, "
+        raise ConfigMismatchError(f"{where} holds a build with {' and '.join(what)}; choose another output {place}, "
                                   "or pass --force to rebuild it")
-    remove_build(out, previous.build_id)
-    return new_build_id()
+    return False
 
 
 def _describe(source: dict) -> str:

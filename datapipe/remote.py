@@ -29,7 +29,6 @@ from typing import Any
 from .errors import (
     ArgumentError,
     CacheError,
-    ConfigMismatchError,
     DatapipeError,
     MissingExtraError,
     OutputBusyError,
@@ -576,7 +575,7 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
 
 def _claim(loc: Location, objects: dict[str, int], previous: BuildRecord, config: dict, chash: str,
            source: dict[str, str], force: bool) -> str:
-    from .output import _describe, _diff
+    from .output import new_build_id, resumes
 
     if not previous.build_id:
         raise OutputError(f"{loc.url} was written by an earlier datapipe whose build.json has no build id; build into a new prefix")
@@ -586,20 +585,9 @@ def _claim(loc: Location, objects: dict[str, int], previous: BuildRecord, config
             if doc is None or doc.get("build_id") != previous.build_id:
                 raise OutputError(f"{loc.url_of(key)} was not written by the build recorded in {loc.url_of(BUILD_LOCK)}, "
                                   "and datapipe does not overwrite objects it did not write; move it away and rerun")
-    same_source = not previous.source or previous.source == source
-    if previous.config_hash == chash and same_source:
+    if resumes(previous, config, chash, source, force=force, where=loc.url, place="prefix"):
         return previous.build_id
-    if not force:
-        what = []
-        if previous.config_hash != chash:
-            what.append(f"another configuration ({_diff(previous.config, config)})")
-        if not same_source:
-            what.append(f"another source (it was built from {_describe(previous.source)}, this build reads {_describe(source)})")
-        raise ConfigMismatchError(f"{loc.url} holds a build with {' and '.join(what)}; choose another output prefix, "
-                                  "or pass --force to rebuild it")
     remove_build(loc, objects, previous.build_id)
-    from .output import new_build_id
-
     return new_build_id()
 
 
