@@ -293,13 +293,7 @@ def _remote_verify(args: argparse.Namespace) -> int:
 
     loc = remote.open_location(args.cache, _storage_options(args))
     manifest = remote.read_manifest(loc)
-    problems = remote.verify(loc, manifest)
-    for line in problems:
-        print(line)
-    verdict = "OK" if not problems else (f"{plural(len(problems), 'problem')}; `datapipe build SOURCE {loc.url} --verify` "
-                                         "rewrites damaged shards")
-    print(f"{loc.url}: {plural(len(manifest.shards), 'shard')}, {plural(manifest.num_samples, 'sample')}: {verdict}")
-    return 0 if not problems else 1
+    return _verdict(remote.verify(loc, manifest), loc.url, len(manifest.shards), manifest.num_samples, output=loc.url)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -310,12 +304,16 @@ def _verify(args: argparse.Namespace) -> int:
     from .cache import Cache
 
     cache = Cache(args.cache)
-    problems = cache.verify(progress=True)
+    return _verdict(cache.verify(progress=True), str(cache.root), len(cache.counts), cache.num_samples, output="OUTPUT")
+
+
+def _verdict(problems: list[str], where: str, shards: int, samples: int, *, output: str) -> int:
+    """Print what ``datapipe verify`` found and return its exit status (1 when anything is wrong)."""
     for line in problems:
         print(line)
-    verdict = "OK" if not problems else (f"{plural(len(problems), 'problem')}; `datapipe build SOURCE OUTPUT --verify` "
+    verdict = "OK" if not problems else (f"{plural(len(problems), 'problem')}; `datapipe build SOURCE {output} --verify` "
                                          "rewrites damaged shards")
-    print(f"{cache.root}: {plural(len(cache.counts), 'shard')}, {plural(cache.num_samples, 'sample')}: {verdict}")
+    print(f"{where}: {plural(shards, 'shard')}, {plural(samples, 'sample')}: {verdict}")
     return 0 if not problems else 1
 
 

@@ -420,26 +420,27 @@ class ShardFetcher:
             finally:
                 os.close(fd)
 
-    def _temp_bytes(self, rels: Sequence[str]) -> int:
-        total = 0
+    def _temps(self, rels: Sequence[str]) -> Iterator[os.DirEntry]:
+        """The temporary files of downloads of these files (in progress, or left by a killed one)."""
         for rel in rels:
             final = self.folder / rel
             with contextlib.suppress(OSError):
                 for entry in os.scandir(final.parent):
                     if entry.name.startswith(final.name + PART):
-                        with contextlib.suppress(OSError):
-                            total += entry.stat().st_size
+                        yield entry
+
+    def _temp_bytes(self, rels: Sequence[str]) -> int:
+        total = 0
+        for entry in self._temps(rels):
+            with contextlib.suppress(OSError):
+                total += entry.stat().st_size
         return total
 
     def _clean_temps(self, rels: Sequence[str]) -> None:
         """Remove the temporary files a killed download of these files left (the exclusive lock is held)."""
-        for rel in rels:
-            final = self.folder / rel
+        for entry in self._temps(rels):
             with contextlib.suppress(OSError):
-                for entry in os.scandir(final.parent):
-                    if entry.name.startswith(final.name + PART):
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry.path)
+                os.unlink(entry.path)
 
     # ----------------------------------------------------------------- the Cache's hook
     @property
