@@ -79,14 +79,17 @@ def main() -> None:
             # plain parallel download of the same shards
             def get(rel: str, dest: Path) -> None:
                 fs.get_file(f"{url.removeprefix('s3://')}/{rel}", str(dest / rel.replace("/", "_")))
-            plain = []
-            for r in range(2):
-                dest = work / f"plain{r}"
+
+            def download(names: list[str], dest: Path) -> float:
+                """Seconds to download ``names`` into the new folder ``dest`` on ``args.prefetch`` threads."""
                 dest.mkdir()
                 t = time.perf_counter()
                 with ThreadPoolExecutor(args.prefetch) as pool:
-                    list(pool.map(lambda rel, dest=dest: get(rel, dest), rels))
-                plain.append(total / (time.perf_counter() - t))
+                    list(pool.map(lambda rel: get(rel, dest), names))
+                return time.perf_counter() - t
+            plain = []
+            for r in range(2):
+                plain.append(total / download(rels, work / f"plain{r}"))
 
             # first batch, cold: at window 1 it reads one shard; at the default window, every shard its batch draws from
             one = work / "one"
@@ -103,12 +106,7 @@ def main() -> None:
                 next(iter(ds))
                 first_s = time.perf_counter() - t
                 ds.cache.remote.close()
-                dest = work / f"need{window}"
-                dest.mkdir()
-                t = time.perf_counter()
-                with ThreadPoolExecutor(args.prefetch) as pool:
-                    list(pool.map(lambda rel, dest=dest: get(rel, dest), [rels[s] for s in need]))
-                firsts[window] = (first_s, len(need), time.perf_counter() - t)
+                firsts[window] = (first_s, len(need), download([rels[s] for s in need], work / f"need{window}"))
             ds_local = datapipe.StreamingDataset(ds.cache.root, batch_size=64, order=ds.order)
             it = iter(ds_local)
             next(it)
@@ -120,12 +118,7 @@ def main() -> None:
             # cache vs the same folder as a local cache, alternating
             colds = []
             for r in range(3):
-                dest = work / f"plain-again{r}"
-                dest.mkdir()
-                t = time.perf_counter()
-                with ThreadPoolExecutor(args.prefetch) as pool:
-                    list(pool.map(lambda rel, dest=dest: get(rel, dest), rels))
-                plain.append(total / (time.perf_counter() - t))
+                plain.append(total / download(rels, work / f"plain-again{r}"))
                 ds = remote(s3, url, work / f"cold{r}", prefetch=args.prefetch)
                 n, secs = epoch(ds)
                 colds.append(shard_bytes(ds.cache.remote.folder) / secs)
