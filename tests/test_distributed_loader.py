@@ -49,6 +49,24 @@ def _check_pixels(ids: np.ndarray, images, labels, idx) -> None:
         raise AssertionError(f"labels disagree with indices {idx.tolist()}")
 
 
+def _read_epochs(ds, ids: np.ndarray, epochs: int = 2) -> list[list[list[int]]]:
+    """Each epoch's batches (their sample indices) of StreamingDataset ``ds`` through a DataLoader with two
+    workers, every batch's pixels and labels checked against the samples they claim to be."""
+    from torch.utils.data import DataLoader  # imported in the rank's process, as its main function does
+
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    result = []
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        batches = []
+        for images, labels, idx in loader:
+            _check_pixels(ids, images, labels, idx)
+            batches.append(idx.tolist())
+        result.append(batches)
+    del loader
+    return result
+
+
 def _rank_main(rank: int, port: int, cache: str, out: str) -> None:
     """One rank: runs in a spawned process, writes what it read to ``out/rank{rank}.json``."""
     try:
@@ -73,16 +91,7 @@ def _rank_main(rank: int, port: int, cache: str, out: str) -> None:
         ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
         result["detected"] = [ds.rank, ds.world_size]
         result["len"] = len(ds)
-        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
-        result["epochs"] = []
-        for epoch in range(2):
-            ds.set_epoch(epoch)
-            batches = []
-            for images, labels, idx in loader:
-                _check_pixels(ids, images, labels, idx)
-                batches.append(idx.tolist())
-            result["epochs"].append(batches)
-        del loader
+        result["epochs"] = _read_epochs(ds, ids)
 
         dropping = datapipe.StreamingDataset(cache, batch_size=B, seed=5, drop_last=True, return_index=True)
         result["drop_len"] = len(dropping)
