@@ -205,12 +205,13 @@ class Cache:
         self._index_lock = threading.Lock()
         self._shapes: np.ndarray | None = None
         self._nbytes: np.ndarray | None = None
+        self._range: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_indexes", "_index_lock",
-                    "_shapes", "_nbytes"):
+                    "_shapes", "_nbytes", "_range"):
             state.pop(key, None)
         return state
 
@@ -248,6 +249,17 @@ class Cache:
         return self._shapes
 
     @property
+    def shape_range(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((least height, least width), (greatest height, greatest width)) over every sample, found once
+        (from the sample indexes for the indexed layout); the fixed shape twice for the fixed layout,
+        ((0, 0), (0, 0)) for an empty cache of varying shapes."""
+        if self.fixed_shape is not None:
+            h, w = self.fixed_shape[:2]
+            return (h, w), (h, w)
+        _ = self.shapes  # loads the table, and the range with it
+        return self._range
+
+    @property
     def sample_nbytes(self) -> np.ndarray:
         """The stored bytes of every sample, int64 [num_samples] (raw: h·w·3; jpeg: the compressed size)."""
         if self._nbytes is None:
@@ -272,7 +284,10 @@ class Cache:
                     shapes[rec.first : rec.first + rec.count, 0] = index.heights
                     shapes[rec.first : rec.first + rec.count, 1] = index.widths
                     nbytes[rec.first : rec.first + rec.count] = index.nbytes
-        self._nbytes, self._shapes = nbytes, shapes  # shapes last: the unlocked check of shapes sees both
+        if n:
+            lo, hi = shapes.min(axis=0).tolist(), shapes.max(axis=0).tolist()
+            self._range = ((lo[0], lo[1]), (hi[0], hi[1]))
+        self._nbytes, self._shapes = nbytes, shapes  # shapes last: the unlocked check of shapes sees the rest
 
     # ----------------------------------------------------------------- index files
     @property

@@ -335,11 +335,8 @@ class StreamingDataset(IterableDataset):
 
     def _sample_bytes(self) -> int:
         """Decoded bytes of the largest sample (all of them when they share one shape)."""
-        shape = self.cache.fixed_shape
-        if shape is None:
-            h, w = (int(v) for v in self.cache.shapes.max(axis=0)) if len(self.cache) else (0, 0)
-            shape = (h, w, 3)
-        return int(np.prod(shape))
+        h, w = self.cache.shape_range[1]
+        return h * w * 3
 
     def _read(self, indices: np.ndarray, *, shared: bool) -> tuple[torch.Tensor | list[torch.Tensor], ...]:
         n = len(indices)

@@ -52,7 +52,7 @@ from .stats import StallMeter
 from .text import show
 
 if TYPE_CHECKING:
-    from .cache import EncodedSample
+    from .cache import Cache, EncodedSample
 
 # A batch as a reader reads it: (images, labels int64 [B], index int64 [B]); the images are a uint8
 # [B, H, W, 3] tensor, [H, W, 3] views of the shard files, or stored JPEG samples (decoded by the preset).
@@ -351,17 +351,7 @@ class DeviceLoader:
             return cache.fixed_shape
         if not self.cuda or not len(cache):
             return (0, 0, 3)
-        h, w = (int(v) for v in cache.shapes.max(axis=0))
-        return (h, w, 3)
-
-    def _reads_in_place(self) -> bool:
-        """Whether the preset may read the samples as views of the shard files' maps (see sample_views)."""
-        cache = self.dataset.cache
-        if not cache.mapped or cache.encoding != "raw" or not len(cache):
-            return False
-        assert isinstance(self.augment, BatchAugment)
-        h, w = (int(v) for v in cache.shapes.min(axis=0))  # the presets' checks hold for the smallest sample
-        return self.augment.reads_in_place(h, w)
+        return (*cache.shape_range[1], 3)
 
     def _read_padded(self, indices: np.ndarray, slot: _Slot, seed: int) -> int:
         """Samples of varying shapes for the GPU: each copied into its row of the padded host buffer,
@@ -472,7 +462,8 @@ class DeviceLoader:
                 images = cache.read_encoded(indices, slot.labels.numpy(), slot.index.numpy())
                 n = len(images)
             elif self._direct:  # views of the shard files' maps when only the guarded kernels read them
-                mapped = self._reads_in_place()
+                assert isinstance(self.augment, BatchAugment)
+                mapped = reads_mapped(cache, self.augment)
                 images = cache.sample_views(indices, slot.labels.numpy(), slot.index.numpy(), out=slot.images,
                                             mapped=mapped)
                 n = len(images)
@@ -577,6 +568,14 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ArgumentError(f"device={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+def reads_mapped(cache: Cache, aug: BatchAugment) -> bool:
+    """Whether ``aug`` may read ``cache``'s samples on the CPU as views of the shard files' maps (see
+    ``Cache.sample_views``): raw samples, mapped, and a preset whose checks hold for the smallest sample."""
+    if not cache.mapped or cache.encoding != "raw" or not len(cache):
+        return False
+    return aug.reads_in_place(*cache.shape_range[0])
 
 
 def _batch_transform(augment: BatchFn | None) -> BatchAugment:

@@ -192,7 +192,7 @@ class _Batch:
     @classmethod
     def of(cls, cache: Cache, batch_size: int) -> _Batch:
         size = min(batch_size, len(cache))
-        shape = cache.fixed_shape or (*(int(v) for v in cache.shapes.max(axis=0, initial=1)), 3)
+        shape = cache.fixed_shape or (*(max(1, v) for v in cache.shape_range[1]), 3)
         return cls(cache, size, np.empty((size, *shape), np.uint8), np.empty(size, np.int64))
 
     @property
@@ -338,14 +338,6 @@ def _augment_on_device(on_device: torch.Tensor, crop: int, device: torch.device,
              "what": f"RandomResizedCrop({crop}) + flip + normalise on the whole batch"}, run_aug)
 
 
-def _reads_in_place(cache: Cache, aug: Any) -> bool:
-    """Whether the CPU loader reads ``cache``'s samples as views of the shard files' maps (as DeviceLoader decides)."""
-    if not cache.mapped or cache.encoding != "raw" or not len(cache):
-        return False
-    h, w = (int(v) for v in cache.shapes.min(axis=0))
-    return bool(aug.reads_in_place(h, w))
-
-
 def _augment_on_cpu(batch: _Batch, crop: int, device: torch.device) -> tuple[dict, Callable[[], None]]:
     """Exactly what the CPU loader does per batch (so it includes the reading, and a JPEG cache's
     decoding): a fresh shuffled batch's samples viewed in place (raw) or their stored bytes each
@@ -353,11 +345,12 @@ def _augment_on_cpu(batch: _Batch, crop: int, device: torch.device) -> tuple[dic
     import torch
 
     from .. import augment
+    from ..device import reads_mapped
 
     aug = augment.train(crop)
     out = torch.empty((batch.size, 3, crop, crop))
     cache = batch.cache
-    mapped = _reads_in_place(cache, aug)  # as the loader does: crops read from the maps
+    mapped = reads_mapped(cache, aug)  # as the loader does: crops read from the maps
 
     def run_raw() -> None:
         idx = batch.shuffled()
