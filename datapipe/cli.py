@@ -237,7 +237,7 @@ def _info(args: argparse.Namespace) -> int:
     if cache.fixed_shape is not None:
         shape = f"{cache.fixed_shape}"
     else:
-        lo, hi = (shapes.min(axis=0).tolist(), shapes.max(axis=0).tolist()) if len(shapes) else ([0, 0], [0, 0])
+        lo, hi = cache.shape_range
         shape = f"HxW from {lo[0]}x{lo[1]} to {hi[0]}x{hi[1]} (shorter side {cache.size}, aspect kept)"
     _print_summary(m, str(cache.root), shape=shape, shards=len(cache.counts), report=report,
                    report_at=str(cache.root / "report.json"), where="on disk", stored=(shapes, stored))
