@@ -20,6 +20,16 @@
  * crop's last row, damage further on goes unseen by that crop (a later crop lower in the image sees it),
  * except a cut-short file: the data must end with the JPEG end marker.
  *
+ * Restart markers make the crop's entropy decoding partial too. Huffman decoding cannot start in the middle
+ * of a scan, so jpeg_skip_scanlines still decodes every coefficient above the crop, and every row's full
+ * width: for 256-pixel samples that is about two thirds of a whole decode. A baseline JPEG with a restart
+ * interval that divides its MCU rows (datapipe's build writes one every 4 MCUs: 64-pixel tiles in 4:2:0)
+ * consists of tiles whose coded data is byte aligned and independent (the DC predictions restart at each).
+ * splice_tiles copies the tiles that cover the crop, plus one pixel of context on each side, into a new
+ * stream of a smaller image (the header's size patched, the restart markers renumbered) and the decode runs
+ * on that: only the crop's tiles are Huffman decoded. The pixels are again the full decode's: the upsampler
+ * reads one chroma sample beyond an output pixel, which the one-pixel margin keeps inside the spliced image.
+ *
  * Loaded through ctypes (no Python API is used), which releases the GIL for each call: reader threads decode
  * in parallel. See decode_crop in datapipe/samples.py.
  */
@@ -29,6 +39,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "jpeglib.h"
@@ -127,6 +138,150 @@ static void limit_scans(j_common_ptr cinfo)
     }
 }
 
+static unsigned be16(const uint8_t *p) { return (unsigned)p[0] << 8 | p[1]; }
+
+/* The tiles of a baseline, interleaved JPEG with restart intervals aligned to its MCU rows that cover rows
+ * [y, y + h) and columns [x, x + w) with one pixel of context on each side where the image goes on, as a JPEG
+ * stream of their own in a malloc'ed *out (the caller frees it) of *out_size bytes, whose first pixel is
+ * (*dy, *dx) of the image. Returns 1 when spliced; 0 when the data does not allow it (no restart markers,
+ * another layout) or the tiles would be the whole image: the caller then decodes the data as it is, and
+ * reports any damage; -1 when out of memory. */
+static int splice_tiles(const uint8_t *data, size_t size, int expect_h, int expect_w, int y, int x, int h, int w,
+                        uint8_t **out, size_t *out_size, int *dy, int *dx, int *out_h, int *out_w)
+{
+    size_t pos = 2, sof = 0, sos_end = 0;
+    unsigned width = 0, height = 0, interval = 0, hmax = 1, vmax = 1, ncomp = 0;
+    while (!sos_end) { /* the markers before the scan */
+        if (pos + 4 > size || data[pos] != 0xFF)
+            return 0;
+        const unsigned marker = data[pos + 1], len = be16(data + pos + 2);
+        if (marker == 0xFF) { /* fill byte */
+            pos++;
+            continue;
+        }
+        if (len < 2 || pos + 2 + len > size)
+            return 0;
+        const uint8_t *seg = data + pos + 4;
+        if (marker == 0xC0 || marker == 0xC1) { /* baseline or extended sequential, Huffman coded */
+            if (len < 8 || seg[0] != 8)
+                return 0;
+            sof = pos;
+            height = be16(seg + 1);
+            width = be16(seg + 3);
+            ncomp = seg[5];
+            if (ncomp != 3 || len != 8 + 3 * ncomp)
+                return 0;
+            for (unsigned c = 0; c < ncomp; c++) {
+                const unsigned hs = seg[6 + 3 * c + 1] >> 4, vs = seg[6 + 3 * c + 1] & 15;
+                if (hs < 1 || hs > 2 || vs < 1 || vs > 2)
+                    return 0;
+                hmax = hs > hmax ? hs : hmax;
+                vmax = vs > vmax ? vs : vmax;
+            }
+        } else if ((marker >= 0xC2 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC) ||
+                   marker == 0xDC) {
+            return 0; /* progressive, lossless, arithmetic coding, DNL */
+        } else if (marker == 0xDD) {
+            if (len != 4)
+                return 0;
+            interval = be16(seg);
+        } else if (marker == 0xDA) { /* one scan of every component, the whole spectrum */
+            if (!sof || seg[0] != ncomp || len != 6 + 2 * ncomp)
+                return 0;
+            const uint8_t *tail = seg + 1 + 2 * ncomp;
+            if (tail[0] != 0 || tail[1] != 63 || tail[2] != 0)
+                return 0;
+            sos_end = pos + 2 + len;
+        }
+        pos += 2 + len;
+    }
+    /* a wrong size or a region outside the image: the decode reports it */
+    if (!interval || (int)width != expect_w || (int)height != expect_h || y + h > expect_h || x + w > expect_w)
+        return 0;
+    const unsigned mcu_w = 8 * hmax, mcu_h = 8 * vmax;
+    const unsigned mcus_x = (width + mcu_w - 1) / mcu_w, mcus_y = (height + mcu_h - 1) / mcu_h;
+    if (mcus_x % interval)
+        return 0;
+    const unsigned tiles_x = mcus_x / interval, tile_w = interval * mcu_w;
+    const unsigned r0 = y > 0 ? (unsigned)(y - 1) / mcu_h : 0, t0 = x > 0 ? (unsigned)(x - 1) / tile_w : 0;
+    unsigned r1 = ((unsigned)(y + h) + 1 + mcu_h - 1) / mcu_h, t1 = ((unsigned)(x + w) + 1 + tile_w - 1) / tile_w;
+    r1 = r1 < mcus_y ? r1 : mcus_y;
+    t1 = t1 < tiles_x ? t1 : tiles_x;
+    if (r0 == 0 && t0 == 0 && r1 == mcus_y && t1 == tiles_x)
+        return 0;
+    /* Find the restart markers up to the end of the last tile needed: tile k (row-major) ends where the
+     * k-th marker (RST k mod 8) begins, and the next starts after it. */
+    const size_t last = (size_t)(r1 - 1) * tiles_x + (t1 - 1), ntiles = (size_t)(r1 - r0) * (t1 - t0);
+    size_t *starts = malloc(2 * (last + 1) * sizeof(size_t));
+    if (!starts)
+        return -1;
+    size_t *ends = starts + last + 1, k = 0, p = sos_end, total = 0;
+    starts[0] = sos_end;
+    while (k <= last) {
+        const uint8_t *ff = memchr(data + p, 0xFF, size - p);
+        if (!ff || (size_t)(ff - data) + 1 >= size) {
+            free(starts);
+            return 0;
+        }
+        p = (size_t)(ff - data);
+        const unsigned b = data[p + 1];
+        if (b == 0x00 || b == 0xFF) { /* a stuffed 0xFF data byte; fill */
+            p += 1 + (b == 0x00);
+            continue;
+        }
+        if (b >= 0xD0 && b <= 0xD7) {
+            if (b != 0xD0 + k % 8) {
+                free(starts);
+                return 0;
+            }
+        } else if (k != (size_t)mcus_y * tiles_x - 1) { /* another marker ends the scan: only after the last tile */
+            free(starts);
+            return 0;
+        }
+        ends[k] = p;
+        if (k < last)
+            starts[k + 1] = p + 2;
+        k++;
+        p += 2;
+    }
+    for (unsigned r = r0; r < r1; r++)
+        total += ends[(size_t)r * tiles_x + t1 - 1] - starts[(size_t)r * tiles_x + t0] + 2 * ntiles;
+    uint8_t *o = malloc(sos_end + total + 2);
+    if (!o) {
+        free(starts);
+        return -1;
+    }
+    memcpy(o, data, sos_end);
+    const unsigned new_h = r1 == mcus_y ? height - r0 * mcu_h : (r1 - r0) * mcu_h;
+    const unsigned new_w = t1 == tiles_x ? width - t0 * tile_w : (t1 - t0) * tile_w;
+    o[sof + 5] = (uint8_t)(new_h >> 8);
+    o[sof + 6] = (uint8_t)new_h;
+    o[sof + 7] = (uint8_t)(new_w >> 8);
+    o[sof + 8] = (uint8_t)new_w;
+    size_t n = sos_end, done = 0;
+    for (unsigned r = r0; r < r1; r++) {
+        for (unsigned t = t0; t < t1; t++) {
+            const size_t i = (size_t)r * tiles_x + t;
+            memcpy(o + n, data + starts[i], ends[i] - starts[i]);
+            n += ends[i] - starts[i];
+            if (++done < ntiles) {
+                o[n++] = 0xFF;
+                o[n++] = (uint8_t)(0xD0 + (done - 1) % 8);
+            }
+        }
+    }
+    o[n++] = 0xFF;
+    o[n++] = 0xD9;
+    free(starts);
+    *out = o;
+    *out_size = n;
+    *dy = (int)(r0 * mcu_h);
+    *dx = (int)(t0 * tile_w);
+    *out_h = (int)new_h;
+    *out_w = (int)new_w;
+    return 1;
+}
+
 /* Decode rows [y, y + h) and columns [x, x + w) of the image scaled by scale_m/8 (1..8) into out, RGB rows of
  * geom[3] * 3 bytes. geom = {first row, first column, rows, columns} of the decoded region within the scaled
  * image, then {scaled height, scaled width}. The region holds the requested one: the same rows; its left edge
@@ -141,7 +296,8 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     struct jpeg_progress_mgr progress;
     JSAMPROW rows[ROWS_PER_CALL];
     volatile int created = 0;
-    int rc = -1;
+    int rc = -1, dy = 0, dx = 0, eh = expect_h, ew = expect_w;
+    uint8_t *volatile spliced = NULL;
 
     if (!handle) {
         snprintf(err, errlen, "no libjpeg opened");
@@ -158,6 +314,22 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
                  ? "the data ends before the JPEG's end marker (truncated)" : "the data does not start as a JPEG");
         return -1;
     }
+    if (scale_m == 8) {
+        uint8_t *tiles;
+        size_t tiles_size;
+        const int found = splice_tiles(data, size, expect_h, expect_w, y, x, h, w, &tiles, &tiles_size, &dy, &dx, &eh, &ew);
+        if (found < 0) {
+            snprintf(err, errlen, "out of memory");
+            return -2;
+        }
+        if (found) {
+            spliced = tiles;
+            data = tiles;
+            size = tiles_size;
+            y -= dy;
+            x -= dx;
+        }
+    }
     memset(&cinfo, 0, sizeof cinfo);
     cinfo.err = api.std_error(&jerr.pub);
     jerr.pub.error_exit = fail_with_message;
@@ -167,6 +339,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     if (setjmp(jerr.jump)) {
         if (created)
             api.destroy_decompress(&cinfo);
+        free(spliced);
         return rc;
     }
     api.create_decompress(&cinfo, JPEG_LIB_VERSION, sizeof cinfo);
@@ -175,10 +348,11 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     cinfo.progress = &progress;
     api.mem_src(&cinfo, data, (unsigned long)size);
     api.read_header(&cinfo, TRUE);
-    if ((int)cinfo.image_height != expect_h || (int)cinfo.image_width != expect_w) {
+    if ((int)cinfo.image_height != eh || (int)cinfo.image_width != ew) {
         snprintf(err, errlen, "its header says %ux%u, the index %dx%d", cinfo.image_height, cinfo.image_width, expect_h,
                  expect_w);
         api.destroy_decompress(&cinfo);
+        free(spliced);
         return -1;
     }
     cinfo.out_color_space = JCS_RGB;
@@ -192,6 +366,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     if ((long long)y + h > sh || (long long)x + w > sw || cinfo.output_components != 3) {
         snprintf(err, errlen, "the region %d+%d x %d+%d lies outside the %dx%d image", y, h, x, w, sh, sw);
         api.destroy_decompress(&cinfo);
+        free(spliced);
         return -2;
     }
     /* One more column on each side where the image goes on: the upsampler treats the cropped region's first
@@ -199,17 +374,26 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
      * neighbour's. Rows need no margin: jpeg_skip_scanlines decodes the context rows the upsampling reads. */
     const int y0 = y, y1 = y + h;
     JDIMENSION x0 = (JDIMENSION)(x > 0 ? x - 1 : 0), cw = (JDIMENSION)((x + w < sw ? x + w + 1 : sw)) - x0;
-    if (x0 > 0 || (int)cw < sw)
+    if (cw < 4) /* a region of one 4:2:0 chroma column upsamples differently from a full decode: take two */
+        cw = (JDIMENSION)sw - x0 < 4 ? (JDIMENSION)sw - x0 : 4;
+    if (spliced) { /* already the crop's tiles: decoded whole (jpeg_crop_scanline of a region one chroma sample
+                    * wide differs from a full decode in some rows) */
+        x0 = 0;
+        cw = (JDIMENSION)sw;
+    } else if (x0 > 0 || (int)cw < sw) {
         api.crop_scanline(&cinfo, &x0, &cw);
+    }
     const size_t stride = (size_t)cw * 3, nrows = (size_t)(y1 - y0);
     if (nrows * stride > capacity) {
         snprintf(err, errlen, "the out buffer holds %zu bytes, the region needs %zu", capacity, nrows * stride);
         api.destroy_decompress(&cinfo);
+        free(spliced);
         return -2;
     }
     if (y0 > 0 && api.skip_scanlines(&cinfo, (JDIMENSION)y0) != (JDIMENSION)y0) {
         snprintf(err, errlen, "could not skip to row %d", y0);
         api.destroy_decompress(&cinfo);
+        free(spliced);
         return -1;
     }
     size_t done = 0;
@@ -219,8 +403,9 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
             rows[i] = out + (done + i) * stride;
         JDIMENSION got = api.read_scanlines(&cinfo, rows, (JDIMENSION)n);
         if (got == 0) {
-            snprintf(err, errlen, "the decoder stopped at row %zu", (size_t)y0 + done);
+            snprintf(err, errlen, "the decoder stopped at row %zu", (size_t)y0 + dy + done);
             api.destroy_decompress(&cinfo);
+            free(spliced);
             return -1;
         }
         done += got;
@@ -232,11 +417,12 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     else
         api.abort_decompress(&cinfo);
     api.destroy_decompress(&cinfo);
-    geom[0] = y0;
-    geom[1] = (int32_t)x0;
+    geom[0] = y0 + dy;
+    geom[1] = (int32_t)x0 + dx;
     geom[2] = (int32_t)nrows;
     geom[3] = (int32_t)cw;
-    geom[4] = sh;
-    geom[5] = sw;
+    geom[4] = spliced ? expect_h : sh;
+    geom[5] = spliced ? expect_w : sw;
+    free(spliced);
     return 0;
 }

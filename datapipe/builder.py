@@ -110,14 +110,14 @@ class BuildSpec(DecodeSpec):
     def config(self, source_kind: str) -> dict[str, Any]:
         """The build configuration written to the manifest and hashed: every field that decides the
         bytes (the shard size resolved, so that the default and its value are one configuration) and
-        the kind of source. ``max_aspect`` enters only with fit short, ``encoding`` and ``quality``
-        only with jpeg: a configuration of the earlier options is the very dict (and hash) it was."""
+        the kind of source. ``max_aspect`` enters only with fit short, ``encoding``, ``quality``
+        and the JPEG restart interval only with jpeg: a configuration of the earlier options is the very dict (and hash) it was."""
         config: dict[str, Any] = {"size": self.size, "fit": self.fit, "max_pixels": self.max_pixels}
         if self.fit == "short":
             config["max_aspect"] = float(self.max_aspect)
         config["shard_size"] = self.samples_per_shard
         if self.encoding != "raw":
-            config.update(encoding=self.encoding, quality=self.quality)
+            config.update(encoding=self.encoding, quality=self.quality, restart_interval=samples.RESTART_INTERVAL)
         config["source_kind"] = source_kind
         assert layout_of(config) == self.layout
         return config

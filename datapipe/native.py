@@ -118,8 +118,9 @@ class Converter:
     ``src`` may be a crop (rows strided) but its pixels must be packed (strides (row, 3, 1)); ``dst``
     is a float32 [3, H, W] tensor that is either contiguous or a channels_last slice (strides
     (1, 3W, 3)). ``stream`` writes with non-temporal stores; off by default: on an AMD EPYC host
-    they took 2.3x the time of plain stores into a batch of 256 (0.15 vs 0.064 ms per 224² sample). Loops over a batch check it once with :meth:`destination` and then call
-    :meth:`raw` with addresses, which skips the per-call checks.
+    they took 2.3x the time of plain stores into a batch of 256 (0.15 vs 0.064 ms per 224² sample).
+    Loops over a batch check it once with :meth:`destination` and then call :meth:`raw` with
+    addresses, which skips the per-call checks.
     """
 
     def __init__(self, lib: ctypes.CDLL, mean: Sequence[float], std: Sequence[float]) -> None:

@@ -219,6 +219,8 @@ def _config(f: _Fields) -> tuple[dict, str]:
         config.text("encoding", re.compile("|".join(ENCODINGS)), expect=" or ".join(map(repr, ENCODINGS)))
     if config.has("quality"):
         config.integer("quality", 1, 100)
+    if config.has("restart_interval"):
+        config.integer("restart_interval", 0, 65535)
     if config.has("max_aspect"):
         config.number("max_aspect", 1.0)
         if long_side_cap(size, config.doc["max_aspect"]) > MAX_SIZE:

@@ -111,7 +111,7 @@ def test_manifest_names_version_layout_encoding_and_config(builds, encoding, fit
     if fit == "short":
         expected["max_aspect"] = MAX_ASPECT
     if encoding == "jpeg":
-        expected.update(encoding="jpeg", quality=samples.DEFAULT_QUALITY)
+        expected.update(encoding="jpeg", quality=samples.DEFAULT_QUALITY, restart_interval=samples.RESTART_INTERVAL)
     assert m["config"] == expected == report.config
     for s in m["shards"]:
         assert ("index_crc32c" in s) == indexed

@@ -246,3 +246,118 @@ def test_a_progressive_jpeg_decodes_and_repeated_scans_are_refused():
     bombed = data[:scan] + one_scan * 600 + b"\xff\xd9"
     with pytest.raises(CorruptShardError, match="s"):
         decoder.crop(bombed, 120, 160, 8, (0, 0, 10, 10), "s")
+
+
+# ----------------------------------------------------------------------------- restart markers: tiles spliced out
+
+def _encode_tiled(img: np.ndarray, subsampling: int = 2, interval: int = 1) -> bytes:
+    """A baseline JPEG with a restart marker every ``interval`` MCUs (Pillow's encoder, as a cache's samples)."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    buf = BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=90, subsampling=subsampling, restart_marker_blocks=interval)
+    return buf.getvalue()
+
+
+def _tiles(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each restart interval's coded data."""
+    start = data.index(b"\xff\xda")
+    start += 2 + int.from_bytes(data[start + 2 : start + 4], "big")
+    spans, i = [], start
+    while True:
+        i = data.index(b"\xff", i)
+        if data[i + 1] == 0:
+            i += 2
+            continue
+        spans.append((start, i))
+        if not 0xD0 <= data[i + 1] <= 0xD7:
+            return spans
+        start = i = i + 2
+
+
+def test_stored_samples_carry_a_restart_marker_every_mcu_and_decode_anywhere():
+    from io import BytesIO
+
+    from PIL import Image
+
+    img = _image(70, 90, seed=11)
+    data = bytes(samples.encode(img, "jpeg"))
+    dri = data.index(b"\xff\xdd")
+    assert int.from_bytes(data[dri + 4 : dri + 6], "big") == samples.RESTART_INTERVAL == 1
+    assert len(_tiles(data)) == 5 * 6  # 16x16 MCUs (4:2:0)
+    ours = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    np.testing.assert_array_equal(ours, np.asarray(Image.open(BytesIO(data)).convert("RGB")))
+
+    def psnr(decoded: np.ndarray) -> float:
+        return float(10 * np.log10(255**2 / np.mean((decoded.astype(float) - img) ** 2)))
+
+    plain = simplejpeg.decode_jpeg(_encode(img), colorspace="RGB")  # libjpeg-turbo, same quality, no markers
+    assert psnr(ours) > psnr(plain) - 0.5
+
+
+@needs_decoder
+@pytest.mark.parametrize("subsampling", [2, 1, 0])  # 4:2:0 (what a cache stores), 4:2:2, 4:4:4
+@pytest.mark.parametrize("interval", [1, 2, 4, 3])  # 3 does not divide the 4:2:0 rows of 256 or 301: not spliced
+@pytest.mark.parametrize("shape", [(256, 256), (123, 301), (17, 300), (300, 17), (40, 40)])
+def test_crops_of_samples_with_restart_markers_are_exact(subsampling, interval, shape):
+    h, w = shape
+    _check_crops(_encode_tiled(_image(h, w, seed=h + w), subsampling, interval), h, w, 8, 40, seed=interval)
+
+
+@needs_decoder
+@pytest.mark.parametrize("tiled", [False, True])
+def test_crops_one_pixel_wide_at_the_left_edge_are_exact(tiled):
+    """A region one 4:2:0 chroma column wide upsamples differently in libjpeg-turbo: two are decoded."""
+    for h, w in ((16, 8), (40, 9), (33, 16), (64, 17), (50, 48)):
+        img = _image(h, w, seed=w)
+        data = _encode_tiled(img) if tiled else _encode(img)
+        whole = simplejpeg.decode_jpeg(data, colorspace="RGB")
+        assert decoder is not None
+        for box in ((0, 0, h, 1), (h // 3, 0, h // 2, 1), (0, 1, h, 1), (0, 0, 1, 1), (0, w - 1, h, 1)):
+            img_, (t, lf, bh, bw) = decoder.crop(data, h, w, 8, box, "s")
+            np.testing.assert_array_equal(img_[t:t + bh, lf:lf + bw], whole[box[0]:box[0] + bh, box[1]:box[1] + bw],
+                                          err_msg=f"{(h, w)} {box}")
+
+
+@needs_decoder
+def test_only_the_tiles_of_a_crop_are_decoded():
+    """With restart markers, a crop's Huffman decoding skips the tiles away from it: a tile made undecodable
+    (all-ones bits: an invalid code) fails the crops that cover it and no other, while a decoder that read
+    the whole scan (or every row above the crop) would fail them all."""
+    img = _image(64, 64, seed=12)
+    data = bytearray(_encode_tiled(img))
+    clean = simplejpeg.decode_jpeg(bytes(data), colorspace="RGB")
+    start, end = _tiles(bytes(data))[0]  # the top-left MCU, pixels [0, 16) x [0, 16)
+    data[start:end - (end - start) % 2] = b"\xff\x00" * ((end - start) // 2)
+    broken = bytes(data)
+    with pytest.raises(ValueError):
+        simplejpeg.decode_jpeg(broken, colorspace="RGB", strict=True)
+    for box in ((40, 40, 20, 20), (20, 0, 44, 64), (0, 20, 64, 44), (17, 17, 40, 40)):
+        got, (t, lf, bh, bw) = samples.decode_crop(broken, 64, 64, box, 64, where="s")  # full scale: no DCT scaling
+        np.testing.assert_array_equal(got[t:t + bh, lf:lf + bw], clean[box[0]:box[0] + bh, box[1]:box[1] + bw])
+    for box in ((0, 0, 8, 8), (10, 10, 30, 30), (0, 0, 64, 64)):
+        with pytest.raises(CorruptShardError, match="shard 1, sample 2"):
+            samples.decode_crop(broken, 64, 64, box, 16, where="shard 1, sample 2")
+
+
+@needs_decoder
+def test_restart_markers_out_of_order_are_not_spliced_and_are_an_error():
+    """A renumbered marker breaks the tiles' order: the crop is decoded from the data as it is, where
+    libjpeg-turbo reports the broken sequence."""
+    data = bytearray(_encode_tiled(_image(64, 64, seed=13)))
+    _, end = _tiles(bytes(data))[5]
+    assert data[end] == 0xFF and data[end + 1] == 0xD5
+    data[end + 1] = 0xD2
+    with pytest.raises(CorruptShardError, match="s"):
+        samples.decode_crop(bytes(data), 64, 64, (40, 40, 20, 20), 16, where="s")
+
+
+@needs_decoder
+@pytest.mark.parametrize("kind", ["header", "early", "mid", "last byte", "markers", "garbage", "not a jpeg", "empty", "soi only"])
+@pytest.mark.parametrize("box,out", [((0, 0, 200, 240), 224), ((150, 100, 90, 120), 64), ((100, 140, 30, 30), 16)])
+def test_damaged_samples_with_restart_markers_are_errors_naming_the_sample(kind, box, out):
+    data = _damaged(bytes(samples.encode(_image(240, 320, seed=4), "jpeg")))[kind]
+    with pytest.raises(CorruptShardError, match="shard 3, sample 9"):
+        samples.decode_crop(data, 240, 320, box, out, where="shard 3, sample 9")
