@@ -9,6 +9,7 @@ seconds each side's build took in the workers, in the client and in moto's serve
 shares the machine's cores with the workers. ``--shard-size 0``: datapipe's default (about 100 MB).
 
     python benchmarks/remote_bench.py [--source /tmp/benchdata] [--images 1000] [--rounds 2] [--workers 2] [--size 160] [--shard-size 50]
+                                      [--encoding raw|jpeg]
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--size", type=int, default=160)
     ap.add_argument("--shard-size", type=int, default=50, help="samples per shard (many shards per worker); 0: the default")
+    ap.add_argument("--encoding", choices=("raw", "jpeg"), default="raw", help="the samples' encoding (--encoding of datapipe build)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -80,7 +82,7 @@ def main() -> None:
     try:
         with running_server() as s3:
             bucket = s3.bucket("bench")
-            spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size or None)
+            spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size or None, encoding=args.encoding)
             moto = psutil.Process(s3._proc.pid)  # type: ignore[union-attr]
             workers = [p for p in psutil.Process().children(recursive=True) if p.pid != moto.pid]
             where = datapipe.Cluster(scheduler=cluster.scheduler_address)
@@ -104,7 +106,8 @@ def main() -> None:
         cluster.close()
         shutil.rmtree(work, ignore_errors=True)
     local, store = statistics.median(rates["local"]), statistics.median(rates["s3"])
-    result = {"images": args.images, "workers": args.workers, "size": args.size, "shard_size": args.shard_size, "rounds": args.rounds,
+    result = {"images": args.images, "workers": args.workers, "size": args.size, "shard_size": args.shard_size,
+              "encoding": args.encoding, "rounds": args.rounds,
               "local_img_s": local, "s3_img_s": store, "ratio": store / local, "all": rates, "cpu_seconds": cpu}
     moto_share = sum(c["moto"] for c in cpu["s3"]) / max(sum(sum(c.values()) for c in cpu["s3"]), 1e-9)
     print(f"local {local:,.0f} img/s, s3 (moto on loopback) {store:,.0f} img/s: {store / local:.0%} of local; "
