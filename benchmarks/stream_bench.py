@@ -51,6 +51,13 @@ def remote(s3, url, local, **kw):
     return datapipe.StreamingDataset(url, local_cache=local, storage_options=s3.storage_options, **kw)
 
 
+def settle(timeout: float = 30.0) -> None:
+    """Wait until no prefetch thread runs (a closed dataset's downloads in flight finish in the background)."""
+    end = time.monotonic() + timeout
+    while any(t.name.startswith("datapipe-prefetch") for t in threading.enumerate()) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def shard_bytes(folder: Path, since: int = 0) -> int:
     return sum(d["bytes"] for d in fetch.downloads(folder)[since:] if "/images/" in d["file"])
 
@@ -61,6 +68,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--shard-size", type=int, default=100)
     ap.add_argument("--prefetch", type=int, default=8)
+    ap.add_argument("--first-rounds", type=int, default=7, help="rounds of the first-batch figure")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     try:
@@ -91,28 +99,38 @@ def main() -> None:
             for r in range(2):
                 plain.append(total / download(rels, work / f"plain{r}"))
 
-            # first batch, cold: at window 1 it reads one shard; at the default window, every shard its batch draws from
-            one = work / "one"
-            one.mkdir()
-            t = time.perf_counter()
-            get(rels[0], one)
-            shard_s = time.perf_counter() - t
-            firsts = {}
+            # first batch, cold: at window 1 it reads one shard; at the default window, every shard its batch draws
+            # from. Rounds alternate it with the plain download of the same shards (each into a fresh folder).
+            firsts: dict[int, dict[str, list[float]]] = {}
             for window in (1, partition.DEFAULT_WINDOW):
-                ds = remote(s3, url, work / f"first{window}", prefetch=args.prefetch, window=window)
-                order, bounds = ds.plan()
-                need = sorted({int(s) for s in np.searchsorted(ds.cache.starts, order[bounds[0, 0]:bounds[0, 1]], side="right") - 1})
-                t = time.perf_counter()
-                next(iter(ds))
-                first_s = time.perf_counter() - t
-                ds.cache.remote.close()
-                firsts[window] = (first_s, len(need), download([rels[s] for s in need], work / f"need{window}"))
+                runs: dict[str, list[float]] = {"first": [], "plain": []}
+                probe = remote(s3, url, work / f"plan{window}", prefetch=args.prefetch, window=window)
+                order, bounds = probe.plan()
+                need = sorted({int(s) for s in np.searchsorted(probe.cache.starts, order[bounds[0, 0]:bounds[0, 1]],
+                                                               side="right") - 1})
+                probe.cache.remote.close()
+                for r in range(args.first_rounds):
+                    for side in ("first", "plain") if r % 2 == 0 else ("plain", "first"):
+                        if side == "plain":
+                            runs["plain"].append(download([rels[s] for s in need], work / f"need{window}-{r}"))
+                            continue
+                        ds = remote(s3, url, work / f"first{window}-{r}", prefetch=args.prefetch, window=window)
+                        t = time.perf_counter()
+                        next(iter(ds))
+                        runs["first"].append(time.perf_counter() - t)
+                        ds.cache.remote.close()
+                        settle()  # the prefetches it started end before the next measurement
+                runs["need"] = [float(len(need))]
+                firsts[window] = runs
             ds_local = datapipe.StreamingDataset(ds.cache.root, batch_size=64, order=ds.order)
             it = iter(ds_local)
             next(it)
-            t = time.perf_counter()
-            next(it)
-            batch_s = time.perf_counter() - t
+            reads = []
+            for _ in range(5):
+                t = time.perf_counter()
+                next(it)
+                reads.append(time.perf_counter() - t)
+            batch_s = float(np.median(reads))
 
             # cold epoch bandwidth (alternating with the plain download), then steady epochs: the remote's local
             # cache vs the same folder as a local cache, alternating
@@ -172,10 +190,13 @@ def main() -> None:
             print(f"bytes downloaded per node per steady epoch, cache_limit 25 %, two ranks, order {order!r}"
                   f"{f' window {window}' if order == 'shards' else ''}: {steady:.2f} x the bytes read "
                   f"(epochs: {', '.join(f'{x:.2f}' for x in per_epoch)})")
-        for window, (first_s, need, need_s) in firsts.items():
-            print(f"first batch, cold, window {window}: {first_s * 1e3:.0f} ms; it reads {need} shard(s): their plain "
-                  f"parallel download {need_s * 1e3:.0f} ms (one shard {shard_s * 1e3:.0f} ms) + one batch's read "
-                  f"{batch_s * 1e3:.1f} ms = {(need_s + batch_s) * 1e3:.0f} ms")
+        for window, runs in firsts.items():
+            ratios = [f / (p + batch_s) for f, p in zip(runs["first"], runs["plain"], strict=True)]
+            print(f"first batch, cold, window {window} (it reads {int(runs['need'][0])} shard(s)), {args.first_rounds} "
+                  f"alternating rounds: {np.median(runs['first']) * 1e3:.0f} ms (median; "
+                  f"{', '.join(f'{x * 1e3:.0f}' for x in runs['first'])}) vs their plain parallel download "
+                  f"{np.median(runs['plain']) * 1e3:.0f} ms ({', '.join(f'{x * 1e3:.0f}' for x in runs['plain'])}) + one "
+                  f"batch's read {batch_s * 1e3:.1f} ms: {np.median(ratios):.2f} x their sum (median of per-round ratios)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

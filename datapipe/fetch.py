@@ -799,7 +799,9 @@ class _Follower:
 
     # ----------------------------------------------------------------- the prefetch threads
     def _pick(self) -> tuple[int, Future] | None:
-        """The next shard to download (held: self.cond), or None when none may start now."""
+        """The next shard to download (held: self.cond), or None when none may start now (or stopped)."""
+        if self.done:
+            return None
         held = self.fetcher.open_shards()  # held open here: local, and not evictable
         while self.next_k < len(self.shards) and (self.shards[self.next_k] in self.started or self.shards[self.next_k] in held):
             self.next_k += 1
