@@ -401,10 +401,29 @@ __attribute__((target("avx2"))) static ptrdiff_t
 vpass_row_avx2(const uint8_t *src, ptrdiff_t src_row, uint8_t *dst, const axis_t *ax, ptrdiff_t y, ptrdiff_t n)
 {
     const ptrdiff_t nv = n & ~(ptrdiff_t)31;
-    const __m256i round = _mm256_set1_epi32(1 << (ax->precision - 1)), zero = _mm256_setzero_si256();
+    const int precision = ax->precision; /* locals: the stores (bytes) may alias the axis for the compiler */
+    const __m256i round = _mm256_set1_epi32(1 << (precision - 1)), zero = _mm256_setzero_si256();
     const uint8_t *first = src + (ptrdiff_t)ax->start[y] * src_row;
     const int16_t *w = ax->w + y * ax->kmax;
     const int taps = ax->taps[y];
+    if (taps <= 2) { /* every upscale: one pair of rows, its weights broadcast once for the row */
+        const uint8_t *second = taps == 2 ? first + src_row : first; /* weight 0 when one tap */
+        const __m256i mk = _mm256_set1_epi32((int32_t)(((uint32_t)(uint16_t)(taps == 2 ? w[1] : 0) << 16) |
+                                                       (uint16_t)w[0]));
+        for (ptrdiff_t i = 0; i < nv; i += 32) {
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)(first + i));
+            const __m256i r1 = _mm256_loadu_si256((const __m256i *)(second + i));
+            const __m256i lo = _mm256_unpacklo_epi8(r0, r1), hi = _mm256_unpackhi_epi8(r0, r1);
+            const __m256i a0 = _mm256_add_epi32(round, _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), mk));
+            const __m256i a1 = _mm256_add_epi32(round, _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), mk));
+            const __m256i a2 = _mm256_add_epi32(round, _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), mk));
+            const __m256i a3 = _mm256_add_epi32(round, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), mk));
+            const __m256i p01 = _mm256_packs_epi32(_mm256_srai_epi32(a0, precision), _mm256_srai_epi32(a1, precision));
+            const __m256i p23 = _mm256_packs_epi32(_mm256_srai_epi32(a2, precision), _mm256_srai_epi32(a3, precision));
+            _mm256_storeu_si256((__m256i *)(dst + i), _mm256_packus_epi16(p01, p23));
+        }
+        return nv;
+    }
     for (ptrdiff_t i = 0; i < nv; i += 32) {
         __m256i a0 = round, a1 = round, a2 = round, a3 = round;
         for (int k = 0; k < taps; k += 2) {
