@@ -17,12 +17,10 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .errors import CacheError
-
-if TYPE_CHECKING:
-    import numpy as np
 
 TMP_PREFIX = ".tmp-"  # every temporary file or folder datapipe writes starts with this
 
@@ -94,15 +92,19 @@ def crc32c(data: bytes | np.ndarray, value: int = 0) -> int:
     return google_crc32c.extend(value, data)
 
 
-def file_crc32c(path: Path, chunk: int = 1 << 24) -> str:
-    """The crc32c of a regular file (opened non-blocking: a FIFO in its place is refused, not waited on)."""
+def file_crc32c(path: Path, chunk: int = 1 << 20) -> str:
+    """The crc32c of a regular file (opened non-blocking: a FIFO in its place is refused, not waited on),
+    read through one reused buffer (a new block per read made every page of it fault in: a third of
+    the time of a 5 MB shard's check)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb", closefd=True) as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    with open(fd, "rb", buffering=0, closefd=True) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise CacheError(f"{path} is not a regular file; rerun the same `datapipe build` to rewrite it")
+        buf = np.empty(max(1, min(chunk, st.st_size)), dtype=np.uint8)
         crc = 0
-        while block := f.read(chunk):
-            crc = crc32c(block, crc)
+        while n := f.readinto(buf):
+            crc = crc32c(buf[:n], crc)
     return f"{crc:08x}"
 
 
