@@ -103,7 +103,7 @@ def file_crc32c(path: Path, chunk: int = 1 << 20) -> str:
             raise CacheError(f"{path} is not a regular file; rerun the same `datapipe build` to rewrite it")
         buf = np.empty(max(1, min(chunk, st.st_size)), dtype=np.uint8)
         crc = 0
-        while n := f.readinto(memoryview(buf)):
+        while n := f.readinto(buf.data):
             crc = crc32c(buf[:n], crc)
     return f"{crc:08x}"
 
