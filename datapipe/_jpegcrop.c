@@ -25,7 +25,8 @@
  * width: for 256-pixel samples that is about two thirds of a whole decode. A baseline JPEG with a restart
  * interval that divides its MCU rows (datapipe's build writes one every 4 MCUs: 64-pixel tiles in 4:2:0)
  * consists of tiles whose coded data is byte aligned and independent (the DC predictions restart at each).
- * splice_tiles copies the tiles that cover the crop, plus one pixel of context on each side, into a new
+ * splice_tiles copies the tiles that cover the crop, plus one pixel of context on each side (at any DCT
+ * scale), into a new
  * stream of a smaller image (the header's size patched, the restart markers renumbered) and the decode runs
  * on that: only the crop's tiles are Huffman decoded. The pixels are again the full decode's: the upsampler
  * reads one chroma sample beyond an output pixel, which the one-pixel margin keeps inside the spliced image.
@@ -141,13 +142,14 @@ static void limit_scans(j_common_ptr cinfo)
 static unsigned be16(const uint8_t *p) { return (unsigned)p[0] << 8 | p[1]; }
 
 /* The tiles of a baseline, interleaved JPEG with restart intervals aligned to its MCU rows that cover rows
- * [y, y + h) and columns [x, x + w) with one pixel of context on each side where the image goes on, as a JPEG
- * stream of their own in a malloc'ed *out (the caller frees it) of *out_size bytes, whose first pixel is
- * (*dy, *dx) of the image. Returns 1 when spliced; 0 when the data does not allow it (no restart markers,
+ * [y, y + h) and columns [x, x + w) of the image decoded at scale_m/8 with one pixel of context on each side
+ * where the image goes on, as a JPEG stream of their own in a malloc'ed *out (the caller frees it) of *out_size
+ * bytes, *out_h x *out_w, whose first pixel is (*dy, *dx) of the scaled image (a tile's scaled sides are
+ * whole numbers of pixels, and even: the chroma samples the upsampler reads stay inside). Returns 1 when spliced; 0 when the data does not allow it (no restart markers,
  * another layout) or the tiles would be the whole image: the caller then decodes the data as it is, and
  * reports any damage; -1 when out of memory. */
-static int splice_tiles(const uint8_t *data, size_t size, int expect_h, int expect_w, int y, int x, int h, int w,
-                        uint8_t **out, size_t *out_size, int *dy, int *dx, int *out_h, int *out_w)
+static int splice_tiles(const uint8_t *data, size_t size, int expect_h, int expect_w, int scale_m, int y, int x, int h,
+                        int w, uint8_t **out, size_t *out_size, int *dy, int *dx, int *out_h, int *out_w)
 {
     size_t pos = 2, sof = 0, sos_end = 0;
     unsigned width = 0, height = 0, interval = 0, hmax = 1, vmax = 1, ncomp = 0;
@@ -195,18 +197,26 @@ static int splice_tiles(const uint8_t *data, size_t size, int expect_h, int expe
         }
         pos += 2 + len;
     }
-    /* a wrong size or a region outside the image: the decode reports it */
-    if (!interval || (int)width != expect_w || (int)height != expect_h || y + h > expect_h || x + w > expect_w)
+    /* a wrong size or a region outside the (scaled) image: the decode reports it */
+    const long long sh = ((long long)expect_h * scale_m + 7) / 8, sw = ((long long)expect_w * scale_m + 7) / 8;
+    if (!interval || (int)width != expect_w || (int)height != expect_h || y + h > sh || x + w > sw)
         return 0;
     const unsigned mcu_w = 8 * hmax, mcu_h = 8 * vmax;
     const unsigned mcus_x = (width + mcu_w - 1) / mcu_w, mcus_y = (height + mcu_h - 1) / mcu_h;
     if (mcus_x % interval)
         return 0;
     const unsigned tiles_x = mcus_x / interval, tile_w = interval * mcu_w;
-    const unsigned r0 = y > 0 ? (unsigned)(y - 1) / mcu_h : 0, t0 = x > 0 ? (unsigned)(x - 1) / tile_w : 0;
-    unsigned r1 = ((unsigned)(y + h) + 1 + mcu_h - 1) / mcu_h, t1 = ((unsigned)(x + w) + 1 + tile_w - 1) / tile_w;
+    const unsigned tile_hs = vmax * (unsigned)scale_m, tile_ws = interval * hmax * (unsigned)scale_m; /* scaled */
+    unsigned r0 = y > 0 ? (unsigned)(y - 1) / tile_hs : 0, t0 = x > 0 ? (unsigned)(x - 1) / tile_ws : 0;
+    unsigned r1 = ((unsigned)(y + h) + 1 + tile_hs - 1) / tile_hs, t1 = ((unsigned)(x + w) + 1 + tile_ws - 1) / tile_ws;
     r1 = r1 < mcus_y ? r1 : mcus_y;
     t1 = t1 < tiles_x ? t1 : tiles_x;
+    /* At least two tiles each way where the image has them: libjpeg-turbo upsamples a scaled image one tile
+     * (a few pixels) wide differently at its edge from a whole decode. */
+    if (t1 - t0 < 2 && tiles_x >= 2)
+        t1 < tiles_x ? t1++ : t0--;
+    if (r1 - r0 < 2 && mcus_y >= 2)
+        r1 < mcus_y ? r1++ : r0--;
     if (r0 == 0 && t0 == 0 && r1 == mcus_y && t1 == tiles_x)
         return 0;
     /* Find the restart markers up to the end of the last tile needed: tile k (row-major) ends where the
@@ -275,8 +285,8 @@ static int splice_tiles(const uint8_t *data, size_t size, int expect_h, int expe
     free(starts);
     *out = o;
     *out_size = n;
-    *dy = (int)(r0 * mcu_h);
-    *dx = (int)(t0 * tile_w);
+    *dy = (int)(r0 * tile_hs);
+    *dx = (int)(t0 * tile_ws);
     *out_h = (int)new_h;
     *out_w = (int)new_w;
     return 1;
@@ -314,10 +324,11 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
                  ? "the data ends before the JPEG's end marker (truncated)" : "the data does not start as a JPEG");
         return -1;
     }
-    if (scale_m == 8) {
+    {
         uint8_t *tiles;
         size_t tiles_size;
-        const int found = splice_tiles(data, size, expect_h, expect_w, y, x, h, w, &tiles, &tiles_size, &dy, &dx, &eh, &ew);
+        const int found = splice_tiles(data, size, expect_h, expect_w, scale_m, y, x, h, w, &tiles, &tiles_size, &dy,
+                                       &dx, &eh, &ew);
         if (found < 0) {
             snprintf(err, errlen, "out of memory");
             return -2;
@@ -421,8 +432,8 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     geom[1] = (int32_t)x0 + dx;
     geom[2] = (int32_t)nrows;
     geom[3] = (int32_t)cw;
-    geom[4] = spliced ? expect_h : sh;
-    geom[5] = spliced ? expect_w : sw;
+    geom[4] = spliced ? (int32_t)(((long long)expect_h * scale_m + 7) / 8) : sh;
+    geom[5] = spliced ? (int32_t)(((long long)expect_w * scale_m + 7) / 8) : sw;
     free(spliced);
     return 0;
 }

@@ -302,8 +302,30 @@ def test_stored_samples_carry_a_restart_marker_every_mcu_and_decode_anywhere():
 @pytest.mark.parametrize("interval", [1, 2, 4, 3])  # 3 does not divide the 4:2:0 rows of 256 or 301: not spliced
 @pytest.mark.parametrize("shape", [(256, 256), (123, 301), (17, 300), (300, 17), (40, 40)])
 def test_crops_of_samples_with_restart_markers_are_exact(subsampling, interval, shape):
+    """The tiles under a crop are decoded alone at every DCT scale; the pixels are the whole decode's."""
     h, w = shape
-    _check_crops(_encode_tiled(_image(h, w, seed=h + w), subsampling, interval), h, w, 8, 40, seed=interval)
+    data = _encode_tiled(_image(h, w, seed=h + w), subsampling, interval)
+    for eighths in (8, 4, 2, 1, 7, 5):
+        _check_crops(data, h, w, eighths, 20, seed=interval * 10 + eighths)
+
+
+@needs_decoder
+@pytest.mark.parametrize("subsampling", [2, 1])
+def test_narrow_crops_of_samples_with_restart_markers_are_exact_at_every_scale(subsampling):
+    """Crops one to three pixels wide or high, along every edge and across the image: a spliced image of one
+    tile, a few pixels wide once scaled, would upsample differently at its edge (at least two are decoded)."""
+    assert decoder is not None
+    for h, w in ((37, 53), (300, 17), (17, 300)):
+        data = _encode_tiled(_image(h, w, seed=h * w), subsampling)
+        for eighths in range(1, 9):
+            sh, sw = samples._scaled(h, eighths), samples._scaled(w, eighths)
+            whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=sh, min_width=sw)
+            boxes = [(0, left, sh, n) for left in range(sw) for n in (1, 2, 3) if left + n <= sw]
+            boxes += [(top, 0, n, sw) for top in range(0, sh, 3) for n in (1, 2, 3) if top + n <= sh]
+            for box in boxes:
+                img, (t, lf, bh, bw) = decoder.crop(data, h, w, eighths, box, "s")
+                np.testing.assert_array_equal(img[t:t + bh, lf:lf + bw], whole[box[0]:box[0] + bh, box[1]:box[1] + bw],
+                                              err_msg=f"{(h, w)} at {eighths}/8: {box}")
 
 
 @needs_decoder
@@ -328,7 +350,8 @@ def test_only_the_tiles_of_a_crop_are_decoded():
     the whole scan (or every row above the crop) would fail them all."""
     img = _image(64, 64, seed=12)
     data = bytearray(_encode_tiled(img))
-    clean = simplejpeg.decode_jpeg(bytes(data), colorspace="RGB")
+    clean_data = bytes(data)
+    clean = simplejpeg.decode_jpeg(clean_data, colorspace="RGB")
     start, end = _tiles(bytes(data))[0]  # the top-left MCU, pixels [0, 16) x [0, 16)
     data[start:end - (end - start) % 2] = b"\xff\x00" * ((end - start) // 2)
     broken = bytes(data)
@@ -337,6 +360,12 @@ def test_only_the_tiles_of_a_crop_are_decoded():
     for box in ((40, 40, 20, 20), (20, 0, 44, 64), (0, 20, 64, 44), (17, 17, 40, 40)):
         got, (t, lf, bh, bw) = samples.decode_crop(broken, 64, 64, box, 64, where="s")  # full scale: no DCT scaling
         np.testing.assert_array_equal(got[t:t + bh, lf:lf + bw], clean[box[0]:box[0] + bh, box[1]:box[1] + bw])
+    for box in ((20, 0, 44, 64), (0, 20, 64, 44)):  # at least twice the output: decoded at 4/8, tiles spliced too
+        whole, (t, lf, bh, bw) = samples.decode_crop(clean_data, 64, 64, box, 16, where="s")
+        whole = whole.copy()  # the decoder's buffer is reused by the next decode
+        got, mapped = samples.decode_crop(broken, 64, 64, box, 16, where="s")
+        assert mapped == (t, lf, bh, bw) and got.shape[0] == bh < 64
+        np.testing.assert_array_equal(got[t:t + bh, lf:lf + bw], whole[t:t + bh, lf:lf + bw])
     for box in ((0, 0, 8, 8), (10, 10, 30, 30), (0, 0, 64, 64)):
         with pytest.raises(CorruptShardError, match="shard 1, sample 2"):
             samples.decode_crop(broken, 64, 64, box, 16, where="shard 1, sample 2")
