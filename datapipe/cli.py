@@ -251,7 +251,10 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
     print(f"cache      {location}")
     print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
     print(f"samples    {m.num_samples:,} of shape {shape} uint8 in {plural(shards, 'shard')}")
-    quality = f" (quality {m.config.get('quality')})" if m.encoding == "jpeg" else ""
+    restart = m.config.get("restart_interval")
+    markers = ("no restart markers: a crop decodes every row above it" if not restart
+               else "a restart marker after every MCU" if restart == 1 else f"a restart marker every {restart} MCUs")
+    quality = f" (quality {m.config.get('quality')}, {markers})" if m.encoding == "jpeg" else ""
     print(f"encoding   {m.encoding}{quality}")
     print(f"layout     {m.layout} ({'one sample every S*S*3 bytes' if m.layout == 'fixed' else 'per-shard sample index'})")
     if stored is not None:

@@ -230,7 +230,7 @@ def test_verify_and_info_of_an_indexed_cache(builds, capsys):
         out = capsys.readouterr().out
         encoding, fit = key
         assert f"encoding   {encoding}" in out
-        assert ("quality 90" in out) == (encoding == "jpeg")
+        assert ("quality 90" in out) == (encoding == "jpeg") == ("a restart marker after every MCU" in out)
         assert f"layout     {cache.layout}" in out
         if fit == "short":
             assert f"{SIZE}x{SIZE} to" in out and "aspect kept" in out
