@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from . import native
+from . import native, samples
 from .dataset import check_bool, check_int
 from .errors import ArgumentError
 from .samples import decode_crop, decode_jpeg
@@ -489,9 +489,25 @@ class TrainAugment(BatchAugment):
                 yield torch.from_numpy(img), mapped  # valid until the next decode of this thread
 
         if "jitter" not in params:
-            return self._crop_normalize_uint8(crops(), params["flip"], out, n)
+            batch = self._decode_batch(encoded, params, out, n)
+            return batch if batch is not None else self._crop_normalize_uint8(crops(), params["flip"], out, n)
         x = self._crop_uint8(crops(), params["flip"], n).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         return self._finish(_normalize_float(_jitter(x, params["jitter"]), self.mean, self.std))
+
+    def _decode_batch(self, encoded: Sequence[EncodedSample], params: dict[str, torch.Tensor], out: torch.Tensor | None,
+                      n: int) -> torch.Tensor | None:
+        """:meth:`decode` in one compiled call for the whole batch (decode, resize, mirror, normalise:
+        the same values as sample by sample), where the partial decoder and the kernels are built;
+        None otherwise."""
+        decoder, kernels = samples.partial_decoder(), native.kernel_addresses()
+        conv = native.converter(self.mean, self.std)
+        if decoder is None or kernels is None or conv is None:
+            return None
+        out = self._float_out(n, out)
+        base, step, planar = conv.destination(out, self.size, self.size)
+        decoder.train_batch(encoded, params["crops"].tolist(), params["flip"].tolist(), self.size, kernels,
+                            conv.scale_shift_addresses, base, step // 4, planar)
+        return self._as_dtype(out)
 
     def _crop_normalize_uint8(self, crops: Iterable[tuple[torch.Tensor, Box]], flip: torch.Tensor,
                               out: torch.Tensor | None, n: int) -> torch.Tensor:

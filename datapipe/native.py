@@ -128,6 +128,8 @@ class Converter:
         self._params = torch.tensor(scale_shift(mean, std), dtype=torch.float32)  # [2, 3], kept alive with self
         self._scale = self._params.data_ptr()
         self._shift = self._scale + 3 * 4
+        #: the float32 [3] scale and shift the kernel takes, as addresses (kept alive by this converter)
+        self.scale_shift_addresses = (self._scale, self._shift)
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, flip: bool, stream: bool = False) -> None:
         h, w, c = src.shape
@@ -157,6 +159,18 @@ class Converter:
 
         The source is read under the guard: MappedReadError when it is a mapped file that shrank."""
         _check_read(self._fn(src, h, w, row_bytes, flip, planar, self._scale, self._shift, dst, 0))
+
+
+def kernel_addresses() -> tuple[int, int] | None:
+    """The addresses of the resize (``datapipe_resize_rgb``) and conversion (``datapipe_u8_to_f32``)
+    kernels, unguarded, for compiled code that calls them on its own buffers (the partial JPEG
+    decoder's batch of training crops); None where the kernels are not built."""
+    lib = _library()[0]
+    if lib is None:
+        return None
+    resize = ctypes.cast(lib.datapipe_resize_rgb, ctypes.c_void_p).value
+    convert = ctypes.cast(lib.datapipe_u8_to_f32, ctypes.c_void_p).value
+    return None if resize is None or convert is None else (resize, convert)
 
 
 @lru_cache(maxsize=16)

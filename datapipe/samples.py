@@ -25,10 +25,11 @@ import io
 import math
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -44,6 +45,19 @@ INDEX_COLUMNS = ("offset", "nbytes", "height", "width")
 INDEX_ROW_BYTES = 8 * len(INDEX_COLUMNS)
 
 _REWRITE = "rerun the same `datapipe build` to rewrite it"
+
+
+class EncodedLike(Protocol):
+    """A stored JPEG sample (``datapipe.cache.EncodedSample``): its bytes, decoded shape and error location."""
+
+    @property
+    def data(self) -> np.ndarray | bytes: ...
+    @property
+    def height(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    @property
+    def where(self) -> str: ...
 
 
 def encode(image: np.ndarray, encoding: Encoding, quality: int = DEFAULT_QUALITY) -> bytes | memoryview:
@@ -231,7 +245,7 @@ def _decode_crop_whole(data: bytes | np.ndarray, height: int, width: int, box: t
 
 # ----------------------------------------------------------------------------- the partial decoder
 
-_JPEGCROP_ABI = 1  # must match DATAPIPE_JPEGCROP_ABI in _jpegcrop.c
+_JPEGCROP_ABI = 2  # must match DATAPIPE_JPEGCROP_ABI in _jpegcrop.c
 _ERRLEN = 200
 
 
@@ -244,7 +258,52 @@ class PartialDecoder:
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 7,
                       ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        b = self._batch = lib.datapipe_jpeg_train_batch
+        b.restype = ctypes.c_int
+        b.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_ssize_t,
+                      ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         self._local = threading.local()
+
+    def train_batch(self, encoded: Sequence[EncodedLike], boxes: Sequence[Sequence[int]], flips: Sequence[bool],
+                    size: int, kernels: tuple[int, int], scale_shift: tuple[int, int], out: int, out_step: int,
+                    planar: int) -> None:
+        """The training crops of a batch in one call (the GIL released throughout): sample i's crop
+        ``boxes[i]`` (top, left, h, w), decoded alone (DCT-scaled as :func:`decode_crop` does), resized
+        to ``size`` x ``size`` and mirrored where ``flips[i]``, converted by the kernels at ``kernels``
+        (resize, conversion: :func:`datapipe.native.kernel_addresses`) with the float32 ``scale_shift``
+        addresses into ``out + i * out_step`` floats, planar [3, size, size] or [size, size, 3].
+
+        Raises:
+            CorruptShardError: a sample does not decode (named by its ``where``).
+        """
+        n = len(encoded)
+        keep = [e.data if isinstance(e.data, np.ndarray) and e.data.dtype == np.uint8 and e.data.flags.c_contiguous
+                else np.ascontiguousarray(np.frombuffer(bytes(e.data), np.uint8)) for e in encoded]
+        if any(d.size == 0 for d in keep):
+            raise _decode_error(encoded[next(i for i, d in enumerate(keep) if d.size == 0)].where,
+                                ValueError("the sample has no bytes"))
+        datas = np.array([d.__array_interface__["data"][0] for d in keep], dtype=np.uint64)
+        sizes = np.array([d.size for d in keep], dtype=np.uint64)
+        shapes = np.array([(e.height, e.width) for e in encoded], dtype=np.int32).reshape(n, 2)
+        regions, eighths = np.empty((n, 4), np.int32), np.empty(n, np.int32)
+        for i, (e, box) in enumerate(zip(encoded, boxes, strict=True)):
+            top, left, h, w = (int(v) for v in box)
+            m = _scale_eighths((top, left, h, w), size, e.height, e.width)
+            eighths[i] = m
+            regions[i] = (top, left, h, w) if m == 8 else _map_box((top, left, h, w), e.height, e.width,
+                                                                   _scaled(e.height, m), _scaled(e.width, m))
+        flip = np.array([bool(f) for f in flips], dtype=np.uint8)
+        failed, err = ctypes.c_int32(-1), ctypes.create_string_buffer(_ERRLEN)
+        rc = self._batch(n, datas.ctypes.data, sizes.ctypes.data, shapes.ctypes.data, regions.ctypes.data,
+                         eighths.ctypes.data, flip.ctypes.data, size, kernels[0], kernels[1], scale_shift[0],
+                         scale_shift[1], out, out_step, planar, ctypes.byref(failed), err, _ERRLEN)
+        message = err.value.decode(errors="replace")
+        if rc == -1:
+            raise _decode_error(encoded[failed.value].where, ValueError(message))
+        if rc == -3:
+            raise MemoryError(f"{encoded[failed.value].where}: {message}")
+        if rc != 0:
+            raise ValueError(f"{encoded[failed.value].where}: cannot decode the crop {tuple(boxes[failed.value])}: {message}")
 
     def crop(self, data: bytes | np.ndarray, height: int, width: int, eighths: int, box: tuple[int, int, int, int],
              where: str) -> tuple[np.ndarray, tuple[int, int, int, int]]:

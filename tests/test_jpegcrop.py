@@ -21,7 +21,7 @@ import pytest
 import simplejpeg
 import torch
 
-from datapipe import augment, samples
+from datapipe import augment, native, samples
 from datapipe.errors import CorruptShardError
 
 decoder = samples.partial_decoder()
@@ -390,3 +390,45 @@ def test_damaged_samples_with_restart_markers_are_errors_naming_the_sample(kind,
     data = _damaged(bytes(samples.encode(_image(240, 320, seed=4), "jpeg")))[kind]
     with pytest.raises(CorruptShardError, match="shard 3, sample 9"):
         samples.decode_crop(data, 240, 320, box, out, where="shard 3, sample 9")
+
+
+# ----------------------------------------------------------------------------- a batch in one call
+
+def _encoded(shapes: list[tuple[int, int]], seed: int = 0) -> list:
+    from datapipe.cache import EncodedSample
+
+    return [EncodedSample(np.frombuffer(bytes(samples.encode(_image(h, w, seed=seed + i), "jpeg")), np.uint8), h, w,
+                          f"shard 7, sample {i}") for i, (h, w) in enumerate(shapes)]
+
+
+@needs_decoder
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_batch_call_gives_the_values_of_the_sample_by_sample_path(monkeypatch, channels_last):
+    """train.decode crops a JPEG batch in one compiled call (decode, resize, mirror, normalise); its values
+    are those of the per-sample path, at full scale and DCT-scaled, for samples of varied shapes."""
+    if native.kernel_addresses() is None:
+        pytest.skip(f"kernels: {native.describe()}")
+    encoded = _encoded([(256, 256), (256, 341), (341, 256), (97, 131), (480, 640), (64, 64), (300, 17)])
+    for size in (224, 64, 24):
+        train = augment.train(size, channels_last=channels_last)
+        params = train.sample(len(encoded), torch.tensor([e.height for e in encoded]), torch.tensor([e.width for e in encoded]), 9)
+        batch = train._decode_batch(encoded, params, None, len(encoded))
+        assert batch is not None and batch.shape == (len(encoded), 3, size, size)
+        assert batch.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        with monkeypatch.context() as m:
+            m.setattr(augment.TrainAugment, "_decode_batch", lambda *a, **k: None)
+            per_sample = train.decode(encoded, seed=9)
+        assert torch.equal(train.decode(encoded, seed=9), per_sample)
+        assert torch.equal(batch, per_sample)
+
+
+@needs_decoder
+@pytest.mark.parametrize("kind", ["header", "mid", "last byte", "garbage", "not a jpeg", "empty"])  # seen by every crop
+def test_a_damaged_sample_in_a_batch_call_is_an_error_naming_it(kind):
+    from datapipe.cache import EncodedSample
+
+    encoded = _encoded([(120, 160)] * 5, seed=3)
+    bad = _damaged(bytes(encoded[3].data))[kind]
+    encoded[3] = EncodedSample(np.frombuffer(bad, np.uint8), 120, 160, "shard 7, sample 3")
+    with pytest.raises(CorruptShardError, match="shard 7, sample 3"):
+        augment.train(64).decode(encoded, seed=1)
