@@ -24,7 +24,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#define DATAPIPE_NATIVE_ABI 3
+#define DATAPIPE_NATIVE_ABI 4
 
 int datapipe_native_abi(void) { return DATAPIPE_NATIVE_ABI; }
 
@@ -730,6 +730,29 @@ int datapipe_gather(uint8_t *dst, const uint8_t *src, size_t src_len, const int6
     guard_on(&g);
     for (ptrdiff_t i = 0; i < n; i++)
         memcpy(dst + i * nbytes, src + offsets[i], nbytes);
+    guard_off();
+    return 0;
+}
+
+/* Copy n spans of src, span i of sizes[i] bytes from src + offsets[i], to dst + dst_offsets[i] (samples of
+ * their own sizes, in one call). Returns as datapipe_gather. */
+int datapipe_gather_spans(uint8_t *dst, const uint8_t *src, size_t src_len, const int64_t *offsets, const int64_t *sizes,
+                          const int64_t *dst_offsets, ptrdiff_t n)
+{
+    for (ptrdiff_t i = 0; i < n; i++)
+        if (offsets[i] < 0 || sizes[i] < 0 || dst_offsets[i] < 0 || (uint64_t)offsets[i] > src_len ||
+            src_len - (uint64_t)offsets[i] < (uint64_t)sizes[i])
+            return -3;
+    if (guard_arm() != 0)
+        return -2;
+    guard_t g;
+    g.lo = (uintptr_t)src;
+    g.hi = (uintptr_t)src + src_len;
+    if (sigsetjmp(g.env, 0))
+        return -1;
+    guard_on(&g);
+    for (ptrdiff_t i = 0; i < n; i++)
+        memcpy(dst + dst_offsets[i], src + offsets[i], (size_t)sizes[i]);
     guard_off();
     return 0;
 }

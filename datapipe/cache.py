@@ -206,12 +206,13 @@ class Cache:
         self._shapes: np.ndarray | None = None
         self._nbytes: np.ndarray | None = None
         self._range: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
+        self._shard_files: dict[int, str] = {}  # shard -> its data file, as decode errors name it
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_indexes", "_index_lock",
-                    "_shapes", "_nbytes", "_range"):
+                    "_shapes", "_nbytes", "_range", "_shard_files"):
             state.pop(key, None)
         return state
 
@@ -477,8 +478,12 @@ class Cache:
                 for a, k, (h, w), s, i in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), shard_of, idx, strict=True)]
 
     def _where(self, shard: int, index: int) -> str:
-        """What an error about sample ``index`` names: its shard's data file and the sample."""
-        return f"{self._shard_path(shard)}, sample {index}"
+        """What an error about sample ``index`` names: its shard's data file and the sample (made for
+        every sample read, so the file's name is made once per shard)."""
+        name = self._shard_files.get(shard)
+        if name is None:
+            name = self._shard_files[shard] = str(self._shard_path(shard))
+        return f"{name}, sample {index}"
 
     def _spans(self, idx: np.ndarray, shard_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Offsets into their shard files, sizes and (h, w) of sorted samples of the indexed layout."""
@@ -504,39 +509,31 @@ class Cache:
     def _copy_spans(self, idx: np.ndarray, shard_of: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray,
                     buf: np.ndarray, dst: np.ndarray) -> None:
         """Copy each sample's bytes (``offsets``, ``nbytes`` in its shard file) to ``buf[dst:]``: one
-        guarded copy out of the shard's map (or one positioned read) per run of consecutive samples
-        of one shard, whose bytes lie back to back in the file as in ``buf``."""
+        guarded copy of all a shard's samples out of its map, or one positioned read per run of
+        consecutive samples of one shard, whose bytes lie back to back in the file as in ``buf``."""
         n = idx.shape[0]
-        breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(shard_of) != 0)) + 1
-        begins, ends = [0, *breaks.tolist()], [*breaks.tolist(), n]
-        flat = buf.data.cast("B")
-        held = -1
-        entry: _Shard | None = None
-        try:
-            for a, b in zip(begins, ends, strict=True):
-                s = int(shard_of[a])
-                if s != held:
-                    if held >= 0:
-                        self._release_checked(held, entry)
-                        held = -1
-                    entry = self._acquire(s)
-                    held = s
-                assert entry is not None
-                off, d = int(offsets[a]), int(dst[a])
-                size = int(offsets[b - 1] + nbytes[b - 1]) - off
+        cuts = (np.flatnonzero(np.diff(shard_of)) + 1).tolist()
+        runs = (np.flatnonzero((np.diff(idx) != 1) | (np.diff(shard_of) != 0)) + 1).tolist()
+        flat, address = buf.data.cast("B"), buf.ctypes.data
+        for a, b in zip([0, *cuts], [*cuts, n], strict=True):  # the samples of one shard
+            s = int(shard_of[a])
+            entry = self._acquire(s)
+            try:
                 if entry.mapping is not None:
                     try:
-                        native.gather(buf.ctypes.data + d, entry.mapping, np.array([off], np.int64), size)
+                        native.gather_spans(address, entry.mapping, offsets[a:b], nbytes[a:b], dst[a:b])
                     except MappedReadError:
                         raise CorruptShardError(self._shard_changed(s, "ends early")) from None
-                elif _pread_full(entry.fd, flat[d : d + size], off) != size:
-                    raise CorruptShardError(self._shard_changed(s, "ends early"))
-            if held >= 0:
-                self._release_checked(held, entry)
-                held = -1
-        finally:
-            if held >= 0:
-                self._files.release(held)
+                else:
+                    for r0, r1 in zip([a, *(r for r in runs if a < r < b)], [*(r for r in runs if a < r < b), b], strict=True):
+                        off, d = int(offsets[r0]), int(dst[r0])
+                        size = int(offsets[r1 - 1] + nbytes[r1 - 1]) - off
+                        if _pread_full(entry.fd, flat[d : d + size], off) != size:
+                            raise CorruptShardError(self._shard_changed(s, "ends early"))
+            except BaseException:
+                self._files.release(s)
+                raise
+            self._release_checked(s, entry)
 
     def _release_checked(self, shard: int, entry: _Shard | None) -> None:
         """Release a shard after copies out of it; they count only if the file is still the one seen at

@@ -46,7 +46,7 @@ import torch
 
 from .errors import MappedReadError
 
-ABI = 3  # must match DATAPIPE_NATIVE_ABI in _native.c
+ABI = 4  # must match DATAPIPE_NATIVE_ABI in _native.c
 
 
 @lru_cache(maxsize=1)
@@ -83,6 +83,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     g = lib.datapipe_gather
     g.restype = ctypes.c_int
     g.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_size_t]
+    gs = lib.datapipe_gather_spans
+    gs.restype = ctypes.c_int
+    gs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_ssize_t]
     lib.datapipe_guard_arm.restype = ctypes.c_int
     lib.datapipe_guard_fault.restype = ctypes.c_size_t
     lib.datapipe_guard_faults.restype = ctypes.c_long
@@ -325,6 +329,22 @@ class Mapping:
         if getattr(self, "address", 0):
             self._unmap(self.address, self.length)
             self.address = 0
+
+
+def gather_spans(dst: int, mapping: Mapping, offsets: np.ndarray, sizes: np.ndarray, dst_offsets: np.ndarray) -> None:
+    """Copy spans of ``mapping`` (``offsets``, ``sizes``: int64 bytes) to ``dst + dst_offsets`` (an address) in
+    one call under the guard; MappedReadError when a page faulted."""
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.int64)
+    n = offsets.shape[0]
+    if sizes.shape[0] != n or dst_offsets.shape[0] != n:
+        raise ValueError(f"gather_spans: {n} offsets, {sizes.shape[0]} sizes, {dst_offsets.shape[0]} destinations")
+    rc = _loaded().datapipe_gather_spans(dst, mapping.address, mapping.length, offsets.ctypes.data, sizes.ctypes.data,
+                                         dst_offsets.ctypes.data, n)
+    if rc == -3:
+        raise ValueError(f"gather_spans: a span lies outside the mapping of {mapping.length} bytes")
+    _check_read(rc)
 
 
 def gather(dst: int, mapping: Mapping, offsets: np.ndarray, nbytes: int) -> None:

@@ -118,6 +118,35 @@ def test_a_fault_in_a_guarded_gather_is_an_error_and_the_guard_rearms(tmp_path):
 
 
 @needs_guard
+def test_a_guarded_gather_of_spans_copies_samples_of_their_own_sizes_and_faults_as_an_error(tmp_path):
+    """JPEG samples (each of its own size) are copied out of a shard's map in one call per shard."""
+    code = MAPPED_FILE + textwrap.dedent("""
+    m, data = mapped_file(sys.argv[1], 16)
+    offsets, sizes = np.array([5, PAGE + 3, 9 * PAGE, 14 * PAGE]), np.array([100, 2 * PAGE, 1, 2 * PAGE])
+    dst = np.array([0, 200, 200 + 2 * PAGE, 300 + 2 * PAGE])
+    out = np.zeros(300 + 4 * PAGE, np.uint8)
+    native.gather_spans(out.ctypes.data, m, offsets, sizes, dst)
+    for o, n, d in zip(offsets, sizes, dst):
+        assert np.array_equal(out[d : d + n], data[o : o + n]), (o, n, d)
+    assert not out[100:200].any(), "bytes between the spans were written"
+    os.truncate(sys.argv[1], 3 * PAGE + 100)
+    exc = faults(lambda: native.gather_spans(out.ctypes.data, m, offsets, sizes, dst))
+    assert exc is not None and exc.address == m.address + 9 * PAGE, exc
+    native.gather_spans(out.ctypes.data, m, offsets[:2], sizes[:2], dst[:2])  # what is left still reads
+    for bad in ((np.array([15 * PAGE]), np.array([2 * PAGE])), (np.array([-1]), np.array([1])), (np.array([0]), np.array([-1]))):
+        try:
+            native.gather_spans(out.ctypes.data, m, bad[0], bad[1], np.array([0]))
+        except ValueError as exc:
+            assert "outside the mapping" in str(exc)
+        else:
+            raise AssertionError(f"a span outside the map was read: {bad}")
+    print("OK")
+    """)
+    done = run_child(code, str(tmp_path / "data.bin"))
+    assert done.returncode == 0 and done.stdout.strip() == "OK", explain(done)
+
+
+@needs_guard
 def test_the_guarded_resize_and_conversion_fault_as_errors_and_read_the_same_pixels(tmp_path):
     code = MAPPED_FILE + textwrap.dedent("""
     import torch.nn.functional as F
