@@ -479,9 +479,8 @@ class TrainAugment(BatchAugment):
         n = len(encoded)
         if n == 0:
             return torch.empty((0, 3, self.size, self.size), dtype=self.dtype)
-        heights = torch.tensor([e.height for e in encoded], dtype=torch.int64)
-        widths = torch.tensor([e.width for e in encoded], dtype=torch.int64)
-        params = self.sample(n, heights, widths, seed)
+        shapes = torch.from_numpy(samples.encoded_shapes(encoded))
+        params = self.sample(n, shapes[:, 0], shapes[:, 1], seed)
 
         def crops() -> Iterator[tuple[torch.Tensor, tuple[int, int, int, int]]]:
             for e, box in zip(encoded, params["crops"].tolist(), strict=True):

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
@@ -149,6 +149,42 @@ class EncodedSample(NamedTuple):
     height: int
     width: int
     where: str
+
+
+class EncodedBatch(Sequence[EncodedSample]):
+    """The stored JPEG samples of a batch, copied out of their shards into one buffer: a sequence of
+    :class:`EncodedSample` made on access, and the arrays a compiled decoder takes at once
+    (:attr:`buffer`, each sample's :attr:`starts` in it, :attr:`nbytes`, :attr:`shapes` (h, w)),
+    so a batch costs no Python object per sample on the loader's path."""
+
+    def __init__(self, buffer: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, shapes: np.ndarray,
+                 where: Callable[[int], str]) -> None:
+        self.buffer, self.starts, self.nbytes, self.shapes = buffer, starts, nbytes, shapes
+        self._where = where  # sample k of this batch -> the shard file and sample its errors name
+
+    def __len__(self) -> int:
+        return int(self.starts.shape[0])
+
+    @overload
+    def __getitem__(self, k: int) -> EncodedSample: ...
+    @overload
+    def __getitem__(self, k: slice) -> EncodedBatch: ...
+    def __getitem__(self, k: int | slice) -> EncodedSample | EncodedBatch:
+        if isinstance(k, slice):
+            picked = np.arange(len(self))[k]
+            return EncodedBatch(self.buffer, self.starts[picked], self.nbytes[picked], self.shapes[picked],
+                                lambda j: self._where(int(picked[j])))
+        k = range(len(self))[k]  # negative indices; IndexError past the end
+        a, n = int(self.starts[k]), int(self.nbytes[k])
+        return EncodedSample(self.buffer[a : a + n], int(self.shapes[k, 0]), int(self.shapes[k, 1]), self._where(k))
+
+    def where(self, k: int) -> str:
+        """What an error about sample ``k`` of this batch names: its shard file and sample."""
+        return self._where(k)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(buffer, starts, nbytes, shapes): uint8, then int64 [n], [n], [n, 2]."""
+        return self.buffer, self.starts, self.nbytes, self.shapes
 
 
 class Cache:
@@ -458,7 +494,7 @@ class Cache:
         return [decode_jpeg(buf[a : a + k], h, w, where=self._where(int(s), int(i)))
                 for a, k, (h, w), s, i in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), shard_of, idx, strict=True)]
 
-    def read_encoded(self, indices: np.ndarray, labels_out: np.ndarray, index_out: np.ndarray | None = None) -> list[EncodedSample]:
+    def read_encoded(self, indices: np.ndarray, labels_out: np.ndarray, index_out: np.ndarray | None = None) -> EncodedBatch:
         """The stored JPEG bytes of samples ``indices``, sorted by index, each copied out of its shard
         (guarded copy or positioned read) with its shape and the ``where`` its decode errors name:
         decode them with :func:`datapipe.samples.decode_crop` / ``decode_jpeg`` (the GIL released) in
@@ -472,10 +508,10 @@ class Cache:
             raise ArgumentError(f"{self.root} stores raw pixels, not JPEG: read them with read_samples or sample_views")
         idx, shard_of = self._locate(indices, labels_out, index_out)
         if not idx.shape[0]:
-            return []
+            empty = np.zeros(0, np.int64)
+            return EncodedBatch(np.zeros(1, np.uint8), empty, empty, np.zeros((0, 2), np.int64), str)
         buf, starts, nbytes, shapes = self._copy_out(idx, shard_of)
-        return [EncodedSample(buf[a : a + k], h, w, self._where(int(s), int(i)))
-                for a, k, (h, w), s, i in zip(starts.tolist(), nbytes.tolist(), shapes.tolist(), shard_of, idx, strict=True)]
+        return EncodedBatch(buf, starts, nbytes, shapes, lambda k: self._where(int(shard_of[k]), int(idx[k])))
 
     def _where(self, shard: int, index: int) -> str:
         """What an error about sample ``index`` names: its shard's data file and the sample (made for

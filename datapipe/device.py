@@ -52,11 +52,11 @@ from .stats import StallMeter
 from .text import show
 
 if TYPE_CHECKING:
-    from .cache import Cache, EncodedSample
+    from .cache import Cache, EncodedBatch
 
 # A batch as a reader reads it: (images, labels int64 [B], index int64 [B]); the images are a uint8
 # [B, H, W, 3] tensor, [H, W, 3] views of the shard files, or stored JPEG samples (decoded by the preset).
-_Images: TypeAlias = "torch.Tensor | list[torch.Tensor] | list[EncodedSample]"
+_Images: TypeAlias = "torch.Tensor | list[torch.Tensor] | EncodedBatch"
 _ReadBatch = tuple[_Images, torch.Tensor, torch.Tensor]
 # A batch as the loop yields it: (images, labels) or (images, labels, index).
 _OutBatch = tuple[torch.Tensor, ...]
@@ -524,7 +524,7 @@ class DeviceLoader:
             buf = None if on_device or not _fills_out(self.augment) else self._out_buffer(len(images), self.augment)
             if self._decodes:  # stored JPEG samples (the reader's CPU path)
                 assert isinstance(self.augment, (TrainAugment, EvalAugment))
-                out = self.augment.decode(cast("list[EncodedSample]", images), seed=seed, out=buf)
+                out = self.augment.decode(cast("EncodedBatch", images), seed=seed, out=buf)
             elif params is not None:  # a padded batch of samples of varying shapes, with their crops
                 out = self.augment(images, seed=seed, params=params)
             else:

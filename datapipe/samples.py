@@ -213,6 +213,41 @@ def _scale_eighths(box: tuple[int, int, int, int], out_size: int, height: int, w
     return next((m for m in range(1, 8) if _scaled(height, m) >= min_h and _scaled(width, m) >= min_w), 8)
 
 
+def encoded_shapes(encoded: Sequence[EncodedLike]) -> np.ndarray:
+    """The (height, width) of stored samples, int64 [n, 2] (a ``datapipe.cache.EncodedBatch``'s own array)."""
+    arrays = getattr(encoded, "arrays", None)
+    if arrays is not None:
+        return np.asarray(arrays()[3], np.int64).reshape(-1, 2)
+    return np.array([(e.height, e.width) for e in encoded], dtype=np.int64).reshape(-1, 2)
+
+
+def crop_regions(boxes: np.ndarray, heights: np.ndarray, widths: np.ndarray, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_scale_eighths` and :func:`_map_box` for a batch: (int32 [n, 4] boxes on the images decoded at
+    their scales, int32 [n] scales in eighths), the same numbers as the per-crop functions."""
+    boxes = np.asarray(boxes, np.int64).reshape(-1, 4)
+    height, width = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    top, left, h, w = boxes.T
+    eighths = np.full(len(boxes), 8, np.int64)
+    big = np.minimum(h, w) / out_size >= 2.0
+    if big.any():
+        min_h, min_w = np.ceil(height * out_size / h), np.ceil(width * out_size / w)
+        for m in range(7, 0, -1):  # the smallest scale that fits wins
+            fits = big & (-(-height * m // 8) >= min_h) & (-(-width * m // 8) >= min_w)
+            eighths[fits] = m
+    regions = boxes.copy()
+    scaled = eighths < 8
+    if scaled.any():
+        ms = eighths[scaled]
+        hh, ww = height[scaled], width[scaled]
+        dh, dw = -(-hh * ms // 8), -(-ww * ms // 8)
+        sy, sx = dh / hh, dw / ww
+        t = np.minimum((top[scaled] * sy).astype(np.int64), dh - 1)
+        lf = np.minimum((left[scaled] * sx).astype(np.int64), dw - 1)
+        regions[scaled] = np.stack([t, lf, np.maximum(1, np.minimum(np.round(h[scaled] * sy).astype(np.int64), dh - t)),
+                                    np.maximum(1, np.minimum(np.round(w[scaled] * sx).astype(np.int64), dw - lf))], 1)
+    return regions.astype(np.int32), eighths.astype(np.int32)
+
+
 def _map_box(box: tuple[int, int, int, int], height: int, width: int, dh: int, dw: int) -> tuple[int, int, int, int]:
     """The crop ``box`` of a ``height`` x ``width`` image, on the same image decoded at ``dh`` x ``dw``."""
     top, left, h, w = box
@@ -277,26 +312,29 @@ class PartialDecoder:
             CorruptShardError: a sample does not decode (named by its ``where``).
         """
         n = len(encoded)
-        keep = [e.data if isinstance(e.data, np.ndarray) and e.data.dtype == np.uint8 and e.data.flags.c_contiguous
-                else np.ascontiguousarray(np.frombuffer(bytes(e.data), np.uint8)) for e in encoded]
-        if any(d.size == 0 for d in keep):
-            raise _decode_error(encoded[next(i for i, d in enumerate(keep) if d.size == 0)].where,
-                                ValueError("the sample has no bytes"))
-        datas = np.array([d.__array_interface__["data"][0] for d in keep], dtype=np.uint64)
-        sizes = np.array([d.size for d in keep], dtype=np.uint64)
-        shapes = np.array([(e.height, e.width) for e in encoded], dtype=np.int32).reshape(n, 2)
-        regions, eighths = np.empty((n, 4), np.int32), np.empty(n, np.int32)
-        for i, (e, box) in enumerate(zip(encoded, boxes, strict=True)):
-            top, left, h, w = (int(v) for v in box)
-            m = _scale_eighths((top, left, h, w), size, e.height, e.width)
-            eighths[i] = m
-            regions[i] = (top, left, h, w) if m == 8 else _map_box((top, left, h, w), e.height, e.width,
-                                                                   _scaled(e.height, m), _scaled(e.width, m))
-        flip = np.array([bool(f) for f in flips], dtype=np.uint8)
+        keep: list[np.ndarray] = []  # the bytes, alive through the call
+        arrays = getattr(encoded, "arrays", None)  # a datapipe.cache.EncodedBatch: its arrays as they are
+        if arrays is not None:
+            buffer, starts, nbytes, shapes = arrays()
+            keep.append(buffer)
+            datas = (buffer.ctypes.data + starts).astype(np.uint64)
+            shapes = np.ascontiguousarray(shapes, dtype=np.int32).reshape(n, 2)
+        else:
+            keep = [e.data if isinstance(e.data, np.ndarray) and e.data.dtype == np.uint8 and e.data.flags.c_contiguous
+                    else np.ascontiguousarray(np.frombuffer(bytes(e.data), np.uint8)) for e in encoded]
+            nbytes = np.array([d.size for d in keep], dtype=np.int64)
+            datas = np.array([d.__array_interface__["data"][0] for d in keep], dtype=np.uint64)
+            shapes = np.array([(e.height, e.width) for e in encoded], dtype=np.int32).reshape(n, 2)
+        if n and not nbytes.all():
+            raise _decode_error(encoded[int(np.argmin(nbytes))].where, ValueError("the sample has no bytes"))
+        sizes = nbytes.astype(np.uint64)
+        regions, eighths = crop_regions(np.asarray(boxes, np.int64).reshape(n, 4), shapes[:, 0], shapes[:, 1], size)
+        flip = np.asarray(flips, dtype=bool).astype(np.uint8).reshape(n)
         failed, err = ctypes.c_int32(-1), ctypes.create_string_buffer(_ERRLEN)
         rc = self._batch(n, datas.ctypes.data, sizes.ctypes.data, shapes.ctypes.data, regions.ctypes.data,
                          eighths.ctypes.data, flip.ctypes.data, size, kernels[0], kernels[1], scale_shift[0],
                          scale_shift[1], out, out_step, planar, ctypes.byref(failed), err, _ERRLEN)
+        del keep
         message = err.value.decode(errors="replace")
         if rc == -1:
             raise _decode_error(encoded[failed.value].where, ValueError(message))

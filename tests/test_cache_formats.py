@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import datapipe
-from datapipe import cli, samples
+from datapipe import augment, cli, samples
 from datapipe.codecs import DecodeSpec, decode_sample
 from datapipe.errors import ArgumentError, CorruptShardError
 
@@ -241,6 +242,37 @@ def test_verify_and_info_of_an_indexed_cache(builds, capsys):
 
 
 # ----------------------------------------------------------------------------- damage
+
+
+@pytest.mark.parametrize("fit", ["short", "crop"])
+def test_a_batch_of_stored_jpeg_samples_is_a_sequence_of_them_and_decodes_the_same(builds, fit):
+    """read_encoded gives an EncodedBatch: one buffer and its arrays (what the compiled decoder takes), and a
+    sequence of EncodedSample made on access (indexing, negative indices, slices, iteration), each naming its
+    shard file and sample; train.decode gives the same batch from it as from a list of its samples."""
+    from datapipe.cache import EncodedBatch, EncodedSample
+
+    cache = datapipe.open(builds["jpeg", fit])
+    picks = np.array([9, 0, 4, 4, 7, 2], np.int64)
+    labels, index = np.empty(len(picks), np.int64), np.empty(len(picks), np.int64)
+    batch = cache.read_encoded(picks, labels, index)
+    assert isinstance(batch, EncodedBatch) and len(batch) == len(picks)
+    listed = list(batch)
+    assert all(isinstance(e, EncodedSample) for e in listed) and len(listed) == len(picks)
+    for k, i in enumerate(index.tolist()):
+        e = batch[k]
+        assert (e.height, e.width) == tuple(cache.shapes[i]) and e.where == batch.where(k)
+        assert e.where.endswith(f"sample {i}") and e.data.tobytes() == listed[k].data.tobytes()
+    assert batch[-1].where == listed[-1].where
+    with pytest.raises(IndexError):
+        _ = batch[len(picks)]
+    part = batch[1:5:2]
+    assert isinstance(part, EncodedBatch) and [e.where for e in part] == [listed[1].where, listed[3].where]
+    assert [e.data.tobytes() for e in part] == [listed[1].data.tobytes(), listed[3].data.tobytes()]
+    train = augment.train(24)
+    assert torch.equal(train.decode(batch, seed=4), train.decode(listed, seed=4))
+    assert torch.equal(train.decode(part, seed=4), train.decode(list(part), seed=4))
+    empty = cache.read_encoded(np.array([], np.int64), labels)
+    assert len(empty) == 0 and list(empty) == [] and train.decode(empty).shape == (0, 3, 24, 24)
 
 
 @pytest.fixture

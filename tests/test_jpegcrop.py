@@ -432,3 +432,20 @@ def test_a_damaged_sample_in_a_batch_call_is_an_error_naming_it(kind):
     encoded[3] = EncodedSample(np.frombuffer(bad, np.uint8), 120, 160, "shard 7, sample 3")
     with pytest.raises(CorruptShardError, match="shard 7, sample 3"):
         augment.train(64).decode(encoded, seed=1)
+
+
+def test_the_batch_crop_regions_are_the_per_crop_scales_and_boxes():
+    """samples.crop_regions (what the batch call decodes) equals _scale_eighths and _map_box crop by crop,
+    over RandomResizedCrop boxes of many shapes and output sizes (DCT scales 1/8 to 8/8)."""
+    rng = np.random.default_rng(0)
+    scales = set()
+    for out in (224, 64, 16):
+        hs, ws = rng.integers(1, 900, 300), rng.integers(1, 900, 300)
+        boxes = augment.train(out).sample(300, torch.from_numpy(hs), torch.from_numpy(ws), out)["crops"].numpy()
+        regions, eighths = samples.crop_regions(boxes, hs, ws, out)
+        for box, h, w, region, m in zip(boxes.tolist(), hs.tolist(), ws.tolist(), regions.tolist(), eighths.tolist(), strict=True):
+            want = samples._scale_eighths(tuple(box), out, h, w)
+            mapped = tuple(box) if want == 8 else samples._map_box(tuple(box), h, w, samples._scaled(h, want), samples._scaled(w, want))
+            assert (m, tuple(region)) == (want, mapped), (out, h, w, box)
+            scales.add(m)
+    assert {1, 2, 8} <= scales
