@@ -63,6 +63,14 @@ static struct {
     JDIMENSION (*read_scanlines)(j_decompress_ptr, JSAMPARRAY, JDIMENSION);
     void (*abort_decompress)(j_decompress_ptr);
     boolean (*finish_decompress)(j_decompress_ptr);
+    void (*create_compress)(j_compress_ptr, int, size_t);
+    void (*destroy_compress)(j_compress_ptr);
+    void (*mem_dest)(j_compress_ptr, unsigned char **, unsigned long *);
+    void (*set_defaults)(j_compress_ptr);
+    void (*set_quality)(j_compress_ptr, int, boolean);
+    void (*start_compress)(j_compress_ptr, boolean);
+    JDIMENSION (*write_scanlines)(j_compress_ptr, JSAMPARRAY, JDIMENSION);
+    void (*finish_compress)(j_compress_ptr);
 } api;
 static void *handle;
 
@@ -80,7 +88,9 @@ int datapipe_jpeg_open(const char *path, char *err, size_t errlen)
     static const char *names[] = {"jpeg_std_error", "jpeg_CreateDecompress", "jpeg_destroy_decompress", "jpeg_mem_src",
                                   "jpeg_read_header", "jpeg_start_decompress", "jpeg_crop_scanline",
                                   "jpeg_skip_scanlines", "jpeg_read_scanlines", "jpeg_abort_decompress",
-                                  "jpeg_finish_decompress"};
+                                  "jpeg_finish_decompress", "jpeg_CreateCompress", "jpeg_destroy_compress",
+                                  "jpeg_mem_dest", "jpeg_set_defaults", "jpeg_set_quality", "jpeg_start_compress",
+                                  "jpeg_write_scanlines", "jpeg_finish_compress"};
     void *found[sizeof names / sizeof names[0]];
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         found[i] = dlsym(h, names[i]);
@@ -102,6 +112,14 @@ int datapipe_jpeg_open(const char *path, char *err, size_t errlen)
     memcpy(&api.read_scanlines, &found[8], sizeof(void *));
     memcpy(&api.abort_decompress, &found[9], sizeof(void *));
     memcpy(&api.finish_decompress, &found[10], sizeof(void *));
+    memcpy(&api.create_compress, &found[11], sizeof(void *));
+    memcpy(&api.destroy_compress, &found[12], sizeof(void *));
+    memcpy(&api.mem_dest, &found[13], sizeof(void *));
+    memcpy(&api.set_defaults, &found[14], sizeof(void *));
+    memcpy(&api.set_quality, &found[15], sizeof(void *));
+    memcpy(&api.start_compress, &found[16], sizeof(void *));
+    memcpy(&api.write_scanlines, &found[17], sizeof(void *));
+    memcpy(&api.finish_compress, &found[18], sizeof(void *));
     handle = h;
     return 0;
 }
@@ -510,3 +528,63 @@ int datapipe_jpeg_train_batch(int n, const uint64_t *datas, const uint64_t *size
     free(ws);
     return rc;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * Encoding a sample: what Pillow's JPEG encoder writes for the build's options (baseline, 4:2:0, quality,
+ * a restart marker every `restart` MCUs, JDCT_ISLOW), byte for byte, without its per-image Python work.
+ * ------------------------------------------------------------------------------------------------ */
+
+/* Encode h rows of w RGB pixels (row r at rgb + r * row bytes). On success *out is a malloc'ed buffer of
+ * *out_size bytes (free it with datapipe_jpeg_free) and 0 is returned; else -1 with a message in err. */
+int datapipe_jpeg_encode(const uint8_t *rgb, int h, int w, ptrdiff_t row, int quality, int restart, uint8_t **out,
+                         unsigned long *out_size, char *err, size_t errlen)
+{
+    struct jpeg_compress_struct cinfo;
+    struct failing_error_mgr jerr;
+    volatile int created = 0;
+    unsigned char *volatile buffer = NULL;
+    unsigned long size = 0;
+
+    if (!handle) {
+        snprintf(err, errlen, "no libjpeg opened");
+        return -1;
+    }
+    if (h < 1 || w < 1 || h > 65500 || w > 65500 || quality < 1 || quality > 100 || restart < 0 || restart > 65535) {
+        snprintf(err, errlen, "bad arguments");
+        return -1;
+    }
+    memset(&cinfo, 0, sizeof cinfo);
+    cinfo.err = api.std_error(&jerr.pub);
+    jerr.pub.error_exit = fail_with_message;
+    jerr.pub.emit_message = emit_message;
+    jerr.msg = err;
+    jerr.msglen = errlen;
+    if (setjmp(jerr.jump)) {
+        if (created)
+            api.destroy_compress(&cinfo);
+        free(buffer);
+        return -1;
+    }
+    api.create_compress(&cinfo, JPEG_LIB_VERSION, sizeof cinfo);
+    created = 1;
+    api.mem_dest(&cinfo, (unsigned char **)&buffer, &size);
+    cinfo.image_width = (JDIMENSION)w;
+    cinfo.image_height = (JDIMENSION)h;
+    cinfo.input_components = 3;
+    cinfo.in_color_space = JCS_RGB;
+    api.set_defaults(&cinfo); /* YCbCr 4:2:0 (luma 2x2), JDCT_ISLOW, JFIF */
+    api.set_quality(&cinfo, quality, TRUE);
+    cinfo.restart_interval = (unsigned int)restart;
+    api.start_compress(&cinfo, TRUE);
+    while (cinfo.next_scanline < cinfo.image_height) {
+        JSAMPROW r = (JSAMPROW)(rgb + (ptrdiff_t)cinfo.next_scanline * row);
+        api.write_scanlines(&cinfo, &r, 1);
+    }
+    api.finish_compress(&cinfo);
+    api.destroy_compress(&cinfo);
+    *out = buffer;
+    *out_size = size;
+    return 0;
+}
+
+void datapipe_jpeg_free(void *p) { free(p); }

@@ -449,3 +449,21 @@ def test_the_batch_crop_regions_are_the_per_crop_scales_and_boxes():
             assert (m, tuple(region)) == (want, mapped), (out, h, w, box)
             scales.add(m)
     assert {1, 2, 8} <= scales
+
+
+@needs_decoder
+def test_samples_are_encoded_to_pillows_bytes_with_or_without_the_compiled_encoder(monkeypatch):
+    """The build encodes through the library the partial decoder opened (a third less time than Pillow's
+    per-image work) and writes exactly Pillow's bytes for the same options, so a cache's bytes do not
+    depend on whether the extension was built."""
+    assert decoder is not None and decoder.encodes_as_pillow, samples.describe_decoder()
+    assert "samples encoded by it too" in samples.describe_decoder()
+    cases = [(_image(h, w, seed=h + w), q) for h, w in ((256, 256), (256, 341), (97, 131), (1, 1), (300, 17), (16, 17))
+             for q in (90, 50, 100)]
+    wide = _image(64, 90, seed=1)
+    cases.append((wide[:, 10:80], 90))  # rows strided: not contiguous
+    compiled = [bytes(samples.encode(img, "jpeg", q)) for img, q in cases]
+    monkeypatch.setattr(samples, "partial_decoder", lambda: None)
+    assert compiled == [bytes(samples.encode(img, "jpeg", q)) for img, q in cases]
+    for (img, _), data in zip(cases, compiled, strict=True):
+        assert simplejpeg.decode_jpeg(data, colorspace="RGB").shape == img.shape
