@@ -147,6 +147,17 @@ static void emit_message(j_common_ptr cinfo, int level)
         fail_with_message(cinfo);
 }
 
+/* libjpeg's standard error manager, made to fail (jump back) with its message in msg on errors and warnings. */
+static struct jpeg_error_mgr *failing_errors(struct failing_error_mgr *e, char *msg, size_t msglen)
+{
+    struct jpeg_error_mgr *pub = api.std_error(&e->pub);
+    e->pub.error_exit = fail_with_message;
+    e->pub.emit_message = emit_message;
+    e->msg = msg;
+    e->msglen = msglen;
+    return pub;
+}
+
 static void limit_scans(j_common_ptr cinfo)
 {
     j_decompress_ptr d = (j_decompress_ptr)cinfo;
@@ -360,11 +371,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
         }
     }
     memset(&cinfo, 0, sizeof cinfo);
-    cinfo.err = api.std_error(&jerr.pub);
-    jerr.pub.error_exit = fail_with_message;
-    jerr.pub.emit_message = emit_message;
-    jerr.msg = err;
-    jerr.msglen = errlen;
+    cinfo.err = failing_errors(&jerr, err, errlen);
     if (setjmp(jerr.jump)) {
         if (created)
             api.destroy_decompress(&cinfo);
@@ -554,11 +561,7 @@ int datapipe_jpeg_encode(const uint8_t *rgb, int h, int w, ptrdiff_t row, int qu
         return -1;
     }
     memset(&cinfo, 0, sizeof cinfo);
-    cinfo.err = api.std_error(&jerr.pub);
-    jerr.pub.error_exit = fail_with_message;
-    jerr.pub.emit_message = emit_message;
-    jerr.msg = err;
-    jerr.msglen = errlen;
+    cinfo.err = failing_errors(&jerr, err, errlen);
     if (setjmp(jerr.jump)) {
         if (created)
             api.destroy_compress(&cinfo);

@@ -711,15 +711,19 @@ static inline void guard_off(void)
     t_guard = NULL;
 }
 
-/* Copy n samples of nbytes each, sample i from src + offsets[i], to dst + i * nbytes. src: a mapping
- * of src_len bytes. Returns 0; -1 when a page of src faulted (truncated file); -2 when the guard
- * cannot be installed; -3 when an offset lies outside src (nothing is read then). */
-int datapipe_gather(uint8_t *dst, const uint8_t *src, size_t src_len, const int64_t *offsets, ptrdiff_t n,
-                    size_t nbytes)
+/* Copy n spans of src (a mapping of src_len bytes) under the guard: span i from src + offsets[i], of sizes[i]
+ * bytes to dst + dst_offsets[i], or with sizes NULL of nbytes to dst + i * nbytes. Returns 0; -1 when a page of
+ * src faulted (truncated file); -2 when the guard cannot be installed; -3 when a span lies outside src or a size
+ * or destination is negative (nothing is read then). */
+static int gather_guarded(uint8_t *dst, const uint8_t *src, size_t src_len, const int64_t *offsets, const int64_t *sizes,
+                          const int64_t *dst_offsets, ptrdiff_t n, size_t nbytes)
 {
-    for (ptrdiff_t i = 0; i < n; i++)
-        if (offsets[i] < 0 || (uint64_t)offsets[i] > src_len || src_len - (uint64_t)offsets[i] < nbytes)
+    for (ptrdiff_t i = 0; i < n; i++) {
+        const int64_t size = sizes ? sizes[i] : (int64_t)nbytes;
+        if (offsets[i] < 0 || size < 0 || (sizes && dst_offsets[i] < 0) || (uint64_t)offsets[i] > src_len ||
+            src_len - (uint64_t)offsets[i] < (uint64_t)size)
             return -3;
+    }
     if (guard_arm() != 0)
         return -2;
     guard_t g;
@@ -728,33 +732,30 @@ int datapipe_gather(uint8_t *dst, const uint8_t *src, size_t src_len, const int6
     if (sigsetjmp(g.env, 0))
         return -1;
     guard_on(&g);
-    for (ptrdiff_t i = 0; i < n; i++)
-        memcpy(dst + i * nbytes, src + offsets[i], nbytes);
+    for (ptrdiff_t i = 0; i < n; i++) {
+        if (sizes)
+            memcpy(dst + dst_offsets[i], src + offsets[i], (size_t)sizes[i]);
+        else
+            memcpy(dst + i * (ptrdiff_t)nbytes, src + offsets[i], nbytes);
+    }
     guard_off();
     return 0;
 }
 
+/* Copy n samples of nbytes each, sample i from src + offsets[i], to dst + i * nbytes. src: a mapping
+ * of src_len bytes. Returns as gather_guarded. */
+int datapipe_gather(uint8_t *dst, const uint8_t *src, size_t src_len, const int64_t *offsets, ptrdiff_t n,
+                    size_t nbytes)
+{
+    return gather_guarded(dst, src, src_len, offsets, NULL, NULL, n, nbytes);
+}
+
 /* Copy n spans of src, span i of sizes[i] bytes from src + offsets[i], to dst + dst_offsets[i] (samples of
- * their own sizes, in one call). Returns as datapipe_gather. */
+ * their own sizes, in one call). Returns as gather_guarded. */
 int datapipe_gather_spans(uint8_t *dst, const uint8_t *src, size_t src_len, const int64_t *offsets, const int64_t *sizes,
                           const int64_t *dst_offsets, ptrdiff_t n)
 {
-    for (ptrdiff_t i = 0; i < n; i++)
-        if (offsets[i] < 0 || sizes[i] < 0 || dst_offsets[i] < 0 || (uint64_t)offsets[i] > src_len ||
-            src_len - (uint64_t)offsets[i] < (uint64_t)sizes[i])
-            return -3;
-    if (guard_arm() != 0)
-        return -2;
-    guard_t g;
-    g.lo = (uintptr_t)src;
-    g.hi = (uintptr_t)src + src_len;
-    if (sigsetjmp(g.env, 0))
-        return -1;
-    guard_on(&g);
-    for (ptrdiff_t i = 0; i < n; i++)
-        memcpy(dst + dst_offsets[i], src + offsets[i], (size_t)sizes[i]);
-    guard_off();
-    return 0;
+    return gather_guarded(dst, src, src_len, offsets, sizes, dst_offsets, n, 0);
 }
 
 /* The end of what a kernel reads from h rows of w pixels (rows row bytes apart), with room for a
