@@ -23,12 +23,11 @@
  * Restart markers make the crop's entropy decoding partial too. Huffman decoding cannot start in the middle
  * of a scan, so jpeg_skip_scanlines still decodes every coefficient above the crop, and every row's full
  * width: for 256-pixel samples that is about two thirds of a whole decode. A baseline JPEG with a restart
- * interval that divides its MCU rows (datapipe's build writes one every 4 MCUs: 64-pixel tiles in 4:2:0)
+ * interval that divides its MCU rows (datapipe's build writes one after every MCU: 16-pixel tiles in 4:2:0)
  * consists of tiles whose coded data is byte aligned and independent (the DC predictions restart at each).
  * splice_tiles copies the tiles that cover the crop, plus one pixel of context on each side (at any DCT
- * scale), into a new
- * stream of a smaller image (the header's size patched, the restart markers renumbered) and the decode runs
- * on that: only the crop's tiles are Huffman decoded. The pixels are again the full decode's: the upsampler
+ * scale), into a new stream of a smaller image (the header's size patched, the restart markers renumbered)
+ * and the decode runs on that: only the crop's tiles are Huffman decoded. The pixels are again the full decode's: the upsampler
  * reads one chroma sample beyond an output pixel, which the one-pixel margin keeps inside the spliced image.
  *
  * Loaded through ctypes (no Python API is used), which releases the GIL for each call: reader threads decode
@@ -174,9 +173,9 @@ static unsigned be16(const uint8_t *p) { return (unsigned)p[0] << 8 | p[1]; }
  * [y, y + h) and columns [x, x + w) of the image decoded at scale_m/8 with one pixel of context on each side
  * where the image goes on, as a JPEG stream of their own in a malloc'ed *out (the caller frees it) of *out_size
  * bytes, *out_h x *out_w, whose first pixel is (*dy, *dx) of the scaled image (a tile's scaled sides are
- * whole numbers of pixels, and even: the chroma samples the upsampler reads stay inside). Returns 1 when spliced; 0 when the data does not allow it (no restart markers,
- * another layout) or the tiles would be the whole image: the caller then decodes the data as it is, and
- * reports any damage; -1 when out of memory. */
+ * whole numbers of pixels, and even: the chroma samples the upsampler reads stay inside). Returns 1 when
+ * spliced; 0 when the data does not allow it (no restart markers, another layout) or the tiles would be the
+ * whole image: the caller then decodes the data as it is, and reports any damage; -1 when out of memory. */
 static int splice_tiles(const uint8_t *data, size_t size, int expect_h, int expect_w, int scale_m, int y, int x, int h,
                         int w, uint8_t **out, size_t *out_size, int *dy, int *dx, int *out_h, int *out_w)
 {
@@ -376,7 +375,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
         if (created)
             api.destroy_decompress(&cinfo);
         free(spliced);
-        return rc;
+        return -1;
     }
     api.create_decompress(&cinfo, JPEG_LIB_VERSION, sizeof cinfo);
     created = 1;
@@ -387,9 +386,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     if ((int)cinfo.image_height != eh || (int)cinfo.image_width != ew) {
         snprintf(err, errlen, "its header says %ux%u, the index %dx%d", cinfo.image_height, cinfo.image_width, expect_h,
                  expect_w);
-        api.destroy_decompress(&cinfo);
-        free(spliced);
-        return -1;
+        goto finish; /* rc -1 */
     }
     cinfo.out_color_space = JCS_RGB;
     cinfo.dct_method = JDCT_ISLOW;
@@ -401,36 +398,32 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
     const int sh = (int)cinfo.output_height, sw = (int)cinfo.output_width;
     if ((long long)y + h > sh || (long long)x + w > sw || cinfo.output_components != 3) {
         snprintf(err, errlen, "the region %d+%d x %d+%d lies outside the %dx%d image", y, h, x, w, sh, sw);
-        api.destroy_decompress(&cinfo);
-        free(spliced);
-        return -2;
+        rc = -2;
+        goto finish;
     }
-    /* One more column on each side where the image goes on: the upsampler treats the cropped region's first
-     * and last columns as the image's edges, whereas in a full decode an edge pixel's chroma blends in its
-     * neighbour's. Rows need no margin: jpeg_skip_scanlines decodes the context rows the upsampling reads. */
     const int y0 = y, y1 = y + h;
-    JDIMENSION x0 = (JDIMENSION)(x > 0 ? x - 1 : 0), cw = (JDIMENSION)((x + w < sw ? x + w + 1 : sw)) - x0;
-    if (cw < 4) /* a region of one 4:2:0 chroma column upsamples differently from a full decode: take two */
-        cw = (JDIMENSION)sw - x0 < 4 ? (JDIMENSION)sw - x0 : 4;
-    if (spliced) { /* already the crop's tiles: decoded whole (jpeg_crop_scanline of a region one chroma sample
-                    * wide differs from a full decode in some rows) */
-        x0 = 0;
-        cw = (JDIMENSION)sw;
-    } else if (x0 > 0 || (int)cw < sw) {
-        api.crop_scanline(&cinfo, &x0, &cw);
+    JDIMENSION x0 = 0, cw = (JDIMENSION)sw;
+    if (!spliced) { /* the spliced tiles are decoded whole (jpeg_crop_scanline of a region one chroma sample wide
+                     * differs from a full decode in some rows) */
+        /* One more column on each side where the image goes on: the upsampler treats the cropped region's first
+         * and last columns as the image's edges, whereas in a full decode an edge pixel's chroma blends in its
+         * neighbour's. Rows need no margin: jpeg_skip_scanlines decodes the context rows the upsampling reads. */
+        x0 = (JDIMENSION)(x > 0 ? x - 1 : 0);
+        cw = (JDIMENSION)((x + w < sw ? x + w + 1 : sw)) - x0;
+        if (cw < 4) /* a region of one 4:2:0 chroma column upsamples differently from a full decode: take two */
+            cw = (JDIMENSION)sw - x0 < 4 ? (JDIMENSION)sw - x0 : 4;
+        if (x0 > 0 || (int)cw < sw)
+            api.crop_scanline(&cinfo, &x0, &cw);
     }
     const size_t stride = (size_t)cw * 3, nrows = (size_t)(y1 - y0);
     if (nrows * stride > capacity) {
         snprintf(err, errlen, "the out buffer holds %zu bytes, the region needs %zu", capacity, nrows * stride);
-        api.destroy_decompress(&cinfo);
-        free(spliced);
-        return -2;
+        rc = -2;
+        goto finish;
     }
     if (y0 > 0 && api.skip_scanlines(&cinfo, (JDIMENSION)y0) != (JDIMENSION)y0) {
         snprintf(err, errlen, "could not skip to row %d", y0);
-        api.destroy_decompress(&cinfo);
-        free(spliced);
-        return -1;
+        goto finish; /* rc -1 */
     }
     size_t done = 0;
     while (done < nrows) {
@@ -440,9 +433,7 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
         JDIMENSION got = api.read_scanlines(&cinfo, rows, (JDIMENSION)n);
         if (got == 0) {
             snprintf(err, errlen, "the decoder stopped at row %zu", (size_t)y0 + dy + done);
-            api.destroy_decompress(&cinfo);
-            free(spliced);
-            return -1;
+            goto finish; /* rc -1 */
         }
         done += got;
     }
@@ -452,15 +443,17 @@ int datapipe_jpeg_decode_crop(const uint8_t *data, size_t size, int expect_h, in
         api.finish_decompress(&cinfo);
     else
         api.abort_decompress(&cinfo);
-    api.destroy_decompress(&cinfo);
     geom[0] = y0 + dy;
     geom[1] = (int32_t)x0 + dx;
     geom[2] = (int32_t)nrows;
     geom[3] = (int32_t)cw;
-    geom[4] = spliced ? (int32_t)(((long long)expect_h * scale_m + 7) / 8) : sh;
-    geom[5] = spliced ? (int32_t)(((long long)expect_w * scale_m + 7) / 8) : sw;
+    geom[4] = (int32_t)(((long long)expect_h * scale_m + 7) / 8); /* libjpeg's scaled size, of the whole image */
+    geom[5] = (int32_t)(((long long)expect_w * scale_m + 7) / 8);
+    rc = 0;
+finish:
+    api.destroy_decompress(&cinfo);
     free(spliced);
-    return 0;
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------------
