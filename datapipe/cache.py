@@ -27,6 +27,7 @@ truncated under the decoder is a short copy naming the shard rather than a SIGBU
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
 import os
@@ -561,7 +562,8 @@ class Cache:
                     except MappedReadError:
                         raise CorruptShardError(self._shard_changed(s, "ends early")) from None
                 else:
-                    for r0, r1 in zip([a, *(r for r in runs if a < r < b)], [*(r for r in runs if a < r < b), b], strict=True):
+                    inner = runs[bisect.bisect_right(runs, a) : bisect.bisect_left(runs, b)]  # runs split at these
+                    for r0, r1 in zip([a, *inner], [*inner, b], strict=True):
                         off, d = int(offsets[r0]), int(dst[r0])
                         size = int(offsets[r1 - 1] + nbytes[r1 - 1]) - off
                         if _pread_full(entry.fd, flat[d : d + size], off) != size:

@@ -132,8 +132,11 @@ class Converter:
         self._params = torch.tensor(scale_shift(mean, std), dtype=torch.float32)  # [2, 3], kept alive with self
         self._scale = self._params.data_ptr()
         self._shift = self._scale + 3 * 4
-        #: the float32 [3] scale and shift the kernel takes, as addresses (kept alive by this converter)
-        self.scale_shift_addresses = (self._scale, self._shift)
+
+    @property
+    def scale_shift_addresses(self) -> tuple[int, int]:
+        """The float32 [3] scale and shift the kernel takes, as addresses (kept alive by this converter)."""
+        return self._scale, self._shift
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, flip: bool, stream: bool = False) -> None:
         h, w, c = src.shape

@@ -229,30 +229,15 @@ def encoded_shapes(encoded: Sequence[EncodedLike]) -> np.ndarray:
 
 
 def crop_regions(boxes: np.ndarray, heights: np.ndarray, widths: np.ndarray, out_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_scale_eighths` and :func:`_map_box` for a batch: (int32 [n, 4] boxes on the images decoded at
-    their scales, int32 [n] scales in eighths), the same numbers as the per-crop functions."""
+    """:func:`decode_crop`'s DCT scale and mapped box for every crop of a batch: (int32 [n, 4] boxes on the
+    images decoded at their scales, int32 [n] scales in eighths), by the same per-crop rules."""
     boxes = np.asarray(boxes, np.int64).reshape(-1, 4)
-    height, width = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
-    top, left, h, w = boxes.T
-    eighths = np.full(len(boxes), 8, np.int64)
-    big = np.minimum(h, w) / out_size >= 2.0
-    if big.any():
-        min_h, min_w = np.ceil(height * out_size / h), np.ceil(width * out_size / w)
-        for m in range(7, 0, -1):  # the smallest scale that fits wins
-            fits = big & (-(-height * m // 8) >= min_h) & (-(-width * m // 8) >= min_w)
-            eighths[fits] = m
-    regions = boxes.copy()
-    scaled = eighths < 8
-    if scaled.any():
-        ms = eighths[scaled]
-        hh, ww = height[scaled], width[scaled]
-        dh, dw = -(-hh * ms // 8), -(-ww * ms // 8)
-        sy, sx = dh / hh, dw / ww
-        t = np.minimum((top[scaled] * sy).astype(np.int64), dh - 1)
-        lf = np.minimum((left[scaled] * sx).astype(np.int64), dw - 1)
-        regions[scaled] = np.stack([t, lf, np.maximum(1, np.minimum(np.round(h[scaled] * sy).astype(np.int64), dh - t)),
-                                    np.maximum(1, np.minimum(np.round(w[scaled] * sx).astype(np.int64), dw - lf))], 1)
-    return regions.astype(np.int32), eighths.astype(np.int32)
+    regions, eighths = np.empty((len(boxes), 4), np.int32), np.empty(len(boxes), np.int32)
+    for i, (box, h, w) in enumerate(zip(boxes.tolist(), np.asarray(heights).tolist(), np.asarray(widths).tolist(), strict=True)):
+        top, left, bh, bw = box
+        eighths[i] = m = _scale_eighths((top, left, bh, bw), out_size, h, w)
+        regions[i] = box if m == 8 else _map_box((top, left, bh, bw), h, w, _scaled(h, m), _scaled(w, m))
+    return regions, eighths
 
 
 def _map_box(box: tuple[int, int, int, int], height: int, width: int, dh: int, dw: int) -> tuple[int, int, int, int]:
@@ -343,19 +328,17 @@ class PartialDecoder:
             CorruptShardError: a sample does not decode (named by its ``where``).
         """
         n = len(encoded)
-        keep: list[np.ndarray] = []  # the bytes, alive through the call
         arrays = getattr(encoded, "arrays", None)  # a datapipe.cache.EncodedBatch: its arrays as they are
         if arrays is not None:
-            buffer, starts, nbytes, shapes = arrays()
-            keep.append(buffer)
+            buffer, starts, nbytes, _ = arrays()
+            keep = [buffer]  # the bytes, alive through the call
             datas = (buffer.ctypes.data + starts).astype(np.uint64)
-            shapes = np.ascontiguousarray(shapes, dtype=np.int32).reshape(n, 2)
         else:
             keep = [e.data if isinstance(e.data, np.ndarray) and e.data.dtype == np.uint8 and e.data.flags.c_contiguous
                     else np.ascontiguousarray(np.frombuffer(bytes(e.data), np.uint8)) for e in encoded]
             nbytes = np.array([d.size for d in keep], dtype=np.int64)
             datas = np.array([d.__array_interface__["data"][0] for d in keep], dtype=np.uint64)
-            shapes = np.array([(e.height, e.width) for e in encoded], dtype=np.int32).reshape(n, 2)
+        shapes = encoded_shapes(encoded).astype(np.int32)
         if n and not nbytes.all():
             raise _decode_error(encoded[int(np.argmin(nbytes))].where, ValueError("the sample has no bytes"))
         sizes = nbytes.astype(np.uint64)
