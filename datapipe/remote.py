@@ -703,7 +703,7 @@ def _scan_csv(loc: Location) -> Any:
     """The Listing of a CSV object of ``path,label`` rows: paths relative to the CSV's folder, or URLs of the
     same bucket; the listing's root is the deepest folder holding them all (the CSV's, unless a URL leads
     elsewhere), listed once for the objects' sizes (a missing object is quarantined when it is read)."""
-    from .sources import MAX_CSV_BYTES, Listing, csv_labels, csv_rows, csv_text
+    from .sources import MAX_CSV_BYTES, Listing, csv_first_rows, csv_labels, csv_rows, csv_text
 
     data = read_bytes(loc, "", MAX_CSV_BYTES)
     if data is None:
@@ -741,14 +741,7 @@ def _scan_csv(loc: Location) -> Any:
     keys = [key for key, _, _ in rows]
     root = posixpath.commonpath([folder, *(posixpath.dirname(k) for k in keys)]) if keys else folder
     objects = beside if root == folder else listing(Location(loc.url, loc.fs, root, loc.storage_options))
-    seen: dict[str, str] = {}
-    dropped: list[dict[str, str]] = []
-    for key, label, _ in rows:  # file order: the first row of a duplicated path wins
-        rel = key[len(root):].lstrip("/")
-        if rel in seen:
-            dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
-            continue
-        seen[rel] = label
+    seen, dropped = csv_first_rows((key[len(root):].lstrip("/"), label) for key, label, _ in rows)
     names, paths, labels = csv_labels(seen)
     if not paths:
         raise SourceError(f"source {loc.url} lists no images; write one 'path,label' row per image")

@@ -22,7 +22,7 @@ import json
 import os
 import posixpath
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -342,23 +342,36 @@ def _clip(row: list[str]) -> str:
 
 def _scan_csv(csv_path: Path) -> Listing:
     root = csv_path.parent
-    seen: dict[str, str] = {}
-    dropped: list[dict] = []
-    for rel, label, _ in _csv_rows(csv_path):  # file order: the first row of a duplicated path wins
-        if rel in seen:
-            dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
-            continue
+
+    def refused(rel: str) -> dict | None:
         try:
             mode = os.stat(root / rel).st_mode
         except OSError:  # missing or unreadable: read time reports it
-            mode = None
-        if mode is not None and not stat.S_ISREG(mode):
-            dropped.append({"path": rel, **not_regular(mode)})
-            continue
-        seen[rel] = label
+            return None
+        return None if stat.S_ISREG(mode) else not_regular(mode)
+
+    seen, dropped = csv_first_rows(((rel, label) for rel, label, _ in _csv_rows(csv_path)), refused)
     names, paths, labels = csv_labels(seen)
     return Listing(root=root, kind="csv", classes=names, paths=paths, labels=labels,
                    stats=[_stat(root / p) for p in paths], dropped=dropped)
+
+
+def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dict | None] | None = None,
+                   ) -> tuple[dict[str, str], list[dict]]:
+    """A CSV's (path, label) rows in file order as ``path -> label`` (the first row of a duplicated path
+    wins) and the rows dropped: duplicates, and paths ``refused`` returns a quarantine record for."""
+    seen: dict[str, str] = {}
+    dropped: list[dict] = []
+    for rel, label in rows:
+        if rel in seen:
+            dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
+            continue
+        bad = refused(rel) if refused is not None else None
+        if bad is not None:
+            dropped.append({"path": rel, **bad})
+            continue
+        seen[rel] = label
+    return seen, dropped
 
 
 def csv_labels(seen: dict[str, str]) -> tuple[list[str], list[str], list[int]]:
