@@ -329,6 +329,8 @@ class StreamingDataset(IterableDataset):
                 remote.advance(k)  # the plan's position (_follow): what is finished, how far to prefetch
             begin, end = bounds[j]
             batch = self._read(order[begin:end], shared=in_worker)
+            if remote is not None:
+                remote.read(k)
             if not in_worker:
                 self._consumed = int(j) + 1
             yield batch

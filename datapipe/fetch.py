@@ -33,6 +33,7 @@ Why each rule holds:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -55,7 +56,7 @@ import numpy as np
 
 from .cache import Cache
 from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError
-from .files import atomic_write_text, file_crc32c
+from .files import atomic_write_text, crc32c_range, file_crc32c, make_dirs
 from .records import MANIFEST, Manifest, parse_json, parse_manifest
 from .shards import SHARDS_DIR, images_path, index_path
 from .text import show
@@ -108,20 +109,77 @@ def downloads(folder: str | Path) -> list[dict]:
 
 
 class _Progress:
-    """Bytes a transfer has written so far (an fsspec callback); ``cancelled`` tells a late transfer to stop counting."""
+    """Bytes a transfer has written so far (an fsspec callback), and the crc32c of the file's bytes as they arrive.
 
-    def __init__(self) -> None:
+    Transfers write a file in order (s3fs and gcsfs chunk by chunk; s3fs's concurrent parts too, each
+    written in turn over a file pre-sized with zeros), so once ``value`` bytes are reported the bytes
+    below ``value`` are final. Every ``CHECK_EVERY`` bytes the callback wakes the thread waiting for the
+    transfer (``ready``), which reads them back (still in the page cache) and carries their crc on
+    (:meth:`catch_up`): the transfer's own thread (the event loop of every transfer, on an async
+    filesystem) does no more than count, and the checksum is done when the last byte arrives. A
+    transfer that writes out of order gives a crc that differs from the manifest's; the caller checks
+    the whole file again before it calls that a mismatch. ``cancelled`` tells a late transfer to stop
+    counting.
+    """
+
+    CHECK_EVERY = 1 << 20
+    BUFFER = 1 << 20
+
+    def __init__(self, path: Path | None = None) -> None:
         self.value = 0
         self.cancelled = False
+        self.ready = threading.Event()
+        self._path = path
+        self._fd = -1
+        self._buf: np.ndarray | None = None
+        self._signalled = 0
+        self.crc = 0
+        self.checked = 0  # the crc covers the file's bytes [0, checked)
 
     def set_size(self, size: Any) -> None:
         pass
 
     def absolute_update(self, value: int) -> None:
         self.value = int(value)
+        self._signal()
 
     def relative_update(self, inc: int = 1) -> None:
         self.value += int(inc)
+        self._signal()
+
+    def _signal(self) -> None:
+        if self.value - self._signalled >= self.CHECK_EVERY and not self.cancelled:
+            self._signalled = self.value
+            self.ready.set()
+
+    def catch_up(self, *, to_end: bool = False) -> None:
+        """Carry the crc over the bytes that arrived (to the end of the file once the transfer ended)."""
+        if self._path is None or self.cancelled:
+            return
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+                self._buf = np.empty(self.BUFFER, dtype=np.uint8)
+            assert self._buf is not None
+            self.crc, self.checked = crc32c_range(self._fd, self.checked, None if to_end else self.value,
+                                                  self._buf, self.crc)
+        except OSError:
+            self._path = None  # the file went away: the caller reads it whole
+
+    def finish(self) -> tuple[str, int] | None:
+        """(crc32c, size) of the whole file once the transfer has ended, reading only what was not
+        read as it arrived; None when it could not be followed (the caller reads the file)."""
+        self.catch_up(to_end=True)
+        if self._path is None or self._fd < 0 or self.checked != os.fstat(self._fd).st_size:
+            return None
+        return f"{self.crc:08x}", self.checked
+
+    def close(self) -> None:
+        self.cancelled = True
+        self._path = None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def branched(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -196,9 +254,9 @@ class ShardFetcher:
         self._fs: Any = None
         self._fs_pid = -1
         self._root = ""
-        self._pool: _DaemonPool | None = None
-        self._pool_pid = -1
         self._lock = threading.Lock()
+        self._rel_cache: dict[int, tuple[str, str]] = {}
+        self._shard_numbers: dict[str, int] | None = None
         self._follower: _Follower | None = None
         self._open_files: Any = None  # weakref to the Cache's open shard files (their limit follows the plan)
         self._open_cap = 1 << 20
@@ -207,7 +265,7 @@ class ShardFetcher:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_fs", "_fs_pid", "_root", "_pool", "_pool_pid", "_lock", "_follower", "_open_files", "_open_cap",
+        for key in ("_fs", "_fs_pid", "_root", "_lock", "_rel_cache", "_shard_numbers", "_follower", "_open_files", "_open_cap",
                     "downloaded_bytes", "_warned"):
             state.pop(key, None)
         return state
@@ -225,13 +283,6 @@ class ShardFetcher:
             self._fs, self._root = _open_filesystem(self.url, self.storage_options, self.timeout)
             self._fs_pid = os.getpid()
         return self._fs, self._root
-
-    def _transfers(self) -> _DaemonPool:
-        with self._lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = _DaemonPool(16, "datapipe-fetch")
-                self._pool_pid = os.getpid()
-            return self._pool
 
     # ----------------------------------------------------------------- opening
     def open(self) -> Cache:
@@ -274,7 +325,7 @@ class ShardFetcher:
         def read() -> bytes:
             return fs.cat_file(rpath, start=0, end=MANIFEST_LIMIT)
 
-        future = self._transfers().submit(read)
+        future = _transfers().submit(read)
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
@@ -290,13 +341,30 @@ class ShardFetcher:
                                    "credentials (storage_options) and that the store is up") from None
 
     # ----------------------------------------------------------------- paths and records
+    def _rels(self, shard: int) -> tuple[str, str]:
+        """(sample index, data file) of a shard, relative to the cache (made once: pathlib is slow)."""
+        rels = self._rel_cache.get(shard)
+        if rels is None:
+            assert self.manifest is not None
+            folder = Path(SHARDS_DIR) / self.manifest.shards[shard].name
+            rels = self._rel_cache[shard] = (index_path(folder).as_posix(),
+                                             images_path(folder, self.manifest.layout).as_posix())
+        return rels
+
     def _rel_data(self, shard: int) -> str:
+        return self._rels(shard)[1]
+
+    def shard_of(self, rel: str) -> int | None:
+        """The shard whose data file is ``rel`` (``shards/<name>/...``); None for any other file."""
         assert self.manifest is not None
-        return images_path(Path(SHARDS_DIR) / self.manifest.shards[shard].name, self.manifest.layout).as_posix()
+        if self._shard_numbers is None:
+            self._shard_numbers = {rec.name: s for s, rec in enumerate(self.manifest.shards)}
+        parts = rel.split("/", 2)
+        shard = self._shard_numbers.get(parts[1]) if len(parts) == 3 and parts[0] == SHARDS_DIR else None
+        return shard if shard is not None and rel == self._rel_data(shard) else None
 
     def _rel_index(self, shard: int) -> str:
-        assert self.manifest is not None
-        return index_path(Path(SHARDS_DIR) / self.manifest.shards[shard].name).as_posix()
+        return self._rels(shard)[0]
 
     def _indexed(self) -> bool:
         assert self.manifest is not None
@@ -394,6 +462,17 @@ class ShardFetcher:
         rec = self.manifest.shards[shard]
         rels = self._shard_rels(shard)
         what = f"shard {rec.name}"
+        fd = self._lock_fd(rec.name)
+        try:  # the common case first: no other process holds the lock
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+        else:
+            try:
+                yield -1 if self._present(shard, fd) else fd
+                return
+            finally:
+                os.close(fd)
         since, pause = time.monotonic(), 0.001
         while True:
             with self._locked(rec.name, fcntl.LOCK_SH, what, rels) as fd:  # waits while another process downloads
@@ -527,7 +606,7 @@ class ShardFetcher:
                 list(pool.map(self.ensure_index, missing))
 
     def _shard_rels(self, shard: int) -> list[str]:
-        return [self._rel_index(shard), self._rel_data(shard)] if self._indexed() else [self._rel_data(shard)]
+        return list(self._rels(shard)) if self._indexed() else [self._rel_data(shard)]
 
     def download(self, shard: int) -> bool:
         """Download shard ``shard`` unless it is local (one process on the node does; the others wait).
@@ -538,7 +617,8 @@ class ShardFetcher:
         with self._exclusive_unless_present(shard) as fd:
             if fd < 0:
                 return False
-            missing = [rel for rel in rels if not self._ours(fd, rel)]
+            record = _read_record(fd)
+            missing = [rel for rel in rels if rel not in record or not _same_file(self.folder / rel, record[rel])]
             for rel in missing:
                 self._check_ours(fd, rel)
             self._clean_temps(rels)
@@ -560,7 +640,7 @@ class ShardFetcher:
             RemoteStoreError: the store did not answer (nothing arrived for ``timeout`` seconds).
         """
         final = self.folder / rel
-        final.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(final.parent)
         url = f"{self.url}/{rel}"
         mismatch = ""
         started = time.monotonic()
@@ -568,10 +648,12 @@ class ShardFetcher:
         while attempt < self.retries:
             attempt += 1
             tmp = final.with_name(f"{final.name}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            progress = _Progress(tmp)
             try:
-                self._transfer(rel, tmp, what)
-                size = os.stat(tmp).st_size
-                crc = file_crc32c(tmp)
+                self._transfer(rel, tmp, what, progress)
+                crc, size = progress.finish() or (file_crc32c(tmp), os.stat(tmp).st_size)
+                if crc != want_crc:  # the crc taken as the bytes arrived is only trusted when it matches
+                    crc, size = file_crc32c(tmp), os.stat(tmp).st_size
                 if crc == want_crc and (want_size is None or size == want_size):
                     self._record(fd, rel, os.stat(tmp), evict=evict)
                     os.replace(tmp, final)
@@ -590,32 +672,41 @@ class ShardFetcher:
                 attempt -= 1  # only checksum mismatches use up the retries; failures end with the timeout
                 time.sleep(min(0.1 * 2 ** min(attempt, 4), 1.0))
             finally:
+                progress.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
         raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; the object was altered "
                                 "after the build: rerun the same `datapipe build` to rewrite it")
 
-    def _transfer(self, rel: str, tmp: Path, what: str) -> None:
-        """Copy object ``rel`` to ``tmp`` in a transfer thread; give up when nothing arrives for ``timeout`` s."""
+    def _transfer(self, rel: str, tmp: Path, what: str, progress: _Progress) -> None:
+        """Copy object ``rel`` to ``tmp``, counting into ``progress``; give up when nothing arrives for
+        ``timeout`` s. An async filesystem's transfer runs on its own event loop (no thread between), a
+        blocking one's in a transfer thread; either way this thread only waits."""
         fs, root = self.filesystem()
-        progress = _Progress()
-        future = self._transfers().submit(fs.get_file, f"{root}/{rel}", str(tmp), callback=progress)
+        rpath = f"{root}/{rel}"
+        if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
+            future: Future = asyncio.run_coroutine_threadsafe(fs._get_file(rpath, str(tmp), callback=progress), fs.loop)
+        else:
+            future = _transfers().submit(fs.get_file, rpath, str(tmp), callback=progress)
+        future.add_done_callback(lambda _: progress.ready.set())
         seen, since = 0, time.monotonic()
-        while True:
-            try:
-                future.result(timeout=min(0.25, self.timeout))
-                return
-            except FutureTimeout:
-                if progress.value != seen:
-                    seen, since = progress.value, time.monotonic()
-                elif time.monotonic() - since > self.timeout:
-                    progress.cancelled = True
-                    raise RemoteStoreError(f"{what}: {self.url}/{rel}: no data arrived for {self.timeout:g} s (the "
-                                           "store stopped answering); check that it is up, or raise timeout=") from None
-            except (FileNotFoundError, DatapipeError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
-                raise _Transient(_one_line(exc)) from None
+        while not future.done():
+            progress.ready.wait(min(0.25, self.timeout))
+            progress.ready.clear()
+            progress.catch_up()
+            if progress.value != seen:
+                seen, since = progress.value, time.monotonic()
+            elif time.monotonic() - since > self.timeout and not future.done():
+                progress.cancelled = True
+                future.cancel()
+                raise RemoteStoreError(f"{what}: {self.url}/{rel}: no data arrived for {self.timeout:g} s (the "
+                                       "store stopped answering); check that it is up, or raise timeout=")
+        try:
+            future.result()
+        except (FileNotFoundError, DatapipeError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
+            raise _Transient(_one_line(exc)) from None
 
     # ----------------------------------------------------------------- eviction
     def _make_room(self, need: int) -> None:
@@ -671,14 +762,21 @@ class ShardFetcher:
         self._size_open_files(first_at, last_at)
         if self._depth() is not None and len(shard_list):
             assert self.manifest is not None
-            rel = {self._rel_data(s): s for s in set(shard_list)}
-            self._follower = _Follower(self, shard_list, first_at, last_at, self._depth() or 0, self.slots(), rel)
+            self._follower = _Follower(self, shard_list, first_at, last_at, self._depth() or 0, self.slots())
 
     def advance(self, position: int) -> None:
         """The reader starts the batch at ``position`` of the plan given to :meth:`follow`."""
         follower = self._follower
         if follower is not None:
             follower.advance(position)
+
+    def read(self, position: int) -> None:
+        """The reader has read the batch at ``position`` of the plan: prefetching ahead may start. Until
+        the first batch of the plan is read, nothing beyond it is downloaded, so that neither the store's
+        bandwidth nor this process's CPU is shared with shards read later."""
+        follower = self._follower
+        if follower is not None:
+            follower.read(position)
 
     def _size_open_files(self, first: np.ndarray, last: np.ndarray) -> None:
         """Keep open the shards the plan reads at once (a window of the ``"shards"`` order, two where a batch
@@ -716,9 +814,9 @@ class _Follower:
     last read each).
 
     Scheduling: first every shard the batch being read needs (``THREADS`` at once; at the start of an
-    epoch nothing else until they are local, so the first batch does not share the store's bandwidth
-    with shards read later); then shards ahead, at most ``depth`` beyond the batch being read, and only
-    while the shards from here to it fit ``slots``. A reader needing a shard in flight here waits for
+    epoch nothing else until the reader has read the first batch, so that it shares neither the store's
+    bandwidth nor the CPU with shards read later); then shards ahead, at most ``depth`` beyond the batch
+    being read, and only while the shards from here to it fit ``slots``. A reader needing a shard in flight here waits for
     that download (:meth:`wait_for`); a shard not started yet it downloads itself. A shard whose last
     read is behind the reader gets a finished stamp (see ``FINISHED_BELOW_NS``) so eviction takes it first.
     """
@@ -726,17 +824,16 @@ class _Follower:
     THREADS = 8
 
     def __init__(self, fetcher: ShardFetcher, shards: list[int], first: np.ndarray, last: np.ndarray, depth: int,
-                 slots: int | None, rel_to_shard: dict[str, int]) -> None:
+                 slots: int | None) -> None:
         self.fetcher, self.shards, self.first, self.last = fetcher, shards, first, last
         self.depth, self.slots = depth, slots
         self.index = {s: k for k, s in reversed(list(enumerate(shards)))}
-        self.rel_to_shard = rel_to_shard
         self.by_last = np.argsort(last, kind="stable")
         self.finished_upto = 0  # entries of by_last already stamped finished
         self.position = 0  # the batch being read
         self.next_k = 0  # the first entry not started
         self.started: dict[int, Future] = {}
-        self.head_done = False  # every shard of the first batch is local: prefetching ahead may start
+        self.head_done = False  # the reader has read the first batch: prefetching ahead may start
         self.done = False
         self.cond = threading.Condition()
         # threads start one at a time as work appears (starting eight costs a steady epoch's reader ~10 ms on
@@ -770,6 +867,12 @@ class _Follower:
         if finished:
             self.fetcher._stamp_finished(finished)
 
+    def read(self, position: int) -> None:
+        with self.cond:
+            if not self.head_done and position >= self.position:
+                self.head_done = True
+                self.cond.notify_all()
+
     def wait_for(self, shard: int) -> None:
         """Wait for this process's prefetch of ``shard`` when one is in flight (its errors are the caller's
         own download's to report); claim it when not started, so the caller's download is the only one."""
@@ -786,7 +889,7 @@ class _Follower:
 
     def next_read(self, rel: str) -> float:
         """The batch position this process next reads the shard of data file ``rel``; inf when never again."""
-        shard = self.rel_to_shard.get(rel)
+        shard = self.fetcher.shard_of(rel)
         k = self.index.get(shard) if shard is not None else None
         if k is None or self.last[k] < self.position:
             return float("inf")
@@ -849,41 +952,77 @@ class _Follower:
                 log.debug("prefetch of shard %d failed: %s", shard, exc)
                 future.set_exception(exc)
             with self.cond:
-                if not self.head_done and all(f.done() for s, f in self.started.items()
-                                              if self.first[self.index[s]] <= max(self.position, 0)):
-                    self.head_done = True
                 self.cond.notify_all()
 
 
 class _DaemonPool:
-    """A small pool of daemon threads: a transfer stuck on a store that stopped answering never holds up
-    the interpreter's exit (a ThreadPoolExecutor's threads are joined at exit)."""
+    """Daemon threads for blocking transfers, started as work arrives (at most ``limit``) and ending
+    after ``idle`` seconds without any: a transfer stuck on a store that stopped answering never holds
+    up the interpreter's exit (a ThreadPoolExecutor's threads are joined at exit), and the threads of
+    a process's datasets are shared, not left behind by each of them."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(self, name: str, limit: int = 64, idle: float = 10.0) -> None:
+        self._name, self._limit, self._idle_s = name, limit, idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads waiting for work
+        self._pending = 0  # work queued and not taken yet
+        self._started = 0
 
     def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
-        self._queue.put((future, fn, args, kwargs))
+        with self._lock:  # queued under the lock: a thread that ends for want of work sees it first
+            self._queue.put((future, fn, args, kwargs))
+            self._pending += 1
+            spawn = self._pending > self._idle and self._threads < self._limit
+            if spawn:
+                self._threads += 1
+                self._started += 1
+        if spawn:
+            threading.Thread(target=self._work, name=f"{self._name}_{self._started}", daemon=True).start()
         return future
 
-    def close(self) -> None:
-        """The threads end once the work queued before finishes."""
-        for _ in self._threads:
-            self._queue.put(None)
+    @property
+    def threads(self) -> int:
+        return self._threads
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args, kwargs = item
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                future, fn, args, kwargs = self._queue.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    self._idle -= 1
+                    if self._queue.empty():
+                        self._threads -= 1
+                        return
+                continue
+            with self._lock:
+                self._idle -= 1
+                self._pending -= 1
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn(*args, **kwargs))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 future.set_exception(exc)
+            del future, fn, args, kwargs
+
+
+_POOL: tuple[int, _DaemonPool] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _transfers() -> _DaemonPool:
+    """This process's pool of transfer threads (a forked child makes its own)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), _DaemonPool("datapipe-fetch"))
+        return _POOL[1]
 
 
 class _Transient(Exception):
@@ -1010,6 +1149,9 @@ def _open_filesystem(url: str, storage_options: dict, timeout: float) -> tuple[A
         config.setdefault("connect_timeout", timeout)
         config.setdefault("read_timeout", timeout)
         config.setdefault("retries", {"max_attempts": 3})
+        # every file is checked against the manifest's crc32c: botocore's own CRC32 of each response
+        # body (on by default since 1.36) would only add CPU on the event loop that all transfers share
+        config.setdefault("response_checksum_validation", "when_required")
         options["config_kwargs"] = config
         options.setdefault("skip_instance_cache", True)
     from .remote import open_location

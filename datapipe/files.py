@@ -97,15 +97,49 @@ def file_crc32c(path: Path, chunk: int = 1 << 20) -> str:
     read through one reused buffer (a new block per read made every page of it fault in: a third of
     the time of a 5 MB shard's check)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with open(fd, "rb", buffering=0, closefd=True) as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CacheError(f"{path} is not a regular file; rerun the same `datapipe build` to rewrite it")
-        buf = np.empty(max(1, min(chunk, st.st_size)), dtype=np.uint8)
-        crc = 0
-        while n := f.readinto(buf.data):
-            crc = crc32c(buf[:n], crc)
+        crc, _ = crc32c_range(fd, 0, None, np.empty(max(1, min(chunk, st.st_size)), dtype=np.uint8))
+    finally:
+        os.close(fd)
     return f"{crc:08x}"
+
+
+def crc32c_range(fd: int, start: int, stop: int | None, buf: np.ndarray, value: int = 0) -> tuple[int, int]:
+    """The crc32c of the bytes ``[start, stop)`` of the open file ``fd`` (to its end when ``stop`` is None)
+    continued from ``value``, read into ``buf`` (reused, uint8): (crc, the offset reached — short of
+    ``stop`` where the file ends before it)."""
+    at = start
+    while stop is None or at < stop:
+        want = len(buf) if stop is None else min(len(buf), stop - at)
+        n = os.preadv(fd, [buf[:want].data], at)
+        if not n:
+            break
+        value = crc32c(buf[:n], value)
+        at += n
+    return value, at
+
+
+def make_dirs(folder: str | os.PathLike) -> None:
+    """``mkdir -p``, top down from the deepest folder that exists: one ``mkdir`` per missing level
+    (``Path.mkdir(parents=True)`` first fails at every missing level on the way up, and a directory
+    costs a third of a millisecond to make here: a shard downloaded into ``images/c/0/0/0`` makes six)."""
+    missing = []
+    path = os.fspath(folder)
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -357,3 +357,22 @@ def test_indexed_cache_reads_samples_at_their_shapes(s3, built, tmp_path):
     for images, _, index in ds:
         for image, i in zip(images, index.tolist(), strict=True):
             assert np.array_equal(image.numpy(), local[i][0])
+
+
+def test_prefetch_runs_ahead_of_the_reader_after_the_first_batch_and_no_further_than_its_depth(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    # one shard a batch (window 1, the cache's own order, batches of a shard's size): batch k reads shard k
+    ds = open_remote(s3, url, tmp_path / "lc", order="shards", window=1, shuffle=False, batch_size=SHARD, prefetch=3)
+    it = iter(ds)
+    first = next(it)
+    assert first[2].tolist() == list(range(SHARD))
+    folder = ds.cache.remote.folder
+    end = time.monotonic() + 30
+    while len(shard_downloads(folder)) < 4 and time.monotonic() < end:
+        time.sleep(0.02)
+    time.sleep(0.3)  # a prefetch beyond the depth would have started by now
+    names = sorted(s.name for s in ds.cache.manifest.shards)
+    assert set(shard_downloads(folder)) == {f"shard {name}" for name in names[:4]}  # the one read and 3 ahead
+    rest = [i for batch in it for i in batch[2].tolist()]
+    assert rest == list(range(SHARD, N))
+    assert sorted(shard_downloads(folder).values()) == [1] * len(names)

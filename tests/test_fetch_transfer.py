@@ -1,0 +1,137 @@
+"""How a shard's bytes reach the node-local cache (datapipe.fetch): the checksum taken as the bytes
+arrive, the check of the whole file when a transfer writes out of order, and the transfer threads
+shared by a process's datasets.
+
+The stores here are fsspec filesystems that hold objects in memory (fsspec's own MemoryFileSystem)
+with transfers that write in different orders; the S3 path is tested against a real S3 server in
+test_remote_stream.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+import datapipe
+from datapipe import fetch
+from datapipe.files import file_crc32c
+from datapipe.testing import build_index_cache
+
+
+class InOrderFS(MemoryFileSystem):
+    """Objects in memory, copied out in small blocks, in order (fsspec's own get_file)."""
+
+    protocol = "dp-inorder"
+    root_marker = "/"
+    blocksize = 1 << 14
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix(f"{cls.protocol}://"))
+
+
+class BackwardsFS(InOrderFS):
+    """A transfer that sizes the file first and writes its blocks from the last to the first, counting
+    each as it goes: the bytes below the count are not final while it runs."""
+
+    protocol = "dp-backwards"
+    root_marker = "/"
+
+    def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
+        data = self.cat_file(rpath)
+        block = 1 << 14
+        with open(lpath, "wb") as f:
+            f.truncate(len(data))
+            for start in reversed(range(0, len(data), block)):
+                f.seek(start)
+                f.write(data[start:start + block])
+                f.flush()
+                if callback is not None:
+                    callback.relative_update(len(data[start:start + block]))
+
+
+for fs_class in (InOrderFS, BackwardsFS):
+    fsspec.register_implementation(fs_class.protocol, fs_class, clobber=True)
+
+
+@pytest.fixture(scope="module")
+def local_cache_dir(tmp_path_factory):
+    # 3 KiB samples, 40 to a shard: shards of 120 KiB, several blocks of the transfers above
+    return build_index_cache(tmp_path_factory.mktemp("fetch-src"), 120, size=32, shard_size=40)
+
+
+def upload(fs_class: type, local) -> str:
+    fs = fs_class()
+    root = f"/{uuid.uuid4().hex}/cache"
+    fs.put(str(local), root, recursive=True)
+    return f"{fs_class.protocol}://{root.lstrip('/')}"
+
+
+def every_sample(ds) -> dict[int, np.ndarray]:
+    return {int(i): image.numpy() for images, _, index in ds for image, i in zip(images, index, strict=True)}
+
+
+@pytest.mark.parametrize("fs_class", [InOrderFS, BackwardsFS], ids=["in-order", "backwards"])
+def test_shards_arrive_whole_and_checked_whatever_order_the_transfer_writes_in(fs_class, local_cache_dir, tmp_path):
+    url = upload(fs_class, local_cache_dir)
+    CheckEvery = fetch._Progress.CHECK_EVERY
+    fetch._Progress.CHECK_EVERY = 1 << 14  # a check at every block of the transfers
+    try:
+        ds = datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", batch_size=16, return_index=True, prefetch=2)
+        got = every_sample(ds)
+    finally:
+        fetch._Progress.CHECK_EVERY = CheckEvery
+    local = datapipe.open(local_cache_dir)
+    assert sorted(got) == list(range(len(local)))
+    for i, image in got.items():
+        assert np.array_equal(image, local[i][0])
+    downloaded = [d for d in fetch.downloads(ds.cache.remote.folder) if "/images/" in d["file"]]
+    assert len(downloaded) == len(local.counts)  # each shard once: none refused as corrupt and downloaded again
+
+
+def test_the_checksum_is_taken_as_the_bytes_arrive(tmp_path):
+    path = tmp_path / "part"
+    data = np.random.default_rng(0).integers(0, 256, 5 * fetch._Progress.CHECK_EVERY + 123, dtype=np.uint8).tobytes()
+    progress = fetch._Progress(path)
+    wakes = 0
+    with open(path, "wb") as f:
+        for start in range(0, len(data), 1 << 16):
+            f.write(data[start:start + (1 << 16)])
+            f.flush()
+            progress.relative_update(len(data[start:start + (1 << 16)]))  # the transfer counts
+            if progress.ready.is_set():  # the waiting thread is woken and reads what arrived
+                progress.ready.clear()
+                progress.catch_up()
+                wakes += 1
+    assert wakes == 5
+    assert progress.checked >= len(data) - fetch._Progress.CHECK_EVERY  # read as it arrived, not after
+    assert progress.finish() == (file_crc32c(path), len(data))
+    progress.close()
+    assert progress.finish() is None  # closed: nothing followed any more, the caller reads the file
+
+
+def test_a_file_that_vanishes_mid_transfer_is_left_to_the_caller(tmp_path):
+    path = tmp_path / "part"
+    path.write_bytes(b"x" * 10)
+    progress = fetch._Progress(path)
+    os.unlink(path)
+    progress.relative_update(fetch._Progress.CHECK_EVERY)
+    progress.catch_up()  # the read-back fails: no error, the file is left to the caller
+    assert progress.finish() is None
+
+
+def test_datasets_of_one_process_share_the_transfer_threads(local_cache_dir, tmp_path):
+    url = upload(InOrderFS, local_cache_dir)
+    for k in range(6):
+        ds = datapipe.StreamingDataset(url, local_cache=tmp_path / f"lc{k}", batch_size=16, prefetch=4)
+        assert sum(len(batch[1]) for batch in ds) == 120
+        ds.cache.remote.close()
+    threads = [t for t in threading.enumerate() if t.name.startswith("datapipe-fetch")]
+    # one dataset's transfers at once (its prefetch threads and its reader), not threads left by each dataset
+    assert len(threads) == fetch._transfers().threads <= 8
