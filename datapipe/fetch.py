@@ -10,11 +10,11 @@ shard file is opened, and :meth:`ShardFetcher.ensure_index` before a sample inde
 
 Why each rule holds:
 
-- **Nothing partial is visible.** A file is downloaded to a temporary name beside its place
-  (``<name>.part-<pid>-<random>``), its crc32c (and size) checked against the manifest, and renamed
-  into place: a killed download leaves only a temporary file, which the next download of that shard
-  removes. A mismatch is downloaded again (``retries`` times in all), then a CorruptShardError naming
-  the shard and the object.
+- **Nothing partial is visible.** A file is downloaded to a temporary name in the build folder's
+  ``.datapipe-partial/`` (``<path, "/" as "%2F">.part-<pid>-<random>``), its crc32c (and size) checked
+  against the manifest — taken as the bytes arrive — and renamed into place: a killed download leaves
+  only a temporary file, which the next download of that shard removes. A mismatch is downloaded
+  again (``retries`` times in all), then a CorruptShardError naming the shard and the object.
 - **One download per shard per node.** Every process on the node (ranks, DataLoader workers) takes an
   ``flock`` on ``.datapipe-locks/<shard>.lock``: exclusive to download, shared while the shard is open
   for reading. A waiting process sees the download's temporary file grow; when nothing arrives for
@@ -69,6 +69,7 @@ DOWNLOADS = ".datapipe-downloads"  # one JSON line per file downloaded (what, by
 EVICT_LOCK = ".datapipe-evict.lock"
 FILES_LOCK = "_files"  # the lock of the manifest's own files (labels, paths)
 PART = ".part-"
+PARTIAL = ".datapipe-partial"  # downloads in progress: <path with "/" as "%2F">.part-<pid>-<random>, renamed into place
 # A lock file's mtime is its shard's access stamp; a shard every reader of this process has finished in
 # this epoch gets a stamp below this (1970, ordered by when it was finished): evicted before any other.
 FINISHED_BELOW_NS = 10**15
@@ -499,8 +500,19 @@ class ShardFetcher:
             finally:
                 os.close(fd)
 
+    def _temp_name(self, rel: str) -> str:
+        """The prefix of the temporary files of downloads of ``rel`` in ``PARTIAL`` (one flat folder: a
+        download starts before the folders of the shard's layout are made, see :meth:`_fetch_file`)."""
+        return rel.replace("%", "%25").replace("/", "%2F") + PART
+
     def _temps(self, rels: Sequence[str]) -> Iterator[os.DirEntry]:
-        """The temporary files of downloads of these files (in progress, or left by a killed one)."""
+        """The temporary files of downloads of these files (in progress, or left by a killed one), and
+        those that earlier versions wrote beside the file's place."""
+        with contextlib.suppress(OSError):
+            names = tuple(self._temp_name(rel) for rel in rels)
+            for entry in os.scandir(self.folder / PARTIAL):
+                if entry.name.startswith(names):
+                    yield entry
         for rel in rels:
             final = self.folder / rel
             with contextlib.suppress(OSError):
@@ -640,17 +652,17 @@ class ShardFetcher:
             RemoteStoreError: the store did not answer (nothing arrived for ``timeout`` seconds).
         """
         final = self.folder / rel
-        make_dirs(final.parent)
+        make_dirs(self.folder / PARTIAL)
         url = f"{self.url}/{rel}"
         mismatch = ""
         started = time.monotonic()
         attempt = 0
         while attempt < self.retries:
             attempt += 1
-            tmp = final.with_name(f"{final.name}{PART}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            tmp = self.folder / PARTIAL / f"{self._temp_name(rel)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             progress = _Progress(tmp)
-            try:
-                self._transfer(rel, tmp, what, progress)
+            try:  # the shard's folders are made while its bytes arrive (six of them for images/c/0/0/0/0)
+                self._transfer(rel, tmp, what, progress, meanwhile=lambda: make_dirs(final.parent))
                 crc, size = progress.finish() or (file_crc32c(tmp), os.stat(tmp).st_size)
                 if crc != want_crc:  # the crc taken as the bytes arrived is only trusted when it matches
                     crc, size = file_crc32c(tmp), os.stat(tmp).st_size
@@ -678,10 +690,11 @@ class ShardFetcher:
         raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; the object was altered "
                                 "after the build: rerun the same `datapipe build` to rewrite it")
 
-    def _transfer(self, rel: str, tmp: Path, what: str, progress: _Progress) -> None:
+    def _transfer(self, rel: str, tmp: Path, what: str, progress: _Progress, meanwhile: Any = None) -> None:
         """Copy object ``rel`` to ``tmp``, counting into ``progress``; give up when nothing arrives for
         ``timeout`` s. An async filesystem's transfer runs on its own event loop (no thread between), a
-        blocking one's in a transfer thread; either way this thread only waits."""
+        blocking one's in a transfer thread; this thread calls ``meanwhile()`` once the transfer has
+        started, then takes the checksum of what arrives."""
         fs, root = self.filesystem()
         rpath = f"{root}/{rel}"
         if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
@@ -689,6 +702,13 @@ class ShardFetcher:
         else:
             future = _transfers().submit(fs.get_file, rpath, str(tmp), callback=progress)
         future.add_done_callback(lambda _: progress.ready.set())
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException:
+                progress.cancelled = True
+                future.cancel()
+                raise
         seen, since = 0, time.monotonic()
         while not future.done():
             progress.ready.wait(min(0.25, self.timeout))

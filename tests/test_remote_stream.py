@@ -271,7 +271,7 @@ def test_a_rank_killed_mid_download_leaves_no_partial_shard_and_the_next_reader_
                                    return_index=True, shuffle=False, prefetch=0)
     assert sorted(read_epoch(ds)) == list(range(48))
     assert final.stat().st_size == ds.cache.manifest.shards[0].nbytes
-    assert not [p for p in final.parent.iterdir() if fetch.PART in p.name]
+    assert not [p for p in folder.rglob("*") if fetch.PART in p.name]  # the killed download's temporary file too
 
 
 def _locked(path: Path) -> bool:
@@ -300,7 +300,7 @@ def test_a_shard_altered_in_the_store_is_an_error_naming_it_after_the_retries(s3
         read_epoch(ds)
     folder = ds.cache.remote.folder
     assert not (folder / rel).exists()
-    assert not list((folder / rel).parent.glob("*" + fetch.PART + "*"))
+    assert not [p for p in folder.rglob("*") if fetch.PART in p.name]
     assert shard_downloads(folder)["shard 000001.zarr"] == 1  # the shards before it were read
 
 
@@ -376,3 +376,21 @@ def test_prefetch_runs_ahead_of_the_reader_after_the_first_batch_and_no_further_
     rest = [i for batch in it for i in batch[2].tolist()]
     assert rest == list(range(SHARD, N))
     assert sorted(shard_downloads(folder).values()) == [1] * len(names)
+
+
+def test_the_temporary_files_killed_downloads_left_are_removed_by_the_next_download(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    fetcher = ds.cache.remote
+    folder = fetcher.folder
+    rel = fetcher._rel_data(1)
+    left = [folder / fetch.PARTIAL / f"{fetcher._temp_name(rel)}999999-deadbeef",  # a killed download's
+            folder / f"{rel}{fetch.PART}999999-deadbeef"]  # beside the file's place (earlier versions)
+    foreign = folder / fetch.PARTIAL / "notes.txt"
+    for path in (*left, foreign):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+    assert sorted(read_epoch(ds)) == list(range(N))
+    assert not any(path.exists() for path in left)
+    assert foreign.read_bytes() == b"partial"  # not a temporary file of a download: kept
+    assert not [p for p in folder.rglob("*") if fetch.PART in p.name]
