@@ -73,6 +73,7 @@ PARTIAL = ".datapipe-partial"  # downloads in progress: <path with "/" as "%2F">
 # A lock file's mtime is its shard's access stamp; a shard every reader of this process has finished in
 # this epoch gets a stamp below this (1970, ordered by when it was finished): evicted before any other.
 FINISHED_BELOW_NS = 10**15
+_RECORD_LOCK = threading.Lock()  # the read-modify-write of a lock file's record by this process's threads
 MANIFEST_LIMIT = 1 << 30
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -394,9 +395,10 @@ class ShardFetcher:
         """Record in the lock file (held exclusively) the identity of the file downloaded to ``rel`` —
         before it is renamed into place (a rename keeps inode, size and mtime), so a file in place is
         always recorded."""
-        files = _read_record(fd)
-        files[rel] = {"path": rel, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "evict": evict}
-        _write_record(fd, files)
+        with _RECORD_LOCK:  # a shard's files are downloaded by two threads of this process at once
+            files = _read_record(fd)
+            files[rel] = {"path": rel, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "evict": evict}
+            _write_record(fd, files)
 
     def _log_download(self, what: str, rel: str, nbytes: int) -> None:
         line = json.dumps({"what": what, "file": rel, "bytes": nbytes, "pid": os.getpid(), "time": time.time()}) + "\n"
@@ -635,10 +637,23 @@ class ShardFetcher:
                 self._check_ours(fd, rel)
             self._clean_temps(rels)
             self._make_room(rec.nbytes)
-            for rel in missing:
+
+            def fetch(rel: str) -> None:
                 data = rel == self._rel_data(shard)
                 self._fetch_file(fd, rel, rec.crc32c if data else rec.index_crc32c, rec.nbytes if data else None,
                                  f"shard {rec.name}", evict=data)
+
+            # the sample index and the data file at once (a store's first byte takes tens of milliseconds);
+            # the lock ``fd`` stays open until both have ended
+            others = [_transfers().submit(fetch, rel) for rel in missing[:-1]]
+            try:
+                if missing:
+                    fetch(missing[-1])
+            finally:
+                errors = [f.exception() for f in others]
+            for error in errors:
+                if error is not None:
+                    raise error
             os.utime(fd)
             return True
 

@@ -287,11 +287,13 @@ def _locked(path: Path) -> bool:
         os.close(fd)
 
 
-@pytest.mark.parametrize("layout", ["fixed", "indexed"])
-def test_a_shard_altered_in_the_store_is_an_error_naming_it_after_the_retries(s3, built, tmp_path, layout):
+@pytest.mark.parametrize("layout,altered", [("fixed", "data"), ("indexed", "data"), ("indexed", "index")])
+def test_a_shard_altered_in_the_store_is_an_error_naming_it_after_the_retries(s3, built, tmp_path, layout, altered):
     url = upload(s3, built[layout])
     fs = s3.filesystem()
     rel = "shards/000002.zarr/images/c/0" + ("/0/0/0" if layout == "fixed" else "")
+    if altered == "index":  # downloaded beside the data file, at the same time
+        rel = fetch.index_path(Path("shards/000002.zarr")).as_posix()
     data = bytearray(fs.cat_file(f"{url.removeprefix('s3://')}/{rel}"))
     data[100] ^= 0xFF  # same size, another checksum
     fs.pipe_file(f"{url.removeprefix('s3://')}/{rel}", bytes(data))
