@@ -529,11 +529,14 @@ class ShardFetcher:
                 total += entry.stat().st_size
         return total
 
-    def _clean_temps(self, rels: Sequence[str]) -> None:
-        """Remove the temporary files a killed download of these files left (the exclusive lock is held)."""
+    def _clean_temps(self, rels: Sequence[str], *, spare: int | None = None) -> None:
+        """Remove the temporary files a killed download of these files left (the exclusive lock is held);
+        those of process ``spare`` are its downloads in progress."""
+        mine = f"{PART}{spare}-"
         for entry in self._temps(rels):
-            with contextlib.suppress(OSError):
-                os.unlink(entry.path)
+            if spare is None or mine not in entry.name:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
     # ----------------------------------------------------------------- the Cache's hook
     @property
@@ -633,22 +636,24 @@ class ShardFetcher:
                 return False
             record = _read_record(fd)
             missing = [rel for rel in rels if rel not in record or not _same_file(self.folder / rel, record[rel])]
-            for rel in missing:
+            for rel in missing:  # before any transfer starts: nothing is renamed over a file that is not ours
                 self._check_ours(fd, rel)
-            self._clean_temps(rels)
-            self._make_room(rec.nbytes)
 
-            def fetch(rel: str) -> None:
+            def prepare() -> None:  # while the transfers run
+                self._clean_temps(rels, spare=os.getpid())
+                self._make_room(rec.nbytes)
+
+            def fetch(rel: str, meanwhile: Any = None) -> None:
                 data = rel == self._rel_data(shard)
                 self._fetch_file(fd, rel, rec.crc32c if data else rec.index_crc32c, rec.nbytes if data else None,
-                                 f"shard {rec.name}", evict=data)
+                                 f"shard {rec.name}", evict=data, meanwhile=meanwhile)
 
             # the sample index and the data file at once (a store's first byte takes tens of milliseconds);
             # the lock ``fd`` stays open until both have ended
             others = [_transfers().submit(fetch, rel) for rel in missing[:-1]]
             try:
                 if missing:
-                    fetch(missing[-1])
+                    fetch(missing[-1], prepare)
             finally:
                 errors = [f.exception() for f in others]
             for error in errors:
@@ -658,9 +663,11 @@ class ShardFetcher:
             return True
 
     # ----------------------------------------------------------------- one file
-    def _fetch_file(self, fd: int, rel: str, want_crc: str, want_size: int | None, what: str, *, evict: bool) -> None:
+    def _fetch_file(self, fd: int, rel: str, want_crc: str, want_size: int | None, what: str, *, evict: bool,
+                    meanwhile: Any = None) -> None:
         """Download ``rel`` to a temporary name, check it against the manifest, record it under the lock
-        ``fd`` (held exclusively) and rename it into place.
+        ``fd`` (held exclusively) and rename it into place; ``meanwhile()`` is called once, while the
+        first transfer runs.
 
         Raises:
             CorruptShardError: the object's checksum (or size) differs from the manifest's ``retries`` times.
@@ -676,8 +683,15 @@ class ShardFetcher:
             attempt += 1
             tmp = self.folder / PARTIAL / f"{self._temp_name(rel)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             progress = _Progress(tmp)
-            try:  # the shard's folders are made while its bytes arrive (six of them for images/c/0/0/0/0)
-                self._transfer(rel, tmp, what, progress, meanwhile=lambda: make_dirs(final.parent))
+            then, meanwhile = meanwhile, None
+
+            def prepare(then: Any = then) -> None:  # the shard's folders (six for images/c/0/0/0/0), then the caller's
+                make_dirs(final.parent)
+                if then is not None:
+                    then()
+
+            try:
+                self._transfer(rel, tmp, what, progress, meanwhile=prepare)
                 crc, size = progress.finish() or (file_crc32c(tmp), os.stat(tmp).st_size)
                 if crc != want_crc:  # the crc taken as the bytes arrived is only trusted when it matches
                     crc, size = file_crc32c(tmp), os.stat(tmp).st_size
@@ -810,7 +824,7 @@ class ShardFetcher:
         the first batch of the plan is read, nothing beyond it is downloaded, so that neither the store's
         bandwidth nor this process's CPU is shared with shards read later."""
         follower = self._follower
-        if follower is not None:
+        if follower is not None and not follower.head_done:  # set once an iteration: no lock on every batch
             follower.read(position)
 
     def _size_open_files(self, first: np.ndarray, last: np.ndarray) -> None:
