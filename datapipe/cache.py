@@ -51,6 +51,19 @@ from .shards import SHARDS_DIR, images_path, index_path, read_shard_metadata, sh
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 T = TypeVar("T")
+# the marker of a node-local cache (``StreamingDataset(url, local_cache=...)``): in the local cache folder and in
+# each build's folder under it, whose shards are downloaded as they are read (datapipe.fetch)
+LOCAL_CACHE_MARKER = ".datapipe-local-cache"
+
+
+def node_cache_of(root: Path) -> str | None:
+    """The URL of the remote cache whose node-local copy ``root`` is; None for a cache built here."""
+    try:
+        doc = parse_json(read_regular(root / LOCAL_CACHE_MARKER, 1 << 16), root / LOCAL_CACHE_MARKER)
+    except (OSError, CacheError, NotRegularFile, FileTooLarge):
+        return None
+    url = doc.get("url") if isinstance(doc, dict) else None
+    return url if isinstance(url, str) else None
 
 
 def _identity(st: os.stat_result) -> Identity:
@@ -224,6 +237,9 @@ class Cache:
         self.num_samples = m.num_samples
         self._identities: dict[int, Identity] = {}  # shard -> identity of its data file at open
         self._file_identities = {key: self._stat_identity(self.root / rec.name) for key, rec in m.files.items()}
+        # opened as a folder, a node-local cache holds the shards read so far (and no zarr.json)
+        self.node_cache_of: str | None = node_cache_of(self.root) if remote is None else None
+        self.verified_shards = 0  # by the last verify(): every shard, or a node-local cache's downloaded ones
         if check_sizes and remote is None:
             self.check_sizes()
         self._init_readers()
@@ -926,6 +942,11 @@ class Cache:
                 actual = st.st_size if stat.S_ISREG(st.st_mode) else -2
             except OSError:
                 actual = -1
+            if actual == -1 and self.node_cache_of is not None:
+                raise CacheError(
+                    f"shard {rec.name} ({path}) has not been downloaded: {self.root} is a node-local cache of "
+                    f"{self.node_cache_of}, which downloads shards as they are read; open "
+                    f"StreamingDataset({self.node_cache_of!r}, local_cache={str(self.root.parent)!r}) instead")
             if actual != rec.nbytes:
                 what = {-1: "missing", -2: "not a regular file"}.get(actual, f"{actual:,} bytes, expected {rec.nbytes:,}")
                 raise CorruptShardError(
@@ -952,8 +973,40 @@ class Cache:
                 path = self.root / rec.name
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
+        self.verified_shards = 0
         for s, _ in enumerate(tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress)):
-            problems.extend(self._verify_shard(s, labels, paths))
+            if self.node_cache_of is not None:
+                problems.extend(self._verify_downloaded(s))
+            else:
+                problems.extend(self._verify_shard(s, labels, paths))
+                self.verified_shards += 1
+        return problems
+
+    def _verify_downloaded(self, s: int) -> list[str]:
+        """A node-local cache's shard: the files downloaded so far (data file, sample index) against the
+        manifest; its zarr.json and labels chunk are never downloaded (labels.npy holds the labels)."""
+        rec = self.manifest.shards[s]
+        if not rec.count:
+            return []
+        name, fix = f"shard {rec.name}", "delete it: the next reader downloads it again"
+        problems, found = [], False
+        if self.indexed and os.path.lexists(self._index_path(s)):
+            found = True
+            try:
+                self._load_index(s)
+            except CacheError as exc:
+                problems.append(f"{exc}; {fix}")
+        path = self._shard_path(s)
+        if os.path.lexists(path):
+            found = True
+            try:
+                crc = file_crc32c(path)
+            except (CacheError, OSError) as exc:
+                crc = None
+                problems.append(f"{name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc}); {fix}")
+            if crc is not None and crc != rec.crc32c:
+                problems.append(f"{name}: checksum {crc} != manifest {rec.crc32c} ({path}); {fix}")
+        self.verified_shards += found
         return problems
 
     @staticmethod

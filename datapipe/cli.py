@@ -304,10 +304,22 @@ def _verify(args: argparse.Namespace) -> int:
 
     if is_url(args.cache):
         return _remote_verify(args)
-    from .cache import Cache
+    from pathlib import Path
 
-    cache = Cache(args.cache)
-    return _verdict(cache.verify(progress=True), str(cache.root), len(cache.counts), cache.num_samples, output="OUTPUT")
+    from .cache import Cache, node_cache_of
+
+    # a node-local cache holds the shards read so far: the rest are not missing, only not downloaded
+    cache = Cache(args.cache, check_sizes=node_cache_of(Path(args.cache).expanduser().absolute()) is None)
+    problems = cache.verify(progress=True)
+    if cache.node_cache_of is not None:
+        for line in problems:
+            print(line)
+        verdict = "OK" if not problems else plural(len(problems), "problem")
+        print(f"{cache.root}: the node-local cache of {cache.node_cache_of}: {cache.verified_shards} of "
+              f"{plural(len(cache.counts), 'shard')} downloaded, checked against the manifest: {verdict} "
+              f"(`datapipe verify {cache.node_cache_of}` checks the cache itself)")
+        return 0 if not problems else 1
+    return _verdict(problems, str(cache.root), len(cache.counts), cache.num_samples, output="OUTPUT")
 
 
 def _verdict(problems: list[str], where: str, shards: int, samples: int, *, output: str) -> int:

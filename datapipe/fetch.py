@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache import Cache
+from .cache import LOCAL_CACHE_MARKER, Cache
 from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError
 from .files import atomic_write_text, crc32c_range, file_crc32c, make_dirs
 from .records import MANIFEST, Manifest, parse_json, parse_manifest
@@ -63,7 +63,7 @@ from .text import show
 
 log = logging.getLogger("datapipe.fetch")
 
-MARKER = ".datapipe-local-cache"  # in the local cache folder and in each build's folder under it
+MARKER = LOCAL_CACHE_MARKER  # in the local cache folder and in each build's folder under it
 LOCKS = ".datapipe-locks"  # <shard name>.lock: the flock and the record of the files downloaded under it
 DOWNLOADS = ".datapipe-downloads"  # one JSON line per file downloaded (what, bytes, pid, time)
 EVICT_LOCK = ".datapipe-evict.lock"

@@ -396,3 +396,33 @@ def test_the_temporary_files_killed_downloads_left_are_removed_by_the_next_downl
     assert not any(path.exists() for path in left)
     assert foreign.read_bytes() == b"partial"  # not a temporary file of a download: kept
     assert not [p for p in folder.rglob("*") if fetch.PART in p.name]
+
+
+@pytest.mark.parametrize("layout", ["fixed", "indexed"])
+def test_a_node_local_cache_folder_verifies_what_was_downloaded_and_names_its_url_when_opened_alone(
+        s3, built, tmp_path, layout):
+    url = upload(s3, built[layout])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, batch_size=SHARD)
+    it = iter(ds)
+    next(it), next(it)  # two shards downloaded, the rest not
+    ds.cache.remote.close()
+    folder = ds.cache.remote.folder
+
+    def verify() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "datapipe.cli", "verify", str(folder)], capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+
+    proc = verify()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"the node-local cache of {url}: 2 of 15 shards downloaded, checked against the manifest: OK" in proc.stdout
+    with pytest.raises(CacheError, match=rf"shard 000002\.zarr .* has not been downloaded: .* node-local cache of {url}"):
+        datapipe.open(folder)
+    data = folder / ds.cache.remote._rel_data(1)
+    damaged = bytearray(data.read_bytes())
+    damaged[10] ^= 0xFF
+    os.chmod(data, 0o644)
+    data.write_bytes(bytes(damaged))
+    proc = verify()
+    assert proc.returncode == 1
+    assert "shard 000001.zarr: checksum" in proc.stdout and f"({data}); delete it" in proc.stdout
+    assert "1 problem" in proc.stdout
