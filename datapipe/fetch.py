@@ -13,7 +13,8 @@ Why each rule holds:
 - **Nothing partial is visible.** A file is downloaded to a temporary name in the build folder's
   ``.datapipe-partial/`` (``<path, "/" as "%2F">.part-<pid>-<random>``), its crc32c (and size) checked
   against the manifest — taken as the bytes arrive — and renamed into place: a killed download leaves
-  only a temporary file, which the next download of that shard removes. A mismatch is downloaded
+  only a temporary file, which the next download of that file removes (or the next opening of the
+  cache, when no process is downloading that file). A mismatch is downloaded
   again (``retries`` times in all), then a CorruptShardError naming the shard and the object.
 - **One download per shard per node.** Every process on the node (ranks, DataLoader workers) takes an
   ``flock`` on ``.datapipe-locks/<shard>.lock``: exclusive to download, shared while the shard is open
@@ -317,7 +318,34 @@ class ShardFetcher:
                 else:
                     self._check_ours(fd, rec.name)
                     self._fetch_file(fd, rec.name, rec.crc32c, None, f"{rec.name} of {self.url}", evict=False)
+        self._reclaim_temps()
         return Cache(self.folder, remote=self)
+
+    def _reclaim_temps(self) -> None:
+        """Remove the temporary files that killed downloads left in ``PARTIAL`` and that no process is
+        downloading now (their file's lock is free): the next download of a file removes them too, but a
+        shard never read again would keep them for ever. Anything else in the folder is kept."""
+        assert self.manifest is not None
+        shards = {rec.name for rec in self.manifest.shards}
+        files = {rec.name for rec in self.manifest.files.values()}
+        with contextlib.suppress(OSError):
+            for entry in list(os.scandir(self.folder / PARTIAL)):
+                head, part, _ = entry.name.partition(PART)
+                rel = head.replace("%2F", "/").replace("%25", "%")
+                parts = rel.split("/")
+                lock = (parts[1] if len(parts) > 2 and parts[0] == SHARDS_DIR and parts[1] in shards
+                        else FILES_LOCK if rel in files else None)
+                if not part or lock is None:
+                    continue
+                fd = self._lock_fd(lock)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+                except BlockingIOError:
+                    pass  # downloading now, in another process
+                finally:
+                    os.close(fd)
 
     def _read_small(self, name: str) -> bytes:
         """A small object of the remote cache (the manifest), read whole with the same timeout."""

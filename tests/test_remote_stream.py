@@ -426,3 +426,27 @@ def test_a_node_local_cache_folder_verifies_what_was_downloaded_and_names_its_ur
     assert proc.returncode == 1
     assert "shard 000001.zarr: checksum" in proc.stdout and f"({data}); delete it" in proc.stdout
     assert "1 problem" in proc.stdout
+
+
+def test_opening_reclaims_the_temporary_files_of_killed_downloads_that_no_process_is_downloading(s3, built, tmp_path):
+    import fcntl
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    fetcher = ds.cache.remote
+    partial = fetcher.folder / fetch.PARTIAL
+    partial.mkdir(exist_ok=True)
+    stale = [partial / f"{fetcher._temp_name(fetcher._rel_data(5))}999999-deadbeef",  # a shard never read again
+             partial / f"{fetcher._temp_name('labels.npy')}999999-deadbeef"]  # a file of the manifest's
+    busy = partial / f"{fetcher._temp_name(fetcher._rel_data(6))}999998-cafecafe"  # its download runs now
+    foreign = [partial / "notes.txt", partial / f"{fetcher._temp_name('shards/other.zarr/x/y')}1-00000000"]
+    for path in (*stale, busy, *foreign):
+        path.write_bytes(b"partial")
+    holder = os.open(fetcher._lock_path(ds.cache.manifest.shards[6].name), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # as the downloading process holds it
+        open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    finally:
+        os.close(holder)
+    assert not any(path.exists() for path in stale)
+    assert busy.exists() and all(path.exists() for path in foreign)
