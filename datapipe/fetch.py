@@ -67,6 +67,7 @@ log = logging.getLogger("datapipe.fetch")
 MARKER = LOCAL_CACHE_MARKER  # in the local cache folder and in each build's folder under it
 LOCKS = ".datapipe-locks"  # <shard name>.lock: the flock and the record of the files downloaded under it
 DOWNLOADS = ".datapipe-downloads"  # one JSON line per file downloaded (what, bytes, pid, time)
+DOWNLOADS_LIMIT = 8 << 20  # the log's size beyond which its lines so far become DOWNLOADS.1
 EVICT_LOCK = ".datapipe-evict.lock"
 FILES_LOCK = "_files"  # the lock of the manifest's own files (labels, paths)
 PART = ".part-"
@@ -99,15 +100,18 @@ def parse_size(value: object, what: str) -> int:
 
 
 def downloads(folder: str | Path) -> list[dict]:
-    """The downloads recorded in a build's local folder (``local_cache/<build id>``), oldest first."""
-    try:
-        text = (Path(folder) / DOWNLOADS).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
+    """The downloads recorded in a build's local folder (``local_cache/<build id>``), oldest first (the
+    log is kept to its last ``DOWNLOADS_LIMIT`` bytes or so: the earlier part is moved to ``<log>.1``,
+    which replaces the one before)."""
     found = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            found.append(json.loads(line))
+    for name in (DOWNLOADS + ".1", DOWNLOADS):
+        try:
+            text = (Path(folder) / name).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            continue
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                found.append(json.loads(line))
     return found
 
 
@@ -430,9 +434,13 @@ class ShardFetcher:
 
     def _log_download(self, what: str, rel: str, nbytes: int) -> None:
         line = json.dumps({"what": what, "file": rel, "bytes": nbytes, "pid": os.getpid(), "time": time.time()}) + "\n"
-        fd = os.open(self.folder / DOWNLOADS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        path = self.folder / DOWNLOADS
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.write(fd, line.encode())
+            if os.fstat(fd).st_size > DOWNLOADS_LIMIT:  # every epoch downloads again what was evicted: bounded
+                with contextlib.suppress(OSError):
+                    os.replace(path, path.with_name(DOWNLOADS + ".1"))
         finally:
             os.close(fd)
         with self._lock:

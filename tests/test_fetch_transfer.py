@@ -135,3 +135,21 @@ def test_datasets_of_one_process_share_the_transfer_threads(local_cache_dir, tmp
     threads = [t for t in threading.enumerate() if t.name.startswith("datapipe-fetch")]
     # one dataset's transfers at once (its prefetch threads and its reader), not threads left by each dataset
     assert len(threads) == fetch._transfers().threads <= 8
+
+
+def test_the_download_log_stays_bounded_while_every_epoch_downloads_again(local_cache_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(fetch, "DOWNLOADS_LIMIT", 1500)  # about ten lines
+    url = upload(InOrderFS, local_cache_dir)
+    shard = max(s.nbytes for s in datapipe.open(local_cache_dir).manifest.shards)
+    ds = datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", batch_size=40, cache_limit=int(shard * 1.5),
+                                   order="shards", window=1, prefetch=0)  # room for one shard: each epoch downloads all
+    for epoch in range(8):
+        ds.set_epoch(epoch)
+        assert sum(len(batch[1]) for batch in ds) == 120
+    folder = ds.cache.remote.folder
+    log, older = folder / fetch.DOWNLOADS, folder / (fetch.DOWNLOADS + ".1")
+    line = 200  # a JSON line is shorter than this
+    assert older.exists() and older.stat().st_size <= 1500 + line and log.stat().st_size <= 1500 + line
+    kept = fetch.downloads(folder)
+    assert 10 < len(kept) < 8 * 3  # the newest downloads, not all of them
+    assert [d["time"] for d in kept] == sorted(d["time"] for d in kept)
