@@ -153,3 +153,30 @@ def test_the_download_log_stays_bounded_while_every_epoch_downloads_again(local_
     kept = fetch.downloads(folder)
     assert 10 < len(kept) < 8 * 3  # the newest downloads, not all of them
     assert [d["time"] for d in kept] == sorted(d["time"] for d in kept)
+
+
+def test_the_eviction_scan_follows_downloads_and_evictions_between_calls(tmp_path):
+    import json
+
+    root = tmp_path / "lc"
+    folder = root / "build"
+    (folder / fetch.LOCKS).mkdir(parents=True)
+    for where in (root, folder):
+        (where / fetch.MARKER).write_text("{}")
+    rel = "shards/000000.zarr/images/c/0/0/0/0"
+    data, lock = folder / rel, folder / fetch.LOCKS / "000000.zarr.lock"
+    tmp = folder / "download.tmp"
+    tmp.write_bytes(b"x" * 1000)
+    st = os.stat(tmp)
+    record = {"files": [{"path": rel, "ino": st.st_ino, "size": 1000, "mtime_ns": st.st_mtime_ns, "evict": True}]}
+    lock.write_text(json.dumps(record))  # a download records the file before it renames it into place
+    assert fetch._scan(root) == (0, [])
+    data.parent.mkdir(parents=True)
+    os.replace(tmp, data)  # renamed: found at the next call, the record unchanged
+    usage, candidates = fetch._scan(root)
+    assert usage == 1000 and [c[3] for c in candidates] == [rel]
+    os.utime(lock)  # a reader's access stamp: read again, still counted
+    assert fetch._scan(root)[0] == 1000
+    os.unlink(data)  # an eviction deletes, then rewrites the record
+    lock.write_text(json.dumps({"files": []}))
+    assert fetch._scan(root) == (0, [])
