@@ -1,7 +1,8 @@
 """Streaming from object storage: a remote cache on moto's S3 server read through the node-local shard cache.
 
 Figures (docs/benchmarks.md, "Streaming from object storage"):
-  steady   — an epoch from the local cache of a remote dataset vs the same folder opened as a local cache (img/s)
+  steady   — an epoch from the local cache of a remote dataset vs the same folder opened as a local cache (img/s),
+             median of 20 alternating epochs (each side first in every other pair)
   cold     — the first epoch's download bandwidth vs a plain parallel download of the same shards (8 threads),
              alternating, the same number of rounds each
   bytes    — bytes downloaded per node in a steady epoch with cache_limit = 25 % of the dataset, two ranks
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=8)
     ap.add_argument("--first-rounds", type=int, default=7, help="rounds of the first-batch figure")
     ap.add_argument("--cold-rounds", type=int, default=5, help="rounds of the cold-epoch figure")
+    ap.add_argument("--steady-epochs", type=int, default=20, help="alternating epochs of the steady figure")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     try:
@@ -158,11 +160,15 @@ def main() -> None:
             cold_ratios = [c / p for c, p in zip(colds, plain, strict=True)]
             ratios, r_rates, l_rates = [], [], []
             loc = datapipe.StreamingDataset(ds.cache.root, batch_size=64, order=ds.order)
-            for e in range(1, 12):
+            for e in range(1, 2 + args.steady_epochs):
                 ds.set_epoch(e)
                 loc.set_epoch(e)
-                n, rs = epoch(ds)
-                n, ls = epoch(loc)
+                if e % 2:  # each side first in every other pair
+                    n, rs = epoch(ds)
+                    n, ls = epoch(loc)
+                else:
+                    n, ls = epoch(loc)
+                    n, rs = epoch(ds)
                 if e > 1:  # the first epoch after the cold one opens the shards
                     r_rates.append(n / rs)
                     l_rates.append(n / ls)

@@ -1139,6 +1139,7 @@ def _evict(lock_path: str, folder: Path, rel: str) -> int | None:
 
 
 _SCANNED: dict[str, tuple[tuple[int, ...], list[dict], set[str]]] = {}
+STABLE_NS = 100_000_000  # a lock file unchanged this long is read again only when its times or size move
 
 
 def _scan(root: Path) -> tuple[int, list[tuple[int, str, Path, str]]]:
@@ -1147,7 +1148,8 @@ def _scan(root: Path) -> tuple[int, list[tuple[int, str, Path, str]]]:
 
     Called before every download beyond ``cache_limit``, so it must not read every lock file each time
     (5,000 shards took 0.8 s a call): a lock file's record is read again only when the file changed
-    (inode, size, mtime, ctime), and a file found in place under a record is not looked at again until
+    (inode, size, mtime, ctime; one changed in the last ``STABLE_NS`` is always read again, since file
+    times move by clock ticks), and a file found in place under a record is not looked at again until
     its record changes (a download records before it renames, an eviction deletes before it records,
     and both then touch the lock; a file not in place is looked at every time)."""
     global _SCANNED
@@ -1169,7 +1171,11 @@ def _scan(root: Path) -> tuple[int, list[tuple[int, str, Path, str]]]:
                         seen = _SCANNED.get(lock.path)
                         if seen is None or seen[0] != key:
                             with open(lock.path, "rb", buffering=0) as f:
-                                seen = (key, list(_parse_record(f.read(min(st.st_size, 1 << 20) + 1)).values()), set())
+                                files = list(_parse_record(f.read(min(st.st_size, 1 << 20) + 1)).values())
+                            # a file's times move in steps of a clock tick: a lock changed within the last
+                            # STABLE_NS may change again without its times moving, so it is not trusted later
+                            fresh = time.time_ns() - st.st_ctime_ns < STABLE_NS
+                            seen = ((-1,) if fresh else key, files, set())
                     except OSError:
                         continue
                     scanned[lock.path] = seen

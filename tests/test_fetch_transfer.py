@@ -180,3 +180,27 @@ def test_the_eviction_scan_follows_downloads_and_evictions_between_calls(tmp_pat
     os.unlink(data)  # an eviction deletes, then rewrites the record
     lock.write_text(json.dumps({"files": []}))
     assert fetch._scan(root) == (0, [])
+
+
+def test_the_eviction_scan_reads_again_a_lock_rewritten_at_the_same_length_at_once(tmp_path):
+    import json
+
+    root = tmp_path / "lc"
+    folder = root / "build"
+    (folder / fetch.LOCKS).mkdir(parents=True)
+    for where in (root, folder):
+        (where / fetch.MARKER).write_text("{}")
+    rel = "shards/000000.zarr/images/c/0/0/0/0"
+    data, lock = folder / rel, folder / fetch.LOCKS / "000000.zarr.lock"
+    data.parent.mkdir(parents=True)
+    data.write_bytes(b"x" * 1000)
+    st = os.stat(data)
+
+    def record(size: int) -> str:
+        return json.dumps({"files": [{"path": rel, "ino": st.st_ino, "size": size, "mtime_ns": st.st_mtime_ns,
+                                      "evict": True}]})
+
+    lock.write_text(record(1000))
+    assert fetch._scan(root)[0] == 1000
+    lock.write_text(record(2000))  # same length, same inode, and (within a clock tick) the same times
+    assert fetch._scan(root) == (0, [])  # the record no longer names the file in place
