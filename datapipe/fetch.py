@@ -848,6 +848,10 @@ class ShardFetcher:
         if self._depth() is not None and len(shard_list):
             assert self.manifest is not None
             self._follower = _Follower(self, shard_list, first_at, last_at, self._depth() or 0, self.slots())
+        # Room is made before each download, so a folder that went over the limit while readers held its
+        # shards open (they cannot be evicted) would stay over it for as long as nothing is downloaded —
+        # for good once every shard is local. Each plan brings it back under (what is not open).
+        self._make_room(0)
 
     def advance(self, position: int) -> None:
         """The reader starts the batch at ``position`` of the plan given to :meth:`follow`."""

@@ -11,6 +11,7 @@ store is a RemoteStoreError, not a hang.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -450,3 +451,26 @@ def test_opening_reclaims_the_temporary_files_of_killed_downloads_that_no_proces
         os.close(holder)
     assert not any(path.exists() for path in stale)
     assert busy.exists() and all(path.exists() for path in foreign)
+
+
+def test_a_folder_over_its_limit_is_brought_back_under_it_when_an_iteration_starts(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    everything = open_remote(s3, url, tmp_path / "lc", shuffle=False)
+    assert sorted(read_epoch(everything)) == list(range(N))  # every shard local: nothing more to download
+    folder = everything.cache.remote.folder
+    shard = max(s.nbytes for s in everything.cache.manifest.shards)
+    limit = 4 * shard + 100_000
+    everything.cache.remote.close()
+    del everything  # its open shard files closed: they may be evicted
+    gc.collect()
+
+    def shard_bytes() -> int:
+        return sum(p.stat().st_size for p in (folder / "shards").rglob("*") if p.is_file() and "/images/" in p.as_posix())
+
+    assert shard_bytes() > limit
+    limited = open_remote(s3, url, tmp_path / "lc", shuffle=False, cache_limit=limit, order="shards", window=1,
+                          batch_size=SHARD, prefetch=1)
+    it = iter(limited)
+    next(it)
+    assert shard_bytes() <= limit  # evicted down to the limit, though no download asked for room
+    assert sorted(i for batch in it for i in batch[2].tolist()) == list(range(SHARD, N))
