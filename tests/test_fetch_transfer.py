@@ -155,17 +155,25 @@ def test_the_download_log_stays_bounded_while_every_epoch_downloads_again(local_
     assert [d["time"] for d in kept] == sorted(d["time"] for d in kept)
 
 
-def test_the_eviction_scan_follows_downloads_and_evictions_between_calls(tmp_path):
-    import json
+REL = "shards/000000.zarr/images/c/0/0/0/0"
 
+
+def lock_folder(tmp_path):
+    """A local cache root with one build folder: (root, the shard's data file, its lock file), neither written."""
     root = tmp_path / "lc"
     folder = root / "build"
     (folder / fetch.LOCKS).mkdir(parents=True)
     for where in (root, folder):
         (where / fetch.MARKER).write_text("{}")
-    rel = "shards/000000.zarr/images/c/0/0/0/0"
-    data, lock = folder / rel, folder / fetch.LOCKS / "000000.zarr.lock"
-    tmp = folder / "download.tmp"
+    return root, folder / REL, folder / fetch.LOCKS / "000000.zarr.lock"
+
+
+def test_the_eviction_scan_follows_downloads_and_evictions_between_calls(tmp_path):
+    import json
+
+    root, data, lock = lock_folder(tmp_path)
+    rel = REL
+    tmp = root / "build" / "download.tmp"
     tmp.write_bytes(b"x" * 1000)
     st = os.stat(tmp)
     record = {"files": [{"path": rel, "ino": st.st_ino, "size": 1000, "mtime_ns": st.st_mtime_ns, "evict": True}]}
@@ -185,13 +193,8 @@ def test_the_eviction_scan_follows_downloads_and_evictions_between_calls(tmp_pat
 def test_the_eviction_scan_reads_again_a_lock_rewritten_at_the_same_length_at_once(tmp_path):
     import json
 
-    root = tmp_path / "lc"
-    folder = root / "build"
-    (folder / fetch.LOCKS).mkdir(parents=True)
-    for where in (root, folder):
-        (where / fetch.MARKER).write_text("{}")
-    rel = "shards/000000.zarr/images/c/0/0/0/0"
-    data, lock = folder / rel, folder / fetch.LOCKS / "000000.zarr.lock"
+    root, data, lock = lock_folder(tmp_path)
+    rel = REL
     data.parent.mkdir(parents=True)
     data.write_bytes(b"x" * 1000)
     st = os.stat(data)
