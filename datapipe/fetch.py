@@ -728,9 +728,10 @@ class ShardFetcher:
 
             try:
                 self._transfer(rel, tmp, what, progress, meanwhile=prepare)
-                crc, size = progress.finish() or (file_crc32c(tmp), os.stat(tmp).st_size)
-                if crc != want_crc:  # the crc taken as the bytes arrived is only trusted when it matches
-                    crc, size = file_crc32c(tmp), os.stat(tmp).st_size
+                got = progress.finish()
+                if got is None or got[0] != want_crc:  # the crc taken as the bytes arrived: trusted when it matches
+                    got = (file_crc32c(tmp), os.stat(tmp).st_size)
+                crc, size = got
                 if crc == want_crc and (want_size is None or size == want_size):
                     self._record(fd, rel, os.stat(tmp), evict=evict)
                     os.replace(tmp, final)
