@@ -330,14 +330,13 @@ class ShardFetcher:
         downloading now (their file's lock is free): the next download of a file removes them too, but a
         shard never read again would keep them for ever. Anything else in the folder is kept."""
         assert self.manifest is not None
-        shards = {rec.name for rec in self.manifest.shards}
         files = {rec.name for rec in self.manifest.files.values()}
         with contextlib.suppress(OSError):
             for entry in list(os.scandir(self.folder / PARTIAL)):
                 head, part, _ = entry.name.partition(PART)
-                rel = head.replace("%2F", "/").replace("%25", "%")
-                parts = rel.split("/")
-                lock = (parts[1] if len(parts) > 2 and parts[0] == SHARDS_DIR and parts[1] in shards
+                rel = head.replace("%2F", "/").replace("%25", "%")  # _temp_name's inverse
+                shard = self._shard_holding(rel)
+                lock = (self.manifest.shards[shard].name if shard is not None
                         else FILES_LOCK if rel in files else None)
                 if not part or lock is None:
                     continue
@@ -388,13 +387,17 @@ class ShardFetcher:
     def _rel_data(self, shard: int) -> str:
         return self._rels(shard)[1]
 
-    def shard_of(self, rel: str) -> int | None:
-        """The shard whose data file is ``rel`` (``shards/<name>/...``); None for any other file."""
+    def _shard_holding(self, rel: str) -> int | None:
+        """The shard whose folder holds ``rel`` (``shards/<name>/...``); None for a file outside them."""
         assert self.manifest is not None
         if self._shard_numbers is None:
             self._shard_numbers = {rec.name: s for s, rec in enumerate(self.manifest.shards)}
         parts = rel.split("/", 2)
-        shard = self._shard_numbers.get(parts[1]) if len(parts) == 3 and parts[0] == SHARDS_DIR else None
+        return self._shard_numbers.get(parts[1]) if len(parts) == 3 and parts[0] == SHARDS_DIR else None
+
+    def shard_of(self, rel: str) -> int | None:
+        """The shard whose data file is ``rel``; None for any other file."""
+        shard = self._shard_holding(rel)
         return shard if shard is not None and rel == self._rel_data(shard) else None
 
     def _rel_index(self, shard: int) -> str:
@@ -408,9 +411,10 @@ class ShardFetcher:
         """The shard's files are in place, each the very file downloaded under its lock (``fd``, held)."""
         return all(self._ours(fd, rel) for rel in self._shard_rels(shard))
 
-    def _ours(self, fd: int, rel: str) -> bool:
-        """``rel`` is in place and is the file this node downloaded (the record in the lock file, held)."""
-        entry = _read_record(fd).get(rel)
+    def _ours(self, fd: int, rel: str, record: dict[str, dict] | None = None) -> bool:
+        """``rel`` is in place and is the file this node downloaded (the record in the lock file, held;
+        ``record``: that record, read already)."""
+        entry = (_read_record(fd) if record is None else record).get(rel)
         return entry is not None and _same_file(self.folder / rel, entry)
 
     def _check_ours(self, fd: int, rel: str) -> None:
@@ -501,42 +505,28 @@ class ShardFetcher:
         rec = self.manifest.shards[shard]
         rels = self._shard_rels(shard)
         what = f"shard {rec.name}"
-        fd = self._lock_fd(rec.name)
-        try:  # the common case first: no other process holds the lock
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-        else:
-            try:
-                yield -1 if self._present(shard, fd) else fd
-                return
-            finally:
-                os.close(fd)
         since, pause = time.monotonic(), 0.001
         while True:
+            fd = self._lock_fd(rec.name)
+            try:  # the common case first: no other process holds the lock
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+            else:
+                try:
+                    yield -1 if self._present(shard, fd) else fd
+                    return
+                finally:
+                    os.close(fd)
             with self._locked(rec.name, fcntl.LOCK_SH, what, rels) as fd:  # waits while another process downloads
                 if self._present(shard, fd):
                     yield -1
                     return
-            fd = self._lock_fd(rec.name)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                if time.monotonic() - since > self.timeout:
-                    raise RemoteStoreError(f"{what}: its lock {self._lock_path(rec.name)} was never free to download it "
-                                           f"in {self.timeout:g} s; raise timeout=") from None
-                time.sleep(pause)
-                pause = min(pause * 2, 0.02)
-                continue
-            try:
-                if self._present(shard, fd):
-                    yield -1
-                else:
-                    yield fd
-                return
-            finally:
-                os.close(fd)
+            if time.monotonic() - since > self.timeout:
+                raise RemoteStoreError(f"{what}: its lock {self._lock_path(rec.name)} was never free to download it "
+                                       f"in {self.timeout:g} s; raise timeout=")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def _temp_name(self, rel: str) -> str:
         """The prefix of the temporary files of downloads of ``rel`` in ``PARTIAL`` (one flat folder: a
@@ -671,7 +661,7 @@ class ShardFetcher:
             if fd < 0:
                 return False
             record = _read_record(fd)
-            missing = [rel for rel in rels if rel not in record or not _same_file(self.folder / rel, record[rel])]
+            missing = [rel for rel in rels if not self._ours(fd, rel, record)]
             for rel in missing:  # before any transfer starts: nothing is renamed over a file that is not ours
                 self._check_ours(fd, rel)
 
