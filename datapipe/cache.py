@@ -988,7 +988,7 @@ class Cache:
         rec = self.manifest.shards[s]
         if not rec.count:
             return []
-        name, fix = f"shard {rec.name}", "delete it: the next reader downloads it again"
+        fix = "delete it: the next reader downloads it again"
         problems, found = [], False
         if self.indexed and os.path.lexists(self._index_path(s)):
             found = True
@@ -996,18 +996,24 @@ class Cache:
                 self._load_index(s)
             except CacheError as exc:
                 problems.append(f"{exc}; {fix}")
-        path = self._shard_path(s)
-        if os.path.lexists(path):
+        if os.path.lexists(self._shard_path(s)):
             found = True
-            try:
-                crc = file_crc32c(path)
-            except (CacheError, OSError) as exc:
-                crc = None
-                problems.append(f"{name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc}); {fix}")
-            if crc is not None and crc != rec.crc32c:
-                problems.append(f"{name}: checksum {crc} != manifest {rec.crc32c} ({path}); {fix}")
+            problems.extend(self._verify_data(s, read_fix=f"; {fix}", crc_fix=fix))
         self.verified_shards += found
         return problems
+
+    def _verify_data(self, s: int, *, read_fix: str, crc_fix: str) -> list[str]:
+        """The shard's data file against the manifest's crc32c: no problem, or one naming the file and
+        ending with what to do (``read_fix`` after a read error, ``crc_fix`` after a mismatch)."""
+        rec = self.manifest.shards[s]
+        path = self._shard_path(s)
+        try:
+            crc = file_crc32c(path)
+        except (CacheError, OSError) as exc:
+            return [f"shard {rec.name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc}){read_fix}"]
+        if crc != rec.crc32c:
+            return [f"shard {rec.name}: checksum {crc} != manifest {rec.crc32c} ({path}); {crc_fix}"]
+        return []
 
     @staticmethod
     def _verify_step(problems: list[str], fn: Callable[[], T]) -> T | None:
@@ -1040,14 +1046,8 @@ class Cache:
                     self._load_index(s)  # its checksum, every row, and the data size it implies
                 except CacheError as exc:
                     problems.append(str(exc))
-            path = self._shard_path(s)
-            try:
-                crc = file_crc32c(path)
-            except (CacheError, OSError) as exc:
-                return [*problems, f"{name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc})"]
-            if crc != rec.crc32c:
-                problems.append(f"{name}: checksum {crc} != manifest {rec.crc32c} ({path}); "
-                                "`datapipe build SOURCE OUTPUT --verify` rewrites it")
+            problems.extend(self._verify_data(s, read_fix="",
+                                              crc_fix="`datapipe build SOURCE OUTPUT --verify` rewrites it"))
         return problems
 
     def _verify_shard_labels(self, s: int, labels: np.ndarray | None) -> list[str]:
