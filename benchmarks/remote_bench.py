@@ -7,9 +7,12 @@ temporary folder and uploads its files, zarr.json last. Reported: the shard-buil
 side (cluster start-up excluded, as in report.json) and the ratio object store / local, and the CPU
 seconds each side's build took in the workers, in the client and in moto's server (psutil), since moto
 shares the machine's cores with the workers. ``--shard-size 0``: datapipe's default (about 100 MB).
+``--store-core``: moto's server gets the machine's last core to itself and the workers (and this client)
+the others, on both sides alike, as with a store on other machines: the ratio then counts only what
+writing to a store costs the build's own cores.
 
     python benchmarks/remote_bench.py [--source /tmp/benchdata] [--images 1000] [--rounds 2] [--workers 2] [--size 160] [--shard-size 50]
-                                      [--encoding raw|jpeg]
+                                      [--encoding raw|jpeg] [--store-core]
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=160)
     ap.add_argument("--shard-size", type=int, default=50, help="samples per shard (many shards per worker); 0: the default")
     ap.add_argument("--encoding", choices=("raw", "jpeg"), default="raw", help="the samples' encoding (--encoding of datapipe build)")
+    ap.add_argument("--store-core", action="store_true",
+                    help="pin moto's server to the last core and the workers and this client to the others (both sides)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -85,6 +90,13 @@ def main() -> None:
             spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size or None, encoding=args.encoding)
             moto = psutil.Process(s3._proc.pid)  # type: ignore[union-attr]
             workers = [p for p in psutil.Process().children(recursive=True) if p.pid != moto.pid]
+            if args.store_core:
+                cores = sorted(psutil.Process().cpu_affinity() or [])
+                if len(cores) <= args.workers:
+                    sys.exit(f"--store-core needs more cores than --workers ({args.workers}); this process may use {cores}")
+                moto.cpu_affinity(cores[-1:])
+                for p in [*workers, psutil.Process()]:
+                    p.cpu_affinity(cores[:-1])
             where = datapipe.Cluster(scheduler=cluster.scheduler_address)
             for r in range(args.rounds):
                 for side in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
@@ -107,7 +119,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     local, store = statistics.median(rates["local"]), statistics.median(rates["s3"])
     result = {"images": args.images, "workers": args.workers, "size": args.size, "shard_size": args.shard_size,
-              "encoding": args.encoding, "rounds": args.rounds,
+              "encoding": args.encoding, "rounds": args.rounds, "store_core": args.store_core,
               "local_img_s": local, "s3_img_s": store, "ratio": store / local, "all": rates, "cpu_seconds": cpu}
     moto_share = sum(c["moto"] for c in cpu["s3"]) / max(sum(sum(c.values()) for c in cpu["s3"]), 1e-9)
     print(f"local {local:,.0f} img/s, s3 (moto on loopback) {store:,.0f} img/s: {store / local:.0%} of local; "

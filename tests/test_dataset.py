@@ -47,6 +47,7 @@ def test_exactly_once_and_same_stream_for_any_workers(index_cache, reference, wo
     assert sizes[:-1] == [B] * (len(sizes) - 1), "no per-worker partial batches"
 
 
+@pytest.mark.lifecycle
 def test_the_dataset_pickles_small_and_reads_in_spawned_workers(index_cache, tmp_path_factory, reference):
     """What a DataLoader sends each worker does not grow with the dataset (no per-sample Python
     objects, no open maps), and workers started with spawn (macOS, Windows, CUDA users) read the

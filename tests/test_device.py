@@ -276,6 +276,7 @@ print("finished", tuple(images.shape))
 """
 
 
+@pytest.mark.lifecycle
 @pytest.mark.timeout(120)
 def test_a_script_may_end_while_readers_are_busy(index_cache):
     """Python ends daemon threads when they next take the GIL; torch takes it inside a noexcept
@@ -310,6 +311,7 @@ for epoch in range(1000):
 """
 
 
+@pytest.mark.lifecycle
 @pytest.mark.parametrize("kind", ["device", "dataloader"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_an_interrupted_training_script_ends_and_leaves_no_process(index_cache, kind, sig):

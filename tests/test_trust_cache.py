@@ -168,6 +168,7 @@ def test_manifest_that_is_a_fifo_is_refused_without_waiting(cache_dir):
         datapipe.open(cache_dir)
 
 
+@pytest.mark.lifecycle
 def test_cli_in_a_real_process_prints_one_line(cache_dir):
     edit_json(cache_dir / "manifest.json", _set(["shards", 1, "first"], 0))
     for command in ("info", "verify"):
