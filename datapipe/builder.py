@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -232,13 +233,39 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
                               build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
                               source_options=source_options, opened=upload.follow)
-        upload.finish(staging / SHARDS_DIR / name)
+        with _outside_the_pool(serial):
+            upload.finish(staging / SHARDS_DIR / name)
     except BaseException:
         upload.abort()
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return record
+
+
+# One shard per worker process may wait for the store outside the worker's thread pool (see _outside_the_pool):
+# at most one more shard's temporary files and upload buffers than the worker has threads.
+_WAITING_FOR_THE_STORE = threading.BoundedSemaphore(1)
+
+
+@contextlib.contextmanager
+def _outside_the_pool(serial: bool) -> Iterator[None]:
+    """Wait for a shard's last part, the completion of its upload and its zarr.json outside the Dask worker's
+    thread pool, so that the worker decodes its next shard meanwhile instead of waiting for the store (a
+    multipart upload of tens of MB takes the store a good part of a second to complete). The task still
+    returns only once the shard is whole in the store. Nothing changes for a serial build, or when another
+    shard of this process is already waiting."""
+    if serial or not _WAITING_FOR_THE_STORE.acquire(blocking=False):
+        yield
+        return
+    try:
+        from distributed import secede
+
+        with contextlib.suppress(ValueError):  # not a task of a Dask worker's thread pool
+            secede()
+        yield
+    finally:
+        _WAITING_FOR_THE_STORE.release()
 
 
 def _clear_remote_shard(loc: remote.Location, name: str, build_id: str) -> None:

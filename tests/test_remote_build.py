@@ -209,6 +209,31 @@ def test_a_shard_larger_than_a_part_is_streamed_in_parts_and_equals_the_local_bu
     assert remote.verify(remote.open_location(url, s3.storage_options)) == []
 
 
+
+@pytest.mark.distributed
+def test_a_worker_decodes_its_next_shard_while_the_store_completes_the_last_one(s3, big_source):
+    """One worker process with one thread: without leaving the thread pool while a shard's upload completes,
+    no two shard tasks could ever run at once there."""
+    from dask.distributed import Client, LocalCluster
+
+    url = s3.bucket() + "/cache"
+    spec = datapipe.BuildSpec(size=96, shard_size=4)  # 6 shards
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        client.get_task_stream()  # the scheduler records tasks from now on
+        report = datapipe.build(big_source, url, spec, cluster=datapipe.Cluster(scheduler=cluster.scheduler_address),
+                                progress=False, storage_options=s3.storage_options)
+        stream = [t for t in client.get_task_stream() if str(t["key"]).startswith("datapipe-shard-")]
+    assert report.shards_built == 6 and len(stream) == 6
+    spans = sorted((s["start"], s["stop"]) for t in stream for s in t["startstops"] if s["action"] == "compute")
+    assert len(spans) == 6
+    # by more than the scheduler's clock could blur (one thread's spans at most touch: [(0, 1.128), (1.128, 1.241), ...])
+    overlapping = sum(later[0] < earlier[1] - 0.01 for earlier, later in zip(spans, spans[1:], strict=False))
+    assert overlapping >= 1, spans
+    loc = remote.open_location(url, s3.storage_options)
+    assert remote.verify(loc) == [] and remote.read_manifest(loc).num_samples == 24
+
+
 def _uploads(s3, bucket: str) -> list:
     return s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
 
