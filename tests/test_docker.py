@@ -414,7 +414,7 @@ def test_docker_compose_config_accepts_the_file():
 
 def test_dockerfile_copies_sources_that_exist_and_installs_the_project():
     context = build_context()
-    ignored = [line.strip() for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")]
     workdir, copied, installed = "/", {}, False
     instructions = dockerfile_instructions()
@@ -430,7 +430,7 @@ def test_dockerfile_copies_sources_that_exist_and_installs_the_project():
             for src in sources:
                 assert (context / src).exists(), f"{keyword} {src}: no such file in the build context {context}"
                 assert not any(fnmatch.fnmatch(src, pattern.lstrip("/")) for pattern in ignored), (
-                    f"{keyword} {src}: excluded by Dockerfile.dockerignore")
+                    f"{keyword} {src}: excluded by .dockerignore")
                 target = dest if dest.startswith("/") else f"{workdir.rstrip('/')}/{dest}"
                 if dest.endswith("/") or dest in (".", "./") or len(sources) > 1:
                     target = f"{target.rstrip('/').removesuffix('/.')}/{Path(src).name}"
