@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -242,3 +243,16 @@ def test_a_missing_also_cache_is_one_line_before_anything_runs(formats, tmp_path
     assert cli.main(["bench", str(formats["raw-crop"]), "--also", str(tmp_path / "nope"), "--quiet"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "nope" in line and "does not exist" in line
+
+
+def test_cpu_seconds_counts_a_pass_shorter_than_a_clock_tick():
+    """A fast loader's short pass takes a few ms of CPU: counted in /proc's ticks of 10 ms it read 0.0
+    (or 0.01), and cpu_s_per_image with it."""
+    from datapipe.bench.timing import cpu_seconds
+
+    before = cpu_seconds()
+    start = time.process_time()
+    while time.process_time() - start < 0.002:
+        pass
+    used = cpu_seconds() - before
+    assert 0.002 <= used < 0.009, used
