@@ -318,10 +318,10 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
         (side, side, 3), np.uint8)
     message = SERIAL_TIMEOUT if serial else WORKER_TIMEOUT
     watchdog = Watchdog(lambda path, timeout: message.format(path=shown(path), timeout=timeout), 2 if serial else 70)
-    # One intra-op thread: the workers already run one task per core, and torch's resize (the fallback of
-    # the compiled kernel) would otherwise start threads per image.
+    # One intra-op thread where torch resizes (the fallback of the compiled kernel): the workers already run
+    # one task per core, and torch would otherwise start threads per image.
     with ShardWriter(final, size=side, layout=layout, encoding=encoding, quality=quality) as writer, \
-            _no_cyclic_gc(), torch_threads(1), watchdog:
+            _no_cyclic_gc(), torch_threads(1) if _resize_by_torch() else contextlib.nullcontext(), watchdog:
         if opened is not None:
             data = images_path(writer.tmp_dir, layout)
             opened(data, data.relative_to(writer.tmp_dir).as_posix())
@@ -706,12 +706,22 @@ WORKER_ENV = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_"
 _warmed = False
 
 
+def _resize_by_torch() -> bool:
+    """Whether this process resizes with torch's kernel: only where the compiled one is not available.
+    Otherwise a build never imports torch (a worker saves its seconds of import and ~200 MB)."""
+    from . import native
+
+    return not native.available()
+
+
 def _warm_up() -> None:
     """Import and load everything decoding needs, once per process, so that the first file is timed
     like any other (on a busy machine these one-time costs take seconds)."""
     global _warmed
-    import torch  # noqa: F401
     import zarr  # noqa: F401
+
+    if _resize_by_torch():
+        import torch  # noqa: F401
 
     if not _warmed:
         warm_up()

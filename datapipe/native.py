@@ -40,11 +40,14 @@ import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .errors import MappedReadError
+
+if TYPE_CHECKING:  # torch is imported by the loader's callers, never here: a build's workers only resize
+    import torch
 
 ABI = 4  # must match DATAPIPE_NATIVE_ABI in _native.c
 
@@ -128,6 +131,8 @@ class Converter:
     """
 
     def __init__(self, lib: ctypes.CDLL, mean: Sequence[float], std: Sequence[float]) -> None:
+        import torch
+
         self._fn = lib.datapipe_u8_to_f32_guarded
         self._params = torch.tensor(scale_shift(mean, std), dtype=torch.float32)  # [2, 3], kept alive with self
         self._scale = self._params.data_ptr()
@@ -139,6 +144,8 @@ class Converter:
         return self._scale, self._shift
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, flip: bool, stream: bool = False) -> None:
+        import torch
+
         h, w, c = src.shape
         rs, ps, cs = src.stride()
         if src.dtype != torch.uint8 or c != 3 or ps != 3 or cs != 1 or src.device.type != "cpu":
@@ -150,6 +157,8 @@ class Converter:
     @staticmethod
     def destination(out: torch.Tensor, h: int, w: int) -> tuple[int, int, int]:
         """(address of sample 0, bytes from one sample to the next, planar) of a float32 [B, 3, h, w] batch."""
+        import torch
+
         if out.dtype != torch.float32 or tuple(out.shape[1:]) != (3, h, w) or out.device.type != "cpu":
             raise ValueError(f"expected a float32 [B, 3, {h}, {w}] destination, got {tuple(out.shape)} {out.dtype}")
         _, c, y, x = out.stride()
@@ -200,20 +209,20 @@ class Resizer:
         self._fn = lib.datapipe_resize_rgb_guarded
         self._local = threading.local()
 
-    def _workspace(self, nbytes: int) -> torch.Tensor:
+    def _workspace(self, nbytes: int) -> np.ndarray:
         ws = getattr(self._local, "ws", None)
-        if ws is None or ws.numel() < nbytes:
-            ws = self._local.ws = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        if ws is None or ws.size < nbytes:
+            ws = self._local.ws = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
         return ws
 
     def raw(self, src: int, in_h: int, in_w: int, src_row: int, dst: int, out_h: int, out_w: int,
             dst_row: int) -> None:
         """Unchecked call with addresses, for loops that checked their arrays."""
         ws = self._workspace(0)
-        need = _check_read(self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel()))
+        need = _check_read(self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.ctypes.data, ws.size))
         if need:
             ws = self._workspace(need)
-            _check_read(self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.data_ptr(), ws.numel()))
+            _check_read(self._fn(src, in_h, in_w, src_row, dst, out_h, out_w, dst_row, ws.ctypes.data, ws.size))
 
 
 @lru_cache(maxsize=1)
@@ -223,13 +232,15 @@ def resizer() -> Resizer | None:
     return None if lib is None else Resizer(lib)
 
 
-def _layout(a: np.ndarray | torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], bool]:
-    """(address, shape, strides in bytes, uint8 on the CPU) of a numpy array or a torch tensor."""
-    if isinstance(a, torch.Tensor):
-        ok = a.dtype == torch.uint8 and a.device.type == "cpu"
-        return a.data_ptr(), tuple(a.shape), a.stride(), ok
-    info = a.__array_interface__
-    return info["data"][0], a.shape, a.strides, a.dtype == "uint8"
+def _layout(a: np.ndarray | torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], bool, bool]:
+    """(address, shape, strides in bytes, uint8 on the CPU, writable) of a numpy array or a torch tensor."""
+    if isinstance(a, np.ndarray):
+        info = a.__array_interface__
+        return info["data"][0], a.shape, a.strides, a.dtype == "uint8", bool(a.flags.writeable)
+    import torch  # a tensor: torch is imported already
+
+    ok = a.dtype == torch.uint8 and a.device.type == "cpu"
+    return a.data_ptr(), tuple(a.shape), a.stride(), ok, True
 
 
 def resize(src: np.ndarray | torch.Tensor, out: np.ndarray | torch.Tensor) -> bool:
@@ -241,8 +252,8 @@ def resize(src: np.ndarray | torch.Tensor, out: np.ndarray | torch.Tensor) -> bo
     r = resizer()
     if r is None:
         return False
-    (sp, sshape, sst, sok), (dp, dshape, dst, dok) = _layout(src), _layout(out)
-    dok = dok and (isinstance(out, torch.Tensor) or out.flags.writeable)
+    (sp, sshape, sst, sok, _), (dp, dshape, dst, dok, writable) = _layout(src), _layout(out)
+    dok = dok and writable
     for name, shape, st, ok in (("src", sshape, sst, sok), ("out", dshape, dst, dok)):
         if not ok or len(shape) != 3 or shape[2] != 3 or st[1:] != (3, 1) or st[0] < 3 * shape[1] or min(shape) < 1:
             raise ValueError(f"resize: {name} must be {'writable ' if name == 'out' else ''}uint8 [H, W, 3] with "

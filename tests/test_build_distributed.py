@@ -22,6 +22,7 @@ import pytest
 from build_fixtures import build_log
 
 import datapipe
+from datapipe import native
 from datapipe.errors import CacheError
 
 pytestmark = pytest.mark.distributed
@@ -278,6 +279,13 @@ def test_external_cluster_equals_serial(dist_source, serial, external_cluster, t
     assert report.shards_built == report.shards_total
     assert_same_cache(out, serial[1], imaging)
     assert temps(out) == []
+    # Where the compiled resize kernel is built, the workers decoded and resized without importing torch
+    # (its import takes seconds and ~200 MB in every worker); torch's kernel is only the fallback.
+    from distributed import Client
+
+    with Client(address, timeout="30s") as client:
+        imported = client.run(lambda: "torch" in sys.modules)
+    assert set(imported.values()) == {not native.available()}, imported
     # and a rerun through the cluster is a no-op
     again = datapipe.build(dist_source, out, **quiet(scheduler=address))
     assert again.shards_built == 0 and again.shards_skipped == again.shards_total
