@@ -15,6 +15,7 @@ of killing the test run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -66,8 +67,7 @@ def explain(done: subprocess.CompletedProcess) -> str:
 MAPPED_FILE = """
 import os, sys, threading
 import numpy as np
-import torch
-from datapipe import native
+from datapipe import native  # numpy's arrays alone: torch is imported only by the cases that use it
 from datapipe.errors import MappedReadError
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -149,6 +149,7 @@ def test_a_guarded_gather_of_spans_copies_samples_of_their_own_sizes_and_faults_
 @needs_guard
 def test_the_guarded_resize_and_conversion_fault_as_errors_and_read_the_same_pixels(tmp_path):
     code = MAPPED_FILE + textwrap.dedent("""
+    import torch
     import torch.nn.functional as F
     m, data = mapped_file(sys.argv[1], 256)  # 1 MiB: a 512 x 512 RGB image
     img = torch.from_numpy(m.array()[: 512 * 512 * 3].reshape(512, 512, 3))
@@ -220,6 +221,8 @@ def test_a_fault_outside_a_guarded_source_still_kills_with_sigbus(tmp_path, wher
     """Only faults in the range a guarded call declared are caught: a truncated map written to, or read
     by numpy or torch outside the guard, still ends the process with SIGBUS (the guard is armed)."""
     code = MAPPED_FILE + textwrap.dedent("""
+    if sys.argv[2] == "unguarded-torch-view":
+        import torch
     good, _ = mapped_file(sys.argv[1] + ".good", 4)
     bad, _ = mapped_file(sys.argv[1], 4)
     os.truncate(sys.argv[1], 0)
@@ -318,96 +321,117 @@ def test_a_sigbus_sent_to_the_process_reaches_its_python_handler(tmp_path, order
 # ----------------------------------------------------------------------------- through the cache
 
 READER = """
-import os, sys
+import json, os, sys
 from pathlib import Path
 import numpy as np, torch
 import datapipe
+import datapipe.cache as cache_module
 from datapipe import augment, native
 from datapipe.errors import DatapipeError
 from datapipe.shards import images_path
 from datapipe.testing import index_map, index_of
 
-cache_dir, mode, when = sys.argv[1], sys.argv[2], sys.argv[3]
+caches, when, modes = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 DAMAGED = 3  # shard 000003.zarr: samples 21..27
-data = images_path(Path(cache_dir) / "shards" / "000003.zarr")
-ids = index_map(cache_dir)
-ds = datapipe.StreamingDataset(cache_dir, batch_size=4, seed=1, return_index=True)
-state = {"damaged": False}
+REAL = native.gather, cache_module._pread_full
+KEEP = []  # a DataLoader iterator that met the error: its workers end with this process, not at its collection
 
 
-def damage():
-    if not state["damaged"]:
-        os.truncate(data, 0)
-        state["damaged"] = True
+def read(mode):
+    cache_dir = caches / mode  # a private copy per mode
+    data = images_path(cache_dir / "shards" / "000003.zarr")
+    ids = index_map(cache_dir)
+    ds = datapipe.StreamingDataset(cache_dir, batch_size=4, seed=1, return_index=True)
+    state = {"damaged": False}
 
+    def damage():
+        if not state["damaged"]:
+            os.truncate(data, 0)
+            state["damaged"] = True
 
-if when == "inside":
-    # The file shrinks after the checks, right before the read itself, so the read faults (mapped)
-    # or comes up short (positioned reads): views handed out, then damaged before the preset crops
-    # them; the damaged shard's map, or its descriptor, damaged just before it is copied from.
-    import datapipe.cache as cache_module
-    cache = ds.cache
-    real_views, real_gather, real_pread = cache.sample_views, native.gather, cache_module._pread_full
+    if when == "inside":
+        # The file shrinks after the checks, right before the read itself, so the read faults (mapped)
+        # or comes up short (positioned reads): views handed out, then damaged before the preset crops
+        # them; the damaged shard's map, or its descriptor, damaged just before it is copied from.
+        cache = ds.cache
+        real_views = cache.sample_views
+        real_gather, real_pread = REAL
 
-    def sample_views(indices, *args, **kwargs):
-        views = real_views(indices, *args, **kwargs)
-        if np.any((np.asarray(indices) >= 21) & (np.asarray(indices) < 28)):
-            damage()
-        return views
+        def sample_views(indices, *args, **kwargs):
+            views = real_views(indices, *args, **kwargs)
+            if np.any((np.asarray(indices) >= 21) & (np.asarray(indices) < 28)):
+                damage()
+            return views
 
-    def gather(dst, mapping, offsets, nbytes):
-        if cache._map_ranges.get(DAMAGED, (0,))[0] == mapping.address:
-            damage()
-        return real_gather(dst, mapping, offsets, nbytes)
+        def gather(dst, mapping, offsets, nbytes):
+            if cache._map_ranges.get(DAMAGED, (0,))[0] == mapping.address:
+                damage()
+            return real_gather(dst, mapping, offsets, nbytes)
 
-    def pread_full(fd, buf, offset):
-        entry = cache._files._open.get(DAMAGED)
-        if entry is not None and entry.fd == fd:
-            damage()
-        return real_pread(fd, buf, offset)
+        def pread_full(fd, buf, offset):
+            entry = cache._files._open.get(DAMAGED)
+            if entry is not None and entry.fd == fd:
+                damage()
+            return real_pread(fd, buf, offset)
 
-    cache.sample_views, native.gather, cache_module._pread_full = sample_views, gather, pread_full
+        cache.sample_views, native.gather, cache_module._pread_full = sample_views, gather, pread_full
 
-workers = 1 if when == "inside" else 2  # one reader thread: the damage and the read in one order
-if mode == "uint8":
-    loader = datapipe.DeviceLoader(ds, device="cpu", output="uint8", num_workers=workers, prefetch=1)
-elif mode in ("train", "eval"):
-    preset = augment.train(24) if mode == "train" else augment.eval(24)
-    loader = datapipe.DeviceLoader(ds, device="cpu", augment=preset, num_workers=workers, prefetch=1)
-else:
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=1)
-try:
+    workers = 1 if when == "inside" else 2  # one reader thread: the damage and the read in one order
+    if mode == "uint8":
+        loader = datapipe.DeviceLoader(ds, device="cpu", output="uint8", num_workers=workers, prefetch=1)
+    elif mode in ("train", "eval"):
+        preset = augment.train(24) if mode == "train" else augment.eval(24)
+        loader = datapipe.DeviceLoader(ds, device="cpu", augment=preset, num_workers=workers, prefetch=1)
+    else:
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=1)
     for epoch in range(4):
         ds.set_epoch(epoch) if mode == "dataloader" else loader.set_epoch(epoch)
-        for batch, (images, labels, index) in enumerate(loader):
+        batches = iter(loader)
+        KEEP.append(batches)
+        for batch, (images, labels, index) in enumerate(batches):
             i = index.numpy()
             assert np.array_equal(labels.numpy(), ids[i] % 3)
             if mode in ("uint8", "dataloader"):  # every image is the sample its index names
                 assert np.array_equal(index_of(images.numpy()), ids[i])
             if when == "between" and batch == 1:
                 damage()
-except DatapipeError as exc:
-    print("ERROR", type(exc).__name__, str(exc), flush=True)
-    print("caught", native.guard_faults(), flush=True)
-    sys.exit(3)
-print("DONE", flush=True)
+        KEEP.pop()
+
+
+for mode in modes:  # one process reads every mode, each from its own copy, its error reported on one line
+    faults = native.guard_faults()
+    try:
+        read(mode)
+        result = {"mode": mode, "error": None}
+    except DatapipeError as exc:
+        result = {"mode": mode, "error": type(exc).__name__, "message": str(exc)}
+    finally:
+        native.gather, cache_module._pread_full = REAL
+    result["caught"] = native.guard_faults() - faults
+    print(json.dumps(result), flush=True)
 """
+MODES = ("uint8", "train", "eval", "dataloader")  # the DataLoader last: its iterator's workers end with the process
 
 
 @pytest.mark.parametrize("native_on", [True, False], ids=["mapped", "DATAPIPE_NATIVE=0"])
 @pytest.mark.parametrize("when", ["inside", "between"])
-@pytest.mark.parametrize("mode", ["uint8", "train", "eval", "dataloader"])
-def test_a_shard_truncated_under_a_running_reader_is_the_error_naming_it(cache_dir, mode, when, native_on):
+def test_a_shard_truncated_under_a_running_reader_is_the_error_naming_it(built, tmp_path, when, native_on):
+    """Every read path, in one child process per case: the uint8 gather, the train and eval presets, and
+    DataLoader worker processes."""
     if native_on and not native.guard_available():
         pytest.skip(f"no SIGBUS guard: {native.describe()}")
-    done = run_child(READER, str(cache_dir), mode, when, native_on=native_on)
-    assert done.returncode == 3, explain(done)  # not -7 (SIGBUS), 135, or an AssertionError (1)
-    line = done.stdout.splitlines()[0]  # a DataLoader worker's error comes wrapped over several lines
-    assert line.startswith("ERROR CorruptShardError") and "000003.zarr" in done.stdout, explain(done)
-    if native_on and when == "inside" and mode in ("uint8", "train", "eval"):  # the read itself faulted
-        assert "ends early" in line and int(done.stdout.split("caught")[1]) == 1, explain(done)
-    if not native_on or mode == "dataloader":
-        assert "caught 0" in done.stdout, explain(done)  # no fault in this process
+    for mode in MODES:
+        shutil.copytree(built, tmp_path / mode)
+    done = run_child(READER, str(tmp_path), when, *MODES, native_on=native_on)
+    assert done.returncode == 0, explain(done)  # not -7 (SIGBUS), 135, or an AssertionError (1)
+    results = {r["mode"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert list(results) == list(MODES), explain(done)
+    for mode, result in results.items():
+        assert result["error"] == "CorruptShardError" and "000003.zarr" in result["message"], (mode, explain(done))
+        if native_on and when == "inside" and mode in ("uint8", "train", "eval"):  # the read itself faulted
+            assert "ends early" in result["message"].splitlines()[0] and result["caught"] == 1, (mode, explain(done))
+        if not native_on or mode == "dataloader":
+            assert result["caught"] == 0, (mode, explain(done))  # no fault in this process
 
 
 @needs_guard
