@@ -59,15 +59,19 @@ def cpu_seconds() -> float:
     (its reader threads) come from its CPU clock, to the microsecond: /proc, which psutil reads, counts in
     ticks of 10 ms, more than a short pass of a fast loader takes (it read 0.0). Live children are only
     known in ticks."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + _live_children_cpu() + kids.ru_utime + kids.ru_stime
+
+
+def _live_children_cpu() -> float:
+    """CPU seconds of this process's live descendants (worker processes), in /proc's ticks."""
     import psutil
 
-    me = psutil.Process()
-    total = time.process_time()
-    for child in me.children(recursive=True):
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):  # exited meanwhile
             total += sum(child.cpu_times()[:2])
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return total + kids.ru_utime + kids.ru_stime
+    return total
 
 
 def settle(timeout: float = 10.0) -> None:
@@ -75,19 +79,10 @@ def settle(timeout: float = 10.0) -> None:
     timed while another one's teardown still uses the cores."""
     import gc
 
-    import psutil
-
-    def children_cpu() -> float:
-        total = 0.0
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):  # exited meanwhile
-                total += sum(child.cpu_times()[:2])
-        return total
-
     gc.collect()
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:  # helpers that stay (a resource tracker) idle: no wait
-        before = children_cpu()
+        before = _live_children_cpu()
         time.sleep(0.1)
-        if children_cpu() - before < 0.01:
+        if _live_children_cpu() - before < 0.01:
             return
