@@ -154,13 +154,28 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None) -> Lo
     return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
 
 
+# The packages of object-store clients, whose own exceptions derive from none of OSError, ValueError or
+# RuntimeError (botocore's EndpointConnectionError and NoCredentialsError, aiohttp's, google-auth's, azure's).
+CLIENT_PACKAGES = frozenset({"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcsfs", "google", "adlfs",
+                             "azure", "urllib3", "requests"})
+
+
+def store_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the object store's (or its client's) failure, not datapipe's own error or defect."""
+    if isinstance(exc, DatapipeError):  # says what to do already
+        return False
+    if isinstance(exc, OSError | ValueError | RuntimeError):  # what fsspec filesystems raise
+        return True
+    return any(c.__module__.split(".")[0] in CLIENT_PACKAGES for c in type(exc).__mro__)
+
+
 @contextlib.contextmanager
 def store_errors(loc: Location, what: str, error: type[Exception] = OutputError) -> Iterator[None]:
     """Errors of the object store (no such bucket, no permission, no connection) as one line naming the URL."""
     try:
         yield
-    except (OSError, ValueError, RuntimeError) as exc:
-        if isinstance(exc, DatapipeError):  # says what to do already
+    except Exception as exc:
+        if not store_failure(exc):
             raise
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
         raise error(f"{loc.url}: cannot {what} ({type(exc).__name__}: {reason}); check the URL, the credentials "
@@ -624,7 +639,8 @@ def verify(loc: Location, manifest: Manifest | None = None) -> list[str]:
         objects = listing(loc)
     for rec in manifest.files.values():
         problems += _check_object(loc, objects, rec.name, None, rec.crc32c)
-    records = shard_records(loc, objects, [s.name for s in manifest.shards])
+    with store_errors(loc, "read the shards' records", CacheError):
+        records = shard_records(loc, objects, [s.name for s in manifest.shards])
     for shard in manifest.shards:
         base = f"{SHARDS_DIR}/{shard.name}"
         record = records.get(shard.name)
@@ -654,8 +670,10 @@ def _check_object(loc: Location, objects: dict[str, int], key: str, size: int | 
         return [f"{what}{url} is {objects[key]:,} bytes, the manifest says {size:,}"]
     try:
         _, got = stream_crc32c(loc, key)
-    except OSError as exc:
-        return [f"{what}{url} cannot be read: {exc}"]
+    except Exception as exc:
+        if not store_failure(exc):
+            raise
+        return [f"{what}{url} cannot be read: {' '.join(str(exc).split())[:300] or type(exc).__name__}"]
     return [] if got == crc else [f"{what}{url}: checksum {got} differs from the manifest's {crc}"]
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from build_fixtures import SIZE, build
+from PIL import Image
 from s3_server import MISSING, REASON, free_port
 
 import datapipe
@@ -81,6 +82,43 @@ def test_storage_option_conflicts_are_refused():
 def test_cli_storage_option_error_names_the_flag(tmp_path):
     proc = cli("build", str(tmp_path), "s3://bucket/x", "--storage-option", "oops", env={})
     assert proc.returncode == 2 and "--storage-option" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# A store nothing answers at, and no credentials: each command's one line names the URL and the client's reason
+# (the clients' own exceptions, botocore's EndpointConnectionError and NoCredentialsError, are no OSError).
+UNREACHABLE = [
+    ("build-into", ["build", "{images}", "s3://bucket/cache", "--size", "16", "--scheduler", "sync"], "cannot list the output"),
+    ("build-from", ["build", "s3://bucket/images", "{out}", "--size", "16", "--scheduler", "sync"], "cannot list the source"),
+    ("info", ["info", "s3://bucket/cache"], "cannot read the manifest"),
+    ("verify", ["verify", "s3://bucket/cache"], "cannot read the manifest"),
+]
+
+
+@pytest.mark.parametrize("args, says", [case[1:] for case in UNREACHABLE], ids=[case[0] for case in UNREACHABLE])
+def test_a_store_nothing_answers_at_is_one_line_naming_the_url(tmp_path, args, says):
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    Image.new("RGB", (24, 24), (200, 30, 30)).save(tmp_path / "images" / "a" / "one.jpg")
+    argv = [a.format(images=tmp_path / "images", out=tmp_path / "out") for a in args]
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proc = cli(*argv, "--storage-option", f"endpoint_url={endpoint}", "--storage-option",
+               'config_kwargs.retries={"max_attempts": 1}', env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"datapipe {argv[0]}: error: s3://bucket/") and says in lines[0], lines[0]
+    assert "EndpointConnectionError" in lines[0] and endpoint in lines[0], lines[0]
+
+
+def test_missing_credentials_are_one_line_naming_the_url(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true", AWS_DEFAULT_REGION="us-east-1")
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "info", "s3://bucket/cache", "--storage-option",
+                           f"endpoint_url=http://127.0.0.1:{free_port()}"], capture_output=True, text=True, env=env,
+                          timeout=240)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("datapipe info: error: s3://bucket/cache: cannot read the manifest"), lines[0]
+    assert "NoCredentialsError" in lines[0] and "credentials" in lines[0], lines[0]
 
 
 def test_urls_and_paths_are_told_apart():
