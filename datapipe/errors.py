@@ -6,6 +6,12 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line of at most ``limit`` characters (its type's name when it has none),
+    for an error that quotes what a library raised."""
+    return (" ".join(str(exc).split()) or type(exc).__name__)[:limit]
+
+
 class DatapipeError(Exception):
     """Base class of every error raised by datapipe."""
 

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from .cache import LOCAL_CACHE_MARKER, Cache
-from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError
+from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError, one_line
 from .files import atomic_write_text, crc32c_range, file_crc32c, make_dirs
 from .records import MANIFEST, Manifest, parse_json, parse_manifest
 from .shards import SHARDS_DIR, images_path, index_path
@@ -370,7 +370,7 @@ class ShardFetcher:
         except DatapipeError:
             raise
         except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
-            raise RemoteStoreError(f"{self.url}/{name} cannot be read: {_one_line(exc)}; check the URL, the "
+            raise RemoteStoreError(f"{self.url}/{name} cannot be read: {one_line(exc)}; check the URL, the "
                                    "credentials (storage_options) and that the store is up") from None
 
     # ----------------------------------------------------------------- paths and records
@@ -782,7 +782,7 @@ class ShardFetcher:
         except (FileNotFoundError, DatapipeError):
             raise
         except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
-            raise _Transient(_one_line(exc)) from None
+            raise _Transient(one_line(exc)) from None
 
     # ----------------------------------------------------------------- eviction
     def _make_room(self, need: int) -> None:
@@ -1240,11 +1240,6 @@ def _local_world_size() -> int:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:300]
 
 
 def _open_filesystem(url: str, storage_options: dict, timeout: float) -> tuple[Any, str]:

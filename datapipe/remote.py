@@ -34,6 +34,7 @@ from .errors import (
     OutputBusyError,
     OutputError,
     SourceError,
+    one_line,
 )
 from .files import crc32c
 from .records import (
@@ -177,8 +178,7 @@ def store_errors(loc: Location, what: str, error: type[Exception] = OutputError)
     except Exception as exc:
         if not store_failure(exc):
             raise
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise error(f"{loc.url}: cannot {what} ({type(exc).__name__}: {reason}); check the URL, the credentials "
+        raise error(f"{loc.url}: cannot {what} ({type(exc).__name__}: {one_line(exc)}); check the URL, the credentials "
                     "and the endpoint (--storage-option, AWS_* variables)") from None
 
 
@@ -673,7 +673,7 @@ def _check_object(loc: Location, objects: dict[str, int], key: str, size: int | 
     except Exception as exc:
         if not store_failure(exc):
             raise
-        return [f"{what}{url} cannot be read: {' '.join(str(exc).split())[:300] or type(exc).__name__}"]
+        return [f"{what}{url} cannot be read: {one_line(exc)}"]
     return [] if got == crc else [f"{what}{url}: checksum {got} differs from the manifest's {crc}"]
 
 
