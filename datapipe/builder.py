@@ -206,7 +206,7 @@ SERIAL_TIMEOUT = ("datapipe build: error: reading and decoding {path} did not fi
 def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str = "",
                 verify: bool = False, isolate: bool = False, serial: bool = False, encoding: samples.Encoding = "raw",
                 quality: int = samples.DEFAULT_QUALITY, source_options: dict | None = None,
-                output_options: dict | None = None) -> dict:
+                output_options: dict | None = None, store_timeout: float | None = None) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
     ``spec`` is the :class:`DecodeSpec`'s fields; ``encoding`` and ``quality`` say how samples are
@@ -219,13 +219,14 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     ``source_options`` (not None: ``root`` is a URL) and ``output_options`` (``output`` is a URL) are the
     storage options of a source or output in object storage: the files are then read as objects, and the
     shard is written into a local temporary folder and uploaded while it is written (its data object
-    streamed by a thread of this task, see :class:`datapipe.remote.ShardUpload`), its zarr.json last.
+    streamed by a thread of this task, see :class:`datapipe.remote.ShardUpload`), its zarr.json last;
+    ``store_timeout``: the deadline of each write per 8 MiB (the client's DATAPIPE_STORE_TIMEOUT).
     """
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
                             source_options=source_options)
-    loc = remote.open_location(output, output_options)
+    loc = remote.open_location(output, output_options, timeout=store_timeout)
     name = shard_name(plan["shard"])
     staging = Path(tempfile.mkdtemp(prefix="datapipe-shard-"))
     upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}", before=lambda: _clear_remote_shard(loc, name, build_id))
@@ -612,16 +613,15 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
                 remote.delete(loc, [mf.MANIFEST])  # a half-rebuilt cache must not read as finished
             kwargs = {"root": listing.location, "output": loc.url, "spec": asdict(spec.decode), "config_hash": chash,
                       "build_id": target.build_id, "encoding": spec.encoding, "quality": spec.quality,
-                      "output_options": loc.storage_options, **options}
-            return _build_todo(target, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
-                               max_bad_fraction=max_bad_fraction, t0=t0, t_scan=time.perf_counter() - t0,
-                               build_id=target.build_id)
+                      "output_options": loc.storage_options, "store_timeout": loc.timeout, **options}
+            report = _build_todo(target, listing, plans, done, kwargs, config, chash, cluster=cluster,
+                                 progress=progress, max_bad_fraction=max_bad_fraction, t0=t0,
+                                 t_scan=time.perf_counter() - t0, build_id=target.build_id)
     except BaseException:
-        with contextlib.suppress(Exception):
-            target.discard_if_untouched()
+        target.end(failed=True)
         raise
-    finally:
-        target.lock.release()
+    target.end(failed=False)
+    return report
 
 
 def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool) -> dict[int, dict]:
@@ -659,7 +659,7 @@ def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans: list[d
     with tempfile.TemporaryDirectory(prefix="datapipe-index-") as tmp:
         _write_index(Path(tmp), listing, plans, records, config, chash, build_id=build_id)
         for name in (mf.LABELS, mf.PATHS, mf.MANIFEST):
-            loc.fs.put_file(os.path.join(tmp, name), loc.path(name))
+            remote.put_file(loc, os.path.join(tmp, name), name)
 
 
 def _describe(spec: BuildSpec) -> str:

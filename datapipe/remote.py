@@ -33,6 +33,7 @@ from .errors import (
     MissingExtraError,
     OutputBusyError,
     OutputError,
+    RemoteStoreError,
     SourceError,
     one_line,
 )
@@ -58,6 +59,7 @@ INSTALL = 'pip install ".[remote]"'
 LOCK_OBJECT = ".datapipe.lock"
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
 MAX_DOC_BYTES = 256 << 20
+STORE_TIMEOUT = 60.0  # seconds the store may take for each 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
 SHARD_OBJECTS = frozenset({
     GROUP_META, "images/zarr.json", "labels/zarr.json", "index/zarr.json",
@@ -111,6 +113,7 @@ class Location:
     fs: Any
     root: str
     storage_options: dict[str, Any]
+    timeout: float = STORE_TIMEOUT  # seconds a write may take per PART_BYTES it sends (see write)
 
     def path(self, *keys: str) -> str:
         """The filesystem path of a key under the root (``keys`` joined with '/')."""
@@ -123,6 +126,66 @@ class Location:
         """The key of a filesystem path under the root."""
         return path[len(self.root):].lstrip("/")
 
+    def under(self, root: str) -> Location:
+        """The same store and options at another root path."""
+        return Location(self.url, self.fs, root, self.storage_options, self.timeout)
+
+    def write(self, method: str, *args: Any, nbytes: int = 0, what: str = "", deadline: float | None = None,
+              **kwargs: Any) -> Any:
+        """Call the filesystem's write ``method`` (``pipe_file``, ``pipe``, ``put_file``, s3fs's ``call_s3``)
+        under a deadline (default: ``timeout`` seconds per PART_BYTES of the ``nbytes`` it sends).
+
+        An S3 client has timeouts for connecting and for reading an answer, none for sending: a store
+        that stops reading in the middle of a request body (it keeps the connection open, its receive
+        window at zero) would hold the request without end. On an async filesystem (s3fs, gcsfs, adlfs)
+        the call runs on the filesystem's event loop and is cancelled at the deadline, which closes its
+        connection; a blocking filesystem (``file://``) is called as it is.
+
+        Raises:
+            RemoteStoreError: the deadline passed (the message names ``what``, or the URL).
+        """
+        fs = self.fs
+        if not (getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None):
+            return getattr(fs, method)(*args, **kwargs)
+        from fsspec.asyn import sync
+
+        if deadline is None:
+            deadline = self.timeout * max(1.0, nbytes / PART_BYTES)
+        try:
+            return sync(fs.loop, getattr(fs, f"_{method}"), *args, timeout=deadline, **kwargs)
+        except TimeoutError:  # fsspec's FSTimeoutError, or the client's own timeout surfacing as one
+            raise RemoteStoreError(f"{what or self.url}: the store did not take a write of {nbytes:,} bytes within "
+                                   f"{deadline:g} s (DATAPIPE_STORE_TIMEOUT: {self.timeout:g} s per 8 MiB sent); check "
+                                   "that it is up, then rerun to resume: finished shards are kept") from None
+
+
+CLEANUP_SECONDS = 10.0  # the most a best-effort cleanup after a failure may take (an abort, the lock's removal)
+
+
+def briefly(cleanup: Any, seconds: float = CLEANUP_SECONDS) -> None:
+    """Run a best-effort ``cleanup`` of the store for at most ``seconds``, its errors ignored: it runs in a daemon
+    thread, so a store that stopped answering (its reads are retried for minutes) does not hold the exit."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            cleanup()
+
+    thread = threading.Thread(target=run, daemon=True, name="datapipe-store-cleanup")
+    thread.start()
+    thread.join(seconds)
+
+
+def store_timeout() -> float:
+    """Seconds the store may take per 8 MiB a write sends: ``DATAPIPE_STORE_TIMEOUT`` (default 60)."""
+    text = os.environ.get("DATAPIPE_STORE_TIMEOUT", "")
+    try:
+        value = float(text) if text else STORE_TIMEOUT
+    except ValueError:
+        raise ArgumentError(f"DATAPIPE_STORE_TIMEOUT must be a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise ArgumentError(f"DATAPIPE_STORE_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return value
+
 
 def _fsspec() -> Any:
     try:
@@ -132,8 +195,9 @@ def _fsspec() -> Any:
     return fsspec
 
 
-def open_location(url: str, storage_options: dict[str, Any] | None = None) -> Location:
-    """Open the filesystem of ``url`` (fsspec's own configuration and environment apply, then ``storage_options``).
+def open_location(url: str, storage_options: dict[str, Any] | None = None, timeout: float | None = None) -> Location:
+    """Open the filesystem of ``url`` (fsspec's own configuration and environment apply, then ``storage_options``);
+    ``timeout``: the deadline of its writes per 8 MiB (default :func:`store_timeout`).
 
     Raises:
         MissingExtraError: fsspec, or the filesystem's package (s3fs, gcsfs, adlfs), is not installed.
@@ -152,7 +216,8 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None) -> Lo
     except TypeError as exc:
         raise ArgumentError(f"{url}: the {scheme}:// filesystem refuses the storage options ({exc}); "
                             "check --storage-option") from None
-    return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options)
+    return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options,
+                    timeout=store_timeout() if timeout is None else float(timeout))
 
 
 # The packages of object-store clients, whose own exceptions derive from none of OSError, ValueError or
@@ -226,7 +291,20 @@ def read_docs(loc: Location, keys: list[str]) -> dict[str, bytes]:
 
 def write_bytes(loc: Location, key: str, data: bytes) -> None:
     """One object, written whole by a single PUT: a reader sees the old object or the new one."""
-    loc.fs.pipe_file(loc.path(key), data)
+    loc.write("pipe_file", loc.path(key), data, nbytes=len(data), what=loc.url_of(key))
+
+
+def write_objects(loc: Location, objects: dict[str, bytes]) -> None:
+    """Several objects (key -> bytes) at once, each written whole (the filesystem sends them concurrently)."""
+    if objects:
+        first, *more = sorted(objects)
+        loc.write("pipe", {loc.path(k): v for k, v in objects.items()}, nbytes=sum(map(len, objects.values())),
+                  what=loc.url_of(first) + (f" (and {len(more)} more)" if more else ""))
+
+
+def put_file(loc: Location, local: str | os.PathLike[str], key: str) -> None:
+    """A local file as the object ``key``, written whole."""
+    loc.write("put_file", os.fspath(local), loc.path(key), nbytes=os.stat(local).st_size, what=loc.url_of(key))
 
 
 def write_doc(loc: Location, key: str, doc: Any) -> None:
@@ -283,7 +361,7 @@ class ShardUpload:
         self._opened.set()
 
     def _run(self) -> None:
-        remote_file = None
+        sink: _S3Parts | _BufferedObject | None = None
         try:
             if self._before is not None:
                 self._before()
@@ -299,17 +377,17 @@ class ShardUpload:
                 if not self.stream:
                     self._written.wait()
                     if not self._cancel.is_set() and os.fstat(local.fileno()).st_size:
-                        self.loc.fs.pipe_file(self.loc.path(self.key, rel), local.read())
+                        write_bytes(self.loc, f"{self.key}/{rel}", local.read())
                         self.sent = os.fstat(local.fileno()).st_size
                     return
+                sink = _S3Parts(self.loc, f"{self.key}/{rel}") if _is_s3(self.loc.fs) else \
+                    _BufferedObject(self.loc, f"{self.key}/{rel}", self.part)
                 while True:
                     done = self._written.is_set()
                     size = os.fstat(local.fileno()).st_size
                     while size - self.sent >= self.part or (done and size > self.sent):
                         chunk = os.pread(local.fileno(), min(self.part, size - self.sent), self.sent)
-                        if remote_file is None:
-                            remote_file = self.loc.fs.open(self.loc.path(self.key, rel), "wb", block_size=self.part)
-                        remote_file.write(chunk)
+                        sink.send(chunk, last=done and self.sent + len(chunk) == size)
                         self.sent += len(chunk)
                         if self._cancel.is_set():
                             return
@@ -317,16 +395,13 @@ class ShardUpload:
                         break
                     if self._cancel.wait(POLL_SECONDS):
                         return
-            if remote_file is not None:
-                remote_file.close()  # completes the upload: the object appears now, whole
-                remote_file = None
+            sink.complete()  # the object appears now, whole
+            sink = None
         except BaseException as exc:  # noqa: BLE001 - handed to the task by finish()
             self._error = exc
         finally:
-            if remote_file is not None:
-                with contextlib.suppress(Exception):
-                    remote_file.discard()  # an S3 multipart upload is aborted: no object appears
-                remote_file.closed = True  # never completed by close() when it is collected
+            if sink is not None:
+                sink.abort()  # an S3 multipart upload is aborted: no object appears
 
     def finish(self, folder: Path) -> list[str]:
         """The shard is written (renamed to ``folder``): upload the rest of its data and, meanwhile, its other
@@ -334,11 +409,10 @@ class ShardUpload:
         self._written.set()  # the upload thread sends the data's last part
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         data = self._source[1] if self._source is not None else None
-        rest = {self.loc.path(self.key, p.relative_to(folder).as_posix()): p.read_bytes() for p in files
+        rest = {f"{self.key}/{p.relative_to(folder).as_posix()}": p.read_bytes() for p in files
                 if p.relative_to(folder).as_posix() not in (data, GROUP_META)}
         try:
-            if rest:
-                self.loc.fs.pipe(rest)
+            write_objects(self.loc, rest)
         finally:
             self._thread.join()
         if self._error is not None:
@@ -346,7 +420,7 @@ class ShardUpload:
         if data is not None and (folder / data).is_file() and self.sent != (folder / data).stat().st_size:
             raise OSError(f"{self.loc.url_of(self.key, data)}: {self.sent:,} bytes uploaded of "
                           f"{(folder / data).stat().st_size:,}")
-        keys = [self.loc.key_of(p) for p in rest] + ([f"{self.key}/{data}"] if self.sent else [])
+        keys = [*rest, *([f"{self.key}/{data}"] if self.sent else [])]
         if (folder / GROUP_META).is_file():
             write_bytes(self.loc, f"{self.key}/{GROUP_META}", (folder / GROUP_META).read_bytes())
             keys.append(f"{self.key}/{GROUP_META}")
@@ -357,6 +431,83 @@ class ShardUpload:
         self._cancel.set()
         self._written.set()
         self._thread.join()
+
+
+def _is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's (its multipart upload is driven here, part by part, under deadlines)."""
+    return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
+
+
+class _S3Parts:
+    """One object sent as an S3 multipart upload, a part per :meth:`send`, each request under the location's
+    deadline (see :meth:`Location.write`); an object that is one part is sent by a single PUT. The requests
+    are s3fs's own (its extra request arguments apply), so the object is what ``fs.open(path, "wb")`` writes."""
+
+    def __init__(self, loc: Location, key: str) -> None:
+        self.loc = loc
+        self.key = key
+        self.url = loc.url_of(key)
+        self.bucket, self.object_key, _ = loc.fs.split_path(loc.path(key))
+        self.upload_id: str | None = None
+        self.parts: list[dict[str, Any]] = []
+
+    def _call(self, method: str, nbytes: int = 0, **kwargs: Any) -> Any:
+        return self.loc.write("call_s3", method, nbytes=nbytes, what=f"{self.url} ({method})", Bucket=self.bucket,
+                              Key=self.object_key, **kwargs)
+
+    def send(self, chunk: bytes, *, last: bool) -> None:
+        if self.upload_id is None and last:
+            write_bytes(self.loc, self.key, chunk)
+            return
+        if self.upload_id is None:
+            self.upload_id = self._call("create_multipart_upload")["UploadId"]
+        number = len(self.parts) + 1
+        out = self._call("upload_part", nbytes=len(chunk), PartNumber=number, UploadId=self.upload_id, Body=chunk)
+        part = {"PartNumber": number, "ETag": out["ETag"]}
+        if "ChecksumSHA256" in out:
+            part["ChecksumSHA256"] = out["ChecksumSHA256"]
+        self.parts.append(part)
+
+    def complete(self) -> None:
+        if self.upload_id is not None:
+            self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts})
+            self.upload_id = None
+
+    def abort(self) -> None:
+        """Abandon the upload (best effort, briefly: a store that stopped answering does not hold the task)."""
+        upload_id, self.upload_id = self.upload_id, None
+        if upload_id is not None:
+            with contextlib.suppress(Exception):
+                self.loc.write("call_s3", "abort_multipart_upload", what=self.url, Bucket=self.bucket,
+                               Key=self.object_key, UploadId=upload_id, deadline=min(self.loc.timeout, CLEANUP_SECONDS))
+
+
+class _BufferedObject:
+    """One object sent through the filesystem's buffered file (gcsfs, adlfs: parts leave as they fill, the
+    object appears when the file is closed). These requests have the filesystem's own timeouts only."""
+
+    def __init__(self, loc: Location, key: str, part: int) -> None:
+        self.path = loc.path(key)
+        self.loc = loc
+        self.part = part
+        self.file: Any = None
+
+    def send(self, chunk: bytes, *, last: bool) -> None:
+        if self.file is None:
+            self.file = self.loc.fs.open(self.path, "wb", block_size=self.part)
+        self.file.write(chunk)
+
+    def complete(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def abort(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                self.file.discard()  # an unfinished upload is abandoned: no object appears
+            self.file.closed = True  # never completed by close() when it is collected
 
 
 def stream_crc32c(loc: Location, key: str, chunk: int = 8 << 20) -> tuple[int, str]:
@@ -505,14 +656,24 @@ class RemoteLock:
                 write_doc(self.loc, LOCK_OBJECT, self._doc())
 
     def release(self) -> None:
+        """Stop refreshing the lock and remove its object if it is still this build's (for at most
+        CLEANUP_SECONDS: a store that stopped answering leaves it, to be taken over once it is LOCK_TTL old)."""
+        self.stop()
+        briefly(self.remove)
+
+    def stop(self) -> None:
+        """Stop refreshing the lock (a write already under way ends with its deadline)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-            with contextlib.suppress(Exception):
-                held = read_doc(self.loc, LOCK_OBJECT)
-                if isinstance(held, dict) and held.get("token") == self.token:
-                    delete(self.loc, [LOCK_OBJECT])
+
+    def remove(self) -> None:
+        """Stop refreshing the lock, wait for the refreshing thread, then remove the lock object if it is this build's."""
+        self.stop()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+            held = read_doc(self.loc, LOCK_OBJECT)
+            if isinstance(held, dict) and held.get("token") == self.token:
+                delete(self.loc, [LOCK_OBJECT])
 
 
 # ----------------------------------------------------------------------------- owning a prefix
@@ -528,10 +689,19 @@ class RemoteOutput:
     objects: dict[str, int]
     created_marker: bool = False
 
-    def discard_if_untouched(self) -> None:
-        """After a failure before any shard was written: remove the build.json this run wrote."""
-        if self.created_marker and not any(k.startswith(f"{SHARDS_DIR}/") for k in listing(self.loc, SHARDS_DIR)):
-            delete(self.loc, [BUILD_LOCK])
+    def end(self, *, failed: bool) -> None:
+        """The build ended: after a failure before any shard was written, remove the build.json this run wrote;
+        then remove the lock. Best effort, for at most CLEANUP_SECONDS together (see :func:`briefly`)."""
+
+        def steps() -> None:
+            if failed and self.created_marker:
+                with contextlib.suppress(Exception):
+                    if not any(k.startswith(f"{SHARDS_DIR}/") for k in listing(self.loc, SHARDS_DIR)):
+                        delete(self.loc, [BUILD_LOCK])
+            self.lock.remove()
+
+        self.lock.stop()
+        briefly(steps)
 
 
 def _marker_doc(loc: Location, key: str) -> dict[str, Any] | None:
@@ -729,7 +899,7 @@ def _scan_csv(loc: Location) -> Any:
     folder = posixpath.dirname(loc.root)
     bucket = loc.root.split("/", 1)[0]
     scheme = loc.url.split("://", 1)[0]
-    beside = listing(Location(loc.url, loc.fs, folder, loc.storage_options))
+    beside = listing(loc.under(folder))
 
     def full(cell: str, lineno: int) -> str:
         path = cell.strip()
@@ -758,7 +928,7 @@ def _scan_csv(loc: Location) -> Any:
     rows = csv_rows(csv_text(data, loc.url), loc.url, lambda cell: posixpath.normpath(cell.strip()) in beside, full)
     keys = [key for key, _, _ in rows]
     root = posixpath.commonpath([folder, *(posixpath.dirname(k) for k in keys)]) if keys else folder
-    objects = beside if root == folder else listing(Location(loc.url, loc.fs, root, loc.storage_options))
+    objects = beside if root == folder else listing(loc.under(root))
     seen, dropped = csv_first_rows((key[len(root):].lstrip("/"), label) for key, label, _ in rows)
     names, paths, labels = csv_labels(seen)
     if not paths:

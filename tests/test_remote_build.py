@@ -476,3 +476,110 @@ def test_sigkill_of_a_dask_worker_mid_upload_is_retried_and_the_cache_is_whole(s
             p.wait()
     loc = remote.open_location(url, s3.storage_options)
     assert remote.verify(loc) == [] and remote.read_manifest(loc).num_samples == 24
+
+
+# ----------------------------------------------------------------------------- a store that freezes mid-write
+
+
+def _frozen_write(kind: str, loc: remote.Location, tmp_path: Path, nbytes: int, s3) -> None:
+    """Freeze the store (``s3.pause()``), then write ``nbytes`` in the way ``kind`` says."""
+    data = os.urandom(nbytes)
+    if kind != "shard_upload":
+        s3.pause()
+    if kind == "pipe_file":
+        remote.write_bytes(loc, "one", data)
+    elif kind == "pipe":
+        remote.write_objects(loc, {"one": data, "two": b"{}"})
+    elif kind == "put_file":
+        (tmp_path / "file").write_bytes(data)
+        remote.put_file(loc, tmp_path / "file", "one")
+    if kind != "shard_upload":
+        return
+    # a shard's data object streamed in parts while it is written: the store freezes after the first part
+    # (mid multipart upload), or, for a shard of one part, before its single PUT
+    folder = tmp_path / "000000.zarr"
+    file = folder / "images" / "c" / "0" / "0" / "0" / "0"
+    file.parent.mkdir(parents=True)
+    (folder / "zarr.json").write_text("{}")
+    half = len(data) // 2 if len(data) > 2 * remote.MIN_PART_BYTES else 0
+    file.write_bytes(data[:half])
+    upload = remote.ShardUpload(loc, "shards/000000.zarr", part_bytes=remote.MIN_PART_BYTES)
+    upload.follow(file, "images/c/0/0/0/0")
+    try:
+        if half:
+            bucket, key = loc.path("shards/000000.zarr/images/c/0/0/0/0").split("/", 1)
+            client = s3.client()
+
+            def first_part_stored() -> bool:
+                ups = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+                return any(u["Key"] == key and client.list_parts(Bucket=bucket, Key=key, UploadId=u["UploadId"])
+                           .get("Parts") for u in ups)
+
+            _wait_for(first_part_stored, "the first part", timeout=30)
+        s3.pause()
+        with open(file, "ab") as f:
+            f.write(data[half:])
+        upload.finish(folder)
+    except BaseException:
+        upload.abort()
+        raise
+
+
+@pytest.mark.parametrize("kind", ["pipe_file", "pipe", "put_file", "shard_upload"])
+@pytest.mark.parametrize("nbytes", [1000, 12 << 20], ids=["small", "12MiB"])
+def test_a_write_to_a_frozen_store_ends_at_its_deadline_naming_the_object(s3, tmp_path, kind, nbytes):
+    """A store that stops answering mid-request (SIGSTOP: the connection stays open, nothing is read) would hold
+    a write without end: the S3 client has no timeout for sending. Each write datapipe makes has a deadline
+    (1 s per 8 MiB here) and then raises RemoteStoreError naming the object; nothing half written appears."""
+    url = s3.bucket() + "/cache"
+    loc = remote.open_location(url, s3.storage_options, timeout=1.0)
+    remote.write_bytes(loc, "warm", b"{}")  # the client and its connection exist before the store freezes
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(datapipe.errors.RemoteStoreError, match=r"cache/(one|shards/000000\.zarr).*did not take a "
+                           r"write of .* within .*DATAPIPE_STORE_TIMEOUT.*finished shards are kept") as caught:
+            _frozen_write(kind, loc, tmp_path, nbytes, s3)
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+    assert "\n" not in str(caught.value)
+    # the deadline (1.5 s for 12 MiB), plus an aborted multipart upload's brief attempt (CLEANUP_SECONDS)
+    assert took < 1.5 + remote.CLEANUP_SECONDS + 5, took
+    assert set(s3.objects(url)) <= {"cache/warm", "cache/one", "cache/two"}  # no shard object, whole or in part
+    if "cache/one" in s3.objects(url):  # a single PUT the frozen store had read whole before it froze
+        assert s3.objects(url)["cache/one"]["Size"] == nbytes
+    remote.write_bytes(loc, "after", b"{}")  # the same client goes on once the store answers again
+
+
+def test_a_store_frozen_mid_upload_ends_the_build_with_one_line_and_the_rerun_resumes(s3, big_source):
+    """The build's workers stream a shard of 10 MiB in two parts; the store freezes while the multipart upload is
+    open. The build ends (instead of waiting for ever) with one line naming the object and what to do; the rerun,
+    once the store answers again, finishes the cache."""
+    url = s3.bucket() + "/cache"
+    bucket = url.removeprefix("s3://").split("/")[0]
+    args = ["build", str(big_source), url, "--size", "384", "--shard-size", "24", "--workers", "1", "--quiet",
+            "--storage-option", f"endpoint_url={s3.endpoint_url}"]
+    env = {**os.environ, **s3.env, "DATAPIPE_STORE_TIMEOUT": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    client = s3.client()
+    try:
+        _wait_for(lambda: client.list_multipart_uploads(Bucket=bucket).get("Uploads"), "a multipart upload")
+        s3.pause()
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("datapipe build: error: " + url), err
+    assert "DATAPIPE_STORE_TIMEOUT" in last and "rerun to resume" in last, last
+    assert took < 60, took  # the deadline, the workers' end and the lock's brief removal
+    assert "cache/manifest.json" not in s3.objects(url)
+    rerun = cli(*args, env=s3.env)
+    assert rerun.returncode == 0, rerun.stderr
+    loc = remote.open_location(url, s3.storage_options)
+    assert remote.verify(loc) == [] and remote.read_manifest(loc).num_samples == 24
