@@ -226,7 +226,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
                             source_options=source_options)
-    loc = remote.open_location(output, output_options, timeout=store_timeout)
+    loc = remote.open_location(output, output_options, timeout=store_timeout or remote.STORE_TIMEOUT)
     name = shard_name(plan["shard"])
     staging = Path(tempfile.mkdtemp(prefix="datapipe-shard-"))
     upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}", before=lambda: _clear_remote_shard(loc, name, build_id))
@@ -502,14 +502,15 @@ def build(
         raise ArgumentError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
     t0 = time.perf_counter()
     remote_source = remote.is_url(os.fspath(source))
+    store_timeout = remote.store_timeout() if remote.is_url(os.fspath(output)) else remote.STORE_TIMEOUT
     listing = remote.scan(os.fspath(source), storage_options) if remote_source else scan(source)
     config = spec.config(listing.kind)
     chash = mf.config_hash(config)
     options = {"source_options": dict(storage_options or {}) if remote_source else None}
     if remote.is_url(os.fspath(output)):
-        return _build_remote(remote.open_location(os.fspath(output), storage_options), listing, config, chash, spec,
-                             cluster=cluster, max_bad_fraction=max_bad_fraction, force=force, verify=verify,
-                             progress=progress, t0=t0, options=options)
+        loc = remote.open_location(os.fspath(output), storage_options, timeout=store_timeout)
+        return _build_remote(loc, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
+                             force=force, verify=verify, progress=progress, t0=t0, options=options)
     out = Path(output).expanduser().absolute()
     target = prepare(out, config, chash, listing.identity, force)
     try:

@@ -195,9 +195,9 @@ def _fsspec() -> Any:
     return fsspec
 
 
-def open_location(url: str, storage_options: dict[str, Any] | None = None, timeout: float | None = None) -> Location:
+def open_location(url: str, storage_options: dict[str, Any] | None = None, timeout: float = STORE_TIMEOUT) -> Location:
     """Open the filesystem of ``url`` (fsspec's own configuration and environment apply, then ``storage_options``);
-    ``timeout``: the deadline of its writes per 8 MiB (default :func:`store_timeout`).
+    ``timeout``: the deadline of its writes per 8 MiB (a build passes :func:`store_timeout`).
 
     Raises:
         MissingExtraError: fsspec, or the filesystem's package (s3fs, gcsfs, adlfs), is not installed.
@@ -217,7 +217,7 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None, timeo
         raise ArgumentError(f"{url}: the {scheme}:// filesystem refuses the storage options ({exc}); "
                             "check --storage-option") from None
     return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options,
-                    timeout=store_timeout() if timeout is None else float(timeout))
+                    timeout=float(timeout))
 
 
 # The packages of object-store clients, whose own exceptions derive from none of OSError, ValueError or

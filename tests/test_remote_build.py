@@ -583,3 +583,20 @@ def test_a_store_frozen_mid_upload_ends_the_build_with_one_line_and_the_rerun_re
     assert rerun.returncode == 0, rerun.stderr
     loc = remote.open_location(url, s3.storage_options)
     assert remote.verify(loc) == [] and remote.read_manifest(loc).num_samples == 24
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
+def test_a_bad_store_timeout_is_one_line_before_anything_is_read(tmp_path, value):
+    """DATAPIPE_STORE_TIMEOUT is checked before the source is scanned (the scan of a large bucket can take minutes)."""
+    run = cli("build", str(tmp_path / "no-such-source"), "s3://bucket/cache",
+              env={"DATAPIPE_STORE_TIMEOUT": value, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "DATAPIPE_STORE_TIMEOUT must be a positive number of seconds" in run.stderr or \
+        "DATAPIPE_STORE_TIMEOUT must be a number" in run.stderr, run.stderr
+
+
+def test_the_store_timeout_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DATAPIPE_STORE_TIMEOUT", raising=False)
+    assert remote.store_timeout() == remote.STORE_TIMEOUT == 60.0
+    monkeypatch.setenv("DATAPIPE_STORE_TIMEOUT", "2.5")
+    assert remote.store_timeout() == 2.5
