@@ -438,8 +438,6 @@ def _is_s3(fs: Any) -> bool:
     return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
 
 
-
-
 class _S3Parts:
     """One object sent as an S3 multipart upload, a part per :meth:`send`, each request under the location's
     deadline (see :meth:`Location.write`); an object that is one part is sent by a single PUT. The requests
