@@ -810,8 +810,10 @@ def _local_cluster(n_workers: int) -> LocalCluster:
     # (setting them as ordinary worker env would come too late to have any effect).
     pre_spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
     with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}):
+        # silence_logs: the workers log nothing below CRITICAL on the user's terminal. A task that fails logs
+        # "Compute Failed" with its traceback at ERROR; the build's own line already says what failed.
         return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":8787",
-                            silence_logs=40)
+                            silence_logs=logging.CRITICAL)
 
 
 def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
