@@ -40,6 +40,7 @@ from .errors import (
     DecodeError,
     OutputError,
     OutputWriteError,
+    RemoteStoreError,
     TooManyBadFilesError,
     describe_quarantine,
     quarantine_counts,
@@ -225,7 +226,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
-                            source_options=source_options)
+                            source_options=source_options, store_timeout=store_timeout)
     loc = remote.open_location(output, output_options, timeout=store_timeout or remote.STORE_TIMEOUT)
     name = shard_name(plan["shard"])
     staging = Path(tempfile.mkdtemp(prefix="datapipe-shard-"))
@@ -233,7 +234,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     try:
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
                               build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
-                              source_options=source_options, opened=upload.follow)
+                              source_options=source_options, store_timeout=store_timeout, opened=upload.follow)
         with _outside_the_pool(serial):
             upload.finish(staging / SHARDS_DIR / name)
     except BaseException:
@@ -288,6 +289,7 @@ def _clear_remote_shard(loc: remote.Location, name: str, build_id: str) -> None:
 
 def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str, verify: bool = False,
                  isolate: bool, serial: bool, encoding: samples.Encoding, quality: int, source_options: dict | None,
+                 store_timeout: float | None = None,
                  opened: Callable[[Path, str], None] | None = None) -> dict:
     """build_shard into a local output folder; ``opened`` is told the data file's path (and its name inside
     the shard) as soon as the writer opens it (an upload follows it while it is written)."""
@@ -328,12 +330,12 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
             opened(data, data.relative_to(writer.tmp_dir).as_posix())
         for path, label in zip(plan["paths"], plan["labels"], strict=True):
             file = os.path.join(root, path) if source_options is None else f"{root}/{path}"
-            failure = _probe(file, spec, source_options) if isolate else None
+            failure = _probe(file, spec, source_options, store_timeout) if isolate else None
             if failure is not None:
                 quarantined.append({"path": path, **failure})
                 continue
             watchdog.watch(path)
-            loaded = _load(file, decode_spec, path, quarantined, sample, limit, source_options)
+            loaded = _load(file, decode_spec, path, quarantined, sample, limit, source_options, store_timeout)
             watchdog.watch(None)
             if loaded is not None:
                 writer.add(loaded[0], label, path)
@@ -371,17 +373,20 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _probe(file: str, spec: dict, source_options: dict | None = None) -> dict | None:
+def _probe(file: str, spec: dict, source_options: dict | None = None, store_timeout: float | None = None) -> dict | None:
     """Decode ``file`` in a child process; None if that works, else its quarantine entry's
-    ``error`` and ``reason``. (An object of a remote source is read here and decoded there.)"""
+    ``error`` and ``reason``. (An object of a remote source is read here and decoded there; a store that
+    fails, rather than the object, raises RemoteStoreError.)"""
     import signal
     import subprocess
 
     if source_options is not None:
         try:
-            data = remote.read_object(file, max_file_bytes(int(spec["max_pixels"])), source_options)
+            data = remote.read_object(file, max_file_bytes(int(spec["max_pixels"])), source_options, store_timeout)
         except DecodeError as exc:
             return {"error": exc.kind, "reason": str(exc)}
+        except RemoteStoreError:
+            raise
         except OSError as exc:
             return unreadable(exc)
         with tempfile.NamedTemporaryFile(prefix="datapipe-probe-", suffix=os.path.splitext(file)[1]) as tmp:
@@ -418,15 +423,20 @@ def _checksums_match(shard_dir: Path, record: dict) -> bool:
 
 
 def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray,
-          limit: int, source_options: dict | None = None) -> tuple[np.ndarray, bool] | None:
+          limit: int, source_options: dict | None = None, store_timeout: float | None = None) -> tuple[np.ndarray, bool] | None:
     """Read and decode one file (an object, with ``source_options``) into ``out``: the sample and whether
-    its longer side was cut by ``max_aspect``; on failure record why in ``quarantined`` and return None."""
+    its longer side was cut by ``max_aspect``; on failure record why in ``quarantined`` and return None.
+    A store that fails while an object is read (no connection, no answer, throttled past its retries) is no
+    fault of the object: RemoteStoreError ends the shard's task, and the rerun resumes."""
     try:
         # a regular file only, one unbuffered read, at most ``limit`` bytes (an object: at most ``limit`` too)
-        data = read_file(file, limit) if source_options is None else remote.read_object(file, limit, source_options)
+        data = read_file(file, limit) if source_options is None else \
+            remote.read_object(file, limit, source_options, store_timeout)
         return decode_fitted(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
+    except RemoteStoreError:
+        raise
     except OSError as exc:
         entry = unreadable(exc)
     except Exception as exc:  # noqa: BLE001 - one bad file must never end the build
@@ -502,12 +512,13 @@ def build(
         raise ArgumentError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
     t0 = time.perf_counter()
     remote_source = remote.is_url(os.fspath(source))
-    store_timeout = remote.store_timeout() if remote.is_url(os.fspath(output)) else remote.STORE_TIMEOUT
-    listing = remote.scan(os.fspath(source), storage_options) if remote_source else scan(source)
+    remote_output = remote.is_url(os.fspath(output))
+    store_timeout = remote.store_timeout() if remote_source or remote_output else remote.STORE_TIMEOUT
+    listing = remote.scan(os.fspath(source), storage_options, store_timeout) if remote_source else scan(source)
     config = spec.config(listing.kind)
     chash = mf.config_hash(config)
-    options = {"source_options": dict(storage_options or {}) if remote_source else None}
-    if remote.is_url(os.fspath(output)):
+    options = {"source_options": dict(storage_options or {}) if remote_source else None, "store_timeout": store_timeout}
+    if remote_output:
         loc = remote.open_location(os.fspath(output), storage_options, timeout=store_timeout)
         return _build_remote(loc, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
                              force=force, verify=verify, progress=progress, t0=t0, options=options)
@@ -614,7 +625,7 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
                 remote.delete(loc, [mf.MANIFEST])  # a half-rebuilt cache must not read as finished
             kwargs = {"root": listing.location, "output": loc.url, "spec": asdict(spec.decode), "config_hash": chash,
                       "build_id": target.build_id, "encoding": spec.encoding, "quality": spec.quality,
-                      "output_options": loc.storage_options, "store_timeout": loc.timeout, **options}
+                      "output_options": loc.storage_options, **options}
             report = _build_todo(target, listing, plans, done, kwargs, config, chash, cluster=cluster,
                                  progress=progress, max_bad_fraction=max_bad_fraction, t0=t0,
                                  t_scan=time.perf_counter() - t0, build_id=target.build_id)

@@ -279,7 +279,7 @@ def _remote_info(args: argparse.Namespace) -> int:
     from . import remote
     from .records import parse_report
 
-    loc = remote.open_location(args.cache, _storage_options(args))
+    loc = remote.open_location(args.cache, _storage_options(args), timeout=remote.store_timeout())
     m = remote.read_manifest(loc)
     with remote.store_errors(loc, "read report.json"):
         doc = remote.read_doc(loc, "report.json")
@@ -294,7 +294,7 @@ def _remote_verify(args: argparse.Namespace) -> int:
     """``datapipe verify URL``: every object of a cache in object storage checked by streaming it."""
     from . import remote
 
-    loc = remote.open_location(args.cache, _storage_options(args))
+    loc = remote.open_location(args.cache, _storage_options(args), timeout=remote.store_timeout())
     manifest = remote.read_manifest(loc)
     return _verdict(remote.verify(loc, manifest), loc.url, len(manifest.shards), manifest.num_samples, output=loc.url)
 

@@ -59,6 +59,7 @@ INSTALL = 'pip install ".[remote]"'
 LOCK_OBJECT = ".datapipe.lock"
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
 MAX_DOC_BYTES = 256 << 20
+GATHER = 128  # how many requests fsspec's cat() of many objects sends at once (its gather batch)
 STORE_TIMEOUT = 60.0  # seconds the store may take for each 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
 SHARD_OBJECTS = frozenset({
@@ -130,16 +131,17 @@ class Location:
         """The same store and options at another root path."""
         return Location(self.url, self.fs, root, self.storage_options, self.timeout)
 
-    def write(self, method: str, *args: Any, nbytes: int = 0, what: str = "", deadline: float | None = None,
-              **kwargs: Any) -> Any:
-        """Call the filesystem's write ``method`` (``pipe_file``, ``pipe``, ``put_file``, s3fs's ``call_s3``)
-        under a deadline (default: ``timeout`` seconds per PART_BYTES of the ``nbytes`` it sends).
+    def call(self, method: str, *args: Any, nbytes: int = 0, what: str = "", deadline: float | None = None,
+             read: bool = False, **kwargs: Any) -> Any:
+        """Call the filesystem's ``method`` (``pipe_file``, ``cat_file``, ``rm``, s3fs's ``call_s3`` ...) under a
+        deadline (default: ``timeout`` seconds per PART_BYTES of the ``nbytes`` it sends, at least ``timeout``).
 
         An S3 client has timeouts for connecting and for reading an answer, none for sending: a store
         that stops reading in the middle of a request body (it keeps the connection open, its receive
-        window at zero) would hold the request without end. On an async filesystem (s3fs, gcsfs, adlfs)
-        the call runs on the filesystem's event loop and is cancelled at the deadline, which closes its
-        connection; a blocking filesystem (``file://``) is called as it is.
+        window at zero) would hold the request without end; and a request the store never answers is
+        retried by botocore and again by s3fs, for about seven minutes. On an async filesystem (s3fs,
+        gcsfs, adlfs) the call runs on the filesystem's event loop and is cancelled at the deadline, which
+        closes its connection; a blocking filesystem (``file://``) is called as it is.
 
         Raises:
             RemoteStoreError: the deadline passed (the message names ``what``, or the URL).
@@ -154,9 +156,20 @@ class Location:
         try:
             return sync(fs.loop, getattr(fs, f"_{method}"), *args, timeout=deadline, **kwargs)
         except TimeoutError:  # fsspec's FSTimeoutError, or the client's own timeout surfacing as one
-            raise RemoteStoreError(f"{what or self.url}: the store did not take a write of {nbytes:,} bytes within "
-                                   f"{deadline:g} s (DATAPIPE_STORE_TIMEOUT: {self.timeout:g} s per 8 MiB sent); check "
-                                   "that it is up, then rerun to resume: finished shards are kept") from None
+            did = "answer" if read else f"take a write of {nbytes:,} bytes"
+            raise RemoteStoreError(f"{what or self.url}: the store did not {did} within {deadline:g} s "
+                                   f"(DATAPIPE_STORE_TIMEOUT: {self.timeout:g} s per request, per 8 MiB sent); check "
+                                   "that it is up and run the command again (a build resumes: finished shards are "
+                                   "kept)") from None
+
+    def write(self, method: str, *args: Any, nbytes: int = 0, what: str = "", deadline: float | None = None,
+              **kwargs: Any) -> Any:
+        """:meth:`call` for a write of ``nbytes``."""
+        return self.call(method, *args, nbytes=nbytes, what=what, deadline=deadline, **kwargs)
+
+    def read(self, method: str, *args: Any, what: str = "", requests: int = 1, **kwargs: Any) -> Any:
+        """:meth:`call` for a read of ``requests`` requests (``timeout`` seconds each)."""
+        return self.call(method, *args, what=what, deadline=self.timeout * max(1, requests), read=True, **kwargs)
 
 
 CLEANUP_SECONDS = 10.0  # the most a best-effort cleanup after a failure may take (an abort, the lock's removal)
@@ -251,7 +264,10 @@ def store_errors(loc: Location, what: str, error: type[Exception] = OutputError)
 
 
 def listing(loc: Location, prefix: str = "") -> dict[str, int]:
-    """Every object under ``prefix`` (a key under the root): key -> size in bytes. One listing request (paged)."""
+    """Every object under ``prefix`` (a key under the root): key -> size in bytes. One listing request (paged;
+    on S3 each page under the location's deadline)."""
+    if _is_s3(loc.fs):
+        return _s3_listing(loc, prefix)
     loc.fs.invalidate_cache(loc.path(prefix))  # the store, not the filesystem's memory of an earlier listing
     try:
         found = loc.fs.find(loc.path(prefix), detail=True)
@@ -264,15 +280,57 @@ def listing(loc: Location, prefix: str = "") -> dict[str, int]:
     return out
 
 
+def _s3_listing(loc: Location, prefix: str) -> dict[str, int]:
+    """listing() on S3: ListObjectsV2 page by page (1,000 keys each), s3fs's own requests, each under the
+    deadline (a listing of millions of objects is thousands of pages: no deadline can cover it whole)."""
+    bucket, key, _ = loc.fs.split_path(loc.path(prefix))
+    folder = f"{key.rstrip('/')}/" if key else ""
+    out: dict[str, int] = {}
+    token: str | None = None
+    while True:
+        request: dict[str, Any] = {"Bucket": bucket, "Prefix": folder}
+        if token:
+            request["ContinuationToken"] = token
+        page = loc.read("call_s3", "list_objects_v2", what=loc.url_of(prefix) + "/ (list)", **request)
+        for obj in page.get("Contents", []):
+            if not obj["Key"].endswith("/"):  # a folder marker is no object of a cache
+                out[loc.key_of(f"{bucket}/{obj['Key']}")] = int(obj.get("Size") or 0)
+        token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated") or not token:
+            return out
+
+
 def read_bytes(loc: Location, key: str, limit: int = MAX_DOC_BYTES) -> bytes | None:
     """The object at ``key`` (None when there is none); CacheError when it holds more than ``limit`` bytes."""
-    try:  # one ranged GET (opening the file would first ask for its size, and list its prefix when it is missing)
-        data = loc.fs.cat_file(loc.path(key), start=0, end=limit + 1)
+    chunks: list[bytes] = []
+    size = 0
+    try:  # ranged GETs of 8 MiB (opening the file would first ask for its size, and list its prefix when it is missing)
+        while True:
+            want = min(PART_BYTES, limit + 1 - size)
+            chunk = _read_range(loc, key, size, size + want)
+            chunks.append(chunk)
+            size += len(chunk)
+            if len(chunk) < want or size > limit:
+                break
     except FileNotFoundError:
         return None
+    data = b"".join(chunks)
     if len(data) > limit:
         raise CacheError(f"{loc.url_of(key)} holds more than the {limit:,} bytes this object may hold")
     return bytes(data)
+
+
+def _read_range(loc: Location, key: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an object by one ranged GET under the deadline (fewer at its end; none at or
+    past it, where S3 answers 416 InvalidRange, which an empty object also gives for any range)."""
+    try:
+        return bytes(loc.read("cat_file", loc.path(key), start=start, end=end, what=loc.url_of(key)))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if "not satisfiable" in str(exc) or "InvalidRange" in str(exc):
+            return b""
+        raise
 
 
 def read_doc(loc: Location, key: str) -> Any | None:
@@ -285,7 +343,8 @@ def read_docs(loc: Location, keys: list[str]) -> dict[str, bytes]:
     """Several small objects at once (the filesystem fetches them concurrently); missing ones left out."""
     if not keys:
         return {}
-    got = loc.fs.cat([loc.path(k) for k in keys], on_error="omit")
+    got = loc.read("cat", [loc.path(k) for k in keys], on_error="omit", what=f"{loc.url}: {len(keys)} documents",
+                   requests=-(-len(keys) // GATHER))
     return {loc.key_of(path): bytes(data) for path, data in got.items() if isinstance(data, bytes | bytearray)}
 
 
@@ -313,10 +372,12 @@ def write_doc(loc: Location, key: str, doc: Any) -> None:
 
 def delete(loc: Location, keys: Iterable[str]) -> None:
     """Delete exactly these keys (never a prefix)."""
+    keys = list(keys)
     paths = [loc.path(k) for k in keys]
     if paths:
         with contextlib.suppress(FileNotFoundError):
-            loc.fs.rm(paths)
+            loc.read("rm", paths, what=loc.url_of(keys[0]) + (f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""),
+                     requests=-(-len(paths) // 1000))
 
 
 PART_BYTES = 8 << 20  # a shard's data object is uploaded in parts of this size while the shard is written
@@ -511,29 +572,49 @@ class _BufferedObject:
 def stream_crc32c(loc: Location, key: str, chunk: int = 8 << 20) -> tuple[int, str]:
     """The size and crc32c (8 hex digits) of an object, read in chunks (never held whole)."""
     value, size = 0, 0
-    loc.fs.invalidate_cache(loc.path(key))
-    with loc.fs.open(loc.path(key), "rb", block_size=chunk) as f:
-        while True:
-            data = f.read(chunk)
-            if not data:
-                break
-            value = crc32c(data, value)
-            size += len(data)
-    return size, f"{value:08x}"
+    while True:  # ranged GETs, each under the deadline
+        data = _read_range(loc, key, size, size + chunk)
+        value = crc32c(data, value)
+        size += len(data)
+        if len(data) < chunk:
+            return size, f"{value:08x}"
 
 
-def read_object(url: str, limit: int, storage_options: dict[str, Any] | None) -> bytes:
+def read_object(url: str, limit: int, storage_options: dict[str, Any] | None, timeout: float | None = None) -> bytes:
     """A source object's bytes for decoding (a worker reads it directly); at most ``limit`` bytes, as
-    :func:`datapipe.bounded.read_file` reads a local file."""
+    :func:`datapipe.bounded.read_file` reads a local file, in ranged GETs of 8 MiB, each under ``timeout``.
+
+    Raises:
+        DecodeError: the object holds more than ``limit`` bytes (quarantined as ``too-large``).
+        FileNotFoundError, PermissionError: this object is gone or may not be read (it is quarantined).
+        RemoteStoreError: the store failed, not the object (no connection, no answer within the deadline,
+            an error status past the client's retries): the shard's task ends and the rerun resumes.
+    """
     from .errors import DecodeError
 
-    fsspec = _fsspec()
-    with fsspec.open(url, "rb", **(storage_options or {})) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
+    loc = open_location(url, storage_options, timeout=timeout or STORE_TIMEOUT)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while size <= limit:
+            want = min(PART_BYTES, limit + 1 - size)
+            chunk = _read_range(loc, "", size, size + want)
+            chunks.append(chunk)
+            size += len(chunk)
+            if len(chunk) < want:
+                break
+    except (FileNotFoundError, PermissionError, IsADirectoryError, DatapipeError):
+        raise
+    except Exception as exc:
+        if not store_failure(exc):
+            raise
+        raise RemoteStoreError(f"{url}: the store failed while the image was read ({type(exc).__name__}: "
+                               f"{one_line(exc)}); this is no fault of the image: check that the store is up and "
+                               "run the build again (finished shards are kept)") from None
+    if size > limit:
         raise DecodeError(f"object of more than {limit:,} bytes, over the limit for its max_pixels "
                           "(raise --max-pixels to build it)", kind="too-large")
-    return bytes(data)
+    return b"".join(chunks)
 
 
 # ----------------------------------------------------------------------------- shards in the store
@@ -848,14 +929,14 @@ def _check_object(loc: Location, objects: dict[str, int], key: str, size: int | 
 # ----------------------------------------------------------------------------- a source in object storage
 
 
-def scan(url: str, storage_options: dict[str, Any] | None = None) -> Any:
+def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float = STORE_TIMEOUT) -> Any:
     """List a source in object storage: a prefix of class folders (one listing), or a CSV object of
     ``path,label`` rows (a URL ending in .csv: read once, and its folder listed once). A
     :class:`datapipe.sources.Listing` whose ``root`` is the path of the folder its paths are relative
-    to and ``url`` that folder's URL; workers read each object directly."""
+    to and ``url`` that folder's URL; workers read each object directly. ``timeout``: each request's deadline."""
     from .sources import IMAGE_EXTENSIONS, Listing
 
-    loc = open_location(url, storage_options)
+    loc = open_location(url, storage_options, timeout=timeout)
     if loc.root.lower().endswith(".csv"):
         with store_errors(loc, "read the source", SourceError):
             return _scan_csv(loc)

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from build_fixtures import SIZE, build
 from PIL import Image
@@ -551,6 +552,82 @@ def test_a_write_to_a_frozen_store_ends_at_its_deadline_naming_the_object(s3, tm
     remote.write_bytes(loc, "after", b"{}")  # the same client goes on once the store answers again
 
 
+@pytest.mark.parametrize("kind", ["listing", "read_doc", "read_docs", "delete", "stream_crc32c"])
+def test_a_read_of_a_frozen_store_ends_at_its_deadline(s3, kind):
+    """A request the store never answers is retried by botocore and by s3fs for about seven minutes; each
+    request datapipe makes (a listing page, a document's 8 MiB range, a delete) ends at the deadline instead."""
+    url = s3.bucket() + "/cache"
+    loc = remote.open_location(url, s3.storage_options, timeout=1.0)
+    remote.write_bytes(loc, "doc.json", b"{}")
+    assert remote.listing(loc) == {"doc.json": 2} and remote.read_doc(loc, "doc.json") == {}
+    s3.pause()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(datapipe.errors.RemoteStoreError, match=r"cache.*the store did not answer within 1 s "
+                           r"\(DATAPIPE_STORE_TIMEOUT") as caught:
+            if kind == "listing":
+                remote.listing(loc)
+            elif kind == "read_doc":
+                remote.read_doc(loc, "doc.json")
+            elif kind == "read_docs":
+                remote.read_docs(loc, ["doc.json", "other.json"])
+            elif kind == "delete":
+                remote.delete(loc, ["doc.json"])
+            else:
+                remote.stream_crc32c(loc, "doc.json")
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+    assert "\n" not in str(caught.value) and took < 5, took
+    assert remote.read_doc(loc, "doc.json") == {} or kind == "delete"  # the same client goes on afterwards
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "build-into", "build-from"])
+def test_a_command_on_a_frozen_store_ends_at_the_deadline_with_one_line(s3, source, tmp_path, command):
+    """info, verify and build against a store that accepts connections but answers nothing: one line naming the
+    URL after DATAPIPE_STORE_TIMEOUT (1 s here) instead of botocore's and s3fs's retries (about seven minutes)."""
+    url = s3.bucket() + "/cache"
+    args = {"info": ["info", url], "verify": ["verify", url],
+            "build-into": ["build", str(source[0]), url, "--size", "16", "--scheduler", "sync"],
+            "build-from": ["build", url, str(tmp_path / "out"), "--size", "16", "--scheduler", "sync"]}[command]
+    s3.pause()
+    try:
+        t0 = time.monotonic()
+        proc = cli(*args, env={**s3.env, "DATAPIPE_STORE_TIMEOUT": "1"})
+        took = time.monotonic() - t0
+    finally:
+        s3.resume()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"datapipe {args[0]}: error: {url}") and "did not answer within 1 s" in lines[0], lines
+    assert took < 20, took
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_listing_of_more_than_a_page_and_documents_of_more_than_a_range_read_whole(s3):
+    """listing() on S3 goes page by page (1,000 keys) and read_bytes() in 8 MiB ranges: both give it all."""
+    url = s3.bucket() + "/cache"
+    loc = remote.open_location(url, s3.storage_options)
+    remote.write_objects(loc, {f"many/{i:05d}": b"x" * (i % 7) for i in range(1005)})
+    big = os.urandom(remote.PART_BYTES * 2 + 5)
+    remote.write_bytes(loc, "big", big)
+    s3.client().put_object(Bucket=url.removeprefix("s3://").split("/")[0], Key="cache/folder/", Body=b"")  # a marker
+    found = remote.listing(loc)
+    assert found == {**{f"many/{i:05d}": i % 7 for i in range(1005)}, "big": len(big)}
+    assert remote.listing(loc, "many") == {f"many/{i:05d}": i % 7 for i in range(1005)}
+    assert remote.listing(loc, "nothing-here") == {}
+    assert remote.read_bytes(loc, "big") == big and remote.read_bytes(loc, "missing") is None
+    assert remote.read_bytes(loc, "big", limit=len(big)) == big
+    with pytest.raises(datapipe.errors.CacheError, match="more than the"):
+        remote.read_bytes(loc, "big", limit=len(big) - 1)
+    assert remote.stream_crc32c(loc, "big") == (len(big), f"{datapipe.files.crc32c(big):08x}")
+    assert remote.stream_crc32c(loc, "many/00007") == (0, f"{0:08x}") and remote.read_bytes(loc, "many/00007") == b""
+    exact = big[:remote.PART_BYTES * 2]  # a whole number of ranges: the last range asked for starts at its end
+    remote.write_bytes(loc, "exact", exact)
+    assert remote.read_bytes(loc, "exact") == exact
+    assert remote.stream_crc32c(loc, "exact") == (len(exact), f"{datapipe.files.crc32c(exact):08x}")
+
+
 def test_a_store_frozen_mid_upload_ends_the_build_with_one_line_and_the_rerun_resumes(s3, big_source):
     """The build's workers stream a shard of 10 MiB in two parts; the store freezes while the multipart upload is
     open. The build ends (instead of waiting for ever) with one line naming the object and what to do; the rerun,
@@ -577,7 +654,7 @@ def test_a_store_frozen_mid_upload_ends_the_build_with_one_line_and_the_rerun_re
     last = err.strip().splitlines()[-1]
     assert proc.returncode != 0 and last.startswith("datapipe build: error: " + url), err
     assert "Traceback" not in err and "Compute Failed" not in err, err  # the workers' logs stay off the terminal
-    assert "DATAPIPE_STORE_TIMEOUT" in last and "rerun to resume" in last, last
+    assert "DATAPIPE_STORE_TIMEOUT" in last and "finished shards are kept" in last, last
     assert took < 60, took  # the deadline, the workers' end and the lock's brief removal
     assert "cache/manifest.json" not in s3.objects(url)
     rerun = cli(*args, env=s3.env)
@@ -601,3 +678,40 @@ def test_the_store_timeout_is_read_from_the_environment(monkeypatch):
     assert remote.store_timeout() == remote.STORE_TIMEOUT == 60.0
     monkeypatch.setenv("DATAPIPE_STORE_TIMEOUT", "2.5")
     assert remote.store_timeout() == 2.5
+
+
+@pytest.mark.parametrize("fault", ["frozen", "stopped"])
+def test_a_store_that_fails_while_a_source_image_is_read_ends_the_task_instead_of_quarantining_it(s3, imaging, fault):
+    """A store that fails (frozen: no answer within the deadline; stopped: no connection) is no fault of the
+    image: it would otherwise be quarantined as unreadable and left out of the cache, or called a decoder error.
+    A missing object is the object's own fault: it is quarantined."""
+    from datapipe import builder
+    from datapipe.codecs import DecodeSpec
+
+    src = s3.bucket() + "/images"
+    s3.filesystem().pipe_file(src.removeprefix("s3://") + "/a/one.jpg", imaging.jpeg(imaging.gradient(40, 52)))
+    spec = DecodeSpec(size=16)
+    out = np.zeros((16, 16, 3), np.uint8)
+    quarantined: list[dict] = []
+    assert builder._load(f"{src}/a/one.jpg", spec, "a/one.jpg", quarantined, out, 1 << 20, s3.storage_options, 1.0)
+    assert builder._load(f"{src}/a/gone.jpg", spec, "a/gone.jpg", quarantined, out, 1 << 20, s3.storage_options, 1.0) \
+        is None
+    assert [q["path"] for q in quarantined] == ["a/gone.jpg"] and quarantined[0]["error"] == "unreadable"
+    options = dict(s3.storage_options)
+    if fault == "stopped":
+        options["endpoint_url"] = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        options["config_kwargs"] = {"retries": {"max_attempts": 1}}
+    else:
+        s3.pause()
+    try:
+        t0 = time.monotonic()
+        for call in (lambda: builder._load(f"{src}/a/one.jpg", spec, "a/one.jpg", quarantined, out, 1 << 20, options, 1.0),
+                     lambda: builder._probe(f"{src}/a/one.jpg", {"max_pixels": 10**8}, options, 1.0)):
+            with pytest.raises(datapipe.errors.RemoteStoreError, match=r"a/one\.jpg: the store (failed while the image "
+                               r"was read .*no fault of the image|did not answer within 1 s).*finished shards are kept"):
+                call()
+        took = time.monotonic() - t0
+    finally:
+        if fault == "frozen":
+            s3.resume()
+    assert len(quarantined) == 1 and took < 30, (quarantined, took)
