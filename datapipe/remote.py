@@ -59,7 +59,7 @@ INSTALL = 'pip install ".[remote]"'
 LOCK_OBJECT = ".datapipe.lock"
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
 MAX_DOC_BYTES = 256 << 20
-GATHER = 128  # how many requests fsspec's cat() of many objects sends at once (its gather batch)
+GATHER = 128  # documents counted as one request in the deadline of a concurrent read of many (fsspec's cat)
 STORE_TIMEOUT = 60.0  # seconds the store may take for each 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
 SHARD_OBJECTS = frozenset({
@@ -302,22 +302,27 @@ def _s3_listing(loc: Location, prefix: str) -> dict[str, int]:
 
 def read_bytes(loc: Location, key: str, limit: int = MAX_DOC_BYTES) -> bytes | None:
     """The object at ``key`` (None when there is none); CacheError when it holds more than ``limit`` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    try:  # ranged GETs of 8 MiB (opening the file would first ask for its size, and list its prefix when it is missing)
-        while True:
-            want = min(PART_BYTES, limit + 1 - size)
-            chunk = _read_range(loc, key, size, size + want)
-            chunks.append(chunk)
-            size += len(chunk)
-            if len(chunk) < want or size > limit:
-                break
+    try:
+        data = _read_upto(loc, key, limit + 1)
     except FileNotFoundError:
         return None
-    data = b"".join(chunks)
     if len(data) > limit:
         raise CacheError(f"{loc.url_of(key)} holds more than the {limit:,} bytes this object may hold")
-    return bytes(data)
+    return data
+
+
+def _read_upto(loc: Location, key: str, most: int) -> bytes:
+    """The first ``most`` bytes of an object (all of a smaller one) by ranged GETs of 8 MiB, each under the
+    deadline (opening the file would first ask for its size, and list its prefix when it is missing)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < most:
+        want = min(PART_BYTES, most - size)
+        chunks.append(_read_range(loc, key, size, size + want))
+        size += len(chunks[-1])
+        if len(chunks[-1]) < want:
+            break
+    return b"".join(chunks)
 
 
 def _read_range(loc: Location, key: str, start: int, end: int) -> bytes:
@@ -593,16 +598,8 @@ def read_object(url: str, limit: int, storage_options: dict[str, Any] | None, ti
     from .errors import DecodeError
 
     loc = open_location(url, storage_options, timeout=timeout or STORE_TIMEOUT)
-    chunks: list[bytes] = []
-    size = 0
     try:
-        while size <= limit:
-            want = min(PART_BYTES, limit + 1 - size)
-            chunk = _read_range(loc, "", size, size + want)
-            chunks.append(chunk)
-            size += len(chunk)
-            if len(chunk) < want:
-                break
+        data = _read_upto(loc, "", limit + 1)
     except (FileNotFoundError, PermissionError, IsADirectoryError, DatapipeError):
         raise
     except Exception as exc:
@@ -611,10 +608,10 @@ def read_object(url: str, limit: int, storage_options: dict[str, Any] | None, ti
         raise RemoteStoreError(f"{url}: the store failed while the image was read ({type(exc).__name__}: "
                                f"{one_line(exc)}); this is no fault of the image: check that the store is up and "
                                "run the build again (finished shards are kept)") from None
-    if size > limit:
+    if len(data) > limit:
         raise DecodeError(f"object of more than {limit:,} bytes, over the limit for its max_pixels "
                           "(raise --max-pixels to build it)", kind="too-large")
-    return b"".join(chunks)
+    return data
 
 
 # ----------------------------------------------------------------------------- shards in the store
