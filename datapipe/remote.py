@@ -59,6 +59,7 @@ INSTALL = 'pip install ".[remote]"'
 LOCK_OBJECT = ".datapipe.lock"
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
 MAX_DOC_BYTES = 256 << 20
+LIST_PAGE = 1000  # keys per page of a listing (S3's most)
 GATHER = 128  # documents counted as one request in the deadline of a concurrent read of many (fsspec's cat)
 STORE_TIMEOUT = 60.0  # seconds the store may take for each 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
@@ -172,12 +173,13 @@ class Location:
         return self.call(method, *args, what=what, deadline=self.timeout * max(1, requests), read=True, **kwargs)
 
 
-CLEANUP_SECONDS = 10.0  # the most a best-effort cleanup after a failure may take (an abort, the lock's removal)
+CLEANUP_SECONDS = 10.0  # the most a best-effort cleanup after a failure may take (an abort, the lock's removal),
+# and never more than one request's deadline
 
 
 def briefly(cleanup: Any, seconds: float = CLEANUP_SECONDS) -> None:
     """Run a best-effort ``cleanup`` of the store for at most ``seconds``, its errors ignored: it runs in a daemon
-    thread, so a store that stopped answering (its reads are retried for minutes) does not hold the exit."""
+    thread, so a store that stopped answering does not hold the exit."""
 
     def run() -> None:
         with contextlib.suppress(Exception):
@@ -288,7 +290,7 @@ def _s3_listing(loc: Location, prefix: str) -> dict[str, int]:
     out: dict[str, int] = {}
     token: str | None = None
     while True:
-        request: dict[str, Any] = {"Bucket": bucket, "Prefix": folder}
+        request: dict[str, Any] = {"Bucket": bucket, "Prefix": folder, "MaxKeys": LIST_PAGE}
         if token:
             request["ContinuationToken"] = token
         page = loc.read("call_s3", "list_objects_v2", what=loc.url_of(prefix) + "/ (list)", **request)
@@ -735,7 +737,7 @@ class RemoteLock:
         """Stop refreshing the lock and remove its object if it is still this build's (for at most
         CLEANUP_SECONDS: a store that stopped answering leaves it, to be taken over once it is LOCK_TTL old)."""
         self.stop()
-        briefly(self.remove)
+        briefly(self.remove, min(CLEANUP_SECONDS, self.loc.timeout))
 
     def stop(self) -> None:
         """Stop refreshing the lock (a write already under way ends with its deadline)."""
@@ -777,7 +779,7 @@ class RemoteOutput:
             self.lock.remove()
 
         self.lock.stop()
-        briefly(steps)
+        briefly(steps, min(CLEANUP_SECONDS, self.loc.timeout))
 
 
 def _marker_doc(loc: Location, key: str) -> dict[str, Any] | None:
