@@ -221,7 +221,8 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     storage options of a source or output in object storage: the files are then read as objects, and the
     shard is written into a local temporary folder and uploaded while it is written (its data object
     streamed by a thread of this task, see :class:`datapipe.remote.ShardUpload`), its zarr.json last;
-    ``store_timeout``: the deadline of each write per 8 MiB (the client's DATAPIPE_STORE_TIMEOUT).
+    ``store_timeout``: the deadline of each request to the store, per 8 MiB a write sends (the client's
+    DATAPIPE_STORE_TIMEOUT).
     """
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
