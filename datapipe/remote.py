@@ -59,9 +59,11 @@ INSTALL = 'pip install ".[remote]"'
 LOCK_OBJECT = ".datapipe.lock"
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
 MAX_DOC_BYTES = 256 << 20
+PART_BYTES = 8 << 20  # a shard's data object is uploaded in parts of this size while the shard is written
+MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
 LIST_PAGE = 1000  # keys per page of a listing (S3's most)
 GATHER = 128  # documents counted as one request in the deadline of a concurrent read of many (fsspec's cat)
-STORE_TIMEOUT = 60.0  # seconds the store may take for each 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
+STORE_TIMEOUT = 60.0  # seconds the store may take per request, per 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
 SHARD_OBJECTS = frozenset({
     GROUP_META, "images/zarr.json", "labels/zarr.json", "index/zarr.json",
@@ -115,7 +117,7 @@ class Location:
     fs: Any
     root: str
     storage_options: dict[str, Any]
-    timeout: float = STORE_TIMEOUT  # seconds a write may take per PART_BYTES it sends (see write)
+    timeout: float = STORE_TIMEOUT  # each request's deadline, per PART_BYTES a write sends (see call)
 
     def path(self, *keys: str) -> str:
         """The filesystem path of a key under the root (``keys`` joined with '/')."""
@@ -163,21 +165,20 @@ class Location:
                                    "that it is up and run the command again (a build resumes: finished shards are "
                                    "kept)") from None
 
-    def write(self, method: str, *args: Any, nbytes: int = 0, what: str = "", deadline: float | None = None,
-              **kwargs: Any) -> Any:
-        """:meth:`call` for a write of ``nbytes``."""
-        return self.call(method, *args, nbytes=nbytes, what=what, deadline=deadline, **kwargs)
+    @property
+    def cleanup_seconds(self) -> float:
+        """The most a best-effort clean-up after a failure may take: one request's deadline, CLEANUP_SECONDS at most."""
+        return min(CLEANUP_SECONDS, self.timeout)
 
     def read(self, method: str, *args: Any, what: str = "", requests: int = 1, **kwargs: Any) -> Any:
         """:meth:`call` for a read of ``requests`` requests (``timeout`` seconds each)."""
         return self.call(method, *args, what=what, deadline=self.timeout * max(1, requests), read=True, **kwargs)
 
 
-CLEANUP_SECONDS = 10.0  # the most a best-effort cleanup after a failure may take (an abort, the lock's removal),
-# and never more than one request's deadline
+CLEANUP_SECONDS = 10.0  # the most a best-effort cleanup after a failure may take (Location.cleanup_seconds)
 
 
-def briefly(cleanup: Any, seconds: float = CLEANUP_SECONDS) -> None:
+def briefly(cleanup: Any, seconds: float) -> None:
     """Run a best-effort ``cleanup`` of the store for at most ``seconds``, its errors ignored: it runs in a daemon
     thread, so a store that stopped answering does not hold the exit."""
 
@@ -191,7 +192,7 @@ def briefly(cleanup: Any, seconds: float = CLEANUP_SECONDS) -> None:
 
 
 def store_timeout() -> float:
-    """Seconds the store may take per 8 MiB a write sends: ``DATAPIPE_STORE_TIMEOUT`` (default 60)."""
+    """Seconds the store may take per request, per 8 MiB a write sends: ``DATAPIPE_STORE_TIMEOUT`` (default 60)."""
     text = os.environ.get("DATAPIPE_STORE_TIMEOUT", "")
     try:
         value = float(text) if text else STORE_TIMEOUT
@@ -212,7 +213,7 @@ def _fsspec() -> Any:
 
 def open_location(url: str, storage_options: dict[str, Any] | None = None, timeout: float = STORE_TIMEOUT) -> Location:
     """Open the filesystem of ``url`` (fsspec's own configuration and environment apply, then ``storage_options``);
-    ``timeout``: the deadline of its writes per 8 MiB (a build passes :func:`store_timeout`).
+    ``timeout``: each request's deadline, per 8 MiB a write sends (the commands pass :func:`store_timeout`).
 
     Raises:
         MissingExtraError: fsspec, or the filesystem's package (s3fs, gcsfs, adlfs), is not installed.
@@ -305,7 +306,7 @@ def _s3_listing(loc: Location, prefix: str) -> dict[str, int]:
 def read_bytes(loc: Location, key: str, limit: int = MAX_DOC_BYTES) -> bytes | None:
     """The object at ``key`` (None when there is none); CacheError when it holds more than ``limit`` bytes."""
     try:
-        data = _read_upto(loc, key, limit + 1)
+        data = b"".join(_ranges(loc, key, limit + 1))
     except FileNotFoundError:
         return None
     if len(data) > limit:
@@ -313,18 +314,17 @@ def read_bytes(loc: Location, key: str, limit: int = MAX_DOC_BYTES) -> bytes | N
     return data
 
 
-def _read_upto(loc: Location, key: str, most: int) -> bytes:
-    """The first ``most`` bytes of an object (all of a smaller one) by ranged GETs of 8 MiB, each under the
-    deadline (opening the file would first ask for its size, and list its prefix when it is missing)."""
-    chunks: list[bytes] = []
+def _ranges(loc: Location, key: str, most: float = float("inf"), chunk: int = PART_BYTES) -> Iterator[bytes]:
+    """An object's bytes (the first ``most`` of them) by ranged GETs of ``chunk``, each under the deadline
+    (opening the file would first ask for its size, and list its prefix when it is missing)."""
     size = 0
     while size < most:
-        want = min(PART_BYTES, most - size)
-        chunks.append(_read_range(loc, key, size, size + want))
-        size += len(chunks[-1])
-        if len(chunks[-1]) < want:
-            break
-    return b"".join(chunks)
+        want = int(min(chunk, most - size))
+        data = _read_range(loc, key, size, size + want)
+        yield data
+        size += len(data)
+        if len(data) < want:
+            return
 
 
 def _read_range(loc: Location, key: str, start: int, end: int) -> bytes:
@@ -357,20 +357,24 @@ def read_docs(loc: Location, keys: list[str]) -> dict[str, bytes]:
 
 def write_bytes(loc: Location, key: str, data: bytes) -> None:
     """One object, written whole by a single PUT: a reader sees the old object or the new one."""
-    loc.write("pipe_file", loc.path(key), data, nbytes=len(data), what=loc.url_of(key))
+    loc.call("pipe_file", loc.path(key), data, nbytes=len(data), what=loc.url_of(key))
+
+
+def _named(loc: Location, keys: list[str]) -> str:
+    """The objects of a request of several, for its error: the first one's URL and how many more."""
+    return loc.url_of(keys[0]) + (f" (and {len(keys) - 1} more)" if len(keys) > 1 else "")
 
 
 def write_objects(loc: Location, objects: dict[str, bytes]) -> None:
     """Several objects (key -> bytes) at once, each written whole (the filesystem sends them concurrently)."""
     if objects:
-        first, *more = sorted(objects)
-        loc.write("pipe", {loc.path(k): v for k, v in objects.items()}, nbytes=sum(map(len, objects.values())),
-                  what=loc.url_of(first) + (f" (and {len(more)} more)" if more else ""))
+        loc.call("pipe", {loc.path(k): v for k, v in objects.items()}, nbytes=sum(map(len, objects.values())),
+                 what=_named(loc, sorted(objects)))
 
 
 def put_file(loc: Location, local: str | os.PathLike[str], key: str) -> None:
     """A local file as the object ``key``, written whole."""
-    loc.write("put_file", os.fspath(local), loc.path(key), nbytes=os.stat(local).st_size, what=loc.url_of(key))
+    loc.call("put_file", os.fspath(local), loc.path(key), nbytes=os.stat(local).st_size, what=loc.url_of(key))
 
 
 def write_doc(loc: Location, key: str, doc: Any) -> None:
@@ -383,12 +387,9 @@ def delete(loc: Location, keys: Iterable[str]) -> None:
     paths = [loc.path(k) for k in keys]
     if paths:
         with contextlib.suppress(FileNotFoundError):
-            loc.read("rm", paths, what=loc.url_of(keys[0]) + (f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""),
-                     requests=-(-len(paths) // 1000))
+            loc.read("rm", paths, what=_named(loc, keys), requests=-(-len(paths) // 1000))
 
 
-PART_BYTES = 8 << 20  # a shard's data object is uploaded in parts of this size while the shard is written
-MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
 POLL_SECONDS = 0.02  # how often the uploader looks for newly written bytes
 
 
@@ -508,7 +509,7 @@ def _is_s3(fs: Any) -> bool:
 
 class _S3Parts:
     """One object sent as an S3 multipart upload, a part per :meth:`send`, each request under the location's
-    deadline (see :meth:`Location.write`); an object that is one part is sent by a single PUT. The requests
+    deadline (see :meth:`Location.call`); an object that is one part is sent by a single PUT. The requests
     are s3fs's own (its extra request arguments apply), so the object is what ``fs.open(path, "wb")`` writes."""
 
     def __init__(self, loc: Location, key: str) -> None:
@@ -520,8 +521,8 @@ class _S3Parts:
         self.parts: list[dict[str, Any]] = []
 
     def _call(self, method: str, nbytes: int = 0, **kwargs: Any) -> Any:
-        return self.loc.write("call_s3", method, nbytes=nbytes, what=f"{self.url} ({method})", Bucket=self.bucket,
-                              Key=self.object_key, **kwargs)
+        return self.loc.call("call_s3", method, nbytes=nbytes, what=f"{self.url} ({method})", Bucket=self.bucket,
+                             Key=self.object_key, **kwargs)
 
     def send(self, chunk: bytes, *, last: bool) -> None:
         if self.upload_id is None and last:
@@ -546,8 +547,8 @@ class _S3Parts:
         upload_id, self.upload_id = self.upload_id, None
         if upload_id is not None:
             with contextlib.suppress(Exception):
-                self.loc.write("call_s3", "abort_multipart_upload", what=self.url, Bucket=self.bucket,
-                               Key=self.object_key, UploadId=upload_id, deadline=min(self.loc.timeout, CLEANUP_SECONDS))
+                self.loc.call("call_s3", "abort_multipart_upload", what=self.url, Bucket=self.bucket,
+                              Key=self.object_key, UploadId=upload_id, deadline=self.loc.cleanup_seconds)
 
 
 class _BufferedObject:
@@ -579,12 +580,10 @@ class _BufferedObject:
 def stream_crc32c(loc: Location, key: str, chunk: int = 8 << 20) -> tuple[int, str]:
     """The size and crc32c (8 hex digits) of an object, read in chunks (never held whole)."""
     value, size = 0, 0
-    while True:  # ranged GETs, each under the deadline
-        data = _read_range(loc, key, size, size + chunk)
+    for data in _ranges(loc, key, chunk=chunk):
         value = crc32c(data, value)
         size += len(data)
-        if len(data) < chunk:
-            return size, f"{value:08x}"
+    return size, f"{value:08x}"
 
 
 def read_object(url: str, limit: int, storage_options: dict[str, Any] | None, timeout: float | None = None) -> bytes:
@@ -601,7 +600,7 @@ def read_object(url: str, limit: int, storage_options: dict[str, Any] | None, ti
 
     loc = open_location(url, storage_options, timeout=timeout or STORE_TIMEOUT)
     try:
-        data = _read_upto(loc, "", limit + 1)
+        data = b"".join(_ranges(loc, "", limit + 1))
     except (FileNotFoundError, PermissionError, IsADirectoryError, DatapipeError):
         raise
     except Exception as exc:
@@ -735,9 +734,9 @@ class RemoteLock:
 
     def release(self) -> None:
         """Stop refreshing the lock and remove its object if it is still this build's (for at most
-        CLEANUP_SECONDS: a store that stopped answering leaves it, to be taken over once it is LOCK_TTL old)."""
+        ``cleanup_seconds``: a store that stopped answering leaves it, to be taken over once it is LOCK_TTL old)."""
         self.stop()
-        briefly(self.remove, min(CLEANUP_SECONDS, self.loc.timeout))
+        briefly(self.remove, self.loc.cleanup_seconds)
 
     def stop(self) -> None:
         """Stop refreshing the lock (a write already under way ends with its deadline)."""
@@ -769,7 +768,7 @@ class RemoteOutput:
 
     def end(self, *, failed: bool) -> None:
         """The build ended: after a failure before any shard was written, remove the build.json this run wrote;
-        then remove the lock. Best effort, for at most CLEANUP_SECONDS together (see :func:`briefly`)."""
+        then remove the lock. Best effort, for at most ``cleanup_seconds`` together (see :func:`briefly`)."""
 
         def steps() -> None:
             if failed and self.created_marker:
@@ -779,7 +778,7 @@ class RemoteOutput:
             self.lock.remove()
 
         self.lock.stop()
-        briefly(steps, min(CLEANUP_SECONDS, self.loc.timeout))
+        briefly(steps, self.loc.cleanup_seconds)
 
 
 def _marker_doc(loc: Location, key: str) -> dict[str, Any] | None:
