@@ -312,6 +312,57 @@ def test_an_upload_finished_after_the_writer_renamed_its_folder_has_every_object
     assert sorted(s3.objects(url)) == sorted(keys)
 
 
+@pytest.mark.parametrize("calculation", ["when_supported", "when_required"])
+def test_each_part_carries_its_crc32c_unless_the_client_sends_checksums_only_when_required(s3, tmp_path, calculation):
+    """botocore's default (``when_supported``) would checksum every part itself (a CRC32 in Python): each part
+    carries datapipe's CRC32C instead, which the store checks on receipt; a client configured ``when_required``
+    (for stores that refuse checksums) sends none. Read from the requests as they leave the client."""
+    options = {**s3.storage_options, "config_kwargs": {"request_checksum_calculation": calculation}}
+    url = s3.bucket()
+    loc = remote.open_location(url, options)
+    parts: list[tuple[dict[str, str], bytes]] = []  # the headers and body of each UploadPart request
+
+    def record(request, **_):
+        if "partNumber=" in request.url:
+            body = request.body.getvalue() if hasattr(request.body, "getvalue") else bytes(request.body)
+            parts.append(({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}, body))
+
+    loc.call("connect", read=True)
+    loc.fs.s3.meta.events.register("before-send.s3", record)
+    payload = os.urandom(remote.MIN_PART_BYTES * 2 + 123)
+    (tmp_path / "shard" / "images").mkdir(parents=True)
+    upload = remote.ShardUpload(loc, "shards/000000.zarr", part_bytes=remote.MIN_PART_BYTES)
+    with open(tmp_path / "shard" / "images" / "0", "wb") as f:
+        upload.follow(tmp_path / "shard" / "images" / "0", "images/0")
+        f.write(payload)
+    upload.finish(tmp_path / "shard")
+    assert s3.filesystem().cat_file(f"{url.removeprefix('s3://')}/shards/000000.zarr/images/0") == payload
+
+    assert len(parts) == 3 and b"".join(body for _, body in parts) == payload
+    for headers, body in parts:
+        checksums = {k: v for k, v in headers.items() if k.startswith("x-amz-checksum-")}
+        if calculation == "when_supported":
+            assert checksums == {"x-amz-checksum-crc32c": remote._b64_crc32c(body)}
+        else:
+            assert checksums == {}
+
+
+def test_one_filesystem_per_process_serves_every_thread_for_the_same_options(s3):
+    """fsspec keeps an instance per thread, each with its own client (0.2-0.4 s of CPU to make): a Dask
+    worker's threads share one per store and options; other options, or skip_instance_cache, get their own."""
+    import threading
+
+    url = s3.bucket()
+    first = remote.open_location(url, s3.storage_options)
+    others: list[remote.Location] = []
+    thread = threading.Thread(target=lambda: others.append(remote.open_location(f"{url}/deeper", s3.storage_options)))
+    thread.start()
+    thread.join()
+    assert others[0].fs is first.fs and others[0].root == f"{first.root}/deeper"
+    assert remote.open_location(url, {**s3.storage_options, "default_block_size": 1 << 24}).fs is not first.fs
+    assert remote.open_location(url, {**s3.storage_options, "skip_instance_cache": True}).fs is not first.fs
+
+
 def test_a_foreign_zarr_json_in_a_shards_place_is_left_alone(s3, source):
     url = s3.bucket() + "/cache"
     build(source[0], url, storage_options=s3.storage_options)
