@@ -569,8 +569,8 @@ class _S3Parts:
             return
         if self.upload_id is None:
             self.crc32c = self._crc32c_parts()
-            self.upload_id = self._call("create_multipart_upload",
-                                        **({"ChecksumAlgorithm": "CRC32C"} if self.crc32c else {}))["UploadId"]
+            algorithm: dict[str, Any] = {"ChecksumAlgorithm": "CRC32C"} if self.crc32c else {}
+            self.upload_id = self._call("create_multipart_upload", **algorithm)["UploadId"]
         number = len(self.parts) + 1
         checksum = {"ChecksumCRC32C": _b64_crc32c(chunk)} if self.crc32c else {}
         out = self._call("upload_part", nbytes=len(chunk), PartNumber=number, UploadId=self.upload_id, Body=chunk,
