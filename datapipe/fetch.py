@@ -918,11 +918,17 @@ class _Follower:
         self.cond = threading.Condition()
         # threads start one at a time as work appears (starting eight costs a steady epoch's reader ~10 ms on
         # a busy machine); none at all when every shard is local and held open
-        self.threads = min(self.THREADS, len(set(shards) - fetcher.open_shards()))
+        held = fetcher.open_shards()
+        self.threads = min(self.THREADS, len(set(shards) - held))
         self.running = 0
         self.idle = 0
-        if self.threads:
-            self._spawn()
+        if shards and shards[0] not in held:
+            # The reader downloads the first shard it reads itself: it could only wait for a prefetch thread's
+            # download of it, and a thread's start and hand-over would delay that transfer (on two cores, by
+            # the milliseconds the reader and the thread take turns at the interpreter).
+            self._claim(shards[0])
+        with self.cond:
+            self._wake()
 
     # ----------------------------------------------------------------- the reader's side
     def reached(self, shard: int) -> None:
@@ -938,12 +944,10 @@ class _Follower:
                 return
             self.position = position
             self.head_done = True
-            wake = self.next_k < len(self.shards)
             while self.finished_upto < len(self.by_last) and self.last[self.by_last[self.finished_upto]] < position - 1:
                 finished.append(self.shards[self.by_last[self.finished_upto]])  # one batch of slack: workers interleave
                 self.finished_upto += 1
-            if wake:
-                self.cond.notify_all()
+            self._wake()
         if finished:
             self.fetcher._stamp_finished(finished)
 
@@ -951,7 +955,7 @@ class _Follower:
         with self.cond:
             if not self.head_done and position >= self.position:
                 self.head_done = True
-                self.cond.notify_all()
+                self._wake()
 
     def wait_for(self, shard: int) -> None:
         """Wait for this process's prefetch of ``shard`` when one is in flight (its errors are the caller's
@@ -960,9 +964,7 @@ class _Follower:
             future = self.started.get(shard)
             if future is None:
                 if shard in self.index:
-                    mine: Future = Future()
-                    mine.set_result(None)
-                    self.started[shard] = mine  # the reader downloads it now
+                    self._claim(shard)  # the reader downloads it now
                 return
         with contextlib.suppress(Exception):
             future.result(timeout=4 * self.fetcher.timeout)  # the download's own timeouts end it before
@@ -985,10 +987,7 @@ class _Follower:
         """The next shard to download (held: self.cond), or None when none may start now (or stopped)."""
         if self.done:
             return None
-        held = self.fetcher.open_shards()  # held open here: local, and not evictable
-        while self.next_k < len(self.shards) and (self.shards[self.next_k] in self.started or self.shards[self.next_k] in held):
-            self.next_k += 1
-        k = self.next_k
+        k = self._skip()
         if k >= len(self.shards):
             return None
         now = max(self.position, 0)
@@ -1007,6 +1006,33 @@ class _Follower:
         self.next_k += 1
         return self.shards[k], future
 
+    def _claim(self, shard: int) -> None:
+        """The reader downloads ``shard`` itself: no prefetch thread starts it."""
+        mine: Future = Future()
+        mine.set_result(None)
+        self.started[shard] = mine
+
+    def _skip(self) -> int:
+        """The first entry neither started nor held open here (local, not evictable) (held: self.cond)."""
+        held = self.fetcher.open_shards()
+        while self.next_k < len(self.shards) and (self.shards[self.next_k] in self.started or self.shards[self.next_k] in held):
+            self.next_k += 1
+        return self.next_k
+
+    def _more_now(self) -> bool:
+        """Whether another shard may start now (held: self.cond). Before the reader has read the first batch
+        only that batch's shards may: a thread started for later ones would only wait, and its start would
+        take the interpreter from the first batch's transfer."""
+        k = self._skip()
+        return k < len(self.shards) and (self.head_done or int(self.first[k]) <= max(self.position, 0))
+
+    def _wake(self) -> None:
+        """Work may be ready (held: self.cond): start the first prefetch thread, or wake those waiting."""
+        if self.running == 0 and self.threads and not self.done and self._more_now():
+            self._spawn()
+        else:
+            self.cond.notify_all()
+
     def _spawn(self) -> None:
         self.running += 1
         threading.Thread(target=self._work, name=f"datapipe-prefetch_{self.running}", daemon=True).start()
@@ -1023,8 +1049,8 @@ class _Follower:
                 if job is None:
                     self.running -= 1
                     return  # stopped, or every shard of the plan started (or local and held open)
-                if not self.idle and self.running < self.threads and self.next_k < len(self.shards):
-                    self._spawn()  # more work may be ready: one more thread
+                if not self.idle and self.running < self.threads and self._more_now():
+                    self._spawn()  # more work is ready: one more thread
             shard, future = job
             try:
                 future.set_result(self.fetcher.download(shard))

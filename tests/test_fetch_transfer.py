@@ -56,7 +56,20 @@ class BackwardsFS(InOrderFS):
                     callback.relative_update(len(data[start:start + block]))
 
 
-for fs_class in (InOrderFS, BackwardsFS):
+class WatchedFS(InOrderFS):
+    """In-order transfers that note, as each starts, which prefetch threads are alive."""
+
+    protocol = "dp-watched"
+    root_marker = "/"
+    seen: list[tuple[str, list[str]]] = []
+
+    def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("datapipe-prefetch"))
+        WatchedFS.seen.append((rpath, alive))
+        return super().get_file(rpath, lpath, callback=callback, outfile=outfile, **kwargs)
+
+
+for fs_class in (InOrderFS, BackwardsFS, WatchedFS):
     fsspec.register_implementation(fs_class.protocol, fs_class, clobber=True)
 
 
@@ -124,6 +137,23 @@ def test_a_file_that_vanishes_mid_transfer_is_left_to_the_caller(tmp_path):
     progress.relative_update(fetch._Progress.CHECK_EVERY)
     progress.catch_up()  # the read-back fails: no error, the file is left to the caller
     assert progress.finish() is None
+
+
+def test_the_reader_downloads_the_first_shard_itself_and_prefetching_starts_after_the_first_batch(local_cache_dir,
+                                                                                                  tmp_path):
+    """At the start of an epoch the reader needs one shard: a prefetch thread would only hand it over (its start
+    and the hand-over delay the first batch), so the reader downloads it and the threads start once the
+    first batch is read; every shard is still downloaded once, ahead of the reader."""
+    url = upload(WatchedFS, local_cache_dir)
+    WatchedFS.seen.clear()
+    ds = datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", batch_size=40, order="shards", window=1,
+                                   shuffle=False, return_index=True, prefetch=2)
+    got = [batch[2].tolist() for batch in ds]
+    assert got == [list(range(k, k + 40)) for k in range(0, 120, 40)]  # batch k is shard k
+    data = [(rpath, alive) for rpath, alive in WatchedFS.seen if "/images/" in rpath]
+    assert len(data) == 3 and len({rpath for rpath, _ in data}) == 3
+    assert data[0][1] == [], "a prefetch thread was alive when the first shard's transfer started"
+    assert all(alive for _, alive in data[1:]), "the later shards are prefetched"
 
 
 def test_datasets_of_one_process_share_the_transfer_threads(local_cache_dir, tmp_path):
