@@ -474,3 +474,16 @@ def test_a_folder_over_its_limit_is_brought_back_under_it_when_an_iteration_star
     next(it)
     assert shard_bytes() <= limit  # evicted down to the limit, though no download asked for room
     assert sorted(i for batch in it for i in batch[2].tolist()) == list(range(SHARD, N))
+
+
+def test_datasets_of_a_process_share_one_client_per_store_and_options(s3, built, tmp_path):
+    """A client costs 0.2-0.4 s of CPU to make, and each dropped one left botocore's service model to the
+    garbage collector (a collection of about a second, seen in a reader's batch): the datasets of a process
+    with the same store, options and timeout share one filesystem; another timeout gets its own."""
+    url = upload(s3, built["fixed"])
+    a = open_remote(s3, url, tmp_path / "a")
+    b = open_remote(s3, url, tmp_path / "b")
+    c = open_remote(s3, url, tmp_path / "c", timeout=7)
+    assert sorted(read_epoch(a)) == sorted(read_epoch(b)) == list(range(N))
+    fs = [ds.cache.remote.filesystem()[0] for ds in (a, b, c)]
+    assert fs[0] is fs[1] and fs[2] is not fs[0]
