@@ -177,6 +177,7 @@ def main() -> None:
             # bytes per node per epoch with cache_limit = 25 %, two ranks on one node (threads); the shards order
             # at the largest window two of which fit the limit (docs/loader.md's sizing advice)
             moved = {}
+            on_disk: dict[str, list[float]] = {"shards": [], "global": []}  # the shards' files after each epoch / limit
             limit = total // 4 + 200_000
             window = max(1, limit // max(s.nbytes for s in cache.manifest.shards) // 2)
             for order in ("shards", "global"):
@@ -196,6 +197,7 @@ def main() -> None:
                     for th in threads:
                         th.join()
                     per_epoch.append(shard_bytes(folder, before) / total)
+                    on_disk[order].append(sum(f.stat().st_size for f in (folder / "shards").rglob("*") if f.is_file()) / limit)
                 for d in ranks:
                     d.cache.remote.close()
                 moved[order] = per_epoch
@@ -211,7 +213,8 @@ def main() -> None:
             steady = float(np.mean(per_epoch[1:]))
             print(f"bytes downloaded per node per steady epoch, cache_limit 25 %, two ranks, order {order!r}"
                   f"{f' window {window}' if order == 'shards' else ''}: {steady:.2f} x the bytes read "
-                  f"(epochs: {', '.join(f'{x:.2f}' for x in per_epoch)})")
+                  f"(epochs: {', '.join(f'{x:.2f}' for x in per_epoch)}; on disk after each, of the limit: "
+                  f"{', '.join(f'{x:.0%}' for x in on_disk[order])})")
         for window, runs in firsts.items():
             ratios = [f / (p + b) for f, p, b in zip(runs["first"], runs["plain"], runs["local"], strict=True)]
             steady = [f / (p + batch_s) for f, p in zip(runs["first"], runs["plain"], strict=True)]
