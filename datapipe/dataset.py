@@ -290,7 +290,10 @@ class StreamingDataset(IterableDataset):
         _, from_end = np.unique(shard[::-1], return_index=True)
         last = at[len(reads) - 1 - from_end]
         by_first = np.argsort(first, kind="stable")
-        remote.follow(shard[first[by_first]], at[first[by_first]], last[by_first])
+        begin, end = bounds[batches[0]] if len(batches) else (0, 0)
+        # the shard this process opens first: its first batch's samples are read sorted, shards ascending
+        own = int(np.searchsorted(self.cache.starts, order[begin:end].min(), side="right") - 1) if end > begin else None
+        remote.follow(shard[first[by_first]], at[first[by_first]], last[by_first], reader_first=own)
 
     def _node_reads(self, bounds: np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(k, position in the order) of every sample that a rank of this node reads in the step of this

@@ -821,10 +821,11 @@ class ShardFetcher:
 
     # ----------------------------------------------------------------- prefetch
     def follow(self, shards: Sequence[int] | np.ndarray, first: Sequence[int] | np.ndarray | None = None,
-               last: Sequence[int] | np.ndarray | None = None) -> None:
+               last: Sequence[int] | np.ndarray | None = None, *, reader_first: int | None = None) -> None:
         """Prefetch ``shards`` (the order this process will first read them; ``first`` and ``last``: the
         positions of the batches that first and last read each, default one shard per batch) in background
-        threads; replaces the previous order.
+        threads; replaces the previous order. ``reader_first``: the shard the reader opens first, which it
+        downloads itself (it could only wait for a prefetch thread's download of it).
 
         What the batch being read needs is downloaded first (in parallel); then up to ``prefetch`` shards
         ahead, never more than ``cache_limit`` holds together with the shards still to be read.
@@ -838,7 +839,8 @@ class ShardFetcher:
         self._size_open_files(first_at, last_at)
         if self._depth() is not None and len(shard_list):
             assert self.manifest is not None
-            self._follower = _Follower(self, shard_list, first_at, last_at, self._depth() or 0, self.slots())
+            self._follower = _Follower(self, shard_list, first_at, last_at, self._depth() or 0, self.slots(),
+                                       reader_first)
         # Room is made before each download, so a folder that went over the limit while readers held its
         # shards open (they cannot be evicted) would stay over it for as long as nothing is downloaded —
         # for good once every shard is local. Each plan brings it back under (what is not open).
@@ -904,7 +906,7 @@ class _Follower:
     THREADS = 8
 
     def __init__(self, fetcher: ShardFetcher, shards: list[int], first: np.ndarray, last: np.ndarray, depth: int,
-                 slots: int | None) -> None:
+                 slots: int | None, reader_first: int | None = None) -> None:
         self.fetcher, self.shards, self.first, self.last = fetcher, shards, first, last
         self.depth, self.slots = depth, slots
         self.index = {s: k for k, s in reversed(list(enumerate(shards)))}
@@ -922,11 +924,11 @@ class _Follower:
         self.threads = min(self.THREADS, len(set(shards) - held))
         self.running = 0
         self.idle = 0
-        if shards and shards[0] not in held:
+        if reader_first in self.index and reader_first not in held:
             # The reader downloads the first shard it reads itself: it could only wait for a prefetch thread's
             # download of it, and a thread's start and hand-over would delay that transfer (on two cores, by
             # the milliseconds the reader and the thread take turns at the interpreter).
-            self._claim(shards[0])
+            self._claim(int(reader_first))
         with self.cond:
             self._wake()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 
 import fsspec
@@ -154,6 +155,31 @@ def test_the_reader_downloads_the_first_shard_itself_and_prefetching_starts_afte
     assert len(data) == 3 and len({rpath for rpath, _ in data}) == 3
     assert data[0][1] == [], "a prefetch thread was alive when the first shard's transfer started"
     assert all(alive for _, alive in data[1:]), "the later shards are prefetched"
+
+
+def test_the_shard_left_to_the_reader_is_the_one_it_opens_first_not_the_nodes_first(local_cache_dir, tmp_path):
+    """A node's plan lists what every rank of the node reads: the shard the reader leaves to no prefetch
+    thread is its own first one; the node's other shards of that batch are prefetched."""
+    url = upload(InOrderFS, local_cache_dir)
+    ds = datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", batch_size=40, prefetch=2)
+    fetcher = ds.cache.remote
+    folder = fetcher.folder
+    names = [s.name for s in ds.cache.manifest.shards]
+
+    def downloaded() -> set[str]:
+        return {d["what"] for d in fetch.downloads(folder) if "/images/" in d["file"]}
+
+    # the first step reads shards 0 and 1 (another rank of the node reads 0), this process opens 1 first
+    fetcher.follow([0, 1, 2], [0, 0, 1], [0, 0, 1], reader_first=1)
+    deadline = time.monotonic() + 30
+    while f"shard {names[0]}" not in downloaded() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a prefetch of shard 1 would have started by now
+    assert downloaded() == {f"shard {names[0]}"}
+    hold = fetcher.hold(1)  # the reader downloads its own first shard
+    assert hold is not None and downloaded() == {f"shard {names[0]}", f"shard {names[1]}"}
+    hold.release()
+    fetcher.close()
 
 
 def test_datasets_of_one_process_share_the_transfer_threads(local_cache_dir, tmp_path):
