@@ -1273,9 +1273,10 @@ def _local_world_size() -> int:
 def _open_filesystem(url: str, storage_options: dict, timeout: float) -> tuple[Any, str]:
     """An fsspec filesystem and the root path of ``url`` in it; on S3 the connection and read timeouts
     default to ``timeout`` (a stopped store is an error, not a hang). The datasets of a process with the
-    same store, options and timeout share one filesystem and its client (see remote.open_location): a
-    client costs 0.2-0.4 s of CPU to make, and the objects of each one dropped (botocore's service model)
-    made a later garbage collection of the process take about a second, a stall in some reader's batch."""
+    same store, options and timeout share one filesystem and its client (fsspec's instance cache, which
+    holds one async filesystem per process and options): a client costs 0.2-0.4 s of CPU to make, and the
+    objects of each one dropped (botocore's service model) made a later garbage collection of the process
+    take about a second, a stall in some reader's batch."""
     options = dict(storage_options)
     if url.split("://", 1)[0] in ("s3", "s3a"):
         config = dict(options.get("config_kwargs") or {})

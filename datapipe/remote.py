@@ -224,7 +224,7 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None, timeo
     options = dict(storage_options or {})
     scheme = url.split("://", 1)[0].lower()
     try:
-        fs, root = _filesystem(fsspec, url, options)
+        fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         raise MissingExtraError(f"{url}: the {scheme}:// filesystem needs a package that is not installed ({exc}); "
                                 f"{INSTALL} (s3fs), or gcsfs / adlfs for gs:// and az://") from None
@@ -235,32 +235,6 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None, timeo
                             "check --storage-option") from None
     return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options,
                     timeout=float(timeout))
-
-
-_SHARED: dict[tuple[Any, ...], Any] = {}  # the async filesystems of this process, by scheme and options
-_SHARED_LOCK = threading.Lock()
-
-
-def _filesystem(fsspec: Any, url: str, options: dict[str, Any]) -> tuple[Any, str]:
-    """fsspec's filesystem of ``url`` and the path in it, as ``fsspec.core.url_to_fs`` gives them; an async
-    filesystem (s3fs, gcsfs, adlfs) is made once per process for the same options. fsspec keeps one
-    instance per thread, and each makes its own client on its first request (0.2-0.4 s of CPU for
-    s3fs's): a Dask worker, whose threads are new from one build to the next, paid that on every build,
-    and a build's threads each paid it again. The instances' requests all run on fsspec's one event loop,
-    so they are shared across threads safely. ``skip_instance_cache`` in ``options`` opts out, as in fsspec."""
-    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
-    if "::" in url or options.get("skip_instance_cache"):
-        return fsspec.core.url_to_fs(url, **options)
-    cls = fsspec.get_filesystem_class(scheme)
-    if not getattr(cls, "async_impl", False):
-        return fsspec.core.url_to_fs(url, **options)
-    key = (os.getpid(), scheme, fsspec.utils.tokenize(cls._get_kwargs_from_urls(url), options))
-    with _SHARED_LOCK:
-        fs = _SHARED.get(key)
-        if fs is None:
-            fs, _ = fsspec.core.url_to_fs(url, **options)
-            _SHARED[key] = fs
-    return fs, cls._strip_protocol(url)
 
 
 # The packages of object-store clients, whose own exceptions derive from none of OSError, ValueError or

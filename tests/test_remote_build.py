@@ -347,22 +347,6 @@ def test_each_part_carries_its_crc32c_unless_the_client_sends_checksums_only_whe
             assert checksums == {}
 
 
-def test_one_filesystem_per_process_serves_every_thread_for_the_same_options(s3):
-    """fsspec keeps an instance per thread, each with its own client (0.2-0.4 s of CPU to make): a Dask
-    worker's threads share one per store and options; other options, or skip_instance_cache, get their own."""
-    import threading
-
-    url = s3.bucket()
-    first = remote.open_location(url, s3.storage_options)
-    others: list[remote.Location] = []
-    thread = threading.Thread(target=lambda: others.append(remote.open_location(f"{url}/deeper", s3.storage_options)))
-    thread.start()
-    thread.join()
-    assert others[0].fs is first.fs and others[0].root == f"{first.root}/deeper"
-    assert remote.open_location(url, {**s3.storage_options, "default_block_size": 1 << 24}).fs is not first.fs
-    assert remote.open_location(url, {**s3.storage_options, "skip_instance_cache": True}).fs is not first.fs
-
-
 def test_a_foreign_zarr_json_in_a_shards_place_is_left_alone(s3, source):
     url = s3.bucket() + "/cache"
     build(source[0], url, storage_options=s3.storage_options)
