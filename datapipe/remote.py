@@ -532,10 +532,10 @@ class _S3Parts:
         ``when_supported``: a CRC32 in Python on the event loop, about 0.9 ms per MB here, against
         0.08 ms for a CRC32C). A client configured ``when_required`` (for stores that refuse checksums)
         gets none, as before."""
-        if getattr(self.loc.fs, "_s3", None) is None:
+        if self.loc.fs._s3 is None:
             self.loc.call("connect", what=self.url, read=True)  # the client is made on the first request
-        config = getattr(getattr(self.loc.fs, "_s3", None), "meta", None)
-        return getattr(getattr(config, "config", None), "request_checksum_calculation", None) == "when_supported"
+        # botocore before 1.36 has no such setting (and computes no checksum by default)
+        return getattr(self.loc.fs._s3.meta.config, "request_checksum_calculation", None) == "when_supported"
 
     def send(self, chunk: bytes, *, last: bool) -> None:
         if self.upload_id is None and last:
@@ -599,10 +599,10 @@ class _BufferedObject:
             self.file.closed = True  # never completed by close() when it is collected
 
 
-def stream_crc32c(loc: Location, key: str, chunk: int = 8 << 20) -> tuple[int, str]:
-    """The size and crc32c (8 hex digits) of an object, read in chunks (never held whole)."""
+def stream_crc32c(loc: Location, key: str) -> tuple[int, str]:
+    """The size and crc32c (8 hex digits) of an object, read in ranges (never held whole)."""
     value, size = 0, 0
-    for data in _ranges(loc, key, chunk=chunk):
+    for data in _ranges(loc, key):
         value = crc32c(data, value)
         size += len(data)
     return size, f"{value:08x}"
