@@ -235,7 +235,8 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     try:
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
                               build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
-                              source_options=source_options, store_timeout=store_timeout, opened=upload.follow)
+                              source_options=source_options, store_timeout=store_timeout, opened=upload.follow,
+                              durable=False)
         with _outside_the_pool(serial):
             upload.finish(staging / SHARDS_DIR / name)
     except BaseException:
@@ -291,9 +292,10 @@ def _clear_remote_shard(loc: remote.Location, name: str, build_id: str) -> None:
 def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str, verify: bool = False,
                  isolate: bool, serial: bool, encoding: samples.Encoding, quality: int, source_options: dict | None,
                  store_timeout: float | None = None,
-                 opened: Callable[[Path, str], None] | None = None) -> dict:
+                 opened: Callable[[Path, str], None] | None = None, durable: bool = True) -> dict:
     """build_shard into a local output folder; ``opened`` is told the data file's path (and its name inside
-    the shard) as soon as the writer opens it (an upload follows it while it is written)."""
+    the shard) as soon as the writer opens it (an upload follows it while it is written). ``durable=False``:
+    the shard is staged for an object store, whose copy is the durable one, so nothing is flushed to disk."""
     import resource
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
@@ -324,7 +326,7 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
     watchdog = Watchdog(lambda path, timeout: message.format(path=shown(path), timeout=timeout), 2 if serial else 70)
     # One intra-op thread where torch resizes (the fallback of the compiled kernel): the workers already run
     # one task per core, and torch would otherwise start threads per image.
-    with ShardWriter(final, size=side, layout=layout, encoding=encoding, quality=quality) as writer, \
+    with ShardWriter(final, size=side, layout=layout, encoding=encoding, quality=quality, durable=durable) as writer, \
             _no_cyclic_gc(), torch_threads(1) if _resize_by_torch() else contextlib.nullcontext(), watchdog:
         if opened is not None:
             data = images_path(writer.tmp_dir, layout)

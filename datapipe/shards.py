@@ -152,12 +152,13 @@ def _zarr_documents(layout: str, count: int, size: int) -> dict[str, bytes]:
 
 
 def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str, Any], *,
-                   index: bytes | None = None, total: int = 0) -> None:
+                   index: bytes | None = None, total: int = 0, durable: bool = True) -> None:
     """Write a shard's Zarr v3 documents and labels chunk into ``folder``: the arrays' metadata, the
     labels, and last the group's ``zarr.json`` carrying ``record`` as ``attributes.datapipe``.
 
     With ``index`` (the sample index's bytes, :meth:`datapipe.samples.SampleIndex.to_bytes`) the
     shard is of the indexed layout holding ``total`` bytes of samples, and the index is written too.
+    ``durable=False``: the group's ``zarr.json`` is not flushed to disk (a shard staged for an object store).
     """
     count = len(labels)
     docs = _zarr_metadata("fixed", count, size) if index is None else _zarr_metadata("indexed", count, total)
@@ -178,7 +179,11 @@ def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str
         target.write_bytes(index)
     meta = json.loads(docs[GROUP_META])
     meta["attributes"] = {"datapipe": record}
-    atomic_write_text(folder / GROUP_META, json.dumps(meta, indent=1, ensure_ascii=False))
+    text = json.dumps(meta, indent=1, ensure_ascii=False)
+    if durable:
+        atomic_write_text(folder / GROUP_META, text)
+    else:
+        (folder / GROUP_META).write_text(text)
 
 
 # ----------------------------------------------------------------------------- reading them back

@@ -34,10 +34,12 @@ class ShardWriter:
     Leaving the block without ``commit`` (an exception) removes the temporary folder.
     ``layout="indexed"`` (with ``encoding`` raw or jpeg, and the JPEG ``quality``) takes samples of
     any shape and writes the sample index; ``size`` is then the largest side a sample may have.
+    ``durable=False``: nothing is flushed to disk (no ``fsync``), for a shard staged on its way to an
+    object store, whose copy is the durable one (the staged files are deleted once it is whole there).
     """
 
     def __init__(self, final_dir: Path, *, size: int, layout: str = "fixed", encoding: samples.Encoding = "raw",
-                 quality: int = samples.DEFAULT_QUALITY) -> None:
+                 quality: int = samples.DEFAULT_QUALITY, durable: bool = True) -> None:
         if layout not in LAYOUTS or encoding not in samples.ENCODINGS or (layout == "fixed" and encoding != "raw"):
             raise ValueError(f"no shard layout {layout!r} of {encoding!r} samples")
         self.final_dir = Path(final_dir)
@@ -45,6 +47,7 @@ class ShardWriter:
         self.layout = layout
         self.encoding = encoding
         self.quality = quality
+        self.durable = durable
         self.rows: list[tuple[int, int, int, int]] = []  # indexed: (offset, nbytes, height, width) per sample
         self._offset = 0  # indexed: bytes of samples written so far
         self.tmp_dir = self.final_dir.parent / f"{TMP_PREFIX}{self.final_dir.stem}-{uuid.uuid4().hex[:8]}"
@@ -83,7 +86,7 @@ class ShardWriter:
         self.labels.append(int(label))
         self.paths.append(path)
         self._unsynced += nbytes
-        if self._unsynced >= SYNC_EVERY_BYTES:
+        if self._unsynced >= SYNC_EVERY_BYTES and self.durable:
             self._sync_in_background()
 
     def _sync_in_background(self) -> None:
@@ -135,20 +138,23 @@ class ShardWriter:
             self._crc = crc32c(tail, self._crc)
         file.flush()
         self._join_flusher()
-        os.fsync(file.fileno())
+        if self.durable:
+            os.fsync(file.fileno())
         file.close()
         if not n:
             images_path(self.tmp_dir, self.layout).unlink()
         labels = np.asarray(self.labels, np.int64)
         if self.layout == "fixed":
             record = {"count": n, "nbytes": expected_file_size(n, self.size), "crc32c": f"{self._crc:08x}", **attributes}
-            write_metadata(self.tmp_dir, self.size, labels, {**record, "paths": self.paths})
+            write_metadata(self.tmp_dir, self.size, labels, {**record, "paths": self.paths}, durable=self.durable)
         else:
             index = samples.SampleIndex.of(np.array(self.rows, np.int64).reshape(-1, 4)).to_bytes()
             record = {"count": n, "nbytes": indexed_file_size(self._offset), "crc32c": f"{self._crc:08x}",
                       "index_crc32c": f"{crc32c(index):08x}", **attributes}
-            write_metadata(self.tmp_dir, self.size, labels, {**record, "paths": self.paths}, index=index, total=self._offset)
-        fsync_dir(self.tmp_dir)
+            write_metadata(self.tmp_dir, self.size, labels, {**record, "paths": self.paths}, index=index,
+                           total=self._offset, durable=self.durable)
+        if self.durable:
+            fsync_dir(self.tmp_dir)
         try:
             os.rename(self.tmp_dir, self.final_dir)
         except OSError:
@@ -156,7 +162,8 @@ class ShardWriter:
             if not (self.final_dir / GROUP_META).exists():
                 raise
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        fsync_dir(self.final_dir.parent)
+        if self.durable:
+            fsync_dir(self.final_dir.parent)
         return record
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -83,6 +83,47 @@ def test_failed_background_sync_fails_the_shard_and_keeps_nothing_half_done(tmp_
     assert not final.exists() and list(tmp_path.iterdir()) == []
 
 
+def _synced_paths(monkeypatch) -> list[str]:
+    """The files and folders flushed to disk from now on (os.fsync and os.fdatasync, by the path of the fd)."""
+    synced: list[str] = []
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda fd, real=real: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    return synced
+
+
+@pytest.mark.parametrize("layout,encoding", [("fixed", "raw"), ("indexed", "raw"), ("indexed", "jpeg")])
+def test_a_shard_staged_for_a_store_is_never_flushed_to_disk_and_holds_the_same_bytes(tmp_path, monkeypatch, layout,
+                                                                                      encoding):
+    """durable=False (a shard staged on its way to an object store, whose copy is the durable one): no fsync or
+    fdatasync of its files or folders, not even in background steps; the files are those a durable writer
+    writes, which syncs its data, its zarr.json and its folders."""
+    import datapipe.writer as writer
+    from datapipe.shards import images_path
+
+    monkeypatch.setattr(writer, "SYNC_EVERY_BYTES", 3 * 8 * 8 * 3)
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(12)]
+    synced = _synced_paths(monkeypatch)
+    trees = {}
+    for durable in (True, False):
+        final = tmp_path / str(durable) / "000000.zarr"
+        final.parent.mkdir()
+        synced.clear()
+        with writer.ShardWriter(final, size=8, layout=layout, encoding=encoding, durable=durable) as w:
+            for i, img in enumerate(images):
+                w.add(img, i % 4, f"f{i}.jpg")
+            w.commit({"shard": 0})
+        trees[durable] = {p.relative_to(final).as_posix(): p.read_bytes() for p in sorted(final.rglob("*")) if p.is_file()}
+        if durable:  # the data file (in background steps, then whole), zarr.json, the shard's folder and its parent
+            data = images_path(Path("x"), layout).relative_to("x").as_posix()
+            assert sum(p.endswith(data) for p in synced) >= 2, synced
+            assert any("zarr.json" in Path(p).name for p in synced) and str(final.parent) in synced, synced
+        else:
+            assert synced == []
+    assert trees[True] == trees[False] and len(trees[True]) >= 4
+
+
 # ----------------------------------------------------------------------------- the indexed layout
 
 
