@@ -230,7 +230,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
                             source_options=source_options, store_timeout=store_timeout)
     loc = remote.open_location(output, output_options, timeout=store_timeout or remote.STORE_TIMEOUT)
     name = shard_name(plan["shard"])
-    staging = Path(tempfile.mkdtemp(prefix="datapipe-shard-"))
+    staging, held = _staging_folder()
     upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}", before=lambda: _clear_remote_shard(loc, name, build_id))
     try:
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
@@ -244,7 +244,62 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        os.close(held)
     return record
+
+
+STAGING_PREFIX = "datapipe-shard-"  # a shard staged on its way to an object store: <tempdir>/datapipe-shard-*
+STAGING_LOCK = ".held"  # its flock, held while the task that stages it lives
+STAGING_GRACE_SECONDS = 60.0  # a staging folder younger than this is never reclaimed (its lock may not be taken yet)
+
+
+def _staging_folder() -> tuple[Path, int]:
+    """A new folder in the temporary directory for a shard on its way to an object store, and the descriptor of
+    the flock that marks it in use until it is closed (the kernel releases it when the process dies).
+
+    First the staging folders of tasks that died (a SIGKILLed or OOM-killed worker cannot remove its own: up to
+    a shard's size each, on a worker's disk) are removed: those whose lock is free and that are older than
+    STAGING_GRACE_SECONDS; a folder in use, or one being created, is left alone."""
+    base = Path(tempfile.gettempdir())
+    _reclaim_staging(base)
+    folder = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=base))
+    fd = os.open(folder / STAGING_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    import fcntl
+
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return folder, fd
+
+
+def _reclaim_staging(base: Path) -> int:
+    """Remove the staging folders under ``base`` that no living task holds (see _staging_folder); returns how many."""
+    import fcntl
+
+    removed = 0
+    now = time.time()
+    try:
+        entries = [e for e in os.scandir(base) if e.name.startswith(STAGING_PREFIX)]
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime < STAGING_GRACE_SECONDS:
+                continue
+            fd = os.open(os.path.join(entry.path, STAGING_LOCK), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:  # gone, not ours to read, or without a lock (a task killed as it made it: empty)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a living task's
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += not os.path.lexists(entry.path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("datapipe build: removed %s left in %s by killed tasks", plural(removed, "staged shard folder"), base)
+    return removed
 
 
 # One shard per worker process may wait for the store outside the worker's thread pool (see _outside_the_pool):

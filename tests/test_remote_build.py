@@ -160,6 +160,42 @@ def test_serial_build_into_s3_equals_the_local_build_and_reruns_as_a_no_op(s3, s
     assert ".datapipe.lock" not in {k.split("/", 1)[1] for k in after}
 
 
+def test_shards_staged_by_killed_tasks_are_removed_by_the_next_task_and_those_in_use_kept(s3, source, tmp_path,
+                                                                                          monkeypatch):
+    """A worker SIGKILLed mid-shard cannot remove the folder its shard was staged in (up to a shard's size on the
+    worker's disk, once per kill): the next shard task on the machine removes it, once no living task holds
+    it (its flock) and it is older than the grace period; a folder in use, or a dead one still in its grace
+    period, is kept."""
+    import tempfile
+
+    from datapipe import builder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this process's build; the helpers get TMPDIR
+    code = ("import sys, time; from datapipe import builder; folder, fd = builder._staging_folder(); "
+            "(folder / 'shards').mkdir(); (folder / 'shards' / 'data').write_bytes(bytes(1 << 20)); "
+            "print(folder, flush=True); time.sleep(600)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "TMPDIR": str(tmp_path)}) for _ in range(3)]
+    try:
+        dead, alive, young = (Path(p.stdout.readline().strip()) for p in procs)  # type: ignore[union-attr]
+        for p in (procs[0], procs[2]):
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+        old = time.time() - builder.STAGING_GRACE_SECONDS - 5
+        for folder in (dead, alive):
+            os.utime(folder, (old, old))
+        url = s3.bucket() + "/cache"
+        assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
+        left = sorted(p for p in tmp_path.iterdir() if p.name.startswith(builder.STAGING_PREFIX))
+        assert left == sorted([alive, young])  # and none of the build's own
+        assert (alive / "shards" / "data").stat().st_size == 1 << 20
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    assert builder._reclaim_staging(tmp_path) == 1  # the one in use, now that its task is gone (young: its grace)
+
+
 def test_remote_cache_verify_info_and_a_shard_corrupted_in_the_store(s3, source, tmp_path):
     url = s3.bucket() + "/c"
     build(source[0], url, storage_options=s3.storage_options)
