@@ -57,8 +57,9 @@ import numpy as np
 
 from .cache import LOCAL_CACHE_MARKER, Cache
 from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError, one_line
-from .files import atomic_write_text, crc32c_range, file_crc32c, make_dirs
+from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, make_dirs
 from .records import MANIFEST, Manifest, parse_json, parse_manifest
+from .remote import is_s3fs
 from .shards import SHARDS_DIR, images_path, index_path
 from .text import show
 
@@ -126,7 +127,7 @@ class _Progress:
     filesystem) does no more than count, and the checksum is done when the last byte arrives. A
     transfer that writes out of order gives a crc that differs from the manifest's; the caller checks
     the whole file again before it calls that a mismatch. ``cancelled`` tells a late transfer to stop
-    counting.
+    counting. An S3 transfer takes the crc itself as it writes (:func:`_s3_get`): it only counts here.
     """
 
     CHECK_EVERY = 1 << 20
@@ -180,6 +181,10 @@ class _Progress:
         if self._path is None or self._fd < 0 or self.checked != os.fstat(self._fd).st_size:
             return None
         return f"{self.crc:08x}", self.checked
+
+    def unfollowed(self) -> None:
+        """The transfer takes the checksum itself: nothing is read back (``finish`` gives None)."""
+        self._path = None
 
     def close(self) -> None:
         self.cancelled = True
@@ -717,8 +722,7 @@ class ShardFetcher:
                     then()
 
             try:
-                self._transfer(rel, tmp, what, progress, meanwhile=prepare)
-                got = progress.finish()
+                got = self._transfer(rel, tmp, what, progress, meanwhile=prepare) or progress.finish()
                 if got is None or got[0] != want_crc:  # the crc taken as the bytes arrived: trusted when it matches
                     got = (file_crc32c(tmp), os.stat(tmp).st_size)
                 crc, size = got
@@ -746,15 +750,20 @@ class ShardFetcher:
         raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; the object was altered "
                                 "after the build: rerun the same `datapipe build` to rewrite it")
 
-    def _transfer(self, rel: str, tmp: Path, what: str, progress: _Progress, meanwhile: Any = None) -> None:
+    def _transfer(self, rel: str, tmp: Path, what: str, progress: _Progress,
+                  meanwhile: Any = None) -> tuple[str, int] | None:
         """Copy object ``rel`` to ``tmp``, counting into ``progress``; give up when nothing arrives for
         ``timeout`` s. An async filesystem's transfer runs on its own event loop (no thread between), a
         blocking one's in a transfer thread; this thread calls ``meanwhile()`` once the transfer has
-        started, then takes the checksum of what arrives."""
+        started, then takes the checksum of what arrives (:meth:`_Progress.catch_up`). Returns the
+        (crc32c, size) of what was written when the transfer took it itself (S3), else None."""
         fs, root = self.filesystem()
         rpath = f"{root}/{rel}"
-        if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
-            future: Future = asyncio.run_coroutine_threadsafe(fs._get_file(rpath, str(tmp), callback=progress), fs.loop)
+        if is_s3fs(fs):  # the checksum is taken on the event loop, from each chunk as it is written
+            progress.unfollowed()
+            future: Future = asyncio.run_coroutine_threadsafe(_s3_get(fs, rpath, str(tmp), progress), fs.loop)
+        elif getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
+            future = asyncio.run_coroutine_threadsafe(fs._get_file(rpath, str(tmp), callback=progress), fs.loop)
         else:
             future = _transfers().submit(fs.get_file, rpath, str(tmp), callback=progress)
         future.add_done_callback(lambda _: progress.ready.set())
@@ -778,11 +787,12 @@ class ShardFetcher:
                 raise RemoteStoreError(f"{what}: {self.url}/{rel}: no data arrived for {self.timeout:g} s (the "
                                        "store stopped answering); check that it is up, or raise timeout=")
         try:
-            future.result()
+            got = future.result()
         except (FileNotFoundError, DatapipeError):
             raise
         except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
             raise _Transient(one_line(exc)) from None
+        return got if isinstance(got, tuple) else None
 
     # ----------------------------------------------------------------- eviction
     def _make_room(self, need: int) -> None:
@@ -1122,6 +1132,31 @@ class _DaemonPool:
 
 _POOL: tuple[int, _DaemonPool] | None = None
 _POOL_LOCK = threading.Lock()
+
+
+async def _s3_get(fs: Any, rpath: str, lpath: str, progress: _Progress) -> tuple[str, int]:
+    """An S3 object into the file ``lpath`` (s3fs's own request, with its extra arguments), its crc32c taken
+    from each chunk as it is written, on the event loop: nothing is read back, and no thread is woken
+    for it while the bytes arrive (:class:`_Progress` only counts). Returns (crc32c, size). A failure
+    mid-body is the caller's to retry (it downloads the object again)."""
+    bucket, key, version = fs.split_path(rpath)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, **fs.req_kw,
+                                 **({"VersionId": version} if version else {}))
+    body = response["Body"]
+    crc = size = 0
+    try:
+        with open(lpath, "wb") as f:
+            while chunk := await body.read(S3_CHUNK):
+                f.write(chunk)
+                crc = crc32c(chunk, crc)
+                size += len(chunk)
+                progress.relative_update(len(chunk))
+    finally:
+        body.close()
+    return f"{crc:08x}", size
+
+
+S3_CHUNK = 1 << 20  # the most of an S3 response's body taken at once (what has arrived, up to this)
 
 
 def _transfers() -> _DaemonPool:

@@ -270,7 +270,7 @@ def store_errors(loc: Location, what: str, error: type[Exception] = OutputError)
 def listing(loc: Location, prefix: str = "") -> dict[str, int]:
     """Every object under ``prefix`` (a key under the root): key -> size in bytes. One listing request (paged;
     on S3 each page under the location's deadline)."""
-    if _is_s3(loc.fs):
+    if is_s3fs(loc.fs):
         return _s3_listing(loc, prefix)
     loc.fs.invalidate_cache(loc.path(prefix))  # the store, not the filesystem's memory of an earlier listing
     try:
@@ -450,7 +450,7 @@ class ShardUpload:
                         write_bytes(self.loc, f"{self.key}/{rel}", local.read())
                         self.sent = os.fstat(local.fileno()).st_size
                     return
-                sink = _S3Parts(self.loc, f"{self.key}/{rel}") if _is_s3(self.loc.fs) else \
+                sink = _S3Parts(self.loc, f"{self.key}/{rel}") if is_s3fs(self.loc.fs) else \
                     _BufferedObject(self.loc, f"{self.key}/{rel}", self.part)
                 while True:
                     done = self._written.is_set()
@@ -503,8 +503,9 @@ class ShardUpload:
         self._thread.join()
 
 
-def _is_s3(fs: Any) -> bool:
-    """Whether ``fs`` is s3fs's (its multipart upload is driven here, part by part, under deadlines)."""
+def is_s3fs(fs: Any) -> bool:
+    """Whether ``fs`` is s3fs's, whose requests datapipe sends itself: a shard's multipart upload part by part
+    under deadlines, listings page by page, the node cache's downloads checksummed as they arrive."""
     return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
 
 

@@ -307,6 +307,27 @@ def test_a_shard_altered_in_the_store_is_an_error_naming_it_after_the_retries(s3
     assert shard_downloads(folder)["shard 000001.zarr"] == 1  # the shards before it were read
 
 
+@pytest.mark.parametrize("layout", ["fixed", "indexed"])
+def test_an_s3_download_is_checked_as_it_is_written_and_never_read_back(s3, built, tmp_path, monkeypatch, layout):
+    """On S3 the transfer takes each chunk's crc32c as it writes it (on the event loop): a whole epoch's downloads
+    (data files and sample indexes, prefetched and read) read no file back for a checksum, and each file in
+    place is byte for byte the built one. (A shard altered in the store is still found: the test above.)"""
+    url = upload(s3, built[layout])
+    read_back: list[str] = []
+    for name in ("crc32c_range", "file_crc32c"):
+        real = getattr(fetch, name)
+        monkeypatch.setattr(fetch, name, lambda *a, real=real, name=name, **k: (read_back.append(name), real(*a, **k))[1])
+    ds = open_remote(s3, url, tmp_path / "lc", prefetch=2)
+    assert sorted(read_epoch(ds)) == list(range(N))
+    ds.cache.remote.close()
+    folder = ds.cache.remote.folder
+    files = [d["file"] for d in fetch.downloads(folder) if d["what"].startswith("shard ")]
+    assert len({f for f in files if "/images/" in f}) == 15, files
+    assert read_back == []
+    for rel in files:
+        assert (folder / rel).read_bytes() == (built[layout] / rel).read_bytes(), rel
+
+
 @pytest.mark.parametrize("fault", ["stop", "pause"])
 def test_a_store_that_stops_answering_mid_epoch_is_an_error_not_a_hang(s3, built, tmp_path, fault):
     url = upload(s3, built["fixed"])
