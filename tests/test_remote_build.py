@@ -171,6 +171,7 @@ def test_shards_staged_by_killed_tasks_are_removed_by_the_next_task_and_those_in
     from datapipe import builder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this process's build; the helpers get TMPDIR
+    monkeypatch.setattr(builder, "STAGING_GRACE_SECONDS", 3600.0)  # however slow the machine, "young" stays young
     code = ("import sys, time; from datapipe import builder; folder, fd = builder._staging_folder(); "
             "(folder / 'shards').mkdir(); (folder / 'shards' / 'data').write_bytes(bytes(1 << 20)); "
             "print(folder, flush=True); time.sleep(600)")
@@ -181,7 +182,7 @@ def test_shards_staged_by_killed_tasks_are_removed_by_the_next_task_and_those_in
         for p in (procs[0], procs[2]):
             p.send_signal(signal.SIGKILL)
             p.wait(10)
-        old = time.time() - builder.STAGING_GRACE_SECONDS - 5
+        old = time.time() - builder.STAGING_GRACE_SECONDS - 60
         for folder in (dead, alive):
             os.utime(folder, (old, old))
         url = s3.bucket() + "/cache"
@@ -503,9 +504,13 @@ def test_sigkill_of_the_client_on_a_local_cluster_resumes_uploading_only_unfinis
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_for(lambda: len(_finished(s3.objects(url))) >= 3, "three finished shards")
+        # The store freezes first: no shard finishes between the look and the kill (the whole build of these
+        # small shards can take well under a second, more than 20 shards may finish after one listing).
+        s3.pause()
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the client and its LocalCluster's workers
         proc.wait()
+        s3.resume()
     before = s3.objects(url)
     done = _finished(before)
     assert "cache/manifest.json" not in before and 3 <= len(done) < 24
