@@ -62,6 +62,7 @@ class S3Server:
         self._log_dir = log_dir
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
+        self._client: Any = None
 
     # ------------------------------------------------------------------ process
 
@@ -129,12 +130,16 @@ class S3Server:
     # ------------------------------------------------------------------ store
 
     def client(self) -> Any:
-        """A boto3 S3 client for this server (for checks below s3fs: ETags, LastModified, raw puts)."""
-        import boto3
+        """A boto3 S3 client for this server (for checks below s3fs: ETags, LastModified, raw puts), made once:
+        making one takes a few hundred milliseconds of CPU, which a test polling the store would spend per look."""
+        if self._client is None:
+            import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
-                            aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+            self._client = boto3.client("s3", endpoint_url=self.endpoint_url,
+                                        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+                                        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                                        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+        return self._client
 
     def bucket(self, name: str | None = None) -> str:
         """Create a bucket (a fresh unique name unless given) and return its URL, ``s3://name``."""
