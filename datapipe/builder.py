@@ -10,6 +10,7 @@ The manifest is written last.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import hashlib
 import json
@@ -264,16 +265,12 @@ def _staging_folder() -> tuple[Path, int]:
     _reclaim_staging(base)
     folder = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=base))
     fd = os.open(folder / STAGING_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    import fcntl
-
     fcntl.flock(fd, fcntl.LOCK_EX)
     return folder, fd
 
 
 def _reclaim_staging(base: Path) -> int:
     """Remove the staging folders under ``base`` that no living task holds (see _staging_folder); returns how many."""
-    import fcntl
-
     removed = 0
     now = time.time()
     try:

@@ -245,3 +245,13 @@ def built_copy(built, tmp_path) -> Path:
     dst = tmp_path / "copy"
     shutil.copytree(built[0], dst, symlinks=True)
     return dst
+
+
+@pytest.fixture
+def synced_paths(monkeypatch) -> list[str]:
+    """The files and folders flushed to disk during the test (os.fsync and os.fdatasync, by the path of the fd)."""
+    synced: list[str] = []
+    for name in ("fsync", "fdatasync"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda fd, real=real: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    return synced

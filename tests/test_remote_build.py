@@ -137,16 +137,12 @@ def test_importing_datapipe_imports_no_fsspec():
 
 
 def test_serial_build_into_s3_equals_the_local_build_and_reruns_as_a_no_op(s3, source, built, tmp_path, imaging,
-                                                                         monkeypatch):
+                                                                         synced_paths):
     url = s3.bucket() + "/cache"
-    synced: list[str] = []  # what the build flushes to disk (os.fsync, os.fdatasync), by path
-    for name in ("fsync", "fdatasync"):
-        real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda fd, real=real: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
     report = build(source[0], url, storage_options=s3.storage_options)
     assert report.status == "ok" and report.output == url and report.shards_built == report.shards_total > 1
     # The shards staged on their way to the store (the store's copy is the durable one) are never flushed to disk.
-    assert not [p for p in synced if "datapipe-shard-" in p], synced
+    assert not [p for p in synced_paths if "datapipe-shard-" in p], synced_paths
     local = imaging.tree_bytes(built[0])
     got = imaging.tree_bytes(download(s3, url, tmp_path / "got"))
     assert shard_files(got) == shard_files(local)

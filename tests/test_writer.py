@@ -83,18 +83,9 @@ def test_failed_background_sync_fails_the_shard_and_keeps_nothing_half_done(tmp_
     assert not final.exists() and list(tmp_path.iterdir()) == []
 
 
-def _synced_paths(monkeypatch) -> list[str]:
-    """The files and folders flushed to disk from now on (os.fsync and os.fdatasync, by the path of the fd)."""
-    synced: list[str] = []
-    for name in ("fsync", "fdatasync"):
-        real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda fd, real=real: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
-    return synced
-
-
 @pytest.mark.parametrize("layout,encoding", [("fixed", "raw"), ("indexed", "raw"), ("indexed", "jpeg")])
 def test_a_shard_staged_for_a_store_is_never_flushed_to_disk_and_holds_the_same_bytes(tmp_path, monkeypatch, layout,
-                                                                                      encoding):
+                                                                                      encoding, synced_paths):
     """durable=False (a shard staged on its way to an object store, whose copy is the durable one): no fsync or
     fdatasync of its files or folders, not even in background steps; the files are those a durable writer
     writes, which syncs its data, its zarr.json and its folders."""
@@ -104,7 +95,7 @@ def test_a_shard_staged_for_a_store_is_never_flushed_to_disk_and_holds_the_same_
     monkeypatch.setattr(writer, "SYNC_EVERY_BYTES", 3 * 8 * 8 * 3)
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(12)]
-    synced = _synced_paths(monkeypatch)
+    synced = synced_paths
     trees = {}
     for durable in (True, False):
         final = tmp_path / str(durable) / "000000.zarr"
