@@ -244,7 +244,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         upload.abort()
         raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_staging(staging)
         os.close(held)
     return record
 
@@ -282,7 +282,9 @@ def _reclaim_staging(base: Path) -> int:
             if not entry.is_dir(follow_symlinks=False) or now - entry.stat(follow_symlinks=False).st_mtime < STAGING_GRACE_SECONDS:
                 continue
             fd = os.open(os.path.join(entry.path, STAGING_LOCK), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:  # gone, not ours to read, or without a lock (a task killed as it made it: empty)
+        except OSError:  # gone, not ours to read, or without its lock: empty (see _remove_staging) unless not ours
+            with contextlib.suppress(OSError):
+                os.rmdir(entry.path)  # only if empty: a task killed as it made it, or as it removed it
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -290,13 +292,38 @@ def _reclaim_staging(base: Path) -> int:
             os.close(fd)
             continue
         try:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed += not os.path.lexists(entry.path)
+            removed += _remove_staging(Path(entry.path))
         finally:
             os.close(fd)
     if removed:
         log.info("datapipe build: removed %s left in %s by killed tasks", plural(removed, "staged shard folder"), base)
     return removed
+
+
+def _remove_staging(folder: Path) -> bool:
+    """Remove a staging folder, its lock last: a task killed while removing it (or a removal that fails) leaves
+    the lock with what remains, so that the next task removes the rest; a folder without its lock is empty.
+    Returns whether the folder is gone."""
+
+    def rest() -> list[os.DirEntry]:
+        try:
+            with os.scandir(folder) as entries:
+                return [e for e in entries if e.name != STAGING_LOCK]
+        except OSError:
+            return []
+
+    for entry in rest():
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+    if rest():
+        return False  # something could not be removed: the lock stays, for the next task to try again
+    for remove, path in ((os.unlink, folder / STAGING_LOCK), (os.rmdir, folder)):
+        with contextlib.suppress(OSError):
+            remove(path)
+    return not os.path.lexists(folder)
 
 
 # One shard per worker process may wait for the store outside the worker's thread pool (see _outside_the_pool):

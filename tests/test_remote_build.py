@@ -193,6 +193,37 @@ def test_shards_staged_by_killed_tasks_are_removed_by_the_next_task_and_those_in
     assert builder._reclaim_staging(tmp_path) == 1  # the one in use, now that its task is gone (young: its grace)
 
 
+@pytest.mark.parametrize("killed_after", ["its first removal", "the lock's removal"])
+def test_a_task_killed_while_removing_its_staged_shard_leaves_it_for_the_next_task(tmp_path, killed_after):
+    """A worker killed while it removes its staging folder (a shard's worth of files) leaves the folder's lock
+    until the rest is gone, so that the next task still sees the folder as a dead task's and removes what is
+    left; a folder without the lock that is not empty is not one of ours and is kept."""
+    from datapipe import builder
+
+    stop = "True" if killed_after == "its first removal" else f"path.endswith({builder.STAGING_LOCK!r})"
+    code = ("import os, signal, sys; from datapipe import builder; folder, fd = builder._staging_folder(); "
+            "(folder / 'shards' / 'a.zarr').mkdir(parents=True); "
+            "[(folder / 'shards' / 'a.zarr' / n).write_bytes(bytes(1000)) for n in 'bcdef']; "
+            "(folder / 'zarr.json').write_text('{}'); unlink = os.unlink\n"
+            "def killed(path, *a, **k):\n"
+            "    unlink(path, *a, **k); path = os.fspath(path)\n"
+            f"    if {stop}: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "os.unlink = killed; print(folder, flush=True); builder._remove_staging(folder)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    folder = Path(proc.stdout.strip())
+    assert folder.is_dir()
+    theirs = tmp_path / f"{builder.STAGING_PREFIX}not-ours"
+    (theirs / "x").mkdir(parents=True)
+    old = time.time() - builder.STAGING_GRACE_SECONDS - 60
+    for f in (folder, theirs):
+        os.utime(f, (old, old))
+    builder._reclaim_staging(tmp_path)
+    assert not folder.exists()
+    assert (theirs / "x").is_dir()
+
+
 def test_remote_cache_verify_info_and_a_shard_corrupted_in_the_store(s3, source, tmp_path):
     url = s3.bucket() + "/c"
     build(source[0], url, storage_options=s3.storage_options)
