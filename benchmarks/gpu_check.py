@@ -268,6 +268,37 @@ def resize_cost(dev: torch.device, batch: int, side: int, size: int, reps: int) 
     return res
 
 
+def sync_free(dev: torch.device, batch: int, side: int, size: int) -> dict:
+    """Whether each device preset queues its work without making the host wait for the device: a call
+    that synchronises (a tensor made from Python numbers on the device, a blocking copy, reading a
+    device value) would hold the loader, at every batch, until the training step before has finished.
+    Each preset runs once to warm up (its constants are made then), then under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises at a synchronising call."""
+    if dev.type != "cuda":
+        return {"checked": False, "why": "no CUDA: nothing to wait for"}
+    images = torch.randint(0, 256, (batch, side, side, 3), dtype=torch.uint8, device=dev)
+    presets = {"train": augment.train(size, channels_last=True, path="device"),
+               "train_bf16": augment.train(size, channels_last=True, dtype=torch.bfloat16, path="device"),
+               "eval": augment.eval(size, path="device"), "convert": augment.convert()}
+    if importlib.util.find_spec("kornia") is not None:
+        presets["train_jitter"] = augment.train(size, channels_last=True, color_jitter=0.4, path="device")
+    res: dict = {"checked": True}
+    for name, aug in presets.items():
+        aug(images, seed=0)
+        torch.cuda.synchronize(dev)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            aug(images, seed=1)
+            res[name] = "queued without waiting"
+        except RuntimeError as exc:
+            res[name] = f"synchronises: {' '.join(str(exc).split())[:300]}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize(dev)
+    res["ok"] = all(v == "queued without waiting" for k, v in res.items() if k not in ("checked",))
+    return res
+
+
 def resnet_steps(cache, dev, args, size: int) -> dict:
     """Images/s of ResNet-50 training steps on synthetic data and fed by datapipe, and the slowdown."""
     model = resnet50().to(dev, memory_format=torch.channels_last)
@@ -324,12 +355,14 @@ def resnet_steps(cache, dev, args, size: int) -> dict:
 
 
 def cuda_tests(timeout: float) -> dict:
-    """The repository's ``cuda``-marked tests, where tests/ is present (skipped there without a GPU)."""
+    """The repository's ``cuda``-marked tests, where tests/ is present (skipped there without a GPU), but for
+    tests/test_gpu_decode.py's, which benchmarks/gpu_decode.py runs."""
     tests = ROOT / "tests"
-    files = sorted(str(p) for p in tests.glob("test_*.py") if "mark.cuda" in p.read_text()) if tests.is_dir() else []
+    files = sorted(str(p) for p in tests.glob("test_*.py")
+                   if "mark.cuda" in p.read_text() and p.name != "test_gpu_decode.py") if tests.is_dir() else []
     if not files:
         return {"ran": False, "why": "no tests/ with cuda-marked tests here", "ok": True}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", *files]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -403,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     res["resize"] = resize_cost(dev, args.batch, args.side if args.cpu_smoke else 256, size, reps)
     res["resize"]["goal_us_per_image"] = 5.0
+    res["sync_free"] = sync_free(dev, args.batch, args.side if args.cpu_smoke else 256, size)
     save("resize", t)
 
     t = time.perf_counter()

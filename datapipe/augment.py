@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -164,9 +165,17 @@ def _resize_aa() -> Callable[..., object]:
 
 
 def _scale_shift(mean: Sequence[float], std: Sequence[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`datapipe.native.scale_shift` as tensors of shape [3, 1, 1] on ``device``."""
+    """:func:`datapipe.native.scale_shift` as tensors of shape [3, 1, 1] on ``device`` (made once per device)."""
     scale, shift = native.scale_shift(mean, std)
-    return torch.tensor(scale, device=device).view(3, 1, 1), torch.tensor(shift, device=device).view(3, 1, 1)
+    return _channels(tuple(scale), device, torch.float32), _channels(tuple(shift), device, torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _channels(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Per-channel constants as a [3, 1, 1] tensor on ``device``, made once: a tensor made from Python numbers
+    on a CUDA device is a blocking copy, which waits for all the work queued on the stream (the training
+    step before) and would stop the host from running ahead of the device at every batch."""
+    return torch.tensor(values, dtype=dtype).view(3, 1, 1).to(device)
 
 
 def _scale_shift_(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
@@ -188,8 +197,7 @@ def _channel_triple(values: Iterable[float], what: str, *, nonzero: bool = False
 
 
 def _normalize_float(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
-    s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    m, s = _channels(tuple(mean), x.device, x.dtype), _channels(tuple(std), x.device, x.dtype)
     return (x - m) / s
 
 
@@ -467,7 +475,7 @@ class TrainAugment(BatchAugment):
                 return self._finish(_scale_shift_(x, self.mean, self.std))
             x = x.mul_(1.0 / 255.0).clamp_(0.0, 1.0)
         if "jitter" in params:
-            x = _jitter(x, params["jitter"].to(x.device))
+            x = _jitter(x, params["jitter"].to(x.device, non_blocking=True))  # no wait for the device's queue
         return self._finish(_normalize_float(x, self.mean, self.std))
 
     def decode(self, encoded: Sequence[EncodedSample], seed: int | None = None,
@@ -570,7 +578,7 @@ class EvalAugment(BatchAugment):
         if b == 0:
             return torch.empty((0, 3, s, s), dtype=self.dtype, device=device)
         if params is not None:  # per-sample crops (samples of varying shapes, padded into one batch)
-            x = crop_and_resize(_stack(images), params["crops"].to(device), s)
+            x = crop_and_resize(_stack(images), params["crops"], s)  # the boxes are read on the host
             return self._finish(_scale_shift_(x, self.mean, self.std))
         if not isinstance(images, torch.Tensor) and any(x.shape != images[0].shape for x in images):
             return self._each(images, out)

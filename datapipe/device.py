@@ -380,7 +380,7 @@ class DeviceLoader:
                                        [e.where for e in encoded], self.device, stream)
             empty = (0, *self._buffer_shape())  # a rank's empty last batch
             images = pad_batch(decoded) if n else torch.empty(empty, dtype=torch.uint8, device=self.device)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a thread that waits for it sleeps instead of spinning
             event.record(stream)
         slot.decoded, slot.keep = event, decoded
         if self._varied:
@@ -495,7 +495,7 @@ class DeviceLoader:
                 images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             index = index.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the reader waiting for it sleeps instead of spinning
             event.record(self._copy_stream)
         slot.event = event  # the reader refilling this buffer waits for the copy first
         params, slot.params = slot.params, None
@@ -567,6 +567,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         raise ArgumentError(f"device={str(device)!r} but CUDA is not available here; use device='cpu' or 'auto'")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ArgumentError(f"device={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == "cuda" and dev.index is None:  # "cuda" is the current device: named by its index, as tensors name it
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

@@ -1,7 +1,7 @@
 """JPEG samples decoded on the GPU for the CUDA DeviceLoader: nvImageCodec, else torchvision's nvjpeg.
 
 A CUDA DeviceLoader over a JPEG cache decodes each batch on the GPU when a decoder is installed and
-works here — ``nvidia-nvimgcodec-cu12`` (``nvimgcodec``) first, else torchvision's batched
+works here — ``nvidia-nvimgcodec-cu12`` or ``-cu13``, matching torch's CUDA (``nvimgcodec``) first, else torchvision's batched
 ``decode_jpeg(device="cuda")`` (only if torchvision imports cleanly beside this torch) — and on the
 host (libjpeg-turbo) otherwise. The environment variable ``DATAPIPE_GPU_DECODE`` overrides the
 choice: ``0`` decodes on the host, ``nvimgcodec`` or ``torchvision`` requires that decoder (an
@@ -32,7 +32,8 @@ from .samples import decode_jpeg, encode
 
 ENV = "DATAPIPE_GPU_DECODE"
 DECODERS = ("nvimgcodec", "torchvision")  # in the order the automatic choice tries them
-INSTALL = {"nvimgcodec": "pip install nvidia-nvimgcodec-cu12", "torchvision": "pip install the torchvision built for this torch"}
+INSTALL = {"nvimgcodec": "pip install nvidia-nvimgcodec-cu12 (-cu13 for CUDA 13)",
+           "torchvision": "pip install the torchvision built for this torch"}
 MEAN_TOL = 1.5  # uint8 levels: the mean absolute difference to the host decode, per image
 P999_TOL = 32.0  # uint8 levels: the 99.9th percentile of the absolute difference, per image
 
@@ -77,6 +78,8 @@ class GpuJpegDecoder:
                 images = self._decode(data, dev, stream)
             except (RuntimeError, ValueError) as exc:  # a batched call fails whole: find the sample on the host
                 raise failure(self.name, data, shapes, wheres, range(len(data)), exc) from None
+        if len(images) != len(data):  # nvImageCodec before 0.5 dropped the images it failed on from its list
+            raise failure(self.name, data, shapes, wheres, range(len(data)), None)
         failed = [i for i, x in enumerate(images) if x is None]
         if failed:
             raise failure(self.name, data, shapes, wheres, failed, None)
@@ -130,7 +133,8 @@ class NvImageCodecDecoder(GpuJpegDecoder):
         self.host_threads = max(0, int(host_threads))
         self._local = threading.local()
         # as libjpeg-turbo: RGB, no EXIF rotation (a cache's samples carry none), fancy (interpolated) chroma upsampling
-        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB)
+        rgb = getattr(nvimgcodec.ColorSpec, "SRGB", None) or nvimgcodec.ColorSpec.RGB  # SRGB from 0.7, RGB before
+        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=rgb)
 
     def _decoder(self):
         dec = getattr(self._local, "decoder", None)

@@ -15,6 +15,7 @@ path with the same seed, within the same tolerance; a damaged sample named by sh
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 from pathlib import Path
@@ -135,13 +136,27 @@ def test_forcing_a_decoder_that_cannot_run_is_an_error_naming_it(name):
     assert select(name, {name: _works(name), **others}) == name
 
 
-def _runs_here(name: str) -> bool:
+@functools.cache
+def _why_not_here(name: str) -> str | None:
+    """Why decoder ``name`` cannot run here (None: it can): no CUDA, not installed, or installed but unable
+    to decode (a build for another CUDA, an API it does not have) — which the automatic choice passes over."""
     module = {"nvimgcodec": "nvidia.nvimgcodec", "torchvision": "torchvision"}[name]
     try:
         found = importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # the parent package (nvidia) is missing
         found = False
-    return HAS_CUDA and found
+    if not HAS_CUDA or not found:
+        return "no CUDA here" if not HAS_CUDA else f"{name} is not installed"
+    make = {"nvimgcodec": gpu_decode.NvImageCodecDecoder, "torchvision": gpu_decode.TorchvisionDecoder}[name]
+    try:
+        make(torch.device("cuda")).probe()
+    except Exception as exc:  # noqa: BLE001 - reported as the reason of the skip
+        return f"{name} is installed but cannot decode here ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+    return None
+
+
+def _runs_here(name: str) -> bool:
+    return _why_not_here(name) is None
 
 
 @pytest.mark.parametrize("name", gpu_decode.DECODERS)
@@ -272,7 +287,7 @@ def _within_tolerance(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def _forced(monkeypatch, name: str):
     if not _runs_here(name):
-        pytest.skip(f"{name} is not installed")
+        pytest.skip(str(_why_not_here(name)))
     monkeypatch.setenv(ENV, name)
     decoder = jpeg_decoder("cuda")
     assert decoder is not None and decoder.name == name

@@ -256,6 +256,46 @@ def photo_cache_256(tmp_path_factory):
     return photo_cache(tmp_path_factory.mktemp("photo-cache"), 96, 256)
 
 
+@pytest.mark.parametrize("name", ["train", "train_jitter", "eval", "eval_varied", "convert"])
+def test_device_presets_queue_their_work_without_waiting_for_the_device_once_warm(monkeypatch, name):
+    """A tensor made from Python numbers on a CUDA device, or a blocking copy to it, waits for all the work
+    queued before it (the training step), so the loader could not run ahead of the device. Once warm, the
+    device path's presets do neither: per-channel constants are made once per device and dtype, parameters
+    go over without waiting. Run on the meta device, where every transfer from the host is visible.
+    (benchmarks/gpu_check.py checks the same on a GPU with torch.cuda.set_sync_debug_mode.)"""
+    meta = torch.device("meta")
+    images = torch.zeros((4, 96, 96, 3), dtype=torch.uint8, device=meta)
+    presets = {"train": augment.train(64, path="device"), "train_jitter": augment.train(64, color_jitter=0.4, path="device"),
+               "eval": augment.eval(64, path="device"), "eval_varied": augment.eval(64, path="device"),
+               "convert": augment.convert()}
+    aug = presets[name]
+    params = aug.sample(4, torch.tensor([96, 80, 96, 70]), torch.tensor([96, 96, 60, 90]), 0) if name == "eval_varied" else None
+    run = (lambda: aug(images, params=params)) if params is not None else (lambda: aug(images, seed=1))
+    assert run().device == meta
+    waits: list[str] = []
+    for fn in ("tensor", "as_tensor"):
+        real = getattr(torch, fn)
+
+        def made(*args, _real=real, _fn=fn, **kwargs):
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
+                waits.append(f"torch.{_fn}(..., device={kwargs['device']})")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, fn, made)
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = next((a for a in args if isinstance(a, (str, torch.device))), kwargs.get("device"))
+        if (target is not None and self.device.type == "cpu" and torch.device(target).type != "cpu"
+                and not kwargs.get("non_blocking", False)):
+            waits.append(f"a blocking copy of {tuple(self.shape)} to {target}")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    run()
+    assert waits == []
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
