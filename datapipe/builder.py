@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -56,6 +57,8 @@ from .text import plural
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from dask.distributed import Client, Future, LocalCluster
     from tqdm import tqdm
 
@@ -169,17 +172,30 @@ class BuildReport:
     config: dict = field(default_factory=dict)
     build_id: str = ""
     aspect_capped: int = 0  # fit short: samples whose longer side was cut to max_aspect * size
+    outside_classes: list[str] = field(default_factory=list)  # image files at the top of a folder source: not used
+    empty_classes: list[str] = field(default_factory=list)  # classes of the source without a single sample
 
     def quarantine_counts(self) -> dict[str, int]:
         """Quarantined files by class (``error``: see datapipe.errors.QUARANTINE_KINDS), most first."""
         return quarantine_counts(self.quarantined)
+
+    def _unused(self) -> str:
+        """What the summary says of images and classes that are not in the cache although not quarantined."""
+        text = ""
+        if self.outside_classes:
+            text += (f", {plural(len(self.outside_classes), 'image file')} at the source's top level not used "
+                     "(no class folder; listed in report.json)")
+        if self.empty_classes:
+            names = ", ".join(self.empty_classes[:3]) + (" ..." if len(self.empty_classes) > 3 else "")
+            text += f", {plural(len(self.empty_classes), 'class', 'classes')} without any sample ({names})"
+        return text
 
     def summary(self) -> str:
         rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
         capped = f", {plural(self.aspect_capped, 'image')} cut to --max-aspect" if self.aspect_capped > 0 else ""
         return (f"{self.status}: {plural(self.num_samples, 'sample')} in {plural(self.shards_total, 'shard')} "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
-                f"{describe_quarantine(self.quarantined)}{capped}, {rate}, "
+                f"{describe_quarantine(self.quarantined)}{capped}{self._unused()}, {rate}, "
                 f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
 
 
@@ -590,13 +606,23 @@ def build(
     cluster = Cluster() if cluster is None else cluster
     if not isinstance(cluster, Cluster):
         raise ArgumentError(f"cluster must be a datapipe.Cluster, got {type(cluster).__name__}")
-    if not 0.0 <= max_bad_fraction <= 1.0:
-        raise ArgumentError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction!r}")
+    _check_not_reimported()
+    if not cluster.scheduler and _unguarded_script_call():
+        raise ArgumentError(_GUARD_HINT)
+    if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float)) \
+            or not 0.0 <= max_bad_fraction <= 1.0:
+        raise ArgumentError(f"max_bad_fraction must be a number in [0, 1], got {max_bad_fraction!r}")
+    for name, value in (("source", source), ("output", output)):
+        if not isinstance(value, (str, os.PathLike)):
+            raise ArgumentError(f"{name} must be a path or a URL, got {value!r}")
     t0 = time.perf_counter()
     remote_source = remote.is_url(os.fspath(source))
     remote_output = remote.is_url(os.fspath(output))
     store_timeout = remote.store_timeout() if remote_source or remote_output else remote.STORE_TIMEOUT
-    listing = remote.scan(os.fspath(source), storage_options, store_timeout) if remote_source else scan(source)
+    if remote_source:
+        listing = remote.scan(os.fspath(source), storage_options, store_timeout)
+    else:  # the output is never a class, even when it lies inside the source
+        listing = scan(source, exclude=None if remote_output else Path(output).expanduser())
     config = spec.config(listing.kind)
     chash = mf.config_hash(config)
     options = {"source_options": dict(storage_options or {}) if remote_source else None, "store_timeout": store_timeout}
@@ -615,6 +641,45 @@ def build(
         raise
     finally:
         target.lock.release()
+
+
+def _check_not_reimported() -> None:
+    """A script that calls build() without ``if __name__ == "__main__":`` runs it again in every worker
+    process that a LocalCluster starts (they import the main module); there it would meet the lock
+    of the build that started them. Say so in one line instead."""
+    # multiprocessing runs the parent's main script under the name __mp_main__ in each process it
+    # spawns, before the process is its child in name (parent_process() is still None then)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") != "__mp_main__":
+        frame = frame.f_back
+    if frame is not None:
+        raise ArgumentError(_GUARD_HINT)
+
+
+_GUARD_HINT = ("a script that calls datapipe.build() with a LocalCluster must call it under "
+               "`if __name__ == \"__main__\":`: its worker processes import the script, and would build again")
+
+
+def _unguarded_script_call() -> bool:
+    """Whether build() is called from the top-level code of the main script, outside an
+    ``if __name__ == "__main__":`` block: the LocalCluster's workers would run that call again."""
+    import ast
+
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and not (frame.f_globals.get("__name__") == "__main__"
+                                     and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    path = frame.f_globals.get("__file__") if frame is not None else None
+    if frame is None or not isinstance(path, str) or not os.path.isfile(path):
+        return False  # an interactive session, `python -c`, a function: nothing is imported again
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return False
+    line = frame.f_lineno
+    return not any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+                   and "__name__" in ast.unparse(node.test) and node.lineno <= line <= (node.end_lineno or node.lineno)
+                   for node in ast.walk(tree))
 
 
 def _spec(spec: BuildSpec | None, **given: Any) -> BuildSpec:
@@ -866,12 +931,22 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
     from dask.distributed import Client
 
     own = None
+    pending: list[int] = []
     if cluster.scheduler:
         client = _connect(cluster.scheduler)
     else:
-        own = _local_cluster(cluster.workers or os.cpu_count() or 1)
-        client = Client(own)
+        # Ctrl-C or SIGTERM while the cluster starts would leave it half made, not yet ours to close
+        # (its workers, and distributed's exit handler failing on it): such a signal waits until it is.
+        with _signals_deferred(pending):
+            own = _local_cluster(cluster.workers or os.cpu_count() or 1)
+            try:
+                client = Client(own)
+            except BaseException:
+                own.close(timeout=15)
+                raise
     try:
+        for signum in pending:  # delivered now, so that the cluster is closed below
+            signal.raise_signal(signum)
         if own is not None:  # our own workers leave Ctrl-C to this process, which stops them
             from .dask_plugins import IgnoreSigint
 
@@ -882,6 +957,33 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         raise
     finally:
         _close(client, own)
+
+
+@contextlib.contextmanager
+def _signals_deferred(pending: list[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM received in the block are noted in ``pending`` (for the caller to deliver
+    once it owns what the block made) instead of interrupting it. Only the main thread handles
+    signals; elsewhere the block runs as it is. The handlers are Python's: processes started in the
+    block (spawned, not forked) do not inherit them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in kinds}
+
+    def note(signum: int, frame: object) -> None:
+        if signum not in pending:
+            pending.append(signum)
+
+    for sig in kinds:
+        if previous[sig] not in (signal.SIG_IGN, None):
+            signal.signal(sig, note)
+    try:
+        yield
+    finally:
+        for sig in kinds:
+            if previous[sig] not in (signal.SIG_IGN, None):
+                signal.signal(sig, previous[sig])
 
 
 def _connect(scheduler: str) -> Client:
@@ -1036,6 +1138,7 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
         bytes_on_disk=on_disk, bytes_per_sample=on_disk / max(n_samples, 1),
         peak_worker_rss_mb=max((r.get("peak_rss_mb", 0.0) for r in built), default=0.0), build_id=build_id,
         aspect_capped=sum(int(r.get("aspect_capped", 0)) for r in records),
+        outside_classes=list(listing.outside_classes), empty_classes=_empty_classes(listing, records),
     )
     built_images = sum(r["count"] + len(r["quarantined"]) for r in built)
     report.page_faults_per_image = sum(r.get("page_faults", 0) for r in built) / max(built_images, 1)
@@ -1064,6 +1167,13 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
     _write_report(out, report)
     log.info("datapipe build: " + report.summary())
     return report
+
+
+def _empty_classes(listing: Listing, records: list[dict]) -> list[str]:
+    """The classes that no sample of the cache carries (a class folder without images, or with only bad ones)."""
+    label_of = dict(zip(listing.paths, listing.labels, strict=True))
+    present = {label_of[p] for r in records for p in r["paths"] if p in label_of}
+    return [name for i, name in enumerate(listing.classes) if i not in present]
 
 
 def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str, *,

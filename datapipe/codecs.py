@@ -8,17 +8,18 @@ DCT-domain downscaling by powers of two when the source is at least twice the ta
 format (and CMYK/YCCK JPEGs, which libjpeg-turbo cannot convert to RGB) goes through Pillow.
 
 What is kept and what is quarantined follows Pillow (with ``LOAD_TRUNCATED_IMAGES`` off): a file is
-kept when it decodes fully. For JPEGs, a libjpeg-turbo *warning* that leaves the pixels intact (junk
-bytes between markers, a bad ICC chunk, ...) is not corruption, and the file is kept. Truncated data
-(``Premature end of JPEG file``, even when only the end marker is missing) is refused, as Pillow
-refuses it; so is scan data that ends early or does not decode, which Pillow would keep with grey or
-garbage blocks in place of the picture.
+kept when it decodes fully. For JPEGs, every libjpeg-turbo message is damage except the few that
+leave the pixels intact (:data:`_JPEG_HARMLESS`: junk bytes between header segments, a bad ICC chunk,
+...): truncated data (``Premature end of JPEG file``, even when only the end marker is missing) is
+refused, as Pillow refuses it; so is scan data that ends early, does not decode or is longer than
+its blocks need, which Pillow would keep with grey or garbage blocks in place of the picture.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -442,35 +443,69 @@ def _buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-# libjpeg-turbo's warnings that mean pixels are missing or wrong: the scan data ends early (the rest
-# would be filled in grey), or does not decode. Every other warning — junk bytes between markers,
-# a bad ICC profile chunk, an unknown JFIF version, a bogus Adobe transform — leaves the pixels intact.
-_JPEG_DAMAGE = ("premature end of jpeg file", "premature end of data segment", "bad huffman code",
-                "bad arithmetic code", "instead of rst")
+# What libjpeg-turbo's messages mean (jerror.h). Its warnings (JWRN_*) that leave every pixel as the
+# encoder meant it are about the header only: an unknown JFIF revision, an unknown Adobe colour
+# transform code (libjpeg-turbo assumes the usual one), a bad ICC profile chunk (not applied), SOS
+# fields that a sequential JPEG ignores. Junk bytes between header segments ("extraneous bytes before
+# marker", before the first scan) are harmless too, and removed before the strict decode
+# (:func:`_clean_jpeg_header`). Every other message means lost or wrong pixels: the scan data ends
+# early (the rest is grey), holds a code that does not decode, a marker where none belongs, a
+# progression that does not add up, or more bytes than the picture needs (the decoder lost step with
+# the data and finished early). One exception: zero bytes right before the end-of-image marker are
+# padding some writers add after a scan that decoded in full. Bytes after the end-of-image marker are
+# never read (no warning).
+_JPEG_HARMLESS = ("unknown jfif revision", "unknown adobe color transform", "bad icc marker",
+                  "invalid sos parameters for sequential jpeg")
 _JPEG_SEGMENT_MARKERS = frozenset(range(0xC0, 0xFF)) - frozenset(range(0xD0, 0xDA))  # not RSTn, SOI, EOI
+_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # not DHT, JPG, DAC
+_SEQUENTIAL_SOF = (0xC0, 0xC1, 0xC9)  # baseline, extended and arithmetic sequential frames
+_EXTRANEOUS = re.compile(r"(\d+) extraneous bytes before marker 0x([0-9a-f]{2})")
 
 
-def _jpeg_damage(exc: ValueError, what: str = "JPEG") -> DecodeError | None:
-    """The DecodeError for a libjpeg-turbo message that means damaged pixels, else None (recoverable)."""
-    message = str(exc)
+def _jpeg_verdict(message: str, data: bytes) -> str:
+    """``"truncated"``, ``"damaged"`` or ``"harmless"``: what a libjpeg-turbo message about ``data``
+    means for its pixels (see :data:`_JPEG_HARMLESS`)."""
     lowered = message.lower()
     if "premature end of jpeg file" in lowered:
+        return "truncated"
+    if any(sign in lowered for sign in _JPEG_HARMLESS):
+        return "harmless"
+    extraneous = _EXTRANEOUS.search(lowered)
+    if extraneous and extraneous.group(2) == "d9" and _zero_padded(data, int(extraneous.group(1))):
+        return "harmless"
+    return "damaged"
+
+
+def _zero_padded(data: bytes, count: int) -> bool:
+    """Whether the ``count`` bytes before the end-of-image marker are zeros (writer's padding). The
+    marker is the first FFD9 after the first scan starts: coded data cannot hold one."""
+    sos = data.find(b"\xff\xda")
+    eoi = data.find(b"\xff\xd9", sos) if sos >= 0 else -1
+    return 0 < count <= eoi - sos and not any(data[eoi - count : eoi])
+
+
+def _jpeg_error(verdict: str, message: str, what: str) -> DecodeError:
+    if verdict == "truncated":
         return DecodeError(f"truncated {what}: {message}")
-    if any(sign in lowered for sign in _JPEG_DAMAGE):
-        return DecodeError(f"corrupt {what} (damaged scan data): {message}")
-    return None
+    return DecodeError(f"corrupt {what} (damaged scan data): {message}")
 
 
-def _clean_jpeg_header(data: bytes) -> bytes:
+def _clean_jpeg_header(data: bytes, *, neutral: bool = False) -> bytes:
     """``data`` with what libjpeg-turbo warns about before the first scan removed: junk bytes between
     segments (it skips them too, with a warning) and ICC profile chunks (APP2 ``ICC_PROFILE``; neither
     datapipe nor Pillow's conversion applies them, and a malformed one is a warning).
 
     With the header clean, a strict decode still reports anything wrong in the scan data. Unchanged
     ``data`` comes back when the header cannot be walked (the decode then says why).
+
+    ``neutral`` also removes the causes of the other harmless header warnings (:data:`_JPEG_HARMLESS`),
+    giving a file libjpeg-turbo decodes to the same pixels without them: an unknown JFIF revision
+    becomes 1, an unknown Adobe colour transform the one libjpeg-turbo assumes (YCbCr for three
+    components, YCCK for four), and a sequential scan's SOS fields, which it ignores, what it expects.
     """
     out = bytearray(data[:2])
     pos, n = 2, len(data)
+    sequential, components, adobe = False, 0, -1
     while pos + 4 <= n:
         if data[pos] != 0xFF or data[pos + 1] == 0x00 or data[pos + 1] not in _JPEG_SEGMENT_MARKERS | {0xFF}:
             nxt = data.find(b"\xff", pos + 1)  # junk, as libjpeg's next_marker() skips it
@@ -486,10 +521,25 @@ def _clean_jpeg_header(data: bytes) -> bytes:
         if length < 2:
             return data
         if marker == 0xDA:  # start of scan: the rest is entropy-coded data, kept as it is
-            out += data[pos:]
+            scan = bytearray(data[pos:])
+            fields = 5 + 2 * scan[4] if len(scan) > 4 else len(scan)
+            if neutral and sequential and fields + 3 <= min(len(scan), 2 + length):
+                scan[fields : fields + 3] = b"\x00\x3f\x00"  # Ss, Se, Ah/Al of a sequential scan
+            if neutral and adobe >= 0 and components in (3, 4):
+                known = (0, 1) if components == 3 else (0, 2)
+                if out[adobe] not in known:
+                    out[adobe] = known[1]  # what libjpeg-turbo assumes, after its warning
+            out += scan
             return bytes(out)
-        if not (marker == 0xE2 and data[pos + 4 : pos + 16] == b"ICC_PROFILE\x00"):
-            out += data[pos : pos + 2 + length]
+        segment = bytearray(data[pos : pos + 2 + length])
+        if marker in _JPEG_SOF and len(segment) > 9:
+            sequential, components = marker in _SEQUENTIAL_SOF, segment[9]
+        if neutral and marker == 0xE0 and segment[4:9] == b"JFIF\x00" and len(segment) > 9:
+            segment[9] = 1
+        if neutral and marker == 0xEE and segment[4:9] == b"Adobe" and len(segment) > 15:
+            adobe = len(out) + 15
+        if not (marker == 0xE2 and segment[4:16] == b"ICC_PROFILE\x00"):
+            out += segment
         pos += 2 + length
     return data
 
@@ -497,18 +547,21 @@ def _clean_jpeg_header(data: bytes) -> bytes:
 def _jpeg_header(sj: ModuleType, data: bytes) -> tuple[bytes, tuple]:
     """(the bytes to decode, their header): ``data`` itself, or with a header that libjpeg-turbo warns
     about cleaned (:func:`_clean_jpeg_header`). Raises DecodeError when neither has a readable header."""
+    if len(data) < 4 or data.find(b"\xff", 3) < 0:
+        raise DecodeError(f"truncated JPEG: the file ends after {len(data)} bytes, before its header")
     try:
         return data, sj.decode_jpeg_header(data)
     except ValueError as exc:
-        damage = _jpeg_damage(exc)
-        if damage is not None:
-            raise damage from None
-        first = exc
+        if _jpeg_verdict(str(exc), data) == "truncated":
+            raise _jpeg_error("truncated", str(exc), "JPEG") from None
+        first = str(exc)
+    except KeyError:  # simplejpeg's name for libjpeg-turbo's colour space: none for a header it could not read
+        first = "the header names no colour space libjpeg-turbo knows (damaged frame header)"
     cleaned = _clean_jpeg_header(data)
     for strict in (True, False):
         try:
             return cleaned, sj.decode_jpeg_header(cleaned, strict=strict)
-        except ValueError:
+        except (ValueError, KeyError):
             continue
     raise DecodeError(f"corrupt JPEG header: {first}") from None
 
@@ -516,17 +569,26 @@ def _jpeg_header(sj: ModuleType, data: bytes) -> tuple[bytes, tuple]:
 def _jpeg_pixels(sj: ModuleType, data: bytes, what: str = "JPEG", **kwargs: object) -> np.ndarray:
     """libjpeg-turbo's full decode of ``data``, strict first (the common case: no warning at all).
 
-    A warning that means damaged pixels is a DecodeError; any other warning is recoverable, and the
-    pixels come from a decode that lets it pass (libjpeg-turbo skips what it warned about, as Pillow's
-    libjpeg does). Scan damage reported only after such a warning is not seen — see :data:`_JPEG_DAMAGE`.
+    Any message but a harmless one (:data:`_JPEG_HARMLESS`) is a DecodeError. After a harmless one,
+    which a strict decode stops at, the file is decoded strictly again without its cause
+    (:func:`_clean_jpeg_header` with ``neutral``: the same pixels), so that damage further on is still
+    seen; only a harmless warning that remains (zero padding before the end) is let pass.
     """
     try:
         return sj.decode_jpeg(data, strict=True, **kwargs)
     except ValueError as exc:
-        damage = _jpeg_damage(exc, what)
-        if damage is not None:
-            raise damage from None
+        verdict = _jpeg_verdict(str(exc), data)
+        if verdict != "harmless":
+            raise _jpeg_error(verdict, str(exc), what) from None
         first = exc
+    check = _clean_jpeg_header(data, neutral=True)
+    if check != data:
+        try:
+            return sj.decode_jpeg(check, strict=True, **kwargs)  # the same pixels, as the docstring says
+        except ValueError as exc:
+            verdict = _jpeg_verdict(str(exc), check)
+            if verdict != "harmless":
+                raise _jpeg_error(verdict, str(exc), what) from None
     try:
         return sj.decode_jpeg(data, strict=False, **kwargs)
     except ValueError:
@@ -611,8 +673,9 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
         raise
     except Image.DecompressionBombError as exc:
         raise DecodeError(f"decompression bomb: {exc}", "too-large") from None
-    except UnidentifiedImageError as exc:
-        raise DecodeError(f"not a readable {fmt.upper()} image: {exc}") from None
+    except UnidentifiedImageError:  # Pillow's message names only its in-memory buffer
+        raise DecodeError(f"not a readable {fmt.upper()} image: it starts like one, but its header does not "
+                          "parse (damaged or cut short)") from None
     except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError, KeyError, TypeError,
             ZeroDivisionError, OverflowError, MemoryError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None

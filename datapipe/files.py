@@ -12,7 +12,9 @@ file or folder with its final name is always whole and a killed run leaves only 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -166,13 +168,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_temps(folder: Path) -> int:
-    """Remove the temporary folders a killed run left in ``folder`` (only ``TMP_PREFIX`` names);
-    return how many."""
+# The exact names of what datapipe writes through a temporary name (see TMP_PREFIX): in shards/, a shard's
+# folder being written (ShardWriter: .tmp-000012-1a2b3c4d) or one being replaced (.tmp-stale-000012.zarr-PID);
+# in the output folder, atomic_write_text's files (.tmp-manifest.json.1a2b3c4d) and the labels (.tmp-labels.npy).
+SHARD_TEMPS = re.compile(r"\.tmp-(\d{6,9}-[0-9a-f]{8}|stale-\d{6,9}\.zarr-\d+)")
+OUTPUT_TEMPS = re.compile(r"\.tmp-((manifest|report|build|paths)\.json\.[0-9a-f]{8}|labels\.npy)")
+
+
+def remove_stale_temps(folder: Path, names: re.Pattern[str] = SHARD_TEMPS) -> int:
+    """Remove what a killed run left in ``folder`` under a temporary name: only entries whose whole name
+    matches ``names`` (a user's ``.tmp-notes`` stays), folders and files alike; return how many."""
     removed = 0
     if folder.is_dir():
         for entry in folder.iterdir():
-            if entry.name.startswith(TMP_PREFIX) and entry.is_dir():
+            if not names.fullmatch(entry.name):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
-                removed += 1
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            removed += not os.path.lexists(entry)
     return removed

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
-from .files import TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
 from .shards import GROUP_META, SHARDS_DIR
 from .text import plural
 
@@ -177,6 +177,10 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         atomic_write_text(build_json, json.dumps(records.BuildRecord(
             config=config, config_hash=chash, build_id=output.build_id, source=source).to_json(), indent=1))
         fsync_dir(out)
+    except OutputError:  # says what is wrong already
+        output.discard_if_untouched()
+        output.lock.release()
+        raise
     except OSError as exc:
         output.discard_if_untouched()
         output.lock.release()
@@ -185,6 +189,7 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         output.discard_if_untouched()
         output.lock.release()
         raise
+    remove_stale_temps(out, OUTPUT_TEMPS)  # a write of the manifest, report... that a killed run left unfinished
     removed = remove_stale_temps(out / SHARDS_DIR)
     if removed:
         logging.getLogger("datapipe.build").info(

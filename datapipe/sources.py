@@ -5,8 +5,11 @@ and the class index is the position of the class name in the sorted list of clas
 paths, labels, sizes and modification times are gathered here — never image bytes.
 
 Nothing is lost silently: every file with an image extension (every row of a CSV) ends up either as
-a record or in ``dropped`` with a quarantine class and a reason; other files and the directory links
-that are not followed are listed in ``ignored``.
+a record or in ``dropped`` with a quarantine class and a reason, or, for an image file at the top of
+a folder source (it has no class folder), in ``outside_classes``; other files and the directory links
+that are not followed are listed in ``ignored``. A folder that cannot be read ends the scan with a
+SourceError naming it: it would drop every image in it, a whole class perhaps, not one file. The
+build's own output folder, when it lies inside the source, is never scanned.
 
 Folder scans follow file symlinks and follow a directory symlink only when it leads outside the
 source root into a directory not visited yet (tracked by device and inode), so a scan always ends
@@ -56,6 +59,7 @@ class Listing:
     labels: list[int]
     stats: list[tuple[int, int]]  # (size, mtime_ns) per path; (-1, -1) when it cannot be read
     ignored: list[str] = field(default_factory=list)  # files skipped for their extension, links not followed
+    outside_classes: list[str] = field(default_factory=list)  # image files at the top of a folder source: no class
     dropped: list[dict] = field(default_factory=list)  # entries quarantined at scan time (path, error, reason)
     source: Path | None = None  # the resolved folder or CSV file: the build's identity
     url: str | None = None  # a source in object storage: its URL (``root`` is then the path inside its filesystem)
@@ -75,11 +79,17 @@ class Listing:
         return self.url or str(self.root.absolute())
 
 
-def scan(source: str | os.PathLike) -> Listing:
+def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None) -> Listing:
     """List a class-per-folder tree or a CSV of ``path,label`` rows.
 
+    Args:
+        source: the folder or CSV file.
+        exclude: a folder never scanned, whatever it holds: the build's output, which may lie inside
+            the source (an empty one made in advance is otherwise a class of the first build only).
+
     Raises:
-        SourceError: the source does not exist, cannot be read, or holds no image files.
+        SourceError: the source does not exist, cannot be read, holds a folder that cannot be read,
+            or holds no image files.
     """
     src = Path(source).expanduser()
     if not src.exists():
@@ -87,13 +97,16 @@ def scan(source: str | os.PathLike) -> Listing:
     if src.is_file():
         listing = _scan_csv(src)
     elif src.is_dir():
-        listing = _scan_folder(src)
+        listing = _scan_folder(src, exclude)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
     listing.source = src.resolve()
     if not listing.paths and not listing.dropped:
         hint = (f" ({len(listing.ignored)} files skipped for their extension, e.g. {listing.ignored[:3]})"
                 if listing.ignored else "")
+        if listing.outside_classes:
+            hint = (f" in class folders ({len(listing.outside_classes)} at its top, e.g. "
+                    f"{listing.outside_classes[:3]}: a folder source takes each image's class from its folder)")
         raise SourceError(f"source {src} holds no image files{hint}; expected "
                           "SOURCE/<class>/<image> or a CSV of path,label")
     return listing
@@ -144,13 +157,15 @@ def bad_name(rel: str) -> dict[str, str]:
 class _Walker:
     """One scan of a folder source; ``visited`` holds (st_dev, st_ino) of every directory read."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, exclude: str | os.PathLike | None = None) -> None:
         self.root = root
         self.real_root = os.path.realpath(root)
         st = os.stat(root)
         self.visited: set[tuple[int, int]] = {(st.st_dev, st.st_ino)}
+        self.excluded = _identity(exclude) if exclude is not None else None
         self.records: list[tuple[str, int]] = []
         self.ignored: list[str] = []
+        self.outside: list[str] = []  # image files at the top of the source: no class folder
         self.dropped: list[dict] = []
 
     def enter(self, path: str, rel: str, *, is_link: bool) -> bool:
@@ -162,6 +177,9 @@ class _Walker:
             self.ignored.append(shown(rel) + "/")
             return False
         key = (st.st_dev, st.st_ino)
+        if key == self.excluded:
+            self.ignored.append(shown(rel) + "/ (the build's output folder)")
+            return False
         inside = is_link and (os.path.realpath(path) + os.sep).startswith(self.real_root + os.sep)
         if key in self.visited or inside:
             self.ignored.append(shown(rel) + "/ (directory link not followed: it leads into a folder already scanned)")
@@ -176,9 +194,7 @@ class _Walker:
             try:
                 entries = sorted(os.scandir(folder), key=lambda e: e.name, reverse=True)
             except OSError as exc:
-                self.dropped.append({"path": shown(rel_folder) + "/", "error": "unreadable",
-                                     "reason": f"folder cannot be read: {exc.strerror or exc}"})
-                continue
+                raise unreadable_folder(self.root, rel_folder, exc) from None
             for entry in entries:
                 if entry.name.startswith("."):
                     continue
@@ -205,8 +221,24 @@ class _Walker:
             self.records.append((rel, label))
 
 
-def _scan_folder(root: Path) -> Listing:
-    walker = _Walker(root)
+def unreadable_folder(root: Path | str, rel: str, exc: OSError) -> SourceError:
+    """A folder of the source that cannot be read ends the scan: all its images, a whole class
+    perhaps, would be missing from the cache, which one bad file in the report would not say."""
+    where = os.path.join(root, rel)
+    return SourceError(f"folder {shown(where)} of the source cannot be read ({exc.strerror or exc}); every image in "
+                       "it would be missing: fix its permissions or move it out of the source, and rerun")
+
+
+def _identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # not there yet: nothing to skip
+    return st.st_dev, st.st_ino
+
+
+def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listing:
+    walker = _Walker(root, exclude)
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError as exc:
@@ -220,7 +252,10 @@ def _scan_folder(root: Path) -> Listing:
         except OSError:
             is_dir = False
         if not is_dir:
-            walker.ignored.append(shown(entry.name))
+            image = os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS
+            (walker.outside if image else walker.ignored).append(shown(entry.name))
+        elif _identity(entry.path) == walker.excluded and walker.excluded is not None:
+            walker.ignored.append(shown(entry.name) + "/ (the build's output folder)")
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)
     classes = [e.name for e in class_dirs if _valid_utf8(e.name)]  # others: their files are quarantined
@@ -236,7 +271,7 @@ def _scan_folder(root: Path) -> Listing:
     return Listing(
         root=root, kind="folder", classes=classes, paths=paths, labels=[lab for _, lab in records],
         stats=[_stat(root / p) for p in paths], ignored=sorted(walker.ignored),
-        dropped=sorted(walker.dropped, key=lambda q: q["path"]),
+        dropped=sorted(walker.dropped, key=lambda q: q["path"]), outside_classes=sorted(walker.outside),
     )
 
 

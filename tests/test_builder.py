@@ -403,3 +403,35 @@ def test_every_spec_field_is_a_keyword_of_build():
     for field in dataclasses.fields(datapipe.BuildSpec):
         assert field.name in keywords and keywords[field.name].kind is inspect.Parameter.KEYWORD_ONLY
         assert keywords[field.name].default is None  # None: the spec's own default
+
+
+def test_wrong_types_of_source_and_budget_are_argument_errors(tmp_path):
+    from datapipe.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="max_bad_fraction must be a number"):
+        datapipe.build(tmp_path, tmp_path / "out", max_bad_fraction="0.1")
+    with pytest.raises(ArgumentError, match="source must be a path or a URL, got None"):
+        datapipe.build(None, tmp_path / "out")
+
+
+def test_a_script_building_with_a_local_cluster_without_the_main_guard_gets_one_line(tmp_path, imaging):
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 2, "b": 2}, variety=False)
+    call = f"datapipe.build({str(src)!r}, {str(tmp_path / 'out')!r}, size=32, cluster=datapipe.Cluster(workers=1), progress=False)"
+    (tmp_path / "bad.py").write_text(f"import datapipe\n{call}\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "bad.py")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("datapipe.errors.ArgumentError: a script that calls "
+                                                           "datapipe.build() with a LocalCluster must call it under")
+    assert "Nanny" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_sample_refuses_fewer_images_than_classes(tmp_path):
+    from datapipe.bench.sample import make_sample_dataset as make_sample
+    from datapipe.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"--images \(3\) must be at least --classes \(10\)"):
+        make_sample(tmp_path / "s", images=3, classes=10)

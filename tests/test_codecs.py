@@ -498,3 +498,119 @@ def test_decode_sample_is_deterministic(imaging):
 def test_decode_spec_validation(kwargs):
     with pytest.raises(ValueError):
         DecodeSpec(**kwargs)
+
+
+# ----------------------------------------------------------------------------- damaged JPEGs, fuzzed
+
+
+def _textured_jpeg(progressive: bool = False) -> bytes:
+    rng = np.random.default_rng(7)
+    y, x = np.mgrid[0:128, 0:160]
+    arr = np.stack([x, y, (x + y) // 2], -1) + rng.integers(-20, 20, (128, 160, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90, progressive=progressive)
+    return buf.getvalue()
+
+
+def _fuzzed(data: bytes, seed: int) -> list[bytes]:
+    """Seeded damage: byte overwrites inside the scan data, truncations, bit flips in the header."""
+    rng = np.random.default_rng(seed)
+    sos = data.find(b"\xff\xda")
+    out = []
+    for _ in range(12):
+        bad = bytearray(data)
+        at = int(rng.integers(sos + 20, len(data) - 66))
+        for k in range(at, at + int(rng.choice([1, 4, 16, 40]))):
+            bad[k] = int(rng.integers(0, 256))
+        out.append(bytes(bad))
+    for _ in range(4):
+        out.append(data[: int(rng.integers(sos + 20, len(data) - 1))])
+    for _ in range(8):
+        bad = bytearray(data)
+        bad[int(rng.integers(2, sos))] ^= 1 << int(rng.integers(0, 8))
+        out.append(bytes(bad))
+    return out
+
+
+def _libjpeg_message(data: bytes) -> str | None:
+    """What libjpeg-turbo says about ``data`` with its header's harmless warnings taken away, or None."""
+    import simplejpeg
+
+    try:
+        simplejpeg.decode_jpeg(codecs._clean_jpeg_header(data, neutral=True), strict=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzzed_jpegs_with_any_damage_message_are_quarantined(progressive, seed):
+    """Every damage libjpeg-turbo reports quarantines the file (not only a few known messages), and a
+    kept file is one libjpeg-turbo decodes without a word: what a decoder can see, it refuses."""
+    clean = _textured_jpeg(progressive)
+    reference = decode_rgb(clean).astype(np.int16)
+    kept = refused = 0
+    for data in _fuzzed(clean, seed):
+        try:
+            ours = decode_rgb(data)
+        except DecodeError as exc:
+            assert exc.kind in ("corrupt", "too-large") and str(exc), exc
+            refused += 1
+            continue
+        kept += 1
+        message = _libjpeg_message(data)
+        assert message is None or codecs._jpeg_verdict(message, data) == "harmless", message
+        if message is not None and ours.shape == reference.shape:
+            assert np.abs(ours.astype(np.int16) - reference).mean() <= 1
+    assert refused >= 8 and kept + refused == 24
+
+
+def test_the_damage_of_the_extraneous_bytes_kind_is_quarantined():
+    """A byte changed in the scan data makes the decoder finish early ("N extraneous bytes before
+    marker 0xd9"): garbage pixels, which were kept when only a few messages counted as damage."""
+    clean = _textured_jpeg()
+    bad = bytearray(clean)
+    sos = clean.find(b"\xff\xda")
+    for seed in range(40):
+        candidate = bytearray(clean)
+        candidate[sos + 40 + seed * 13] ^= 0x5A
+        message = _libjpeg_message(bytes(candidate)) or ""
+        if "extraneous" in message:
+            bad = candidate
+            break
+    assert bad != bytearray(clean), "no byte change gave the extraneous-bytes message"
+    with pytest.raises(DecodeError, match="damaged scan data") as info:
+        decode_rgb(bytes(bad))
+    assert info.value.kind == "corrupt"
+
+
+def test_a_harmless_header_warning_does_not_hide_damage_in_the_scan(imaging):
+    """An unknown JFIF revision (harmless) stops a strict decode before the scan: the scan is still
+    checked, so damage behind such a header is quarantined, and without damage the file is kept."""
+    clean = _textured_jpeg()
+    jfif = bytearray(clean)
+    app0 = clean.find(b"JFIF\x00")
+    jfif[app0 + 5] = 7  # JFIF 7.01: libjpeg-turbo warns and decodes on
+    kept = decode_rgb(bytes(jfif))
+    np.testing.assert_array_equal(kept, decode_rgb(clean))
+    damaged = imaging.corrupt_jpeg(bytes(jfif), zero_tail=False, span=40)
+    assert _libjpeg_message(damaged) is not None
+    with pytest.raises(DecodeError, match="damaged scan data"):
+        decode_rgb(damaged)
+
+
+def test_zero_padding_before_the_end_marker_and_bytes_after_it_are_kept():
+    clean = _textured_jpeg()
+    reference = decode_rgb(clean)
+    for data in (clean[:-2] + b"\x00" * 11 + clean[-2:], clean + b"trailing\xff\xd9bytes"):
+        np.testing.assert_array_equal(decode_rgb(data), reference)
+
+
+def test_quarantine_reasons_say_what_is_wrong_with_the_file():
+    for data in (b"\xff\xd8\xff", b"GIF89a" + b"\x00" * 4, b"RIFF\x00\x00\x00\x00WEBPVP8 "):
+        with pytest.raises(DecodeError) as info:
+            decode_rgb(data)
+        reason = str(info.value)
+        assert "KeyError" not in reason and "BytesIO" not in reason and "0x" not in reason, reason
+        assert info.value.kind == "corrupt"

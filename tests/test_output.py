@@ -90,3 +90,42 @@ def test_invalid_arguments(source, tmp_path):
         build(source[0], tmp_path / "b", size=2)
     with pytest.raises(ValueError, match="--shard-size"):
         build(source[0], tmp_path / "c", shard_size=-1)
+
+
+def test_a_killed_runs_temporary_files_are_removed_and_a_users_look_alikes_kept(built_copy, source):
+    """A run killed mid-write leaves files and folders under datapipe's temporary names (the manifest or
+    report being written, the labels, a shard's folder); the next build removes exactly those, and keeps
+    a user's entries that only start the same way."""
+    import shutil
+
+    shards = built_copy / "shards"
+    ours = [built_copy / ".tmp-manifest.json.1a2b3c4d", built_copy / ".tmp-report.json.0f0f0f0f",
+            built_copy / ".tmp-labels.npy", shards / ".tmp-000001-deadbeef", shards / ".tmp-stale-000001.zarr-4242"]
+    theirs = [built_copy / ".tmp-notes.txt", built_copy / ".tmp-manifest.json.backup", shards / ".tmp-mine",
+              shards / ".tmp-000001-not-hex"]
+    name = sorted(p.name for p in shards.iterdir() if p.name.endswith(".zarr"))[0]
+    for path in ours + theirs:
+        if path.parent == shards:
+            shutil.copytree(shards / name, path)  # a whole shard's folder
+        else:
+            path.write_bytes(b"" if "manifest" in path.name else b"x" * 100)
+    report = build(source[0], built_copy)
+    assert report.status == "ok" and report.shards_built == 0
+    assert [p for p in ours if p.exists()] == []
+    assert all(p.exists() for p in theirs)
+    assert (shards / ".tmp-mine" / "zarr.json").is_file()
+
+
+def test_an_output_error_is_not_wrapped_in_another(tmp_path, source, monkeypatch):
+    """An error prepare() raises itself (an OutputError names its cause) reaches the caller as it is, not as
+    'cannot write to output folder ...: <that error>'."""
+    from datapipe import output
+
+    def refuse(*args, **kwargs):
+        raise OutputError(f"{tmp_path / 'out' / 'manifest.json'} was not written by the build; move it away and rerun")
+
+    monkeypatch.setattr(output, "_claim", refuse)
+    with pytest.raises(OutputError) as err:
+        build(source[0], tmp_path / "out")
+    assert str(err.value).startswith(str(tmp_path / "out" / "manifest.json")), err.value
+    assert "cannot write to output folder" not in str(err.value)

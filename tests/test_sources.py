@@ -139,3 +139,111 @@ def test_empty_source(tmp_path):
     (tmp_path / "empty.csv").write_text("path,label\n")
     with pytest.raises(SourceError, match="no image files"):
         build(tmp_path / "empty.csv", tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------- folders that cannot be read, classes left empty
+
+
+@pytest.mark.parametrize("folder", ["b", "b/deeper"])
+def test_an_unreadable_folder_ends_the_build_naming_it(tmp_path, imaging, monkeypatch, folder):
+    """A class folder (or a folder inside one) that cannot be read would take all its images out of
+    the cache; it is not one quarantined file within the budget but one line naming the folder."""
+    import os
+
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3, "c": 3}, variety=False)
+    (src / "b" / "deeper").mkdir()
+    (src / "b" / "deeper" / "x.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 20)))
+    blocked = str(src / folder)
+    real = os.scandir
+
+    def scandir(path=".", *args):
+        if os.fspath(path) == blocked:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(SourceError, match=f"folder {re.escape(blocked)} of the source cannot be read "
+                                          r"\(Permission denied\)") as info:
+        build(src, tmp_path / "out", max_bad_fraction=0.5)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_read_permission_ends_the_build(tmp_path, imaging):
+    import os
+
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3}, variety=False)
+    os.chmod(src / "b", 0)
+    try:
+        if os.access(src / "b", os.R_OK):
+            pytest.skip("this user reads folders whatever their mode (root with CAP_DAC_OVERRIDE)")
+        with pytest.raises(SourceError, match=r"folder .*/b of the source cannot be read"):
+            build(src, tmp_path / "out", max_bad_fraction=1.0)
+    finally:
+        os.chmod(src / "b", 0o755)
+
+
+def test_a_class_without_samples_is_reported(tmp_path, imaging, caplog):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3}, variety=False)
+    (src / "empty").mkdir()
+    (src / "only-bad").mkdir()
+    (src / "only-bad" / "zero.jpg").write_bytes(b"")
+    with caplog.at_level("INFO", logger="datapipe.build"):
+        report = build(src, tmp_path / "out", max_bad_fraction=1.0)
+    assert report.empty_classes == ["empty", "only-bad"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["empty_classes"] == ["empty", "only-bad"]
+    assert "2 classes without any sample (empty, only-bad)" in report.summary()
+    assert report.summary() in caplog.text
+
+
+# ----------------------------------------------------------------------------- images outside class folders
+
+
+def test_images_at_the_top_of_a_folder_source_are_named_not_dropped_silently(tmp_path, imaging):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3}, variety=False)
+    for name in ("cover.jpg", "z.PNG"):
+        (src / name).write_bytes(imaging.jpeg(imaging.gradient(20, 20)))
+    (src / "notes.txt").write_text("x")
+    report = build(src, tmp_path / "out")
+    assert report.outside_classes == ["cover.jpg", "z.PNG"]
+    assert report.ignored == 1  # notes.txt: not an image
+    on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert on_disk["outside_classes"] == ["cover.jpg", "z.PNG"]
+    assert "2 image files at the source's top level not used (no class folder" in report.summary()
+    assert report.num_samples == 6 and report.scanned == 6
+
+
+def test_a_source_of_only_top_level_images_says_why_nothing_is_used(tmp_path, imaging):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cover.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 20)))
+    with pytest.raises(SourceError, match=r"no image files in class folders \(1 at its top, e.g. \['cover.jpg'\]"):
+        build(src, tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------- the output inside the source
+
+
+@pytest.mark.parametrize("where", ["cache", "a/cache"])
+def test_an_output_folder_inside_the_source_is_never_scanned(tmp_path, imaging, where):
+    """An empty output folder made in advance inside the source is no class of the first build, and
+    the rerun (the folder is a cache by then) keeps the same classes and labels."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3}, variety=False)
+    out = src / where
+    out.mkdir()
+    first = build(src, out)
+    cache = datapipe.open(out)
+    classes, labels = list(cache.classes), [int(cache[i][1]) for i in range(len(cache))]
+    paths = [cache.path(i) for i in range(len(cache))]
+    assert classes == ["a", "b"] and first.num_samples == 6
+    assert not any(p.startswith(where) for p in paths)
+    second = build(src, out)
+    again = datapipe.open(out)
+    assert list(again.classes) == classes and second.shards_built == 0
+    assert [int(again[i][1]) for i in range(len(again))] == labels
+    assert [again.path(i) for i in range(len(again))] == paths

@@ -425,3 +425,65 @@ def test_ctrl_c_mid_build_prints_one_line_and_leaves_no_process(tmp_path, imagin
              "every process of the build to end")
     with pytest.raises(CacheError, match="did not finish"):
         datapipe.open(out)
+
+
+STARTUP_SIGNAL = """
+import os, signal, sys, time
+import dask.distributed as dd
+
+phase, signum = os.environ["PHASE"], getattr(signal, os.environ["SIGNAL"])
+
+def hit(where):
+    if phase == where:
+        os.kill(os.getpid(), signum)
+        time.sleep(0.3)  # the handler runs here, in the middle of the cluster's start
+
+class Cluster(dd.LocalCluster):
+    def __init__(self, *args, **kwargs):
+        hit("cluster-before")
+        super().__init__(*args, **kwargs)
+        hit("cluster-after")
+
+class Client(dd.Client):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        hit("client")
+
+real_start = dd.Nanny.start_unsafe
+
+async def nanny_start(self):
+    if phase == "workers-starting":  # sent from the cluster's event loop while the main thread waits on it
+        os.kill(os.getpid(), signum)
+    return await real_start(self)
+
+dd.LocalCluster, dd.Client, dd.Nanny.start_unsafe = Cluster, Client, nanny_start
+from datapipe.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("phase,signame", [("cluster-before", "SIGTERM"), ("workers-starting", "SIGTERM"),
+                                           ("workers-starting", "SIGINT"), ("cluster-after", "SIGTERM"),
+                                           ("client", "SIGINT")])
+def test_a_signal_while_the_cluster_starts_is_one_line_and_leaves_no_process(small, tmp_path, phase, signame):
+    """SIGTERM or Ctrl-C in any phase of the LocalCluster's start: the build's one line, its exit code,
+    no traceback (distributed's exit handler once failed on the half-made cluster), no worker left."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", STARTUP_SIGNAL, "build", str(small), str(out), "--size", str(SIZE),
+                             "--workers", "1", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PHASE": phase, "SIGNAL": signame})
+    try:
+        stderr = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == (143 if signame == "SIGTERM" else 130), stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    what = "terminated" if signame == "SIGTERM" else "interrupted"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1] == f"datapipe build: {what}; finished shards are kept, rerun to resume", stderr
+    assert len(lines) <= 3, stderr  # the plan, the workers' line at most, and the one line
+    wait_for(lambda: subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1, 30,
+             "every process of the build to end")

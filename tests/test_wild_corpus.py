@@ -163,13 +163,23 @@ def test_the_corpus_is_there_and_covers_every_kind():
     assert any(path.read_bytes()[:4] == b"II+\x00" for path in FILES)  # BigTIFF
 
 
+# Files whose scan data is damaged, which Pillow keeps (it ignores libjpeg's warnings) with garbage
+# pixels: hopper_bad_exif.jpg's first restart interval holds 1214 bytes more than its blocks need,
+# and its picture is stripes of noise (libjpeg-turbo: "1214 extraneous bytes before marker 0xd0").
+DAMAGED_BUT_PILLOW_KEEPS = {"jpegwarn/hopper_bad_exif.jpg"}
+
+
 @pytest.mark.parametrize("path", FILES, ids=IDS)
 def test_corpus_file_matches_pillow(path):
     """A file datapipe keeps decodes to Pillow's pixels; a file it quarantines, Pillow cannot decode
-    fully either; nothing raises anything but a DecodeError, nothing hangs."""
+    fully either (but for the damaged files Pillow keeps, named above); nothing raises anything but a
+    DecodeError, nothing hangs."""
     data = path.read_bytes()
     ours, reason = ours_or_reason(data)
     ref, refusal = oracle_or_reason(data)
+    if str(path.relative_to(CORPUS)) in DAMAGED_BUT_PILLOW_KEEPS:
+        assert ours is None and reason.kind == "corrupt" and "damaged scan data" in str(reason), reason
+        return
     if ours is None:
         assert reason.kind in QUARANTINE_KINDS and str(reason)
         assert ref is None, f"quarantined ({reason.kind}: {reason}) but Pillow decodes it"

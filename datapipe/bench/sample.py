@@ -149,6 +149,11 @@ def make_sample_dataset(
         from ..errors import ArgumentError
 
         raise ArgumentError(f"images and classes must be >= 1, got images={images}, classes={classes}")
+    if images < classes:  # class folders are made by their images: fewer images would make fewer classes
+        from ..errors import ArgumentError
+
+        raise ArgumentError(f"--images ({images}) must be at least --classes ({classes}), so that every class "
+                            "gets an image; raise --images or lower --classes")
     root = Path(root)
     params = {"images": images, "classes": classes, "seed": seed}
     if sample_is_complete(root, **params):
