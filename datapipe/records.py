@@ -51,7 +51,8 @@ BUILD_ID = re.compile(r"[0-9a-f]{32}")
 
 _REBUILD = "rerun the same `datapipe build` to rewrite it"
 _HINTS = {
-    MANIFEST: _REBUILD,
+    # the build cannot tell a damaged manifest from a user's file, and never overwrites one: it must go first
+    MANIFEST: "move it away and rerun the same `datapipe build` to rewrite it (finished shards are kept)",
     BUILD_LOCK: "rerun `datapipe build` with --force to rebuild this output, or choose another output folder",
     REPORT: "rerun the same `datapipe build` to rewrite it (the cache itself is not affected)",
 }

@@ -259,6 +259,34 @@ def test_build_into_an_output_with_a_damaged_build_record(cache_dir, capsys):
         assert "build.json" in done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("damage", ["cut", "not json", "field"])
+def test_the_advice_for_a_damaged_manifest_repairs_the_cache(cache_dir, capsys, damage):
+    """What the error for a damaged manifest.json says to do works: the build cannot tell a manifest damaged
+    past reading from a user's file and never overwrites it, so the advice is to move it away, then rerun
+    the build, which keeps the finished shards and writes the manifest again (one still marked as the
+    build's own is rewritten by the rerun alone)."""
+    manifest = cache_dir / "manifest.json"
+    good = manifest.read_bytes()
+    if damage == "cut":
+        manifest.write_bytes(good[:100])
+    elif damage == "not json":
+        manifest.write_bytes(b"\x00" * 64)
+    else:
+        edit_json(manifest, _set(["num_samples"], -1))
+    line = one_line_error(capsys, ["info", str(cache_dir)])
+    assert "move it away and rerun the same `datapipe build`" in line, line
+    source = json.loads(good)["source"]["root"]  # the same build: its source, read only
+    args = [sys.executable, "-m", "datapipe.cli", "build", source, str(cache_dir), "--size", "32",
+            "--shard-size", str(SHARD), "--scheduler", "sync", "--quiet"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)  # a manifest still marked as its own
+    if done.returncode != 0:  # one the build cannot tell from a user's file: refused, as the advice foresees
+        assert done.returncode == 2 and "move it away" in done.stderr, done.stderr
+        manifest.rename(cache_dir.parent / "manifest.json.damaged")
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(datapipe.open(cache_dir)) == json.loads(good)["num_samples"] and datapipe.open(cache_dir).verify() == []
+
+
 @pytest.mark.parametrize("change, field", [
     (lambda doc: ("whole", [doc]), "JSON object"),
     (_set(["status"], None), "status"),
