@@ -73,6 +73,8 @@ def _stack(images: Batch) -> torch.Tensor:
     at the bottom and right to the largest (a crop inside each sample's own extent never reads the padding)."""
     if isinstance(images, torch.Tensor):
         return images
+    if not images:  # an empty batch: no sample says its size
+        return torch.empty((0, 0, 0, 3), dtype=torch.uint8)
     if all(x.shape == images[0].shape for x in images):
         return torch.stack(images)
     h, w = max(x.shape[0] for x in images), max(x.shape[1] for x in images)
@@ -400,11 +402,18 @@ class BatchAugment(nn.Module):
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return torch.empty((batch, 3, self.size, self.size), dtype=torch.float32, memory_format=fmt)
 
+    def _empty(self, device: torch.device) -> torch.Tensor:
+        """A rank's empty last batch, in the form of a full one: [0, 3, size, size], dtype and memory layout."""
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=device, memory_format=fmt)
+
     def _as_dtype(self, out: torch.Tensor) -> torch.Tensor:
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def _finish(self, x: torch.Tensor) -> torch.Tensor:
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        if not x.numel():  # torch calls any strides of an empty tensor contiguous: lay it out as a full one
+            return torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt)
         return x.to(self.dtype).contiguous(memory_format=fmt)
 
     @staticmethod
@@ -461,7 +470,7 @@ class TrainAugment(BatchAugment):
         receives the result (CPU reuse)."""
         batch, _, _, device = self._check(images, varied=True)
         if batch == 0:  # a rank's empty last batch (a dataset smaller than the ranks' batches)
-            return torch.empty((0, 3, self.size, self.size), dtype=self.dtype, device=device)
+            return self._empty(device)
         params = params or self.sample(batch, *sample_sizes(images), seed)
         if self._use_uint8(device):
             pairs = zip(images, params["crops"].tolist(), strict=True)
@@ -486,7 +495,7 @@ class TrainAugment(BatchAugment):
         of ``out``, one sample at a time: no decoded batch is ever assembled."""
         n = len(encoded)
         if n == 0:
-            return torch.empty((0, 3, self.size, self.size), dtype=self.dtype)
+            return self._empty(torch.device("cpu"))
         shapes = torch.from_numpy(samples.encoded_shapes(encoded))
         params = self.sample(n, shapes[:, 0], shapes[:, 1], seed)
 
@@ -576,7 +585,7 @@ class EvalAugment(BatchAugment):
         b, h, w, device = self._check(images, varied=True)
         s = self.size
         if b == 0:
-            return torch.empty((0, 3, s, s), dtype=self.dtype, device=device)
+            return self._empty(device)
         if params is not None:  # per-sample crops (samples of varying shapes, padded into one batch)
             x = crop_and_resize(_stack(images), params["crops"], s)  # the boxes are read on the host
             return self._finish(_scale_shift_(x, self.mean, self.std))
@@ -659,9 +668,9 @@ class Convert(BatchAugment):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Convert a uint8 [B, H, W, 3] batch; ``out`` (float32 [>=B, 3, H, W]) optionally receives
         a normalised result (CPU reuse)."""
-        self._check(images)  # samples of one shape: a conversion does not crop them to one
+        b = self._check(images)[0]  # samples of one shape: a conversion does not crop them to one
         x = _stack(images)
-        if self.module is None and self.normalize:
+        if self.module is None and self.normalize and b:
             return normalize_uint8(x, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last, out=out)
         x = x.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
         if self.module is not None:

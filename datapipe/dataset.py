@@ -200,8 +200,12 @@ class StreamingDataset(IterableDataset):
         # through shared memory. The third is set by a worker that reads this epoch: then only the
         # caller knows how many batches the loop received (state_dict(batches_consumed=k)).
         self._shared = torch.zeros(3, dtype=torch.int64).share_memory_()
-        self._consumed = 0  # batches the loop received in this epoch (main-process iteration)
+        self._consumed = 0  # batches the loop received of the current iteration (main process)
         self._iter_base = 0  # where the current iteration began in the epoch's order
+        # Bumped by every iteration begun in this process and by every change of epoch or position:
+        # only the iteration holding the current number moves the state (see note_received).
+        self._iteration = 0
+        self._overlapped = False  # an earlier iteration yielded after the current one began
 
     # ----------------------------------------------------------------- epoch, length, plan
     @property
@@ -225,9 +229,38 @@ class StreamingDataset(IterableDataset):
         if epoch != self.epoch:
             self._shared[1] = 0
             self._shared[2] = 0
-            self._iter_base = 0
-            self._consumed = 0
+            self._restart(0)
         self._shared[0] = epoch
+
+    def _restart(self, base: int) -> None:
+        """Nothing of the current epoch received yet, from ``base`` on: a new epoch, a loaded state or a
+        new iteration. An iteration begun before no longer counts (its batches are not the loop's)."""
+        self._iter_base = base
+        self._consumed = 0
+        self._iteration += 1
+        self._overlapped = False
+
+    @property
+    def iteration(self) -> int:
+        """The number of the current iteration in this process (see :meth:`note_received`)."""
+        return self._iteration
+
+    @property
+    def batches_consumed(self) -> int:
+        """Batches of the current iteration the training loop has received (main-process count)."""
+        return self._consumed
+
+    def note_received(self, iteration: int, batches: int) -> None:
+        """Record that the loop has received the first ``batches`` batches of iteration ``iteration``.
+
+        Only the current iteration moves the state: a batch of an earlier one (an iterator kept
+        after a newer one began, or after set_epoch/load_state_dict) is not counted, and makes
+        ``state_dict()`` refuse to guess which of them the training loop follows.
+        """
+        if iteration == self._iteration:
+            self._consumed = batches
+        else:
+            self._overlapped = True
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""
@@ -261,10 +294,9 @@ class StreamingDataset(IterableDataset):
         A resumed position is used once; the next iteration of the same epoch is whole again.
         """
         order, bounds = self.plan()
-        self._iter_base = self.start
+        self._restart(self.start)
         self._shared[1] = 0
         self._shared[2] = 0
-        self._consumed = 0
         self._follow(order, bounds, np.arange(len(bounds)))
         return order, bounds
 
@@ -318,9 +350,19 @@ class StreamingDataset(IterableDataset):
         return np.concatenate(steps), np.concatenate(positions)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
+        """In the main process the iteration begins here, not at its first batch: from ``iter()`` on,
+        the state says nothing of it has been received (an iterator kept from before stops counting)."""
+        if torch.utils.data.get_worker_info() is not None:
+            return self._stream(None)
+        order, bounds = self.begin_iteration()
+        return self._stream((order, bounds, self._iteration))
+
+    def _stream(self, begun: tuple[np.ndarray, np.ndarray, int] | None) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], ...]]:
+        """The batches of an iteration: begun in the main process (its order, bounds and number), or
+        None in a DataLoader worker (which plans its share when its first batch is asked for)."""
         worker, num_workers = detect_worker()
-        in_worker = torch.utils.data.get_worker_info() is not None
-        order, bounds = self.plan() if in_worker else self.begin_iteration()
+        in_worker = begun is None
+        order, bounds, iteration = (*self.plan(), 0) if begun is None else begun
         mine = part.worker_batches(len(bounds), worker=worker, num_workers=num_workers)
         if in_worker:  # batches go back through shared memory: is there room for them?
             self._shared[2] = 1
@@ -335,7 +377,7 @@ class StreamingDataset(IterableDataset):
             if remote is not None:
                 remote.read(k)
             if not in_worker:
-                self._consumed = int(j) + 1
+                self.note_received(iteration, int(j) + 1)
             yield batch
 
     def _sample_bytes(self) -> int:
@@ -379,11 +421,20 @@ class StreamingDataset(IterableDataset):
                 "this epoch was read by DataLoader worker processes, which cannot tell this process how "
                 "many batches your loop received: pass state_dict(batches_consumed=k), k = the batches "
                 "of this epoch the loop took (or use datapipe.DeviceLoader, which counts them)")
+        if batches_consumed is None and self._overlapped:
+            raise StateError(
+                "an earlier iterator of this dataset went on yielding after a newer iteration began (or after "
+                "set_epoch/load_state_dict), so this process cannot tell which one your loop follows: pass "
+                "state_dict(batches_consumed=k), k = the batches of the current iteration the loop took")
         left = part.num_batches(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
                                 drop_last=self.drop_last, start=self._iter_base)
         k = self._consumed if batches_consumed is None else check_int(
             batches_consumed, "batches_consumed", 0, left, error=StateError)
-        position = min(len(self.cache), self._iter_base + k * self.batch_size * self.world_size)
+        # The last batch received: the epoch is done, whatever drop_last skipped after it. Saved as
+        # the end of the order, it resumes to no batch under any batch layout (a position short of
+        # the end would hand a smaller layout the dropped samples, and a larger one could refuse it).
+        done = k > 0 and k == left
+        position = len(self.cache) if done else self._iter_base + k * self.batch_size * self.world_size
         build_id, config_hash = self._identity
         return {
             "version": STATE_VERSION,
@@ -412,8 +463,7 @@ class StreamingDataset(IterableDataset):
         self._shared[0] = epoch
         self._shared[1] = position
         self._shared[2] = 0
-        self._iter_base = position
-        self._consumed = 0
+        self._restart(position)
 
     def check_state(self, state: object) -> tuple[int, int]:
         """Validate a saved state against this dataset; returns its (epoch, position)."""

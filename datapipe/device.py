@@ -24,7 +24,10 @@ loop asks for it (for a debugger), and the stream, the state and the statistics 
   is resized straight out of the memory-mapped shard, so only the pixels a crop covers are read.
 
 Order, resume and exactly-once come from the dataset (see :mod:`datapipe.partition`); the loader
-counts batches handed to the loop, so ``state_dict()`` never counts prefetched batches.
+records in the dataset's count the batches handed to the loop, so ``state_dict()`` never counts
+prefetched batches, and a new epoch, a loaded state or a new iteration starts that count afresh.
+One iteration runs at a time (the readers, the ring and the count are the loader's): beginning
+another ends the running one, whose next batch raises :class:`IterationSupersededError`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
@@ -46,7 +50,7 @@ from torch import nn
 
 from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
-from .errors import ArgumentError
+from .errors import ArgumentError, IterationSupersededError
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
 from .text import show
@@ -189,9 +193,9 @@ class DeviceLoader:
         self._results: dict[tuple[int, int], _Result | _Failure] = {}
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
+        # Bumped when an iteration begins or ends: jobs and results of any other iteration are dropped.
         self._generation = 0
         self._inflight = 0
-        self._consumed = 0
         self._closed = False
         self._started = False
         self._pool = _OutputPool(self._num_slots() + 2)
@@ -226,11 +230,14 @@ class DeviceLoader:
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (call before each epoch); a new epoch's state says nothing of it was read."""
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        """The dataset's state after the batches the loop has received (not the prefetched ones)."""
-        return self.dataset.state_dict(batches_consumed=self._consumed)
+        """The dataset's state after the batches the loop has received of the current epoch (never the
+        prefetched ones): the start of the epoch after ``set_epoch`` to a new one or ``iter()``, the
+        loaded position after ``load_state_dict`` until a batch arrives, the end once the last one has."""
+        return self.dataset.state_dict(batches_consumed=self.dataset.batches_consumed)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state; every field is checked first (see StreamingDataset.load_state_dict).
@@ -239,7 +246,6 @@ class DeviceLoader:
             StateError: a malformed state, or one for another cache, seed or shuffle.
         """
         self.dataset.load_state_dict(state)
-        self._consumed = 0
 
     def stats(self) -> dict:
         """images/s, batches, and the share of wall time the loop waited for data."""
@@ -265,22 +271,33 @@ class DeviceLoader:
             self.close()
 
     # ----------------------------------------------------------------- iteration
-    def __iter__(self):
+    def __iter__(self) -> Iterator[_OutBatch]:
+        """Begin an iteration of the current epoch, here and now (not at its first batch).
+
+        One iteration runs at a time: the reader threads and the ring of host buffers are the
+        loader's, and the state counts one stream of batches. Beginning another (``iter(loader)``
+        again, or ``set_epoch``/``load_state_dict`` to another position) ends the running one: its
+        next ``next()`` raises :class:`IterationSupersededError`.
+        """
         if self._closed:
             raise RuntimeError("this DeviceLoader was closed")
         self._start_threads()
-        self._drain()
-        self._generation += 1
+        with self._cond:
+            self._generation += 1  # queued jobs of an earlier iteration are skipped, not read
         gen = self._generation
+        self._drain()
+        order, bounds = self.dataset.begin_iteration()
+        return self._batches(gen, self.dataset.iteration, order, bounds)
+
+    def _batches(self, gen: int, iteration: int, order: np.ndarray, bounds: np.ndarray) -> Iterator[_OutBatch]:
         ds = self.dataset
-        order, bounds = ds.begin_iteration()
         epoch = ds.epoch
-        self._consumed = 0
         n = len(bounds)
         submitted = 0
         held: _Slot | None = None
         try:
             for j in range(n):
+                self._check_current(gen, iteration)
                 if held is not None:  # the previous raw uint8 batch is released when the next is asked for
                     self._release(held)
                     held = None
@@ -301,15 +318,30 @@ class DeviceLoader:
                         held = slot
                     else:
                         self._release(slot)
-                self._consumed = j + 1
+                ds.note_received(iteration, j + 1)
                 self.meter.record(started, waited, int(batch[1].shape[0]))
                 yield batch
+            self._check_current(gen, iteration)
         finally:
-            if held is not None:
-                self._release(held)
             with self._cond:
-                if self._generation == gen:  # queued jobs of an abandoned iteration are skipped, not read
-                    self._generation += 1
+                # A newer iteration took every buffer back already (_drain): this one releases nothing.
+                if self._generation == gen:
+                    if held is not None:
+                        self._release(held)
+                    self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
+
+    def _check_current(self, gen: int, iteration: int) -> None:
+        """Raise when a newer iteration began since this one did (only the newest runs)."""
+        if self._generation != gen:
+            raise IterationSupersededError(
+                "datapipe: this DeviceLoader was iterated again (iter(loader)) while this iteration ran, and only the "
+                "newest iteration runs; to look at a batch inside the loop, keep one the loop received "
+                "(e.g. images[:8].clone()) instead of calling next(iter(loader))")
+        if self.dataset.iteration != iteration:
+            raise IterationSupersededError(
+                "datapipe: the loader's epoch or position changed (set_epoch, load_state_dict) or its dataset began "
+                "another iteration while this one ran; only the newest iteration runs: begin one after them "
+                "(for batch in loader)")
 
     # ----------------------------------------------------------------- plumbing
     def _num_slots(self) -> int:
@@ -412,6 +444,11 @@ class DeviceLoader:
         deadline = started + self.timeout
         with self._cond:
             while (gen, j) not in self._results:
+                if self._generation != gen:  # a newer iteration dropped this one's jobs: they never arrive
+                    self._check_current(gen, self.dataset.iteration)
+                if not self.num_workers:  # read in this thread just now: a missing result never arrives later
+                    raise RuntimeError(f"datapipe: batch {j} of epoch {self.dataset.epoch} was read in the loop's "
+                                       "thread (num_workers=0) but not delivered")
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     raise TimeoutError(f"datapipe: batch {j} of epoch {self.dataset.epoch} did not arrive within "

@@ -242,3 +242,26 @@ def test_presets_are_seeded():
     assert not torch.equal(aug(images, seed=1), aug(images, seed=2))
     out = augment.eval(24)(images)
     assert out.shape == (5, 3, 24, 24) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("make", [
+    lambda **kw: augment.train(24, **kw), lambda **kw: augment.train(24, color_jitter=0.4, **kw),
+    lambda **kw: augment.train(24, path="device", **kw), lambda **kw: augment.eval(24, **kw),
+    lambda **kw: augment.eval(64, **kw), lambda **kw: augment.convert(**kw),
+    lambda **kw: augment.convert(normalize=False, **kw), lambda **kw: augment.convert(module=torch.nn.Identity(), **kw),
+], ids=["train", "train-jitter", "train-device", "eval", "eval-upscale", "convert", "convert-unnormalised", "module"])
+def test_an_empty_batch_has_the_form_of_a_full_one(make, channels_last):
+    """A rank's empty last batch: the dtype and memory layout of a full batch, from a tensor, a list or JPEG samples."""
+    aug = make(dtype=torch.bfloat16, channels_last=channels_last)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    full = aug(smooth_batch(2), seed=0)
+    empties = [aug(smooth_batch(2)[:0], seed=0), aug([], seed=0)]
+    if hasattr(aug, "decode"):
+        empties.append(aug.decode([], seed=0))
+    assert full.dtype == torch.bfloat16 and full.is_contiguous(memory_format=fmt)
+    for empty in empties:
+        assert len(empty) == 0 and empty.dtype == full.dtype and empty.is_contiguous(memory_format=fmt)
+        if all(empty.shape[1:]):  # a conversion of an empty list knows no size: [0, 3, 0, 0]
+            assert empty.stride() == torch.empty(empty.shape, memory_format=fmt).stride()
+    assert empties[0].shape[1:] == full.shape[1:]

@@ -168,6 +168,61 @@ def test_state_after_resume_and_next_epoch_with_workers(index_cache):
     assert ds.state_dict(batches_consumed=2)["position"] == 2 * B
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_state_through_a_dataloader_follows_epochs_breaks_passes_and_resumes(index_cache, workers):
+    """The dataset's own count (num_workers=0) or the loop's (workers: batches_consumed) after every transition."""
+    ds = dataset(index_cache)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers)
+
+    def where(k: int | None = None) -> tuple[int, int]:
+        state = ds.state_dict() if k is None or workers == 0 else ds.state_dict(batches_consumed=k)
+        return state["epoch"], state["position"]
+
+    assert where() == (0, 0)
+    assert len(list(loader)) == len(ds)
+    assert where(len(ds)) == (0, index_cache.n)
+    ds.set_epoch(1)
+    assert where() == (1, 0), "a new epoch, nothing of it read"
+    for k, _ in enumerate(loader, 1):
+        if k == 3:
+            break
+    assert where(3) == (1, 3 * B)
+    ds.set_epoch(2)
+    assert where() == (2, 0), "after an epoch ended by break"
+    ds.load_state_dict({**ds.state_dict(), "position": 5 * B})
+    ds.set_epoch(2)
+    assert where() == (2, 5 * B)
+    it = iter(loader)
+    next(it)
+    assert where(1) == (2, 6 * B)
+    del it
+    ds.set_epoch(3)
+    assert where() == (3, 0), "after a resumed epoch"
+    if workers == 0:
+        list(loader)
+        it = iter(loader)  # a new pass over the same epoch begins at iter(), not at its first batch
+        assert where() == (3, 0)
+        next(it)
+        assert where() == (3, B)
+
+
+def test_an_earlier_iterator_that_goes_on_makes_the_state_ask_for_the_count(index_cache):
+    """Two iterations of one epoch in the main process (a peek with next(iter(...)) inside the loop):
+    the state cannot tell which one the loop follows, so it asks instead of guessing."""
+    ds = dataset(index_cache)
+    outer = iter(DataLoader(ds, batch_size=None))
+    next(outer)
+    next(outer)
+    next(iter(DataLoader(ds, batch_size=None)))  # the peek: the newest iteration, one batch received
+    assert ds.state_dict()["position"] == B
+    next(outer)
+    with pytest.raises(StateError, match="batches_consumed"):
+        ds.state_dict()
+    assert ds.state_dict(batches_consumed=3)["position"] == 3 * B
+    ds.set_epoch(1)
+    assert ds.state_dict()["position"] == 0
+
+
 def test_state_after_worker_reads_needs_the_consumed_count(index_cache):
     """Workers cannot report how many batches the loop took: state_dict() without it is refused,
     never a silent position 0; with it, the state resumes the same stream."""

@@ -19,6 +19,7 @@ from loader_fixtures import B, concat, dataset, index_cache_info, same_stream
 import datapipe
 from datapipe import augment, native
 from datapipe.device import _seed_for
+from datapipe.errors import IterationSupersededError
 from datapipe.testing import index_of, to_uint8
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers, 2 cores
@@ -89,6 +90,34 @@ def test_a_rank_with_an_empty_last_batch(tmp_path_factory, preset):
         assert images.shape[1:] == ((side, side, 3) if preset == "uint8" else (3, side, side))
         seen += idx.tolist()
     assert sorted(seen) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("preset", ["train", "train+jitter", "eval", "convert", "convert-unnormalised", "module"])
+def test_an_empty_last_batch_has_the_form_of_a_full_one(tmp_path_factory, preset):
+    """The empty batch of the last rank keeps the transform's dtype and memory layout (channels_last)."""
+    info = index_cache_info(tmp_path_factory, 3, shard_size=2)
+    make = {"train": lambda: augment.train(24, channels_last=True, dtype=torch.bfloat16),
+            "train+jitter": lambda: augment.train(24, channels_last=True, color_jitter=0.4, dtype=torch.bfloat16),
+            "eval": lambda: augment.eval(24, channels_last=True, dtype=torch.bfloat16),
+            "convert": lambda: augment.convert(channels_last=True, dtype=torch.bfloat16),
+            "convert-unnormalised": lambda: augment.convert(channels_last=True, normalize=False, dtype=torch.bfloat16),
+            "module": lambda: augment.convert(module=RandomFlip(), channels_last=True, dtype=torch.bfloat16)}[preset]
+    for workers in (0, 2):
+        last = []
+        for rank in range(4):
+            ds = datapipe.StreamingDataset(info.path, batch_size=2, rank=rank, world_size=4, return_index=True)
+            loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=workers, augment=make())
+            try:
+                (images, _, _), = list(loader)
+            finally:
+                loader.close()
+            last.append(images)
+        full, empty = last[0], last[3]
+        assert len(full) == 1 and len(empty) == 0
+        assert empty.shape[1:] == full.shape[1:] and empty.dtype == full.dtype == torch.bfloat16
+        assert full.is_contiguous(memory_format=torch.channels_last)
+        assert empty.is_contiguous(memory_format=torch.channels_last), empty.stride()
+        assert empty.stride() == torch.empty(empty.shape, memory_format=torch.channels_last).stride()
 
 
 def test_device_loader_eval_values_are_exact(index_cache):
@@ -260,6 +289,126 @@ def test_abandoned_iterator_does_not_break_a_newer_one(index_cache):
         del first  # finalised only now, while the second iteration runs
         got.extend(second)
         assert len(got) == len(loader)
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_the_state_says_what_the_loop_received_of_the_current_epoch(index_cache, workers):
+    """Every transition: a fresh loader, set_epoch, a full epoch, a break, a new pass, load_state_dict."""
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers, output="uint8")
+    n = len(loader)
+
+    def where() -> tuple[int, int]:
+        state = loader.state_dict()
+        return state["epoch"], state["position"]
+
+    try:
+        assert where() == (0, 0)
+        loader.set_epoch(0)
+        assert where() == (0, 0)
+        for k, _ in enumerate(loader, 1):
+            assert where() == (0, min(k * B, index_cache.n))
+        assert where() == (0, index_cache.n)
+        loader.set_epoch(1)
+        assert where() == (1, 0), "a new epoch, nothing of it read"
+        for k, _ in enumerate(loader, 1):
+            if k == 3:
+                break
+        assert where() == (1, 3 * B)
+        loader.set_epoch(2)
+        assert where() == (2, 0), "after an epoch ended by break"
+        it = iter(loader)
+        assert where() == (2, 0)
+        next(it)
+        assert where() == (2, B)
+        it = iter(loader)  # a new pass over the same epoch begins here, not at its first batch
+        assert where() == (2, 0)
+        del it
+        loader.load_state_dict({**loader.state_dict(), "position": 5 * B})
+        assert where() == (2, 5 * B)
+        loader.set_epoch(2)
+        assert where() == (2, 5 * B), "set_epoch to the loaded epoch keeps the loaded position"
+        it = iter(loader)
+        assert where() == (2, 5 * B)
+        next(it)
+        assert where() == (2, 6 * B)
+        assert len(list(it)) == n - 6
+        assert where() == (2, index_cache.n)
+        loader.set_epoch(3)
+        assert where() == (3, 0), "after a resumed epoch"
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_at_the_start_of_an_epoch_resumes_all_of_it(index_cache, workers):
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers, output="uint8")
+    try:
+        for epoch, stop in ((0, None), (1, 4)):  # a full epoch, then one ended by break
+            loader.set_epoch(epoch)
+            for k, _ in enumerate(loader, 1):
+                if k == stop:
+                    break
+        loader.set_epoch(2)
+        state = loader.state_dict()
+    finally:
+        loader.close()
+    fresh = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers, output="uint8")
+    try:
+        fresh.load_state_dict(state)
+        fresh.set_epoch(2)
+        assert np.array_equal(np.sort(concat([tuple(t.clone() for t in b) for b in fresh], 2)), np.arange(index_cache.n))
+    finally:
+        fresh.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_again_inside_the_loop_ends_the_outer_iteration_at_once(index_cache, workers):
+    """next(iter(loader)) inside the loop: the outer iterator's next batch raises one clear line at
+    once (not after the timeout, and never blaming a reader thread); the loader goes on working."""
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers,
+                                   augment=augment.train(24), timeout=5)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(IterationSupersededError, match=r"iterated again .* only the newest iteration runs") as excinfo:
+            for step, _ in enumerate(loader):
+                if step == 2:
+                    peek = next(iter(loader))
+        assert time.perf_counter() - started < 4
+        message = str(excinfo.value)
+        assert "\n" not in message and "reader thread" not in message
+        assert isinstance(excinfo.value, RuntimeError) and isinstance(excinfo.value, datapipe.errors.DatapipeError)
+        assert peek[0].shape == (B, 3, 24, 24)
+        assert len(list(loader)) == len(loader)
+    finally:
+        loader.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_iterator_left_behind_raises_once_another_begins_or_the_epoch_changes(index_cache):
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=2, output="uint8", timeout=5)
+    try:
+        first = iter(loader)
+        next(first)
+        second = iter(loader)
+        with pytest.raises(IterationSupersededError, match="iterated again"):
+            next(first)  # raised although the second has not yielded yet: it began at iter()
+        assert next(second)[2].tolist() == next(iter(dataset(index_cache)))[2].tolist()
+        third = iter(loader)
+        next(third)
+        loader.set_epoch(1)
+        with pytest.raises(IterationSupersededError, match="epoch or position changed"):
+            next(third)
+        assert loader.state_dict()["position"] == 0
+        fourth = iter(loader)
+        next(fourth)
+        loader.load_state_dict({**loader.state_dict(), "position": 2 * B})
+        with pytest.raises(IterationSupersededError, match="epoch or position changed"):
+            next(fourth)
+        assert loader.state_dict()["position"] == 2 * B
+        assert len(list(loader)) == len(loader) - 2
     finally:
         loader.close()
 

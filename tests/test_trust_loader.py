@@ -179,6 +179,33 @@ def test_the_end_of_an_epoch_resumes_to_an_empty_remainder(index_cache, saved):
     assert indices_of(ds) == indices_of(whole)  # the next pass over the epoch is whole again
 
 
+@pytest.mark.parametrize("how", ["dataset", "dataloader-2", "device-0", "device-2"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_finished_drop_last_epoch_resumes_to_no_batch_under_any_layout(index_cache, how, world_size):
+    """drop_last skips the epoch's last partial step; the state after the last batch says the epoch is
+    done (position N), never a position short of it that a smaller batch would read on from or a larger
+    one refuse."""
+    ds = dataset(index_cache, drop_last=True, rank=world_size - 1, world_size=world_size)
+    if how.startswith("device"):
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=int(how[-1]), output="uint8")
+        try:
+            batches = len(list(loader))
+            state = loader.state_dict()
+        finally:
+            loader.close()
+    else:
+        batches = len(list(DataLoader(ds, batch_size=None, num_workers=0 if how == "dataset" else 2)))
+        state = ds.state_dict() if how == "dataset" else ds.state_dict(batches_consumed=batches)
+    assert batches == N // (B * world_size) and state["position"] == N
+    for batch_size in (1, 3, 4, 8, 10, 16):
+        for drop_last in (True, False):
+            fresh = dataset(index_cache, batch_size=batch_size, drop_last=drop_last, rank=0, world_size=world_size)
+            fresh.load_state_dict(state)
+            assert indices_of(fresh) == []
+    mid = ds.state_dict(batches_consumed=batches - 1)  # one batch short of the end: a step boundary, as before
+    assert mid["position"] == (batches - 1) * B * world_size
+
+
 # ----------------------------------------------------------------------------- generated states
 
 _ANY = st.one_of(
