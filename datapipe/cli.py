@@ -43,8 +43,12 @@ def _check_build_args(args: argparse.Namespace) -> None:
 def _storage_option_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the object store's fsspec filesystem for s3:// (gs://, az://) URLs, e.g. "
-                             "endpoint_url=http://minio:9000 or client_kwargs.region_name=eu-west-1 (repeatable; "
-                             "values JSON: numbers, true/false); credentials also come from AWS_* variables")
+                             "endpoint_url=http://minio:9000 or client_kwargs.region_name=eu-west-1 (repeatable). "
+                             "A credential, name or URL (a key whose name has key, secret, token, password, user, "
+                             "profile, name, url, endpoint, region, bucket, account or id in it) is taken as the text "
+                             "given, digits too; other values are JSON when they parse (numbers, true/false, null, "
+                             "{...}), else text. An option the filesystem does not take is refused. Credentials also "
+                             "come from AWS_* variables")
 
 
 def _storage_options(args: argparse.Namespace) -> dict | None:

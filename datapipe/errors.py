@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -75,6 +77,11 @@ class StateError(DatapipeError, ValueError):
     """A saved loader state cannot be restored (unknown version, other dataset, other batch size)."""
 
 
+class IterationSupersededError(DatapipeError, RuntimeError):
+    """An iterator of a DeviceLoader was asked for a batch after a newer iteration began (or after
+    set_epoch/load_state_dict changed the position it reads): only the newest iteration runs."""
+
+
 class ArgumentError(DatapipeError, ValueError):
     """A loader or bench argument has the wrong type or is out of range (the message names it)."""
 
@@ -122,3 +129,20 @@ class MissingExtraError(DatapipeError, ImportError):
 class RemoteStoreError(DatapipeError, OSError):
     """An object store did not answer: unreachable, stopped, or no data arrived for the timeout (the message
     names the object and says what to check)."""
+
+
+FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or a quota reached
+LOCAL_ONLY = FULL_DISK | {errno.EROFS}  # no object store's client raises these (s3fs gives OSErrors no errno)
+
+
+def local_os_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is this machine's failure to write a local file — a full disk or quota, a read-only
+    file system, or no permission on a local path — and not an object store's: no store client raises
+    these with their errno (s3fs's PermissionError for a store's AccessDenied carries none, and no local
+    path), so such an error must never be reported as the store's."""
+    if not isinstance(exc, OSError) or isinstance(exc, DatapipeError):
+        return False
+    if exc.errno in LOCAL_ONLY:
+        return True
+    return (exc.errno in (errno.EACCES, errno.EPERM) and isinstance(exc.filename, str | os.PathLike)
+            and os.path.isabs(exc.filename))

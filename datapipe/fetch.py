@@ -28,6 +28,12 @@ Why each rule holds:
   ``FINISHED_BELOW_NS``), then those read again furthest ahead; shards held open by readers cannot be
   evicted, so the folder may exceed the limit by what is open at once (each process keeps open the
   shards its plan reads at once, see :meth:`ShardFetcher.follow`).
+- **A copy is a download; anything else in the way is the user's.** A file at a download's place that
+  is not the one recorded there (a node cache copied, moved or restored: new inodes) is recorded as
+  this node's when its size and crc32c are the manifest's, byte for byte the store's object; one that
+  differs is never replaced: a CacheError names every such file of the build's folder at once.
+- **The node's disk is not the store.** A full, read-only or forbidden ``local_cache`` is one line
+  naming it (CacheError, ArgumentError), never retried nor reported as the store's failure.
 - **No hang.** A store that stops answering is a RemoteStoreError after ``timeout`` seconds without
   a byte arriving (the transfer runs in its own thread; the caller stops waiting for it).
 """
@@ -43,6 +49,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
 import uuid
@@ -56,9 +63,18 @@ from typing import Any
 import numpy as np
 
 from .cache import LOCAL_CACHE_MARKER, Cache
-from .errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError, one_line
+from .errors import (
+    FULL_DISK,
+    ArgumentError,
+    CacheError,
+    CorruptShardError,
+    DatapipeError,
+    RemoteStoreError,
+    local_os_error,
+    one_line,
+)
 from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, make_dirs
-from .records import MANIFEST, Manifest, parse_json, parse_manifest
+from .records import INDEX_ROW_BYTES, MANIFEST, Manifest, parse_json, parse_manifest
 from .remote import is_s3fs
 from .shards import SHARDS_DIR, images_path, index_path
 from .text import show
@@ -259,6 +275,7 @@ class ShardFetcher:
         self.retries = retries
         self.folder = self.local_root  # the build's folder, set by open()
         self.manifest: Manifest | None = None
+        self.opened = ""  # the sha256 of the manifest opened (set by open())
         self._init_runtime()
 
     # ----------------------------------------------------------------- process-local state
@@ -305,6 +322,7 @@ class ShardFetcher:
         manifest = parse_manifest(parse_json(raw, where), where)
         build = manifest.build_id or "m-" + hashlib.sha256(raw).hexdigest()[:32]
         self.manifest = manifest
+        self.opened = hashlib.sha256(raw).hexdigest()  # the manifest opened: a rebuild in the store replaces it
         try:
             self.local_root.mkdir(parents=True, exist_ok=True)
             _write_marker(self.local_root, {"format": "datapipe-local-cache"})
@@ -314,19 +332,16 @@ class ShardFetcher:
         except OSError as exc:
             raise ArgumentError(f"local_cache {self.local_root} cannot be used ({exc.strerror or exc}); pass a "
                                 "writable local folder") from None
-        with self._locked(FILES_LOCK, fcntl.LOCK_EX, FILES_LOCK) as fd:
-            local_manifest = self.folder / MANIFEST
-            if _read_or_none(local_manifest) != raw:
-                self._check_ours(fd, MANIFEST)
-                atomic_write_text(local_manifest, raw.decode("utf-8"))
-            self._record(fd, MANIFEST, os.stat(local_manifest), evict=False)
-            for rec in manifest.files.values():
-                path = self.folder / rec.name
-                if path.is_file() and file_crc32c(path) == rec.crc32c:
-                    self._record(fd, rec.name, os.stat(path), evict=False)
+        # A read-only or full local_cache fails here (the lock files are opened for writing): one line, not the store's.
+        with self._local_writes("the manifest's files"), self._locked(FILES_LOCK, fcntl.LOCK_EX, FILES_LOCK) as fd:
+            wanted = {MANIFEST: (f"{crc32c(raw):08x}", len(raw), False),
+                      **{rec.name: (rec.crc32c, None, False) for rec in manifest.files.values()}}
+            for rel in self._take_or_refuse(fd, wanted, recheck=True):  # small files: checked at every opening
+                if rel == MANIFEST:
+                    atomic_write_text(self.folder / MANIFEST, raw.decode("utf-8"))
+                    self._record(fd, MANIFEST, os.stat(self.folder / MANIFEST), evict=False)
                 else:
-                    self._check_ours(fd, rec.name)
-                    self._fetch_file(fd, rec.name, rec.crc32c, None, f"{rec.name} of {self.url}", evict=False)
+                    self._fetch_file(fd, rel, wanted[rel][0], None, f"{rel} of {self.url}", evict=False)
         self._reclaim_temps()
         return Cache(self.folder, remote=self)
 
@@ -370,8 +385,9 @@ class ShardFetcher:
             raise RemoteStoreError(f"{self.url}/{name}: the store did not answer within {self.timeout:g} s; check "
                                    "the endpoint and that the store is up, or raise timeout=") from None
         except FileNotFoundError:
-            raise CacheError(f"{self.url} is not a finished datapipe cache (no {name}); build it with "
-                             f"`datapipe build SOURCE {self.url}`") from None
+            from .remote import Location, no_manifest
+
+            raise no_manifest(Location(self.url, fs, root, self.storage_options, self.timeout)) from None
         except DatapipeError:
             raise
         except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
@@ -422,11 +438,116 @@ class ShardFetcher:
         entry = (_read_record(fd) if record is None else record).get(rel)
         return entry is not None and _same_file(self.folder / rel, entry)
 
-    def _check_ours(self, fd: int, rel: str) -> None:
-        """Refuse to replace a file at ``rel`` that this node did not download (it is the user's)."""
-        if os.path.lexists(self.folder / rel) and not self._ours(fd, rel):
-            raise CacheError(f"{self.folder / rel} is in the way of a download and was not downloaded by datapipe; "
-                             "move it away, or use another local_cache")
+    def _in_place(self, shard: int, rel: str) -> bool:
+        """``rel`` is the file this node downloaded, by its record read without the lock (a record being
+        rewritten reads as empty: the caller then takes the lock and looks again)."""
+        assert self.manifest is not None
+        try:
+            with open(self._lock_path(self.manifest.shards[shard].name), "rb", buffering=0) as f:
+                entry = _parse_record(f.read(1 << 20)).get(rel)
+        except OSError:
+            return False
+        return entry is not None and _same_file(self.folder / rel, entry)
+
+    def _want(self, shard: int, rel: str) -> tuple[str, int, bool]:
+        """(crc32c, size, evictable) the manifest gives the shard's data file or sample index ``rel``."""
+        assert self.manifest is not None
+        rec = self.manifest.shards[shard]
+        if rel == self._rel_data(shard):
+            return rec.crc32c, rec.nbytes, True
+        return rec.index_crc32c, rec.count * INDEX_ROW_BYTES, False
+
+    def _take_or_refuse(self, fd: int, wanted: dict[str, tuple[str, int | None, bool]], *,
+                        recheck: bool = False) -> list[str]:
+        """The files of ``wanted`` (path -> the manifest's crc32c, size or None, evictable) to download, under
+        their lock ``fd`` (held exclusively).
+
+        A file in place that is not the one recorded as downloaded here (a copied, moved or restored node
+        cache has new inodes) is taken as this node's download when its size and crc32c are the manifest's:
+        it is byte for byte the store's object. One that differs is no file datapipe may replace (datapipe
+        deletes only what it downloaded): CacheError naming it and every other file of the folder that a
+        stat shows to differ. ``recheck``: files recorded here are checked too (the manifest's own small
+        files), and downloaded again when they differ."""
+        record = _read_record(fd)
+        todo: list[str] = []
+        refused: dict[str, str] = {}
+        for rel, (crc, size, evict) in wanted.items():
+            ours = self._ours(fd, rel, record)
+            if ours and not recheck:
+                continue
+            if not ours and not os.path.lexists(self.folder / rel):
+                todo.append(rel)
+                continue
+            why, st = _differs(self.folder / rel, crc, size)
+            if why is None and st is not None:
+                if not ours:
+                    self._record(fd, rel, st, evict=evict)
+            elif ours:
+                todo.append(rel)  # this node's own download, since altered: replaced
+            else:
+                refused[rel] = why or "cannot be read"
+        if refused:
+            raise self._refusal(refused)
+        return todo
+
+    def _refusal(self, refused: dict[str, str]) -> CacheError:
+        """The error for files in the way of downloads (``refused``: path -> how it differs, checked now), naming
+        also the folder's other files that a stat shows to differ from the manifest (a size of its own, or
+        not a regular file) and are not those recorded as downloaded here."""
+        assert self.manifest is not None
+        found = dict(refused)
+        for shard, rec in enumerate(self.manifest.shards):
+            if not rec.count:
+                continue
+            try:
+                with open(self._lock_path(rec.name), "rb", buffering=0) as f:
+                    record = _parse_record(f.read(1 << 20))
+            except OSError:
+                record = {}
+            for rel in self._shard_rels(shard):
+                if rel in found or (rel in record and _same_file(self.folder / rel, record[rel])):
+                    continue
+                try:
+                    st = os.lstat(self.folder / rel)
+                except OSError:
+                    continue
+                size = self._want(shard, rel)[1]
+                if not stat.S_ISREG(st.st_mode):
+                    found[rel] = "not a regular file"
+                elif st.st_size != size:
+                    found[rel] = f"{st.st_size:,} bytes, the manifest's {size:,}"
+        names = [f"{rel} ({why})" for rel, why in sorted(found.items())]
+        shown = "; ".join(names[:6]) + (f"; and {len(names) - 6} more" if len(names) > 6 else "")
+        return CacheError(f"node cache {self.folder} holds {len(found)} file{'s' if len(found) > 1 else ''} that "
+                          f"{'are' if len(found) > 1 else 'is'} not what datapipe downloaded there and differ"
+                          f"{'' if len(found) > 1 else 's'} from the store's objects (damaged, or put there): {shown}; "
+                          f"datapipe deletes no file it did not write: remove the folder {self.folder} (it holds "
+                          f"only copies of {self.url}, downloaded again as they are needed) and run again")
+
+    @contextlib.contextmanager
+    def _local_writes(self, what: str) -> Iterator[None]:
+        """A failure of this machine's disk while ``what`` is made local (see :func:`datapipe.errors.local_os_error`)
+        as one line naming ``local_cache``, never as the store's: a full disk is a CacheError saying how much is
+        free and that ``cache_limit`` keeps the folder under a size; a read-only or forbidden folder is the
+        ArgumentError that an unwritable ``local_cache`` gets when it is opened."""
+        try:
+            yield
+        except OSError as exc:
+            if not local_os_error(exc):
+                raise
+            reason = exc.strerror or one_line(exc)
+            if exc.errno not in FULL_DISK:
+                raise ArgumentError(f"local_cache {self.local_root} cannot be used ({reason}); pass a writable "
+                                    "local folder") from None
+            free = ""
+            with contextlib.suppress(OSError):
+                st = os.statvfs(self.local_root)
+                free = f", {st.f_bavail * st.f_frsize / 2**20:,.1f} MiB free on its disk now"
+            limit = ("no cache_limit is set: set one below the space the node may use there (least recently used "
+                     "shards are evicted to stay under it)" if self.limit is None else
+                     f"its cache_limit of {self.limit:,} bytes is more than its disk holds: lower it")
+            raise CacheError(f"local_cache {self.local_root}: {reason} while {what} was downloaded into it{free}; "
+                             f"{limit}, or free space there, and run again") from None
 
     def _lock_path(self, name: str) -> Path:
         return self.folder / LOCKS / f"{name}.lock"
@@ -469,7 +590,7 @@ class ShardFetcher:
     def _locked(self, name: str, op: int, what: str, temps: Sequence[str] = ()) -> Iterator[int]:
         fd = self._lock_fd(name)
         try:
-            self._flock_wait(fd, op, what, temps)
+            self._flock_wait(fd, op, what, temps, lock=name)
             yield fd
         finally:
             os.close(fd)
@@ -477,8 +598,9 @@ class ShardFetcher:
     def _lock_fd(self, name: str) -> int:
         return os.open(self._lock_path(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
 
-    def _flock_wait(self, fd: int, op: int, what: str, temps: Sequence[str] = ()) -> None:
-        """Take the flock; while another process downloads under it, wait as long as its temporary files grow."""
+    def _flock_wait(self, fd: int, op: int, what: str, temps: Sequence[str] = (), *, lock: str) -> None:
+        """Take the flock of ``fd`` (the lock file of ``lock``); while another process downloads under it, wait
+        as long as its temporary files grow."""
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
             return
@@ -498,7 +620,7 @@ class ShardFetcher:
                 seen, since = now_bytes, time.monotonic()
             elif time.monotonic() - since > self.timeout:
                 raise RemoteStoreError(f"{what}: another process on this node has been downloading it for "
-                                       f"{self.timeout:g} s without a byte arriving (lock {self._lock_path(what)}); "
+                                       f"{self.timeout:g} s without a byte arriving (lock {self._lock_path(lock)}); "
                                        "check that the store is up, or raise timeout=")
 
     @contextlib.contextmanager
@@ -614,9 +736,10 @@ class ShardFetcher:
             follower.wait_for(shard)  # a download this process's prefetch started: no lock polling
         rels = self._shard_rels(shard)
         for _ in range(8):  # a shard evicted between its download and the shared lock is downloaded again
-            fd = self._lock_fd(rec.name)
+            with self._local_writes(f"shard {rec.name}"):
+                fd = self._lock_fd(rec.name)
             try:
-                self._flock_wait(fd, fcntl.LOCK_SH, f"shard {rec.name}", rels)
+                self._flock_wait(fd, fcntl.LOCK_SH, f"shard {rec.name}", rels, lock=rec.name)
                 if self._present(shard, fd):
                     with contextlib.suppress(OSError):
                         os.utime(fd)  # the access stamp eviction orders by
@@ -633,13 +756,13 @@ class ShardFetcher:
         """Make an indexed shard's sample index local (the data file is left to :meth:`hold`)."""
         assert self.manifest is not None
         rel = self._rel_index(shard)
-        if (self.folder / rel).is_file():
+        if self._in_place(shard, rel):
             return
         rec = self.manifest.shards[shard]
-        with self._locked(rec.name, fcntl.LOCK_EX, f"shard {rec.name}", [rel]) as fd:
-            if self._ours(fd, rel):
+        with self._local_writes(f"shard {rec.name}"), \
+                self._locked(rec.name, fcntl.LOCK_EX, f"shard {rec.name}", [rel]) as fd:
+            if not self._take_or_refuse(fd, {rel: self._want(shard, rel)}):
                 return
-            self._check_ours(fd, rel)
             self._clean_temps([rel])
             self._make_room(rec.count * 32)
             self._fetch_file(fd, rel, rec.index_crc32c, None, f"shard {rec.name}", evict=False)
@@ -662,13 +785,14 @@ class ShardFetcher:
         assert self.manifest is not None
         rec = self.manifest.shards[shard]
         rels = self._shard_rels(shard)
-        with self._exclusive_unless_present(shard) as fd:
+        with self._local_writes(f"shard {rec.name}"), self._exclusive_unless_present(shard) as fd:
             if fd < 0:
                 return False
-            record = _read_record(fd)
-            missing = [rel for rel in rels if not self._ours(fd, rel, record)]
-            for rel in missing:  # before any transfer starts: nothing is renamed over a file that is not ours
-                self._check_ours(fd, rel)
+            # before any transfer starts: nothing is renamed over a file that is not ours
+            missing = self._take_or_refuse(fd, {rel: self._want(shard, rel) for rel in rels})
+            if not missing:
+                os.utime(fd)
+                return False  # in place already: copies of the store's objects, now recorded as this node's
 
             def prepare() -> None:  # while the transfers run
                 self._clean_temps(rels, spare=os.getpid())
@@ -705,13 +829,13 @@ class ShardFetcher:
             RemoteStoreError: the store did not answer (nothing arrived for ``timeout`` seconds).
         """
         final = self.folder / rel
-        make_dirs(self.folder / PARTIAL)
         url = f"{self.url}/{rel}"
         mismatch = ""
         started = time.monotonic()
         attempt = 0
         while attempt < self.retries:
             attempt += 1
+            make_dirs(self.folder / PARTIAL)
             tmp = self.folder / PARTIAL / f"{self._temp_name(rel)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             progress = _Progress(tmp)
             then, meanwhile = meanwhile, None
@@ -733,10 +857,12 @@ class ShardFetcher:
                     return
                 mismatch = (f"checksum {crc} of {size:,} bytes differs from the manifest's {want_crc}"
                             + (f" of {want_size:,} bytes" if want_size is not None else ""))
+                if attempt == 1 and (rebuilt := self._rebuilt()):  # another build's object: no retry would match
+                    raise CorruptShardError(f"{what}: {url}: {mismatch}; {rebuilt}")
                 log.warning("%s: %s (%s), download %d of %d", what, mismatch, url, attempt, self.retries)
-            except FileNotFoundError:
-                raise CorruptShardError(f"{what}: {url} is missing from the store; rerun the same `datapipe build` "
-                                        "to rewrite it") from None
+            except _Missing:
+                raise CorruptShardError(f"{what}: {url} is missing from the store; "
+                                        f"{self._rebuilt() or 'rerun the same `datapipe build` to rewrite it'}") from None
             except _Transient as exc:
                 if time.monotonic() - started > self.timeout:
                     raise RemoteStoreError(f"{what}: {url} cannot be downloaded: {exc}; check that the store is up, "
@@ -747,8 +873,26 @@ class ShardFetcher:
                 progress.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-        raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; the object was altered "
-                                "after the build: rerun the same `datapipe build` to rewrite it")
+        then = self._rebuilt() or "the object was altered after the build: rerun the same `datapipe build` to rewrite it"
+        raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; {then}")
+
+    def _rebuilt(self) -> str:
+        """What to say when the store's manifest is no longer the one this reader opened (the cache was rebuilt
+        in place, or is being rebuilt): its objects are another build's. Empty when it is the same (or when
+        the store cannot say)."""
+        fs, root = self.filesystem()
+        try:
+            raw = _transfers().submit(fs.cat_file, f"{root}/{MANIFEST}").result(timeout=self.timeout)
+        except FileNotFoundError:
+            now = "it has no manifest now: it is being rebuilt"
+        except Exception:  # noqa: BLE001 - the store cannot say: the caller's own words stand
+            return ""
+        else:
+            if hashlib.sha256(raw).hexdigest() == self.opened:
+                return ""
+            now = "its manifest is another build's now"
+        return (f"the cache changed since it was opened ({self.url} was rebuilt: {now}); reopen the cache (restart "
+                "the job) once the build has finished, to read the new build")
 
     def _transfer(self, rel: str, tmp: Path, what: str, progress: _Progress,
                   meanwhile: Any = None) -> tuple[str, int] | None:
@@ -788,9 +932,13 @@ class ShardFetcher:
                                        "store stopped answering); check that it is up, or raise timeout=")
         try:
             got = future.result()
-        except (FileNotFoundError, DatapipeError):
+        except DatapipeError:
             raise
-        except Exception as exc:  # noqa: BLE001 - fsspec backends raise their own kinds
+        except Exception as exc:
+            if local_os_error(exc):
+                raise  # this machine's disk (full, read-only): no retry mends it, and it is not the store's
+            if isinstance(exc, FileNotFoundError) and exc.filename != str(tmp):
+                raise _Missing() from None
             raise _Transient(one_line(exc)) from None
         return got if isinstance(got, tuple) else None
 
@@ -1172,6 +1320,10 @@ class _Transient(Exception):
     """A transfer failed in a way a retry may mend (a connection error, an HTTP 5xx)."""
 
 
+class _Missing(Exception):
+    """The store has no such object."""
+
+
 def _evict(lock_path: str, folder: Path, rel: str) -> int | None:
     """Delete ``folder/rel`` if its lock is free (no reader, no download) and the file is still the one
     downloaded under it; returns its size, or None when it was kept."""
@@ -1283,6 +1435,27 @@ def _same_file(path: Path, entry: dict) -> bool:
     except OSError:
         return False
     return (st.st_ino, st.st_size, st.st_mtime_ns) == (entry.get("ino"), entry.get("size"), entry.get("mtime_ns"))
+
+
+def _differs(path: Path, crc: str, size: int | None) -> tuple[str | None, os.stat_result | None]:
+    """How the file at ``path`` differs from the manifest's crc32c and size (None: it does not), and its stat.
+    Only a regular file is read (opened without following a link, and non-blocking: a FIFO is not waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return ("a symbolic link" if os.path.islink(path) else f"cannot be read: {exc.strerror or exc}"), None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file", st
+        if size is not None and st.st_size != size:
+            return f"{st.st_size:,} bytes, the manifest's {size:,}", st
+        got, _ = crc32c_range(fd, 0, None, np.empty(max(1, min(1 << 20, st.st_size)), dtype=np.uint8))
+        return (None if f"{got:08x}" == crc else f"checksum {got:08x}, the manifest's {crc}"), st
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}", None
+    finally:
+        os.close(fd)
 
 
 def _write_marker(folder: Path, doc: dict) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import os
 import posixpath
@@ -28,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import (
+    FULL_DISK,
     ArgumentError,
     CacheError,
     DatapipeError,
@@ -36,6 +38,7 @@ from .errors import (
     OutputError,
     RemoteStoreError,
     SourceError,
+    local_os_error,
     one_line,
 )
 from .files import crc32c
@@ -81,19 +84,36 @@ def is_url(location: object) -> bool:
 # ----------------------------------------------------------------------------- storage options
 
 
+# The words of an option's name (its last dotted part, split at "_", "-" and capitals) that make its value a
+# credential, a name or a URL: such a value is always the text given (an all-digit access key stays a string).
+TEXT_WORDS = frozenset({"key", "secret", "token", "password", "user", "username", "profile", "name", "url", "uri",
+                        "endpoint", "region", "bucket", "account", "id", "arn", "project", "tenant", "sas", "string"})
+
+
+def text_option(key: str) -> bool:
+    """Whether the storage option ``key`` (dotted) holds a credential, a name or a URL (see ``TEXT_WORDS``)."""
+    leaf = key.rsplit(".", 1)[-1]
+    words = re.findall(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+", leaf)
+    return any(w.lower() in TEXT_WORDS for w in words)
+
+
 def parse_storage_options(items: Iterable[str], flag: str = "--storage-option") -> dict[str, Any]:
-    """``key=value`` items as fsspec storage options: values JSON-ish (numbers, true/false, null, JSON
-    objects; anything else a string), dotted keys nested (``client_kwargs.region_name=eu-west-1``)."""
+    """``key=value`` items as fsspec storage options, dotted keys nested (``client_kwargs.region_name=eu-west-1``).
+
+    A value is the text given when its key names a credential, a name or a URL (a word of the key's last
+    part is one of ``TEXT_WORDS``: ``key``, ``secret``, ``token``, ``endpoint_url``, ``region_name``,
+    ``aws_access_key_id`` ...): ``key=12345678`` is the string "12345678". Any other value is read as JSON
+    when it is JSON (a number, true/false, null, an object or an array) and is the text otherwise."""
     options: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
             raise ArgumentError(f"{flag} expects key=value (e.g. {flag} endpoint_url=http://127.0.0.1:9000), got {item!r}")
-        try:
-            value: Any = json.loads(text)
-        except ValueError:
-            value = text
+        value: Any = text
+        if not text_option(key):
+            with contextlib.suppress(ValueError):
+                value = json.loads(text)
         node = options
         *parents, leaf = key.split(".")
         for part in parents:
@@ -105,6 +125,97 @@ def parse_storage_options(items: Iterable[str], flag: str = "--storage-option") 
             raise ArgumentError(f"{flag} {item!r}: {key!r} holds nested keys already")
         node[leaf] = value
     return options
+
+
+# The s3:// filesystem's options beyond its constructor's own parameters: fsspec's listings cache and
+# instance cache (the rest of its keyword arguments go to aiobotocore's AioSession, whose parameters count too).
+S3_FSSPEC_OPTIONS = frozenset({"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"})
+S3_TEXT = frozenset({"endpoint_url", "key", "secret", "token", "username", "password", "profile", "default_cache_type"})
+S3_DICTS = frozenset({"client_kwargs", "config_kwargs", "s3_additional_kwargs", "session_vars"})
+S3_BOOLS = frozenset({"anon", "use_ssl", "requester_pays", "default_fill_cache", "version_aware", "cache_regions",
+                      "fixed_upload_size", "local_expiry_check", "use_listings_cache", "skip_instance_cache"})
+S3_COUNTS = frozenset({"max_concurrency", "default_block_size", "max_paths"})
+S3_CLIENT_TEXT = frozenset({"region_name", "api_version", "endpoint_url", "aws_access_key_id", "aws_secret_access_key",
+                            "aws_session_token", "aws_account_id"})
+CHECK_OPTIONS = "check its spelling against the filesystem's documentation (--storage-option, storage_options=)"
+
+
+def check_storage_options(url: str, fs_class: type, options: dict[str, Any]) -> None:
+    """Refuse, before anything is sent, storage options that ``fs_class`` (the filesystem of ``url``) does not
+    take or whose values are of the wrong kind: s3fs takes any keyword and fails only at its first request
+    (an unknown one is handed to aiobotocore's session), or with an AttributeError deep inside it.
+    Filesystems other than s3fs are left to refuse their options themselves (see :func:`open_location`).
+
+    Raises:
+        ArgumentError: naming the option and what to check.
+    """
+    if not (fs_class.__name__ == "S3FileSystem" and fs_class.__module__.split(".")[0] == "s3fs"):
+        return
+    known, client_known = _s3_parameters(fs_class)
+    where = f"{url}: storage option"
+    for name, value in options.items():
+        if name not in known:
+            raise ArgumentError(f"{where} {name!r} is not an option of the s3:// filesystem (s3fs){_did_you_mean(name, known)}; "
+                                f"{CHECK_OPTIONS}")
+        _check_kind(where, name, value, text=name in S3_TEXT, mapping=name in S3_DICTS, flag=name in S3_BOOLS,
+                    count=name in S3_COUNTS)
+    if options.get("key") and options.get("username") or options.get("secret") and options.get("password"):
+        raise ArgumentError(f"{url}: storage options key/secret and username/password are two names for the same "
+                            "credentials; give one of them")
+    client = options.get("client_kwargs") or {}
+    for name, value in client.items():
+        if name not in client_known:
+            raise ArgumentError(f"{where} 'client_kwargs.{name}' is not an argument of the S3 client"
+                                f"{_did_you_mean(name, client_known)}; {CHECK_OPTIONS}")
+        _check_kind(where, f"client_kwargs.{name}", value, text=name in S3_CLIENT_TEXT)
+    if options.get("config_kwargs"):
+        from aiobotocore.config import AioConfig  # type: ignore[import-untyped]
+
+        try:
+            AioConfig(**options["config_kwargs"])
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"{where} 'config_kwargs' is refused by botocore's Config ({one_line(exc)}); "
+                                f"{CHECK_OPTIONS}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def _s3_parameters(fs_class: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The options s3fs's filesystem takes, and the arguments of the S3 client (``client_kwargs``)."""
+    import inspect
+
+    from aiobotocore.session import AioSession  # type: ignore[import-untyped]
+    from botocore.session import Session  # type: ignore[import-untyped]
+
+    def params(fn: Any) -> set[str]:
+        return {p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+
+    init = fs_class.__init__  # type: ignore[misc]  # the class's own: its metaclass's __call__ takes anything
+    return (frozenset(params(init) | params(AioSession) | S3_FSSPEC_OPTIONS),
+            frozenset(params(Session.create_client) - {"service_name"}))
+
+
+def _check_kind(where: str, name: str, value: Any, *, text: bool = False, mapping: bool = False, flag: bool = False,
+                count: bool = False) -> None:
+    if value is None:
+        return
+    kind = ("a string" if text and not isinstance(value, str) else
+            "a mapping of keys to values" if mapping and not isinstance(value, dict) else
+            "true or false" if flag and not isinstance(value, bool) else
+            "a whole number" if count and (isinstance(value, bool) or not isinstance(value, int)) else None)
+    if kind is not None:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ArgumentError(f"{where} {name!r} must be {kind}, got {shown} ({type(value).__name__}); check its value "
+                            "(--storage-option name.key=value sets one key of a mapping)")
+
+
+def _did_you_mean(name: str, known: Iterable[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    if not close and name == "endpoint":
+        close = ["endpoint_url"]
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # ----------------------------------------------------------------------------- locations
@@ -223,16 +334,23 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None, timeo
     fsspec = _fsspec()
     options = dict(storage_options or {})
     scheme = url.split("://", 1)[0].lower()
+    if "::" not in scheme:  # a chained URL (simplecache::s3://...) is left to fsspec
+        try:
+            fs_class = fsspec.get_filesystem_class(scheme)
+        except ImportError as exc:
+            raise MissingExtraError(f"{url}: the {scheme}:// filesystem needs a package that is not installed ({exc}); "
+                                    f"{INSTALL} (s3fs), or gcsfs / adlfs for gs:// and az://") from None
+        except ValueError as exc:
+            raise ArgumentError(f"{url}: {exc}; check the URL's scheme (s3://, gs://, az://, file://)") from None
+        check_storage_options(url, fs_class, options)
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
         raise MissingExtraError(f"{url}: the {scheme}:// filesystem needs a package that is not installed ({exc}); "
                                 f"{INSTALL} (s3fs), or gcsfs / adlfs for gs:// and az://") from None
-    except ValueError as exc:
-        raise ArgumentError(f"{url}: {exc}; check the URL's scheme (s3://, gs://, az://, file://)") from None
-    except TypeError as exc:
-        raise ArgumentError(f"{url}: the {scheme}:// filesystem refuses the storage options ({exc}); "
-                            "check --storage-option") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ArgumentError(f"{url}: the {scheme}:// filesystem refuses the storage options ({one_line(exc)}); "
+                            "check --storage-option (storage_options=): each name and value") from None
     return Location(url=url.rstrip("/"), fs=fs, root=str(root).rstrip("/"), storage_options=options,
                     timeout=float(timeout))
 
@@ -258,10 +376,41 @@ def store_errors(loc: Location, what: str, error: type[Exception] = OutputError)
     try:
         yield
     except Exception as exc:
+        if isinstance(exc, OSError) and local_os_error(exc):
+            raise error(local_disk_message(exc, f"{loc.url}: cannot {what}")) from None
         if not store_failure(exc):
             raise
         raise error(f"{loc.url}: cannot {what} ({type(exc).__name__}: {one_line(exc)}); check the URL, the credentials "
                     "and the endpoint (--storage-option, AWS_* variables)") from None
+
+
+STAGING = "datapipe-shard-*"  # the folders a build stages its shards in before they are uploaded (builder.STAGING_PREFIX)
+
+
+def local_disk_message(exc: OSError, head: str) -> str:
+    """What to say of a local OSError (see :func:`datapipe.errors.local_os_error`) met on the way to or from a
+    store: it names the local file or, without one, the folder where a build stages its shards (on the
+    machine that raised it: a Dask worker's ``$TMPDIR``), and says it is no fault of the store."""
+    import tempfile
+
+    reason = exc.strerror or one_line(exc)
+    if exc.filename:
+        place = f"{os.fspath(exc.filename)} (a local path)"
+        folder = os.path.dirname(os.fspath(exc.filename))
+    else:
+        folder = tempfile.gettempdir()
+        place = (f"a local disk, not the store: while a build writes into a store, each shard is staged first in "
+                 f"{os.path.join(folder, STAGING)} on the machine that builds it (its TMPDIR)")
+    if exc.errno in FULL_DISK:
+        free = ""
+        with contextlib.suppress(OSError):
+            st = os.statvfs(folder)
+            free = f", {st.f_bavail * st.f_frsize / 2**20:,.1f} MiB free there now"
+        todo = ("free space there, or point TMPDIR at a folder on a larger disk (on every Dask worker), and run the "
+                "command again (a build resumes: finished shards are kept)")
+        return f"{head}: {reason} on {place}{free}; {todo}"
+    return f"{head}: {reason} on {place}; make it writable, or point TMPDIR at a writable folder (on every Dask " \
+        "worker), and run the command again"
 
 
 # ----------------------------------------------------------------------------- objects
@@ -893,11 +1042,24 @@ def read_manifest(loc: Location) -> Manifest:
     """A remote cache's manifest, checked as a local one is (CacheError naming the URL)."""
     with store_errors(loc, "read the manifest", CacheError):
         doc = read_doc(loc, MANIFEST)
-        started = doc is None and read_bytes(loc, BUILD_LOCK, 1 << 20) is not None
     if doc is None:
-        hint = " — a build was started here but did not finish; run the same `datapipe build` again" if started else ""
-        raise CacheError(f"{loc.url} is not a finished datapipe cache (no {MANIFEST}){hint}")
+        raise no_manifest(loc)
     return parse_manifest(doc, Path(loc.url_of(MANIFEST)))
+
+
+def no_manifest(loc: Location) -> CacheError:
+    """The error for a cache URL without a manifest: a bucket that does not exist is said so, in the build's
+    words (raised here, from one listing request); a build started and not finished, or nothing at all, is
+    not a finished cache."""
+    with store_errors(loc, "read the manifest", CacheError):
+        if is_s3fs(loc.fs):  # reading a missing object does not tell a missing bucket from a missing key
+            bucket, key, _ = loc.fs.split_path(loc.path())
+            loc.read("call_s3", "list_objects_v2", what=f"{loc.url}/ (list)", Bucket=bucket,
+                     Prefix=f"{key.rstrip('/')}/" if key else "", MaxKeys=1)
+        started = read_bytes(loc, BUILD_LOCK, 1 << 20) is not None
+    hint = (" — a build was started here but did not finish; run the same `datapipe build` again" if started else
+            f"; build it with `datapipe build SOURCE {loc.url}`")
+    return CacheError(f"{loc.url} is not a finished datapipe cache (no {MANIFEST}){hint}")
 
 
 def verify(loc: Location, manifest: Manifest | None = None) -> list[str]:

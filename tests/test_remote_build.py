@@ -826,3 +826,91 @@ def test_a_store_that_fails_while_a_source_image_is_read_ends_the_task_instead_o
         if fault == "frozen":
             s3.resume()
     assert len(quarantined) == 1 and took < 30, (quarantined, took)
+
+
+# ----------------------------------------------------------------------------- storage options checked, local disks
+
+
+def test_credentials_names_and_urls_stay_text_whatever_their_characters():
+    got = remote.parse_storage_options(["key=12345678", "secret=0042", "token=null", "client_kwargs.region_name=1",
+                                        "client_kwargs.aws_access_key_id=007", "s3_additional_kwargs.SSEKMSKeyId=99",
+                                        "endpoint_url=http://10.0.0.1:9000", "profile=true", "max_concurrency=8",
+                                        "use_ssl=false", "default_cache_type=none"])
+    assert got == {"key": "12345678", "secret": "0042", "token": "null",
+                   "client_kwargs": {"region_name": "1", "aws_access_key_id": "007"},
+                   "s3_additional_kwargs": {"SSEKMSKeyId": "99"}, "endpoint_url": "http://10.0.0.1:9000",
+                   "profile": "true", "max_concurrency": 8, "use_ssl": False, "default_cache_type": "none"}
+
+
+# Each command refuses an option s3fs does not take, or a value of the wrong kind, before any request: one line, exit 2.
+BAD_OPTIONS = [
+    ("endpoint=http://127.0.0.1:9", r"storage option 'endpoint' is not an option of the s3:// filesystem \(s3fs\) "
+                                    r"\(did you mean 'endpoint_url'\?\)"),
+    ("client_kwargs=5", r"storage option 'client_kwargs' must be a mapping of keys to values, got 5 \(int\)"),
+    ("client_kwargs.region=eu", r"storage option 'client_kwargs.region' is not an argument of the S3 client "
+                                r"\(did you mean 'region_name'\?\)"),
+    ("config_kwargs.retry=3", r"storage option 'config_kwargs' is refused by botocore's Config"),
+    ("use_ssl=maybe", r"storage option 'use_ssl' must be true or false, got 'maybe' \(str\)"),
+]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "build-into", "build-from"])
+@pytest.mark.parametrize("option, says", BAD_OPTIONS, ids=[o.split("=")[0] for o, _ in BAD_OPTIONS])
+def test_a_storage_option_the_filesystem_does_not_take_is_one_line(tmp_path, command, option, says):
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    Image.new("RGB", (24, 24), (200, 30, 30)).save(tmp_path / "images" / "a" / "one.jpg")
+    argv = {"info": ["info", "s3://bucket/cache"], "verify": ["verify", "s3://bucket/cache"],
+            "build-into": ["build", str(tmp_path / "images"), "s3://bucket/cache", "--scheduler", "sync"],
+            "build-from": ["build", "s3://bucket/images", str(tmp_path / "out"), "--scheduler", "sync"]}[command]
+    proc = cli(*argv, "--storage-option", option, env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert re.search(says, lines[0]) and lines[0].startswith(f"datapipe {argv[0]}: error: s3://bucket/"), lines[0]
+
+
+def test_credentials_given_as_digits_reach_the_store(s3, source):
+    url = s3.bucket() + "/cache"
+    build(source[0], url, storage_options=s3.storage_options)
+    proc = cli("info", url, "--storage-option", f"endpoint_url={s3.storage_options['endpoint_url']}",
+               "--storage-option", "key=12345678", "--storage-option", "secret=12345678", env={})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # moto takes any credentials
+    assert f"cache      {url}" in proc.stdout
+
+
+def test_a_full_staging_disk_is_named_as_local_not_blamed_on_the_store(s3, source, monkeypatch):
+    import errno
+    import tempfile
+
+    from datapipe import builder
+    from datapipe.errors import OutputWriteError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(builder, "_staging_folder", full)
+    url = s3.bucket() + "/cache"
+    with pytest.raises(OutputWriteError) as caught:
+        build(source[0], url, storage_options=s3.storage_options)
+    message = str(caught.value)
+    assert message.startswith(f"{url}: cannot write the cache: No space left on device on a local disk, not the store"), message
+    assert os.path.join(tempfile.gettempdir(), "datapipe-shard-*") in message and "TMPDIR" in message, message
+    assert "credentials" not in message, message
+
+
+@pytest.mark.parametrize(("error", "local"), [
+    (OSError(28, "No space left on device"), True),
+    (OSError(122, "Disk quota exceeded"), True),
+    (OSError(30, "Read-only file system", "/tmp/x/datapipe-shard-1/a"), True),
+    (PermissionError(13, "Permission denied", "/tmp/x/datapipe-shard-1/a"), True),
+    (PermissionError("Access Denied", "bucket/key"), False),  # s3fs's for the store's AccessDenied
+    (OSError(5, "Internal error", "bucket/key"), False),  # s3fs's for any other store error
+])
+def test_a_local_os_error_is_never_blamed_on_the_store(error, local):
+    from datapipe.errors import OutputWriteError
+
+    loc = remote.Location("s3://bucket/cache", fs=None, root="bucket/cache", storage_options={})
+    with pytest.raises(OutputWriteError) as caught, remote.store_errors(loc, "write the cache", OutputWriteError):
+        raise error
+    message = str(caught.value)
+    assert ("check the URL, the credentials" not in message) == local, message
+    assert ("not the store" in message or "(a local path)" in message) == local, message

@@ -217,7 +217,7 @@ def test_a_foreign_file_at_a_shard_path_is_refused_not_replaced(s3, built, tmp_p
     data = ds.cache._shard_path(0)
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_bytes(b"y" * ds.cache.manifest.shards[0].nbytes)
-    with pytest.raises(CacheError, match="not downloaded by datapipe"):
+    with pytest.raises(CacheError, match=r"1 file that is not what datapipe downloaded there.*000000\.zarr.*remove the folder"):
         next(iter(ds))
     assert data.read_bytes() == b"y" * ds.cache.manifest.shards[0].nbytes
 
@@ -508,3 +508,149 @@ def test_datasets_of_a_process_share_one_client_per_store_and_options(s3, built,
     assert sorted(read_epoch(a)) == sorted(read_epoch(b)) == list(range(N))
     fs = [ds.cache.remote.filesystem()[0] for ds in (a, b, c)]
     assert fs[0] is fs[1] and fs[2] is not fs[0]
+
+
+# ----------------------------------------------------------------------------- a node cache copied, damaged, full, read-only
+
+
+def _fill(s3, url: str, local: Path, **kwargs) -> Path:
+    """Read a whole epoch into the node cache ``local``; returns the build's folder in it."""
+    ds = open_remote(s3, url, local, shuffle=False, **kwargs)
+    assert sorted(read_epoch(ds)) == list(range(N))
+    ds.cache.remote.close()
+    return ds.cache.remote.folder
+
+
+@pytest.mark.parametrize("layout", ["fixed", "indexed"])
+def test_a_copied_node_cache_is_read_without_downloading_anything_again(s3, built, tmp_path, layout):
+    """A node cache copied with its times (cp -a: new inodes), as when it is moved, restored or baked into an
+    image: each file in place whose size and crc32c are the manifest's is taken as this node's download."""
+    import shutil
+
+    url = upload(s3, built[layout])
+    first = _fill(s3, url, tmp_path / "lc", prefetch=0)
+    shutil.copytree(tmp_path / "lc", tmp_path / "copy", symlinks=True)
+    folder = tmp_path / "copy" / first.name
+    logged = len(fetch.downloads(folder))
+    for _ in range(2):
+        ds = open_remote(s3, url, tmp_path / "copy", shuffle=False, prefetch=2)
+        assert sorted(read_epoch(ds)) == list(range(N))
+        ds.cache.remote.close()
+    assert len(fetch.downloads(folder)) == logged  # nothing downloaded
+    for rel in {d["file"] for d in fetch.downloads(folder)}:
+        assert (folder / rel).read_bytes() == (built[layout] / rel).read_bytes(), rel
+
+
+def test_damaged_files_in_a_node_cache_are_named_together_and_never_deleted(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    folder = _fill(s3, url, tmp_path / "lc", prefetch=0)
+    flipped = folder / "shards/000000.zarr/images/c/0/0/0/0"  # same size: found by its checksum when it is read
+    truncated = folder / "shards/000009.zarr/images/c/0/0/0/0"  # found by a stat
+    data = bytearray(flipped.read_bytes())
+    data[100] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    os.truncate(truncated, 1000)
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    with pytest.raises(CacheError) as caught:
+        next(iter(ds))
+    message = str(caught.value)
+    assert "2 files that are not what datapipe downloaded there" in message, message
+    assert "shards/000000.zarr/images/c/0/0/0/0 (checksum" in message, message
+    assert "shards/000009.zarr/images/c/0/0/0/0 (1,000 bytes, the manifest's" in message, message
+    assert f"remove the folder {folder}" in message and "\n" not in message, message
+    assert flipped.read_bytes() == bytes(data) and truncated.stat().st_size == 1000
+
+
+def test_a_full_local_disk_is_a_local_error_naming_the_folder_not_the_store(s3, built, tmp_path, monkeypatch):
+    import errno
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, timeout=2)
+
+    async def full(fs, rpath, lpath, progress):
+        with open(lpath, "wb") as f:
+            f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fetch, "_s3_get", full)
+    started = time.monotonic()
+    with pytest.raises(CacheError, match=rf"local_cache {tmp_path / 'lc'}: No space left on device while shard 000000\.zarr "
+                                         r".*MiB free on its disk now; no cache_limit is set"):
+        next(iter(ds))
+    assert time.monotonic() - started < 2  # not retried until the timeout, as a store's failure is
+    assert not [p for p in (tmp_path / "lc").rglob("*") if fetch.PART in p.name]
+
+
+def test_a_read_only_node_cache_is_one_argument_error_even_when_every_shard_is_local(s3, built, tmp_path, monkeypatch):
+    import errno
+
+    url = upload(s3, built["fixed"])
+    _fill(s3, url, tmp_path / "lc", prefetch=0)
+
+    def read_only(self, name):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self._lock_path(name)))
+
+    monkeypatch.setattr(fetch.ShardFetcher, "_lock_fd", read_only)
+    with pytest.raises(ArgumentError, match=rf"^local_cache {tmp_path / 'lc'} cannot be used \(Read-only file system\); "
+                                            "pass a writable local folder$"):
+        open_remote(s3, url, tmp_path / "lc")
+
+
+def test_the_wait_for_another_process_download_names_the_lock_file(s3, built, tmp_path):
+    import fcntl
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, timeout=1)
+    lock = ds.cache.remote.folder / fetch.LOCKS / "000003.zarr.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process downloading shard 3, with nothing arriving
+        with pytest.raises(RemoteStoreError) as caught:
+            ds.cache.remote.hold(3)
+    finally:
+        os.close(fd)
+    assert f"(lock {lock})" in str(caught.value), str(caught.value)
+
+
+def test_storage_options_the_filesystem_does_not_take_are_argument_errors(s3, built, tmp_path):
+    url = upload(s3, built["fixed"])
+    with pytest.raises(ArgumentError, match=r"storage option 'bogus' is not an option of the s3:// filesystem"):
+        datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", storage_options={**s3.storage_options, "bogus": 1})
+    with pytest.raises(ArgumentError, match=r"'endpoint' is not an option .*did you mean 'endpoint_url'"):
+        datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", storage_options={"endpoint": s3.storage_options["endpoint_url"]})
+    with pytest.raises(ArgumentError, match=r"storage option 'key' must be a string, got 12345678 \(int\)"):
+        datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", storage_options={**s3.storage_options, "key": 12345678})
+    with pytest.raises(ArgumentError, match=r"storage option 'client_kwargs' must be a mapping"):
+        datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", storage_options={**s3.storage_options, "client_kwargs": 5})
+    assert not (tmp_path / "lc").exists()
+
+
+def test_a_bucket_that_does_not_exist_is_said_so(s3, tmp_path):
+    with pytest.raises(CacheError, match=r"s3://no-such-bucket-here/cache: cannot read the manifest \(FileNotFoundError: "
+                                         r"The specified bucket does not exist\)"):
+        open_remote(s3, "s3://no-such-bucket-here/cache", tmp_path / "lc")
+    url = s3.bucket() + "/cache"
+    with pytest.raises(CacheError, match=rf"{url} is not a finished datapipe cache \(no manifest.json\); build it"):
+        open_remote(s3, url, tmp_path / "lc")
+
+
+@pytest.mark.parametrize("change", ["rebuilt", "rebuilding"])
+def test_a_cache_rebuilt_under_a_reader_says_so_and_to_reopen_it(s3, built, tmp_path, change):
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    fs, root = s3.filesystem(), url.removeprefix("s3://")
+    rel = "shards/000000.zarr/images/c/0/0/0/0"
+    if change == "rebuilt":  # another build's objects under the same names
+        manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
+        manifest["build_id"] = "0" * 32
+        fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
+        data = bytearray(fs.cat_file(f"{root}/{rel}"))
+        data[100] ^= 0xFF
+        fs.pipe_file(f"{root}/{rel}", bytes(data))
+    else:  # a rebuild removes the manifest, then the earlier build's shards
+        fs.rm([f"{root}/manifest.json", f"{root}/{rel}"])
+    now = "its manifest is another build's now" if change == "rebuilt" else "it has no manifest now"
+    with pytest.raises(CorruptShardError, match=rf"shard 000000\.zarr: .*the cache changed since it was opened "
+                                                rf"\({url} was rebuilt: {now}.*reopen the cache"):
+        next(iter(ds))
+    assert shard_downloads(ds.cache.remote.folder)["shard 000000.zarr"] == 0
