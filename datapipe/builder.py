@@ -615,6 +615,7 @@ def build(
     for name, value in (("source", source), ("output", output)):
         if not isinstance(value, (str, os.PathLike)):
             raise ArgumentError(f"{name} must be a path or a URL, got {value!r}")
+    source, output = remote.local_path(source), remote.local_path(output)  # file:// URLs: the folders they name
     t0 = time.perf_counter()
     remote_source = remote.is_url(os.fspath(source))
     remote_output = remote.is_url(os.fspath(output))

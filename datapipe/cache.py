@@ -217,7 +217,9 @@ class Cache:
     """
 
     def __init__(self, path: str | Path, *, check_sizes: bool = True, remote: Any = None) -> None:
-        self.root = Path(path).expanduser().absolute()
+        from .remote import local_path
+
+        self.root = Path(local_path(path)).expanduser().absolute()  # a file:// URL is the folder it names
         # a remote cache's node-local copy (datapipe.fetch.ShardFetcher): shard files are made local
         # when first opened, so their sizes are checked then (the rest of the hot path is the same)
         self.remote = remote

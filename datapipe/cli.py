@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,25 @@ def main(argv: list[str] | None = None) -> int:
             then = "; finished shards are kept, rerun to resume" if args.command == "build" else ""
             print(f"\ndatapipe {args.command}: {what}{then}", file=sys.stderr, flush=True)
             return 143 if isinstance(exc, Terminated) else 130
+        except BrokenPipeError:
+            if not _stdout_gone():  # a connection's, not the output's: a failure to show
+                raise
+            # what read the output went away (`datapipe info CACHE | head`): stop quietly, as a pipe's writer does
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            return 141
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll here
+        return False
 
 
 class _Stderr(logging.Handler):
@@ -227,8 +247,9 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps(environment(), indent=1))
         if not args.cache:
             return 0
-    from .remote import is_url
+    from .remote import is_url, local_path
 
+    args.cache = local_path(args.cache)  # a file:// URL is the folder it names
     if is_url(args.cache):
         return _remote_info(args)
     from .cache import Cache
@@ -304,8 +325,9 @@ def _remote_verify(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .remote import is_url
+    from .remote import is_url, local_path
 
+    args.cache = local_path(args.cache)  # a file:// URL is the folder it names
     if is_url(args.cache):
         return _remote_verify(args)
     from pathlib import Path

@@ -24,6 +24,7 @@ from . import partition as part
 from .cache import Cache
 from .errors import ArgumentError, DatapipeError, StateError
 from .fetch import ShardFetcher, is_url
+from .remote import local_path
 from .text import show
 from .world import World, detect_ranks, detect_worker
 
@@ -181,6 +182,8 @@ class StreamingDataset(IterableDataset):
             World(self.rank, self.world_size)  # validates
         except ValueError as exc:  # RANK/WORLD_SIZE that are no numbers, or a rank out of range
             raise ArgumentError(f"{exc} (from the arguments, torch.distributed or RANK/WORLD_SIZE)") from None
+        if local_cache is None:  # a file:// URL is the folder it names, read in place (with local_cache: streamed)
+            cache = local_path(cache)
         if order is None and is_url(cache):
             order = part.default_order(is_remote=True)
         self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size)

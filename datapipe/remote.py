@@ -81,6 +81,24 @@ def is_url(location: object) -> bool:
     return isinstance(location, str) and bool(URL.match(location))
 
 
+def local_path(location: Any) -> Any:
+    """The local path a ``file://`` URL names (``file:///data/cache`` -> ``/data/cache``, percent-escapes
+    decoded), so that it is built and read as the folder it is; anything else is returned as it is.
+
+    Raises:
+        ArgumentError: a ``file://`` URL that names another host, or no absolute path.
+    """
+    if not (isinstance(location, str) and location[:7].lower() == "file://"):
+        return location
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(location)
+    if parts.netloc not in ("", "localhost") or not parts.path.startswith("/") or parts.query or parts.fragment:
+        raise ArgumentError(f"{location} is not a file:// URL of a local folder (file:///absolute/path); "
+                            "pass the folder's path")
+    return unquote(parts.path)
+
+
 # ----------------------------------------------------------------------------- storage options
 
 

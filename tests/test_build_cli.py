@@ -195,3 +195,55 @@ def test_cli_subprocess_errors(tmp_path, source):
     assert "cannot create output folder" in assert_one_line_error(proc.stderr)
     proc = run_cli("build", str(source[0]), str(tmp_path / "x"), "--fit", "zoom")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "zoom" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- file:// URLs and pipes
+
+
+def test_file_urls_are_the_folders_they_name_for_build_info_verify_and_the_loader(source, built, tmp_path):
+    """A file:// URL (percent-escapes too) is built, opened and read as the local folder it names, into a new
+    or an existing empty folder; with local_cache the loader streams it through the node cache instead."""
+    from urllib.parse import quote
+
+    for name in ("new folder", "empty"):
+        out = tmp_path / name
+        if name == "empty":
+            out.mkdir()
+        url = "file://" + quote(str(out))
+        done = run_cli("build", "file://" + quote(str(source[0])), url, "--size", str(SIZE), "--shard-size",
+                       str(SHARD), "--scheduler", "sync", "--quiet")
+        assert done.returncode == 0, done.stderr
+        assert (out / "manifest.json").is_file()
+        assert images_file(out, 0).read_bytes() == images_file(built[0], 0).read_bytes()
+        for command in ("info", "verify"):
+            shown = run_cli(command, url)
+            assert shown.returncode == 0 and str(out) in shown.stdout, shown.stderr
+        assert len(datapipe.open(url)) == len(datapipe.open(out))
+    url = "file://" + quote(str(tmp_path / "empty"))
+    in_place = [x for x, _ in datapipe.StreamingDataset(url, batch_size=5, shuffle=False)]
+    streamed = [x for x, _ in datapipe.StreamingDataset(url, batch_size=5, shuffle=False, local_cache=tmp_path / "node")]
+    assert len(in_place) == len(streamed) > 1 and all(torch_equal(a, b) for a, b in zip(in_place, streamed, strict=True))
+    assert any((tmp_path / "node").rglob("*.json"))  # streamed through the node cache
+
+
+def torch_equal(a, b) -> bool:
+    return bool((a == b).all())
+
+
+@pytest.mark.parametrize("url", ["file://otherhost/data/cache", "file://relative/path", "file:///data?x=1"])
+def test_a_file_url_that_names_no_local_folder_is_one_line(url):
+    done = run_cli("info", url)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "file:///absolute/path" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("args", [["info", "CACHE"], ["info", "--env"], ["verify", "CACHE"]])
+def test_a_command_whose_reader_went_away_stops_quietly(built, args):
+    """`datapipe info CACHE | head -1`: the output's reader goes away; the command stops as a pipe's writer does
+    (exit 141), without a traceback or a message about an exception at exit."""
+    args = [str(built[0]) if a == "CACHE" else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141 and "Traceback" not in err and "Exception ignored" not in err, err
