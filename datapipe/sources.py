@@ -314,8 +314,11 @@ def _is_header(row: list[str], exists: Callable[[str], bool]) -> bool:
 
 
 def _relative(cell: str, csv_path: Path, lineno: int) -> str:
-    """A CSV path cell as a normalised '/'-separated path inside the CSV's folder, or SourceError."""
+    """A CSV path cell as a normalised '/'-separated path inside the CSV's folder, or SourceError. Spaces
+    around the cell are dropped (``a.jpg , cat``), unless the file's own name has them."""
     path = cell.strip()
+    if path != cell and not os.path.lexists(csv_path.parent / path) and os.path.lexists(csv_path.parent / cell):
+        path = cell  # a name that does begin or end with spaces
     if not path:
         raise SourceError(f"{csv_path}:{lineno}: empty path; every row must be 'path,label'")
     if "\x00" in path:

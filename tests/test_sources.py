@@ -5,6 +5,7 @@ refused, bad rows), missing and empty sources.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
@@ -73,6 +74,21 @@ def test_csv_without_header_numeric_labels(tmp_path, imaging):
     assert cache.classes == ["2", "10"]  # numeric labels sort as numbers
     assert [cache.path(i) for i in range(3)] == paths
     assert [cache[i][1] for i in range(3)] == [1, 0, 0]
+
+
+def test_csv_paths_whose_names_begin_or_end_with_spaces(tmp_path, imaging):
+    """Spaces around a path cell are dropped, except where the file's own name has them (a quoted cell)."""
+    root = tmp_path / "data"
+    files = sorted(imaging.write_source(root, {"a": 3}, variety=False))
+    spaced = [" lead.jpg", "trail.jpg "]
+    for name, src in zip(spaced, files, strict=False):
+        os.replace(root / src, root / "a" / name)
+    rows = [f'"a/{spaced[0]}",x', f'"a/{spaced[1]}",x', f"  {files[2]}  ,y"]
+    (root / "list.csv").write_text("\n".join(rows) + "\n")
+    report = build(root / "list.csv", tmp_path / "out")
+    assert report.quarantined == []
+    cache = datapipe.open(tmp_path / "out")
+    assert sorted(cache.path(i) for i in range(3)) == sorted([f"a/{spaced[0]}", f"a/{spaced[1]}", files[2]])
 
 
 def test_csv_duplicate_keeps_the_first_row(tmp_path, imaging):
