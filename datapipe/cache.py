@@ -812,6 +812,15 @@ class Cache:
                     index = self._indexes[shard] = self._load_index(shard)
         return index
 
+    @property
+    def _rewrite_hint(self) -> str:
+        """What to do about a damaged shard file: rebuild it, or, in a node's copy of a cache in a store, drop
+        the copy (the store's objects are not in question: each was checked when it was downloaded)."""
+        if self.remote is not None:
+            return (f"remove the folder {self.root} (this node's copy of {self.remote.url}: it holds only copies of "
+                    "the store's objects) and run again")
+        return "rerun the same `datapipe build` to rewrite the shard"
+
     def _load_index(self, shard: int) -> SampleIndex:
         """Read shard ``shard``'s sample index (a bounded read of a regular file), check its crc32c
         against the manifest's, every row, and that the samples fill the data file the manifest sizes.
@@ -828,14 +837,12 @@ class Cache:
         try:
             raw = read_regular(path, limit)
         except FileNotFoundError:
-            raise CorruptShardError(f"{where}: the sample index is missing; rerun the same `datapipe build` "
-                                    "to rewrite the shard") from None
+            raise CorruptShardError(f"{where}: the sample index is missing; {self._rewrite_hint}") from None
         except NotRegularFile:
-            raise CorruptShardError(f"{where}: the sample index is not a regular file; rerun the same `datapipe build` "
-                                    "to rewrite the shard") from None
+            raise CorruptShardError(f"{where}: the sample index is not a regular file; {self._rewrite_hint}") from None
         except FileTooLarge as exc:
             raise CorruptShardError(f"{where}: the sample index is {exc.size:,} bytes, more than the {limit:,} of "
-                                    f"{rec.count} samples; rerun the same `datapipe build` to rewrite the shard") from None
+                                    f"{rec.count} samples; {self._rewrite_hint}") from None
         except OSError as exc:
             raise CorruptShardError(f"{where}: the sample index cannot be read ({exc.strerror or exc}); check the "
                                     "storage, then reopen the cache") from None
@@ -843,13 +850,12 @@ class Cache:
         crc = _crc32c_hex(raw)
         if crc != want:
             raise CorruptShardError(f"{where}: sample index checksum {crc} differs from the manifest's {want or 'none'} "
-                                    "(altered after the build); rerun the same `datapipe build` to rewrite the shard")
+                                    f"(altered after the build); {self._rewrite_hint}")
         index = SampleIndex.parse(raw, count=rec.count, encoding=self.encoding, max_side=self.max_side, where=where)
         self._check_shapes(index, where)
         if indexed_file_size(index.data_size) != rec.nbytes:
             raise CorruptShardError(f"{where}: the sample index covers {index.data_size:,} bytes of samples, which "
-                                    f"do not fill the {rec.nbytes:,}-byte data file of the manifest; rerun the same "
-                                    "`datapipe build` to rewrite the shard")
+                                    f"do not fill the {rec.nbytes:,}-byte data file of the manifest; {self._rewrite_hint}")
         return index
 
     def _check_shapes(self, index: SampleIndex, where: str) -> None:
@@ -864,7 +870,7 @@ class Cache:
             i = int(bad[0])
             raise CorruptShardError(f"{where}: the sample index gives sample {i} the shape "
                                     f"{int(index.heights[i])}x{int(index.widths[i])}, the cache's samples have {want}; "
-                                    "rerun the same `datapipe build` to rewrite the shard")
+                                    f"{self._rewrite_hint}")
 
     def _shard_changed(self, shard: int, what: str) -> str:
         return _changed(self._shard_path(shard), f"shard {self.shard_names[shard]}", what)
@@ -897,7 +903,7 @@ class Cache:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) is not a regular file; "
-                                        "rerun the same `datapipe build` to rewrite it")
+                                        f"{self._rewrite_hint}")
             with self._lock:
                 seen = self._identities.setdefault(shard, _identity(st))
             if seen != _identity(st):

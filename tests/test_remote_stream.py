@@ -654,3 +654,23 @@ def test_a_cache_rebuilt_under_a_reader_says_so_and_to_reopen_it(s3, built, tmp_
                                                 rf"\({url} was rebuilt: {now}.*reopen the cache"):
         next(iter(ds))
     assert shard_downloads(ds.cache.remote.folder)["shard 000000.zarr"] == 0
+
+
+def test_an_index_altered_in_a_node_cache_says_to_drop_the_nodes_copy(s3, built, tmp_path):
+    """A sample index altered in place in a node's copy (its size and times kept, so still recorded as
+    downloaded) is caught by its checksum on open; the advice is to remove that node's copy, not to
+    rebuild the cache in the store, whose objects are sound."""
+    url = upload(s3, built["indexed"])
+    folder = _fill(s3, url, tmp_path / "lc", prefetch=0)
+    index = sorted(folder.glob("shards/*/index/c/0/0"))[0]
+    st = index.stat()
+    data = bytearray(index.read_bytes())
+    data[3] ^= 0xFF
+    index.write_bytes(bytes(data))
+    os.utime(index, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    with pytest.raises(CorruptShardError) as err:
+        read_epoch(ds)
+    message = str(err.value)
+    assert "sample index checksum" in message and f"remove the folder {folder}" in message, message
+    assert "rerun the same `datapipe build`" not in message
