@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,8 +52,8 @@ from .files import atomic_write_text, file_crc32c, fsync_dir
 from .output import Output, prepare, remove_shards, shard_build_id
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of
 from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
-from .sources import Listing, plan_shards, scan, shown
-from .text import plural
+from .sources import Listing, plan_shards, scan, shown, with_classes
+from .text import plural, show
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -88,9 +88,21 @@ class BuildSpec(DecodeSpec):
     shard_size: int | None = None  # samples per shard; None: about 100 MB per shard (default_shard_size)
     encoding: samples.Encoding = "raw"
     quality: int = samples.DEFAULT_QUALITY  # JPEG quality 1..100 (encoding="jpeg" only; 4:2:0 chroma)
+    # The class names labels index, in order: another cache's (train's, for a validation cache), so that the two
+    # agree on every label; the source's classes must be among them. None: the source's own, sorted.
+    classes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.classes is not None:
+            names = self.classes
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names \
+                    or not all(isinstance(c, str) and c for c in names):
+                raise ArgumentError(f"classes must be a non-empty list of class names, got {show(names)}")
+            if len(set(names)) != len(names):
+                twice = next(c for c in names if names.count(c) > 1)
+                raise ArgumentError(f"classes names {twice!r} more than once; each class name must be given once")
+            object.__setattr__(self, "classes", tuple(names))
         if self.shard_size is not None and (isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int)
                                             or self.shard_size < 1):
             raise ArgumentError(f"--shard-size must be a positive integer, got {self.shard_size!r}")
@@ -124,6 +136,8 @@ class BuildSpec(DecodeSpec):
         config["shard_size"] = self.samples_per_shard
         if self.encoding != "raw":
             config.update(encoding=self.encoding, quality=self.quality, restart_interval=samples.RESTART_INTERVAL)
+        if self.classes is not None:
+            config["classes"] = list(self.classes)
         config["source_kind"] = source_kind
         assert layout_of(config) == self.layout
         return config
@@ -563,6 +577,7 @@ def build(
     max_aspect: float | None = None,
     encoding: samples.Encoding | None = None,
     quality: int | None = None,
+    classes: Sequence[str] | None = None,
     storage_options: dict | None = None,
 ) -> BuildReport:
     """Decode every image in ``source`` once and write a sharded cache to ``output``.
@@ -586,6 +601,8 @@ def build(
         max_aspect: see :class:`BuildSpec` (fit ``short`` only).
         encoding: see :class:`BuildSpec`: ``raw`` or ``jpeg``.
         quality: see :class:`BuildSpec` (``jpeg`` only).
+        classes: see :class:`BuildSpec`: the class list labels index, e.g. ``datapipe.open(train).classes`` for a
+            validation cache, so that both give every class the same label.
         storage_options: for a ``source`` or ``output`` that is an fsspec URL (``s3://bucket/prefix``): the
             options of its filesystem (credentials, ``endpoint_url`` ...), on top of fsspec's configuration
             and the environment. A remote output is written object by object, the manifest last.
@@ -602,7 +619,7 @@ def build(
         OutputWriteError: writing failed part-way (disk full, read-only folder); finished shards are kept.
     """
     spec = _spec(spec, size=size, fit=fit, max_pixels=max_pixels, shard_size=shard_size, max_aspect=max_aspect,
-                 encoding=encoding, quality=quality)
+                 encoding=encoding, quality=quality, classes=classes)
     cluster = Cluster() if cluster is None else cluster
     if not isinstance(cluster, Cluster):
         raise ArgumentError(f"cluster must be a datapipe.Cluster, got {type(cluster).__name__}")
@@ -624,6 +641,8 @@ def build(
         listing = remote.scan(os.fspath(source), storage_options, store_timeout)
     else:  # the output is never a class, even when it lies inside the source
         listing = scan(source, exclude=None if remote_output else Path(output).expanduser())
+    if spec.classes is not None:
+        listing = with_classes(listing, spec.classes)
     config = spec.config(listing.kind)
     chash = mf.config_hash(config)
     options = {"source_options": dict(storage_options or {}) if remote_source else None, "store_timeout": store_timeout}

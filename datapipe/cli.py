@@ -98,6 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-pixels", type=_positive_int, default=100_000_000,
                    help="quarantine images whose header claims more pixels (default 100,000,000)")
     b.add_argument("--force", action="store_true", help="rebuild an output built with another configuration")
+    b.add_argument("--classes-from", default=None, metavar="CACHE_OR_FILE",
+                   help="label with this class list instead of the source's own: a datapipe cache's (folder or URL; "
+                        "e.g. the training cache, for a validation set missing some classes) or a text file of "
+                        "one class name per line; every class of the source must be in it")
     b.add_argument("--verify", action="store_true",
                    help="check every finished shard's checksum before keeping it (rebuilds damaged shards)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -234,12 +238,42 @@ def _build(args: argparse.Namespace) -> int:
 
     _check_build_args(args)
     storage_options = _storage_options(args)
+    classes = None if args.classes_from is None else _classes_from(args.classes_from, storage_options)
     spec = BuildSpec(size=args.size, fit=args.fit, max_pixels=args.max_pixels, shard_size=args.shard_size,
-                     max_aspect=args.max_aspect, encoding=args.encoding, quality=args.quality)
+                     max_aspect=args.max_aspect, encoding=args.encoding, quality=args.quality, classes=classes)
     build(args.source, args.output, spec, cluster=Cluster(workers=args.workers, scheduler=args.scheduler),
           max_bad_fraction=args.max_bad_fraction, force=args.force, verify=args.verify, progress=not args.quiet,
           storage_options=storage_options)
     return 0
+
+
+def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
+    """The class list of ``--classes-from``: a cache's (its manifest's, local or in a store) or a text file's."""
+    from pathlib import Path
+
+    from .errors import ArgumentError
+    from .remote import is_url, local_path
+
+    where = local_path(where)
+    if is_url(where):
+        from . import remote
+
+        loc = remote.open_location(where, storage_options, timeout=remote.store_timeout())
+        return remote.read_manifest(loc).classes
+    path = Path(where).expanduser()
+    if path.is_dir():
+        from .manifest import read_manifest
+
+        return read_manifest(path).classes
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArgumentError(f"--classes-from {where}: cannot be read as a cache folder or a UTF-8 text file of class "
+                            f"names ({getattr(exc, 'strerror', None) or exc})") from None
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise ArgumentError(f"--classes-from {where}: holds no class name; write one per line")
+    return tuple(names)
 
 
 def _info(args: argparse.Namespace) -> int:

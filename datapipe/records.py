@@ -441,6 +441,8 @@ def parse_manifest(doc: Any, path: Path) -> Manifest:
         sample.text("layout", re.compile(layout), expect=f"{layout!r} (format version {f.doc['version']})")
     num_samples = f.integer("num_samples")
     classes = _classes(f)
+    if "classes" in config and config["classes"] != list(classes):  # a class list given to the build
+        f.fail("differs from config.classes, the class list the build was given", "classes")
     src = f.obj("source")
     source = SourceRecord(root=src.text("root"), kind=src.text("kind"))
     files = _files(f)

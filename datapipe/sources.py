@@ -19,13 +19,14 @@ and each real directory is read at most once.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import posixpath
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -419,6 +420,26 @@ def csv_labels(seen: dict[str, str]) -> tuple[list[str], list[str], list[int]]:
     index = {name: i for i, name in enumerate(names)}
     records = sorted((rel, index[label]) for rel, label in seen.items())
     return names, [p for p, _ in records], [lab for _, lab in records]
+
+
+def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:
+    """``listing`` labelled by ``classes`` (another cache's class list, so that both caches give every class
+    the same label): each class of the source must be among them; those it lacks simply have no sample.
+
+    Raises:
+        SourceError: a class of the source is not in ``classes``.
+    """
+    index = {name: i for i, name in enumerate(classes)}
+    missing = [name for name in listing.classes if name not in index]
+    if missing:
+        names = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise SourceError(f"{shown(listing.url or str(listing.source or listing.root))}: "
+                          f"{len(missing)} of its {len(listing.classes)} classes are not among the {len(classes)} "
+                          f"given ({names}); give a class list that holds every class of the source (for a "
+                          "validation set: the training cache's, with --classes-from TRAIN_CACHE)")
+    remap = [index[name] for name in listing.classes]
+    labels = [remap[label] if label >= 0 else label for label in listing.labels]
+    return dataclasses.replace(listing, classes=list(classes), labels=labels)
 
 
 def plan_shards(listing: Listing, shard_size: int) -> list[dict]:

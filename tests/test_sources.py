@@ -1,5 +1,5 @@
 """Build sources: CSV listings (header rule, numeric labels, duplicates, decoding by content, boxes
-refused, bad rows), missing and empty sources.
+refused, bad rows), missing and empty sources, a class list given to the build (another cache's).
 """
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from build_fixtures import (
 import datapipe
 from datapipe.codecs import DecodeSpec, decode_sample
 from datapipe.errors import (
+    ArgumentError,
+    ConfigMismatchError,
     SourceError,
 )
 
@@ -263,3 +267,66 @@ def test_an_output_folder_inside_the_source_is_never_scanned(tmp_path, imaging, 
     assert list(again.classes) == classes and second.shards_built == 0
     assert [int(again[i][1]) for i in range(len(again))] == labels
     assert [again.path(i) for i in range(len(again))] == paths
+
+
+# ----------------------------------------------------------------------------- a class list given to the build
+
+
+def test_a_validation_cache_labelled_by_the_training_caches_classes(tmp_path, imaging):
+    """A validation source that lacks a class (or holds them in another order) labelled by the training cache's
+    class list: every class keeps the training cache's label. Without the list, labels would shift."""
+    train_src, val_src = tmp_path / "train", tmp_path / "val"
+    imaging.write_source(train_src, {"ant": 2, "bee": 2, "cat": 2, "dog": 2}, variety=False)
+    imaging.write_source(val_src, {"bee": 2, "dog": 2}, variety=False)
+    build(train_src, tmp_path / "train-cache")
+    train = datapipe.open(tmp_path / "train-cache")
+    report = build(val_src, tmp_path / "val-cache", classes=train.classes)
+    val = datapipe.open(tmp_path / "val-cache")
+    assert list(val.classes) == list(train.classes) == ["ant", "bee", "cat", "dog"]
+    for i in range(len(val)):
+        assert val.classes[val[i][1]] == val.path(i).split("/")[0]  # bee -> 1, dog -> 3, as in training
+    assert sorted({int(val[i][1]) for i in range(len(val))}) == [1, 3]
+    assert report.empty_classes == ["ant", "cat"]
+    assert build(val_src, tmp_path / "val-cache", classes=train.classes).shards_built == 0  # a rerun: nothing to do
+    with pytest.raises(ConfigMismatchError, match="classes"):
+        build(val_src, tmp_path / "val-cache")  # another labelling is another cache
+    plain = build(val_src, tmp_path / "plain")
+    assert plain.status == "ok" and list(datapipe.open(tmp_path / "plain").classes) == ["bee", "dog"]
+
+
+def test_a_class_of_the_source_missing_from_the_list_is_refused(tmp_path, imaging):
+    imaging.write_source(tmp_path / "src", {"bee": 1, "emu": 1, "fox": 1}, variety=False)
+    with pytest.raises(SourceError, match=r"2 of its 3 classes are not among the 2 given \('emu', 'fox'\)"):
+        build(tmp_path / "src", tmp_path / "out", classes=["ant", "bee"])
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(("classes", "message"), [("ab", "list of class names"), ([], "list of class names"),
+                                                    (["a", ""], "list of class names"), (["a", 1], "list of class names"),
+                                                    (["a", "b", "a"], "'a' more than once")])
+def test_a_class_list_that_is_not_one_is_an_argument_error(tmp_path, classes, message):
+    with pytest.raises(ArgumentError, match=message):
+        datapipe.BuildSpec(classes=classes)
+
+
+def test_classes_from_a_cache_or_a_text_file_on_the_command_line(tmp_path, imaging):
+    """`--classes-from` takes a cache folder (its manifest's list) or a text file of one name per line; with
+    CSV sources of numeric labels too, where a missing class would otherwise renumber the rest."""
+    root = tmp_path / "data"
+    files = sorted(imaging.write_source(root, {"a": 4}, variety=False))
+    (root / "train.csv").write_text("".join(f"{f},{label}\n" for f, label in zip(files, ["0", "2", "5", "7"], strict=True)))
+    (root / "val.csv").write_text(f"{files[0]},0\n{files[3]},7\n")
+    (tmp_path / "names.txt").write_text("0\n2\n5\n7\n\n")
+    run = lambda *args: subprocess.run([sys.executable, "-m", "datapipe.cli", "build", *args, "--size", "16",  # noqa: E731
+                                        "--scheduler", "sync", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert run(str(root / "train.csv"), str(tmp_path / "train")).returncode == 0
+    for given in (tmp_path / "train", tmp_path / "names.txt"):
+        out = tmp_path / f"val-{given.name}"
+        done = run(str(root / "val.csv"), str(out), "--classes-from", str(given))
+        assert done.returncode == 0, done.stderr
+        val = datapipe.open(out)
+        assert list(val.classes) == ["0", "2", "5", "7"] and [int(val[i][1]) for i in range(2)] == [0, 3]
+    (tmp_path / "empty.txt").write_text("\n")
+    for bad, message in ((tmp_path / "empty.txt", "holds no class name"), (tmp_path / "missing", "cannot be read")):
+        done = run(str(root / "val.csv"), str(tmp_path / "bad"), "--classes-from", str(bad))
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
