@@ -168,7 +168,8 @@ def parity(dev: torch.device, n: int, side: int, sizes: tuple[int, ...]) -> tupl
         for jitter in (None, 0.4) if have_kornia else (None,):
             p = dict(params)
             if jitter:
-                p["jitter"] = augment.train(size, color_jitter=jitter).sample(n, side, side, seed=1)["jitter"]
+                drawn = augment.train(size, color_jitter=jitter).sample(n, side, side, seed=1)
+                p["jitter"], p["jitter_order"] = drawn["jitter"], drawn["jitter_order"]
             cpu32 = unit(augment.train(size, path="uint8", color_jitter=jitter)(images, params=p))
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 for tf32 in (False, True) if dev.type == "cuda" else (False,):

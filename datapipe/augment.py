@@ -15,8 +15,8 @@ RandomResizedCrop (half-pixel centres, antialiased bilinear resize):
 * ``device`` (the default on CUDA; ``kornia`` is its former name): the whole batch is cropped and
   resized in two batched matrix products (:func:`crop_and_resize`: per-sample weight matrices of
   torch's antialiased bilinear filter, built on the device for the whole batch at once), the flip
-  folded into the weights; colour jitter (Kornia) and normalisation run batched in float32, and the
-  result is cast to the output dtype at the end.
+  folded into the weights; colour jitter (torchvision's ColorJitter, each image's operations in its own
+  order) and normalisation run batched in float32, and the result is cast to the output dtype at the end.
 * ``uint8`` (the default on CPU): each crop is resized on uint8 with an antialiased bilinear kernel,
   then mirrored, converted and normalised into its slot of the batch in one pass (both the compiled
   kernels of :mod:`datapipe.native`, or torch's kernels, which give the same values, where they are
@@ -462,7 +462,13 @@ class TrainAugment(BatchAugment):
                 torch.empty(batch).uniform_(max(0.0, 1 - s), 1 + s, generator=g),
                 torch.empty(batch).uniform_(-h, h, generator=g),
             ], dim=1)  # [B, 4]: brightness, contrast, saturation, hue
+            params["jitter_order"] = torch.argsort(torch.rand(batch, 4, generator=g), dim=1)  # randperm(4) per sample
         return params
+
+    def _jitter(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert self.color_jitter is not None
+        enabled = [v > 0 for v in self.color_jitter]  # torchvision skips a range of 0
+        return _jitter(x, params["jitter"], params.get("jitter_order"), enabled)
 
     def forward(self, images: Batch, seed: int | None = None,
                 params: dict[str, torch.Tensor] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -484,7 +490,7 @@ class TrainAugment(BatchAugment):
                 return self._finish(_scale_shift_(x, self.mean, self.std))
             x = x.mul_(1.0 / 255.0).clamp_(0.0, 1.0)
         if "jitter" in params:
-            x = _jitter(x, params["jitter"].to(x.device, non_blocking=True))  # no wait for the device's queue
+            x = self._jitter(x, params)
         return self._finish(_normalize_float(x, self.mean, self.std))
 
     def decode(self, encoded: Sequence[EncodedSample], seed: int | None = None,
@@ -508,7 +514,7 @@ class TrainAugment(BatchAugment):
             batch = self._decode_batch(encoded, params, out, n)
             return batch if batch is not None else self._crop_normalize_uint8(crops(), params["flip"], out, n)
         x = self._crop_uint8(crops(), params["flip"], n).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
-        return self._finish(_normalize_float(_jitter(x, params["jitter"]), self.mean, self.std))
+        return self._finish(_normalize_float(self._jitter(x, params), self.mean, self.std))
 
     def _decode_batch(self, encoded: Sequence[EncodedSample], params: dict[str, torch.Tensor], out: torch.Tensor | None,
                       n: int) -> torch.Tensor | None:
@@ -563,15 +569,62 @@ class TrainAugment(BatchAugment):
         return out
 
 
-def _jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """Brightness, contrast, saturation, hue with per-sample factors [B, 4], on [0, 1] floats."""
-    from kornia.enhance import adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation
+GRAY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights (R, G, B)
 
-    x = adjust_brightness(x, factors[:, 0] - 1.0)
-    x = adjust_contrast(x, factors[:, 1])
-    x = adjust_saturation(x, factors[:, 2])
-    x = adjust_hue(x, factors[:, 3] * math.pi * 2)
-    return x.clamp_(0.0, 1.0)
+
+def _gray(x: torch.Tensor) -> torch.Tensor:
+    """[n, 3, h, w] -> [n, 1, h, w]: torchvision's grayscale of float RGB."""
+    return x[:, 0:1] * GRAY[0] + x[:, 1:2] * GRAY[1] + x[:, 2:3] * GRAY[2]
+
+
+def _blend(x: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """torchvision's ``_blend``: factor * x + (1 - factor) * other, clamped to [0, 1] (per-sample factors [n])."""
+    f = factor.view(-1, 1, 1, 1)
+    return (x * f + other * (1.0 - f)).clamp_(0.0, 1.0)
+
+
+def _brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    return _blend(x, torch.zeros((), dtype=x.dtype, device=x.device), f)  # x * f, clamped
+
+
+def _contrast(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    return _blend(x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), f)  # towards the image's mean grey
+
+
+def _saturation(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    return _blend(x, _gray(x), f)  # towards each pixel's grey
+
+
+def _hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    from kornia.enhance import adjust_hue  # HSV's hue turned by f (of a full turn), as torchvision's
+
+    return adjust_hue(x, f * (2 * math.pi)).clamp_(0.0, 1.0)
+
+
+JITTER_OPS = (_brightness, _contrast, _saturation, _hue)  # the order of the factors in params["jitter"]
+
+
+def _jitter(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor | None = None,
+            enabled: Sequence[bool] = (True, True, True, True)) -> torch.Tensor:
+    """torchvision's ColorJitter with per-sample factors [B, 4] (brightness, contrast, saturation, hue) on
+    [0, 1] floats, each sample's operations in its own order (``order``: int64 [B, 4], a permutation of
+    0..3 per sample, as torchvision draws one per image; None: that order). ``factors`` and ``order`` are
+    read on the host (no wait for the device): each operation runs once per sample, on the samples that
+    take it at that step, gathered by index. ``enabled``: the operations the preset draws at all."""
+    if order is None:
+        order = torch.arange(4).expand(len(x), 4)
+    on_device = factors.to(x.device, non_blocking=True)
+    for step in range(4):
+        for op, run in enumerate(JITTER_OPS):
+            if not enabled[op]:
+                continue
+            rows = (order[:, step] == op).nonzero().flatten()
+            if rows.numel() == len(x):
+                x = run(x, on_device[:, op])
+            elif rows.numel():
+                idx = rows.to(x.device, non_blocking=True)
+                x = x.index_copy(0, idx, run(x.index_select(0, idx), on_device.index_select(0, idx)[:, op]))
+    return x
 
 
 class EvalAugment(BatchAugment):

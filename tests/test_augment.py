@@ -4,6 +4,7 @@ seeding, lists of samples.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,3 +266,65 @@ def test_an_empty_batch_has_the_form_of_a_full_one(make, channels_last):
         if all(empty.shape[1:]):  # a conversion of an empty list knows no size: [0, 3, 0, 0]
             assert empty.stride() == torch.empty(empty.shape, memory_format=fmt).stride()
     assert empties[0].shape[1:] == full.shape[1:]
+
+
+# ----------------------------------------------------------------------------- colour jitter: torchvision's ColorJitter
+
+
+def _reference_jitter(image: np.ndarray, factors: list[float], order: list[int]) -> np.ndarray:
+    """torchvision's ColorJitter on one float [3, h, w] image in [0, 1], written out from its definitions:
+    brightness multiplies, contrast blends with the image's mean grey, saturation with each pixel's grey
+    (grey = 0.2989 R + 0.587 G + 0.114 B), hue turns HSV's hue (colorsys); each result clamped to [0, 1],
+    the four in the image's own order."""
+    import colorsys
+
+    x = image.astype(np.float64)
+    for op in order:
+        f = factors[op]
+        gray = 0.2989 * x[0] + 0.587 * x[1] + 0.114 * x[2]
+        if op == 0:
+            x = np.clip(x * f, 0, 1)
+        elif op == 1:
+            x = np.clip(f * x + (1 - f) * gray.mean(), 0, 1)
+        elif op == 2:
+            x = np.clip(f * x + (1 - f) * gray[None], 0, 1)
+        else:
+            out = np.empty_like(x)
+            for i in range(x.shape[1]):
+                for j in range(x.shape[2]):
+                    h, s, v = colorsys.rgb_to_hsv(*x[:, i, j])
+                    out[:, i, j] = colorsys.hsv_to_rgb((h + f) % 1.0, s, v)
+            x = out
+    return x
+
+
+@pytest.mark.parametrize("path", ["device", "uint8"])
+def test_colour_jitter_is_torchvisions_color_jitter_in_each_images_own_order(path):
+    """augment.train(size, color_jitter=0.4) is torchvision's ColorJitter(0.4, 0.4, 0.4, 0.1) after the crop:
+    each image's factors and order applied as torchvision defines the four operations (the former jitter
+    added the brightness factor and scaled for contrast: up to +0.4 on a dark image)."""
+    g = torch.Generator().manual_seed(3)
+    images = torch.randint(0, 256, (12, 20, 20, 3), dtype=torch.uint8, generator=g)
+    images[0] = 20  # dark and flat: brightness must scale it, contrast leave it
+    aug = augment.train(12, color_jitter=0.4, path=path, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    params = aug.sample(12, 20, 20, seed=5)
+    assert sorted(map(tuple, params["jitter_order"].sort(dim=1).values.tolist())) == [(0, 1, 2, 3)] * 12
+    assert len({tuple(o) for o in params["jitter_order"].tolist()}) > 1  # orders differ between images
+    got = aug(images, params=params).double()
+    plain = augment.train(12, path=path, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))(
+        images, params={k: v for k, v in params.items() if not k.startswith("jitter")}).double()
+    tol = 1e-5 if path == "device" else 3 / 255  # the uint8 path rounds its crop first: the same crop is the input
+    for i in range(12):
+        want = _reference_jitter(plain[i].numpy(), params["jitter"][i].tolist(), params["jitter_order"][i].tolist())
+        assert np.abs(got[i].numpy() - want).max() <= tol + 1e-6, (i, np.abs(got[i].numpy() - want).max())
+
+
+def test_colour_jitter_draws_torchvisions_ranges_and_every_order():
+    params = augment.train(32, color_jitter=(0.4, 0.3, 0.2, 0.1)).sample(20_000, 64, 64, seed=0)
+    f = params["jitter"]
+    for k, (lo, hi) in enumerate([(0.6, 1.4), (0.7, 1.3), (0.8, 1.2), (-0.1, 0.1)]):
+        assert lo <= float(f[:, k].min()) and float(f[:, k].max()) <= hi and abs(float(f[:, k].mean()) - (lo + hi) / 2) < 0.01
+    order = params["jitter_order"]
+    for step in range(4):  # each operation at each step about a quarter of the time
+        counts = torch.bincount(order[:, step], minlength=4).double() / len(order)
+        assert float((counts - 0.25).abs().max()) < 0.02, counts
