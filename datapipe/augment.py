@@ -627,6 +627,12 @@ def _jitter(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor | None =
     return x
 
 
+def _centre(n: int, s: int) -> int:
+    """The offset of a centred window of ``s`` in ``n``, as torchvision's CenterCrop: round((n - s) / 2), half to
+    even (so an odd margin of 3 puts 2 before the window, not 1)."""
+    return int(round((n - s) / 2.0))
+
+
 class EvalAugment(BatchAugment):
     """Center crop to ``size`` (samples smaller than ``size`` are resized to it instead), normalised.
 
@@ -647,14 +653,14 @@ class EvalAugment(BatchAugment):
         if not self._use_uint8(device):  # the batched device path (CUDA), also runnable on CPU tensors
             x = _stack(images)
             if h >= s and w >= s:
-                top, left = (h - s) // 2, (w - s) // 2
+                top, left = _centre(h, s), _centre(w, s)
                 x = x[:, top : top + s, left : left + s].permute(0, 3, 1, 2).to(torch.float32)
             else:
                 x = crop_and_resize(x, torch.tensor([[0, 0, h, w]], dtype=torch.int64).expand(b, 4), s)
             return self._finish(_scale_shift_(x, self.mean, self.std))
         if h >= s and w >= s:
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
-            top, left = (h - s) // 2, (w - s) // 2
+            top, left = _centre(h, s), _centre(w, s)
             out = self._float_out(b, out)
             _normalize_into(images, out, self.mean, self.std, top, left)
             return self._as_dtype(out)
@@ -672,7 +678,9 @@ class EvalAugment(BatchAugment):
         s = self.size
         inside = (h >= s) & (w >= s)
         side = torch.full((batch,), s, dtype=torch.int64)
-        crops = torch.stack([(h - s) // 2, (w - s) // 2, side, side], dim=1)
+        # torchvision's CenterCrop offsets: round((n - s) / 2), half to even (torch.round, as Python's round)
+        crops = torch.stack([torch.round((h - s) / 2.0).to(torch.int64), torch.round((w - s) / 2.0).to(torch.int64),
+                             side, side], dim=1)
         whole = torch.stack([torch.zeros_like(h), torch.zeros_like(w), h, w], dim=1)
         return {"crops": torch.where(inside[:, None], crops, whole)}
 

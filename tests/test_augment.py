@@ -328,3 +328,21 @@ def test_colour_jitter_draws_torchvisions_ranges_and_every_order():
     for step in range(4):  # each operation at each step about a quarter of the time
         counts = torch.bincount(order[:, step], minlength=4).double() / len(order)
         assert float((counts - 0.25).abs().max()) < 0.02, counts
+
+
+@pytest.mark.parametrize("path", ["device", "uint8"])
+@pytest.mark.parametrize(("h", "w"), [(227, 230), (231, 224), (229, 227), (234, 233)])
+def test_eval_centre_crop_offsets_are_torchvisions(path, h, w):
+    """augment.eval(224) of a sample at least 224 on each side is torchvision's CenterCrop(224): the window at
+    round((n - 224) / 2), half to even (a margin of 3 puts 2 before it, 7 puts 4), for whole batches, for
+    samples of varying shapes, and for the crops the loader draws for a padded batch."""
+    g = torch.Generator().manual_seed(h * w)
+    image = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+    top, left = int(round((h - 224) / 2.0)), int(round((w - 224) / 2.0))
+    unit = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    want = image[top : top + 224, left : left + 224].permute(2, 0, 1).float() / 255
+    aug = augment.eval(224, path=path, **unit)
+    other = torch.randint(0, 256, (h + 1, w + 2, 3), dtype=torch.uint8, generator=g)
+    for got in (aug(image[None])[0], aug([image, other])[0]):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert aug.sample(1, torch.tensor([h]), torch.tensor([w]))["crops"].tolist() == [[top, left, 224, 224]]
