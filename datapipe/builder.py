@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -1024,7 +1025,10 @@ def _local_cluster(n_workers: int) -> LocalCluster:
     # glibc reads these when a process starts: they go into Dask's pre-spawn environment
     # (setting them as ordinary worker env would come too late to have any effect).
     pre_spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
-    with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}):
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}), warnings.catch_warnings():
+        # Another cluster's dashboard on 8787 (a second build, a notebook): this one takes a free port, which
+        # the build's line names; distributed's four-line warning about it says nothing more.
+        warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
         # silence_logs: the workers log nothing below CRITICAL on the user's terminal. A task that fails logs
         # "Compute Failed" with its traceback at ERROR; the build's own line already says what failed.
         return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address=":8787",

@@ -370,3 +370,26 @@ def test_worker_lost_mid_build(dist_source, serial, external_cluster, tmp_path, 
     assert report.shards_total == report.shards_built + report.shards_skipped
     assert_same_cache(out, serial[1], imaging, allow_temps=True)
     assert not temps(out), "the temporary folder of the lost worker's shard is removed when the build ends"
+
+
+def test_a_busy_dashboard_port_is_taken_in_silence(tmp_path, imaging):
+    """Another cluster's dashboard on 8787 (a second build, a notebook): the build's LocalCluster takes a free
+    port, named in the build's own dashboard line, without distributed's multi-line warning about it."""
+    import socket
+
+    imaging.write_source(tmp_path / "src", {"a": 2, "b": 2}, variety=False)
+    holder = socket.socket()
+    try:
+        try:
+            holder.bind(("", 8787))
+            holder.listen()
+        except OSError:
+            pass  # busy already: the same case
+        done = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(tmp_path / "src"), str(tmp_path / "out"),
+                               "--size", "16", "--workers", "1"], capture_output=True, text=True, timeout=300)
+    finally:
+        holder.close()
+    assert done.returncode == 0, done.stderr
+    assert "already in use" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
+    line = next(x for x in done.stderr.splitlines() if "dashboard:" in x)
+    assert ":8787" not in line, line

@@ -689,7 +689,16 @@ def test_a_read_of_a_frozen_store_ends_at_its_deadline(s3, kind):
     finally:
         s3.resume()
     assert "\n" not in str(caught.value) and took < 5, took
-    assert remote.read_doc(loc, "doc.json") == {} or kind == "delete"  # the same client goes on afterwards
+    # the same client goes on afterwards (on a loaded machine the thawed store may first answer what it was sent
+    # while frozen, later than the 1 s deadline of a read: the client is tried again, never made anew)
+    give_up = time.monotonic() + 60
+    while True:
+        try:
+            assert remote.read_doc(loc, "doc.json") == {} or kind == "delete"
+            break
+        except datapipe.errors.RemoteStoreError:
+            if time.monotonic() > give_up:
+                raise
 
 
 @pytest.mark.parametrize("command", ["info", "verify", "build-into", "build-from"])
