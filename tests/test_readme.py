@@ -37,6 +37,7 @@ def _env(home: Path) -> dict[str, str]:
 def home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("home")
     make_index_dataset(home / "data" / "train", 48, classes=3, size=40)
+    make_index_dataset(home / "data" / "val", 8, classes=2, size=40)  # fewer classes than the training set
     return home
 
 
@@ -67,6 +68,10 @@ def test_the_quickstart_commands_run_verbatim(home):
     assert (home / "cache" / "train" / "manifest.json").is_file()
     assert "48 samples" in proc.stdout.replace(",", "") or "48" in proc.stdout, proc.stdout
     assert "OK" in proc.stdout, proc.stdout
+    import datapipe
+
+    train, val = datapipe.open(home / "cache" / "train"), datapipe.open(home / "cache" / "val")
+    assert list(val.classes) == list(train.classes) and len(set(val.classes)) == 3  # the training cache's labels
 
 
 def test_the_quickstart_script_runs_verbatim(home, tmp_path):
