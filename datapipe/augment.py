@@ -578,21 +578,22 @@ def _gray(x: torch.Tensor) -> torch.Tensor:
 
 
 def _blend(x: torch.Tensor, other: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """torchvision's ``_blend``: factor * x + (1 - factor) * other, clamped to [0, 1] (per-sample factors [n])."""
+    """torchvision's ``_blend``: factor * x + (1 - factor) * other, clamped to [0, 1] (per-sample factors [n]);
+    in place (``x`` is always the preset's own batch, or a gathered copy of its rows)."""
     f = factor.view(-1, 1, 1, 1)
-    return (x * f + other * (1.0 - f)).clamp_(0.0, 1.0)
+    return x.mul_(f).add_(other * (1.0 - f)).clamp_(0.0, 1.0)
 
 
 def _brightness(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    return _blend(x, torch.zeros((), dtype=x.dtype, device=x.device), f)  # x * f, clamped
+    return x.mul_(f.view(-1, 1, 1, 1)).clamp_(0.0, 1.0)  # _blend with black: x * f, clamped
 
 
 def _contrast(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    return _blend(x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), f)  # towards the image's mean grey
+    return _blend(x, _gray(x).mean(dim=(1, 2, 3), keepdim=True), f)  # towards the image's mean grey (taken first)
 
 
 def _saturation(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    return _blend(x, _gray(x), f)  # towards each pixel's grey
+    return _blend(x, _gray(x), f)  # towards each pixel's grey (taken first)
 
 
 def _hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
