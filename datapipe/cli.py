@@ -32,6 +32,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
 def _check_build_args(args: argparse.Namespace) -> None:
     """Ranges argparse's types do not express, checked before anything starts; the message names the flag.
     (The sample format's ranges are checked by BuildSpec, whose messages name the flags too.)"""
@@ -119,11 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("output", help="folder to write (new or empty; a rerun with the same options completes it)")
     s.add_argument("--images", type=_positive_int, default=2000, help="number of images (default 2000)")
     s.add_argument("--classes", type=_positive_int, default=10, help="number of class folders (default 10)")
-    s.add_argument("--seed", type=int, default=0, help="the output is a pure function of the options and this (default 0)")
+    s.add_argument("--seed", type=_nonnegative_int, default=0,
+                   help="a whole number >= 0; the output is a pure function of the options and this (default 0)")
 
     d = _command(sub, "demo", help="generate a sample dataset, build it on a LocalCluster, read it back, bench it")
     d.add_argument("--dir", default="datapipe-demo", help="working folder (default ./datapipe-demo)")
-    d.add_argument("--images", type=_positive_int, default=2000, help="sample images to generate (default 2000)")
+    d.add_argument("--images", type=_positive_int, default=2000,
+                   help="sample images to generate, at least 10 (the sample's classes) (default 2000)")
     d.add_argument("--workers", type=_positive_int, default=None, help="LocalCluster worker processes (default: one per core)")
     d.add_argument("--skip-bench", action="store_true", help="stop after reading the cache back")
 
@@ -143,9 +152,14 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--step-ms", type=float, default=0.0,
                    help="also run a synthetic model step of this many ms and report the share spent waiting")
     k.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
-    k.add_argument("--work-dir", default=None, help="where peers write their shards (default: CACHE/../bench-work)")
-    k.add_argument("--json", default=None, help="write the results as JSON here")
-    k.add_argument("--plot", default=None, help="write a PNG chart here")
+    k.add_argument("--work-dir", default=None,
+                   help="where peers write their shards, each in a folder of its own that datapipe marks as its "
+                        "(default: CACHE-bench-work beside the cache); not inside the cache or the source. A peer's "
+                        "folder that datapipe did not write is refused, never deleted")
+    k.add_argument("--json", default=None, help="write the results as JSON to this file (checked before anything runs)")
+    k.add_argument("--plot", default=None,
+                   help="write a chart to this file: .png (added where the name has no suffix), .svg, .pdf, ... "
+                        "(checked before anything runs)")
     k.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -420,37 +434,82 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     _require("bench", "demo", "skimage", "psutil")
-    from .bench.demo import run_demo
+    from .bench.demo import check_demo_args, run_demo
 
-    run_demo(args.dir, images=args.images, workers=args.workers, bench=not args.skip_bench)
+    check_demo_args(images=args.images, workers=args.workers)  # before anything is written
+    with _loaders_stop_quietly():
+        run_demo(args.dir, images=args.images, workers=args.workers, bench=not args.skip_bench)
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
-    from .bench.harness import BenchSpec, format_table, plot, run
+    from .bench.harness import BenchSpec, chart_path, check_output_file, format_table, plot, run
 
     spec = BenchSpec(batch_size=args.batch_size, workers=args.workers, crop=args.crop, batches=args.batches,
                      device=args.device, repeats=args.repeats, step_ms=args.step_ms)  # checks every flag
+    # The result files are checked before anything is measured: a bench takes minutes.
+    json_out = check_output_file("--json", args.json) if args.json else None
+    plot_out = check_output_file("--plot", chart_path(args.plot)) if args.plot else None
     against = [a.strip() for a in args.against.split(",") if a.strip()]
-    result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir, progress=not args.quiet,
-                 also=args.also)
+    with _loaders_stop_quietly():
+        result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir,
+                     progress=not args.quiet, also=args.also)
     print(format_table(result))
-    if args.json:
-        with _writing("--json", args.json):
-            Path(args.json).write_text(json.dumps(result.to_dict(), indent=1))
-        print(f"wrote {args.json}")
-    if args.plot:
-        with _writing("--plot", args.plot):
-            plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    if json_out is not None:
+        with _writing("--json", str(json_out)):
+            json_out.write_text(json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {json_out}")
+    if plot_out is not None:
+        with _writing("--plot", str(plot_out)):
+            written = plot(result, plot_out)
+        print(f"wrote {written}")
     failed = [s.name for s in result.systems.values() if s.status == "failed"]
     if failed:
         print(f"datapipe bench: {plural(len(failed), 'system')} failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _child_exited(signum: int, frame: FrameType | None) -> None:
+    """SIGCHLD while the command stops: a worker process ended, as it was told to; nothing to report."""
+
+
+@contextlib.contextmanager
+def _loaders_stop_quietly() -> Iterator[None]:
+    """While bench or demo runs DataLoaders with worker processes: on SIGTERM or Ctrl-C (sent to the
+    whole process group, the workers die too) stop with the command's one line, never torch's report
+    of a killed worker.
+
+    torch's SIGCHLD handler raises "DataLoader worker ... is killed" in the main process whenever a
+    worker dies, also while the interrupted command shuts its loaders down. So the handlers here
+    give SIGCHLD a handler that does nothing before they raise; the loaders are then closed by ``run``.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        stopping.append(signum)
+        # Not SIG_DFL: a SIGCHLD already pending would then be reported as "ignored due to race condition".
+        signal.signal(signal.SIGCHLD, _child_exited)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        if not stopping:  # once stopping, the signals stay ignored until the command has said so and exited
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

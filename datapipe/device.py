@@ -321,6 +321,7 @@ class DeviceLoader:
                 ds.note_received(iteration, j + 1)
                 self.meter.record(started, waited, int(batch[1].shape[0]))
                 yield batch
+            self.meter.finish()  # the loop asked for a batch after the last: its last step is over
             self._check_current(gen, iteration)
         finally:
             with self._cond:

@@ -16,6 +16,12 @@ class StallMeter:
     loop never waited (the model is the bottleneck), values near 1 mean the loop is starved. Time
     the loop's own thread spends on the data (a generic augmentation module on the CPU runs there)
     counts as waiting.
+
+    The wall time runs until the loop is done with the last batch it received — when it asks for
+    the next one, or, where it has not asked again, when :meth:`stats` is called — so N batches
+    count N steps of the loop's work, the last one's too (``images_per_s`` is at most
+    ``batch / step time``). Call :meth:`stats` right after the loop: the time until then counts as
+    the last batch's step.
     """
 
     def __init__(self, *, log_every: int = 0, window: int = 50) -> None:
@@ -28,14 +34,22 @@ class StallMeter:
         self.images = 0
         self.wait = 0.0
         self.first: float | None = None
-        self.last: float | None = None
+        self.last: float | None = None  # when the last batch was received
+        self.done: float | None = None  # when the loop was last known done with the batches received
         self.recent.clear()
 
     def begin(self) -> float:
         now = time.perf_counter()
         if self.first is None:
             self.first = now
+        if self.last is not None:  # the loop came back for more: done with the last batch's step
+            self.done = now
         return now
+
+    def finish(self) -> None:
+        """The loop is done with the last batch it received (it asked for one more, and the epoch had none)."""
+        if self.last is not None and (self.done is None or self.done <= self.last):
+            self.done = time.perf_counter()
 
     def record(self, started: float, waited: float, images: int) -> None:
         now = time.perf_counter()
@@ -46,13 +60,19 @@ class StallMeter:
         self.wait += waited
         self.recent.append((waited, interval, images))
         if self.log_every and self.batches % self.log_every == 0:
-            s = self.stats()
+            s = self._figures(now)  # mid-run: up to this batch, without its step (nothing is frozen)
             log.info("datapipe: %d batches, %.0f img/s, waiting %.1f%% of the time (last %d: %.0f img/s, %.1f%%)",
                      s["batches"], s["images_per_s"], 100 * s["wait_share"], s["recent"]["batches"],
                      s["recent"]["images_per_s"], 100 * s["recent"]["wait_share"])
 
     def stats(self) -> dict:
-        wall = (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+        """batches, images, seconds, images/s, wait_s and wait_share since the first batch was asked for
+        (until the loop was done with the last batch), and the same over the ``window`` latest batches."""
+        self.finish()  # where the loop has not asked again: its last step ended by now
+        return self._figures(self.done)
+
+    def _figures(self, end: float | None) -> dict:
+        wall = (end - self.first) if self.first is not None and end is not None else 0.0
         r_wait = sum(w for w, _, _ in self.recent)
         r_wall = sum(i for _, i, _ in self.recent)
         r_img = sum(n for _, _, n in self.recent)

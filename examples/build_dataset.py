@@ -51,28 +51,32 @@ def sample_source(folder: Path, images: int, classes: int) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return build_and_open(args)
+    except datapipe.DatapipeError as exc:  # a mistake in the options or the folders: one line, as the CLI says it
+        print(f"build_dataset.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_and_open(args: argparse.Namespace) -> int:
     logging.getLogger("datapipe").addHandler(logging.StreamHandler())  # the build's progress lines, on stderr
     logging.getLogger("datapipe").setLevel(logging.INFO)
     output = Path(args.output).absolute()
     source = Path(args.source) if args.source else sample_source(output.parent / "images", args.images, args.classes)
     spec = datapipe.BuildSpec(size=args.size, shard_size=args.shard_size)  # what the cache holds
 
-    try:
-        if args.scheduler:  # an existing cluster (its workers must see these paths), or "sync"
-            report = datapipe.build(source, output, spec, cluster=datapipe.Cluster(scheduler=args.scheduler),
-                                    progress=not args.quiet)
-        else:
-            from dask.distributed import LocalCluster
+    if args.scheduler:  # an existing cluster (its workers must see these paths), or "sync"
+        report = datapipe.build(source, output, spec, cluster=datapipe.Cluster(scheduler=args.scheduler),
+                                progress=not args.quiet)
+    else:
+        from dask.distributed import LocalCluster
 
-            # Single-threaded worker processes, as `datapipe build --workers N` starts them.
-            with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                              dashboard_address=":8787") as cluster:
-                print(f"LocalCluster: {args.workers} workers; dashboard: {cluster.dashboard_link}")
-                report = datapipe.build(source, output, spec, cluster=datapipe.Cluster(scheduler=cluster.scheduler_address),
-                                        progress=not args.quiet)
-    except datapipe.DatapipeError as exc:
-        print(f"build failed: {exc}", file=sys.stderr)
-        return 2
+        # Single-threaded worker processes, as `datapipe build --workers N` starts them.
+        with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                          dashboard_address=":8787") as cluster:
+            print(f"LocalCluster: {args.workers} workers; dashboard: {cluster.dashboard_link}")
+            report = datapipe.build(source, output, spec, cluster=datapipe.Cluster(scheduler=cluster.scheduler_address),
+                                    progress=not args.quiet)
 
     cache = datapipe.open(output)
     print(f"{cache!r}")

@@ -5,8 +5,10 @@
     python examples/train.py --cache CACHE --resume checkpoint.pt          # continue where it stopped
     python examples/train.py --cache s3://bucket/cache --local-cache /nvme/datapipe   # stream from a store
 
-A checkpoint (model, optimizer and loader position) is written at the end of every epoch and when
---max-steps stops the run; --resume continues mid-epoch with exactly the batches not yet seen.
+A checkpoint (model, optimizer and loader position) is written at the end of every epoch, when
+--max-steps stops the run, and when SIGTERM or Ctrl-C (SIGINT) stops it: the step in progress is
+finished, the checkpoint saved, and the run exits with 143 (130 for Ctrl-C). --resume continues
+mid-epoch with exactly the batches not yet trained on, so a preempted job loses at most one step.
 Build a cache first: `python examples/build_dataset.py` or `datapipe build SOURCE CACHE`.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop after this many optimizer steps in all (counting resumed ones)")
     p.add_argument("--checkpoint", default="checkpoint.pt", help="where to save (default %(default)s)")
     p.add_argument("--resume", default=None, help="a checkpoint to continue from")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed (keep it when resuming)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle and initial-weights seed (keep it when resuming)")
     return p.parse_args(argv)
 
 
@@ -83,8 +86,45 @@ def save_checkpoint(path: str, state: dict) -> None:
     os.replace(tmp, path)  # a crash while saving never leaves a broken checkpoint behind
 
 
-def main(argv=None) -> None:
+class StopRequest:
+    """SIGTERM (a preempted job, systemd, scancel) or SIGINT (Ctrl-C), noted by the handler; the loop
+    stops after the step in progress, so the checkpoint counts exactly the batches trained on."""
+
+    CODES = {signal.SIGINT: 1, signal.SIGTERM: 2}  # for agreeing across ranks: the larger wins
+
+    def __init__(self) -> None:
+        self.code = 0
+
+    def install(self) -> None:
+        for sig in self.CODES:
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame) -> None:
+        self.code = max(self.code, self.CODES[signum])
+
+    def agreed(self, device: torch.device) -> int:
+        """0, or the stop every rank agrees on (a rank that got no signal stops with the others)."""
+        if not dist.is_initialized():
+            return self.code
+        flag = torch.tensor([self.code], device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    @staticmethod
+    def describe(code: int) -> tuple[str, int]:
+        return ("SIGTERM", 143) if code == 2 else ("Ctrl-C", 130)
+
+
+def fail(message: str) -> int:
+    """A mistake in the options: one line on stderr, exit status 2."""
+    sys.stderr.write(f"train.py: error: {message}\n")
+    return 2
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.resume and not Path(args.resume).is_file():
+        return fail(f"--resume {args.resume}: no such checkpoint file")
     device = setup(args.device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -96,11 +136,20 @@ def main(argv=None) -> None:
     loader = datapipe.DeviceLoader(dataset, device=device, num_workers=args.workers,
                                    augment=datapipe.augment.train(args.crop))
 
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every run of these options
     model = small_cnn(len(dataset.cache.classes)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
     step, start_epoch = 0, 0
+    if len(loader) == 0:
+        loader.close()
+        return fail(f"--batch-size {args.batch_size} is larger than the {len(dataset.cache):,} samples shared by "
+                    f"{world} process(es): no full batch to train on; lower --batch-size")
     if args.resume:
-        ckpt = torch.load(args.resume, map_location="cpu")
+        try:
+            ckpt = torch.load(args.resume, map_location="cpu")
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: one line, not a traceback
+            loader.close()
+            return fail(f"--resume {args.resume}: not a checkpoint of this script ({type(exc).__name__}: {exc})")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         loader.load_state_dict(ckpt["loader"])  # seeks to the first batch the saved run had not trained on
@@ -116,6 +165,9 @@ def main(argv=None) -> None:
         log(f"{world} process(es) on {device}: {len(loader)} batches of {args.batch_size} per process "
             f"and epoch from {dataset.cache!r}")
 
+    stop = StopRequest()
+    stop.install()
+    signalled = 0
     for epoch in range(start_epoch, args.epochs):
         if args.max_steps is not None and step >= args.max_steps:
             break
@@ -132,6 +184,10 @@ def main(argv=None) -> None:
             batches += 1
             step += 1
             if args.max_steps is not None and step >= args.max_steps:
+                stopped = True
+                break
+            signalled = stop.agreed(device)
+            if signalled:
                 stopped = True
                 break
 
@@ -151,15 +207,23 @@ def main(argv=None) -> None:
                 "args": vars(args),
             })
         if stopped:
-            if rank == 0:
+            if rank == 0 and not signalled:
                 log(f"stopped after --max-steps {args.max_steps}; continue with --resume {args.checkpoint}")
             break
 
+    signalled = signalled or stop.agreed(device)  # a signal during the last step: the final checkpoint is saved
     loader.close()
     if dist.is_initialized():
         dist.barrier()  # every rank leaves together, after rank 0 has written the checkpoint
         dist.destroy_process_group()
+    if signalled:
+        what, code = StopRequest.describe(signalled)
+        if rank == 0:
+            sys.stderr.write(f"train.py: stopped by {what} at step {step}; checkpoint saved: continue with "
+                             f"--resume {args.checkpoint}\n")
+        return code
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

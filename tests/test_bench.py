@@ -256,3 +256,132 @@ def test_cpu_seconds_counts_a_pass_shorter_than_a_clock_tick():
         pass
     used = cpu_seconds() - before
     assert 0.002 <= used < 0.009, used
+
+
+# ----------------------------------------------------------------------------- result files, checked first
+
+
+def _no_run(*args, **kwargs):
+    raise AssertionError("the bench ran before its output paths were checked")
+
+
+@pytest.mark.parametrize("flag, name, message", [
+    ("--plot", "chart.txt", ".txt is not a chart format"),
+    ("--plot", "a-folder", "is a folder"),
+    ("--json", "a-folder", "is a folder"),
+    ("--json", "missing/r.json", "does not exist"),
+    ("--plot", "missing/chart.png", "does not exist"),
+])
+def test_a_result_path_that_cannot_be_written_is_refused_before_anything_runs(tiny, tmp_path, capsys, monkeypatch,
+                                                                               flag, name, message):
+    (tmp_path / "a-folder").mkdir()
+    monkeypatch.setattr(bench, "run", _no_run)
+    assert cli.main(["bench", str(tiny / "cache"), flag, str(tmp_path / name), "--quiet"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"datapipe bench: error: {flag} ") and message in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-folder"]  # nothing written, next to it either
+
+
+def test_the_chart_message_names_the_file_written(tiny, tmp_path, capsys):
+    assert cli.main(["bench", str(tiny / "cache"), "--batch-size", "8", "--workers", "1", "--repeats", "1",
+                     "--batches", "1", "--crop", "48", "--plot", str(tmp_path / "chart"), "--quiet"]) == 0
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "chart").exists()
+    assert f"wrote {tmp_path / 'chart.png'}" in capsys.readouterr().out.splitlines()
+
+
+# ----------------------------------------------------------------------------- what the figures count
+
+
+class _Clock:
+    """A fake perf_counter: the test moves time by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("come_back", [False, True])
+def test_the_stall_meter_counts_every_step(monkeypatch, come_back):
+    """N batches of 32 with a 50 ms step each and no wait: N steps of work, 32 / 0.050 = 640 img/s
+    (counting only N - 1 steps read 960 img/s for N = 3)."""
+    from datapipe import stats
+
+    clock = _Clock()
+    monkeypatch.setattr(stats.time, "perf_counter", clock)
+    meter = stats.StallMeter()
+    batches, step, size = 3, 0.050, 32
+    for _ in range(batches):
+        started = meter.begin()
+        meter.record(started, 0.0, size)
+        clock.now += step  # the model's step on this batch
+    if come_back:  # the loop asks once more (the end of the epoch)
+        meter.begin()
+    s = meter.stats()
+    assert s["seconds"] == pytest.approx(batches * step)
+    assert s["images_per_s"] == pytest.approx(size / step)
+    clock.now += 10  # asked again later: the same figures, not the time since
+    assert meter.stats()["images_per_s"] == pytest.approx(size / step)
+
+
+def test_the_stall_meter_counts_waits_and_steps(monkeypatch):
+    from datapipe import stats
+
+    clock = _Clock()
+    monkeypatch.setattr(stats.time, "perf_counter", clock)
+    meter = stats.StallMeter()
+    for _ in range(4):  # each batch: 10 ms waiting for data, then a 30 ms step
+        started = meter.begin()
+        clock.now += 0.010
+        meter.record(started, 0.010, 8)
+        clock.now += 0.030
+    s = meter.stats()
+    assert s["images_per_s"] == pytest.approx(8 / 0.040) and s["wait_share"] == pytest.approx(0.25)
+
+
+def test_the_model_step_figure_counts_every_step(tiny):
+    """--step-ms 50 with batches of 8: the loop cannot go faster than 8 / 0.050 = 160 img/s."""
+    result = bench.run(tiny / "cache", BenchSpec(batch_size=8, workers=1, repeats=1, batches=3, crop=48, step_ms=50),
+                       progress=False)
+    step = result.attribution["model_step"]
+    bound = 8 / 0.050
+    assert 0.5 * bound < step["images_per_s"] <= bound
+    assert 0.0 <= step["wait_share"] < 0.5
+
+
+def test_a_pass_of_more_batches_than_an_epoch_runs_over_epochs():
+    """--batches beyond one epoch: the pass runs that many batches (the next epochs), as reported."""
+    import torch
+
+    from datapipe.bench.timing import timed_pass
+
+    epoch = [(torch.zeros(4, 1), torch.zeros(4)), (torch.zeros(4, 1), torch.zeros(4)), (torch.zeros(2, 1), torch.zeros(2))]
+    assert timed_pass(epoch, 7).images == 4 + 4 + 2 + 4 + 4 + 2 + 4
+    assert timed_pass(epoch).images == 10  # without a count: one epoch
+    assert timed_pass([], 5).images == 0  # a loader without batches ends the pass
+
+
+def test_the_bench_runs_the_batches_it_reports(tiny):
+    result = bench.run(tiny / "cache", BenchSpec(batch_size=8, workers=1, repeats=1, batches=7, crop=48), progress=False)
+    assert result.config["batches_per_pass"] == 7  # 24 samples: 3 batches an epoch
+    passes = result.systems["datapipe"].images_per_s
+    assert len(passes) == 1 and passes[0] > 0
+
+
+def test_an_also_cache_of_other_samples_is_refused(formats, tmp_path, capsys):
+    other = datapipe.make_sample_dataset(tmp_path / "other-src", images=12, classes=3, seed=5)
+    datapipe.build(other, tmp_path / "other", size=64, shard_size=10, cluster=datapipe.Cluster(scheduler="sync"),
+                   progress=False)
+    with pytest.raises(ArgumentError, match="--also .*another source"):
+        bench.run(formats["raw-crop"], also=[tmp_path / "other"], progress=False)
+    assert cli.main(["bench", str(formats["raw-crop"]), "--also", str(tmp_path / "other"), "--quiet"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--also" in line and "the same samples" in line and "24 samples" in line and "12 samples" in line
+
+
+def test_the_work_dir_help_says_where_it_goes():
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["bench"]
+    [work] = [a for a in sub._actions if a.dest == "work_dir"]
+    assert "CACHE-bench-work beside the cache" in work.help and "../" not in work.help

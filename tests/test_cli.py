@@ -205,3 +205,36 @@ def test_a_bad_bench_device_names_the_flag(tmp_path, capsys, device):
     assert cli.main(["bench", str(tmp_path / "cache"), "--device", device]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("datapipe bench: error: --device must be") and repr(device) in line
+
+
+@pytest.mark.parametrize("argv", [["--seed", "-1"], ["--seed", "1.5"], ["--images", "0"], ["--classes", "-2"]])
+def test_a_bad_sample_number_is_refused_before_anything_is_written(tmp_path, capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["sample", str(tmp_path / "out"), "--images", "4", "--classes", "2", *argv])
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_sample_library_checks_its_numbers_before_writing(tmp_path):
+    from datapipe.bench.sample import make_sample_dataset
+    from datapipe.errors import ArgumentError
+
+    for bad in ({"seed": -1}, {"seed": 1.5}, {"images": 1}, {"workers": 0}):
+        with pytest.raises(ArgumentError):
+            make_sample_dataset(tmp_path / "out", **{"images": 4, "classes": 2, **bad})
+        assert not (tmp_path / "out").exists()  # no folder, no marker: a rerun with good values works
+
+
+def test_demo_with_too_few_images_names_only_its_own_flags(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--dir", str(tmp_path / "demo"), "--images", "5"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--images" in line and "--classes" not in line
+    assert not (tmp_path / "demo").exists()
+
+
+def test_demo_names_the_batches_it_read():
+    from datapipe.bench.demo import _shapes
+
+    assert _shapes([(200, 3, 224, 224)]) == "[200, 3, 224, 224]"
+    assert _shapes([(256, 3, 224, 224), (256, 3, 224, 224), (8, 3, 224, 224)]) == "[256|8, 3, 224, 224]"

@@ -665,3 +665,22 @@ def test_uint8_output_mode(index_cache):
     assert np.array_equal(np.sort(concat(batches, 2)), np.arange(index_cache.n))
     with pytest.raises(ValueError, match="augment=None"):
         datapipe.DeviceLoader(dataset(index_cache), device="cpu", output="uint8", augment=augment.train(24))
+
+
+def test_the_stall_meter_counts_every_step_and_not_the_time_after_the_epoch(index_cache):
+    """img/s over an epoch counts the loop's step after its last batch too (N batches, N steps), and ends when
+    the loop asks for a batch past the last: time spent after the epoch, before stats(), is not counted."""
+    ds = dataset(index_cache, batch_size=16)
+    loader = datapipe.DeviceLoader(ds, device="cpu", output="uint8", num_workers=1)
+    step = 0.05
+    try:
+        for _ in loader:
+            time.sleep(step)
+        time.sleep(0.5)  # after the epoch: the meter stopped already
+        s = loader.stats()
+    finally:
+        loader.close()
+    n = len(loader)
+    assert s["batches"] == n and s["seconds"] >= n * step  # every step, the last one's too
+    assert s["seconds"] < n * step + 0.4, s  # without the half second after the epoch
+    assert s["images_per_s"] <= 16 / step

@@ -120,3 +120,67 @@ def test_train_example_under_torchrun(example_cache):
                                      "--resume", checkpoint)], timeout=240, cwd=work)
     seen = epochs(proc.stdout)
     assert seen == {(0, 0): 4, (1, 0): 4}, proc.stdout  # both ranks: the same, remaining 6 - 2 batches
+
+
+def run_failing(args: list, *, timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("more, message", [(["--images", IMAGES + 8], "holds another sample"),
+                                           (["--images", 2], "--images (2) must be at least --classes")])
+def test_build_dataset_mistakes_are_one_line(example_cache, more, message):
+    proc = run_failing([sys.executable, EXAMPLES / "build_dataset.py", "--output", example_cache,
+                        "--classes", CLASSES, "--size", SIZE, "--scheduler", "sync", "--quiet", *more],
+                       timeout=120, cwd=example_cache.parent)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("build_dataset.py: error: ") and message in line
+
+
+@pytest.mark.parametrize("more, message", [(["--resume", "missing.pt"], "--resume missing.pt: no such checkpoint"),
+                                           (["--batch-size", IMAGES + 1], "no full batch to train on")])
+def test_train_mistakes_are_one_line(example_cache, tmp_path, more, message):
+    proc = run_failing([sys.executable, *train_args(example_cache, tmp_path / "c.pt", "--epochs", 1, *more)],
+                       timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("train.py: error: ") and message in proc.stderr
+    assert not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_train_saves_a_checkpoint_when_stopped_and_resumes_exactly(example_cache, tmp_path, sig, code):
+    """SIGTERM (a preempted job) or Ctrl-C mid-epoch: the step in progress ends, a checkpoint counts
+    the batches trained on, one line, exit 143 / 130; resumed, the run ends with the very weights of
+    an uninterrupted one (every later batch the same)."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    args = [str(a) for a in [sys.executable, *train_args(example_cache, tmp_path / "stopped.pt", "--epochs", 400,
+                                                         "--batch-size", 2)]]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        while "epoch 0:" not in (proc.stdout.readline() or "epoch 0:"):
+            pass
+        time.sleep(0.3)
+        os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("train.py: stopped by ")
+    ckpt = torch.load(tmp_path / "stopped.pt", map_location="cpu")
+    assert ckpt["loader"]["position"] == 2 * (ckpt["step"] % (IMAGES // 2)) and not ckpt["epoch_done"]
+    last = ckpt["epoch"] + 1  # the stopped epoch and one more
+    ends = {}
+    for name, more in (("resumed", ["--resume", tmp_path / "stopped.pt"]), ("whole", [])):
+        run([sys.executable, *train_args(example_cache, tmp_path / f"{name}.pt", "--epochs", last + 1,
+                                         "--batch-size", 2, *more)], timeout=300, cwd=tmp_path)
+        ends[name] = torch.load(tmp_path / f"{name}.pt", map_location="cpu")
+    assert ends["resumed"]["step"] == ends["whole"]["step"] == (last + 1) * (IMAGES // 2)
+    for key, value in ends["whole"]["model"].items():
+        assert torch.allclose(ends["resumed"]["model"][key].float(), value.float(), atol=1e-5), key

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import importlib
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -331,14 +332,81 @@ def test_webdataset_peer_more_workers_than_needed(source, workdir):
     _check_peer("webdataset", source, workdir, batch_size=8, workers=3, epochs=1)
 
 
-def test_prepare_rewrites_incomplete_shards(source, tmp_path):
+def _webdataset():
     peer = get_peer("webdataset")
     if peer.unavailable():
         pytest.skip(peer.unavailable())
+    return peer
+
+
+def test_prepare_rewrites_incomplete_shards(source, tmp_path):
+    peer = _webdataset()
     assert peer.prepare(source, tmp_path) > 0.0
-    (tmp_path / "webdataset" / "_datapipe_peer.json").unlink()  # as if writing was interrupted
+    marker = tmp_path / "webdataset" / "_datapipe_peer.json"
+    marker.write_text(json.dumps({"format": "datapipe-peer-shards", "peer": "webdataset", "state": "writing"}))
+    (tmp_path / "webdataset" / "shard-000000.tar").write_bytes(b"cut short")  # as if writing was interrupted
     assert peer.prepare(source, tmp_path) > 0.0
     assert peer.prepare(source, tmp_path) == 0.0
+    assert json.loads(marker.read_text())["state"] == "complete"
+
+
+def test_a_peer_folder_datapipe_did_not_write_is_refused_and_kept(source, tmp_path):
+    from datapipe.errors import OutputError
+
+    peer = _webdataset()
+    mine = tmp_path / "webdataset"
+    mine.mkdir()
+    (mine / "IMPORTANT.txt").write_text("my notes")
+    (mine / "shard-000000.tar").write_text("my own tar, whatever its name")
+    with pytest.raises(OutputError, match=r"is not datapipe's .*_datapipe_peer.json"):
+        peer.prepare(source, tmp_path)
+    (mine / "_datapipe_peer.json").write_text(json.dumps({"peer": "someone else"}))  # not datapipe's marker of this peer
+    with pytest.raises(OutputError, match="is not datapipe's"):
+        peer.prepare(source, tmp_path)
+    assert (mine / "IMPORTANT.txt").read_text() == "my notes"
+    assert (mine / "shard-000000.tar").read_text() == "my own tar, whatever its name"
+
+
+def test_shards_of_other_samples_are_replaced_file_by_file(source, tmp_path):
+    """A complete folder of datapipe's for other samples: exactly the files its marker lists are
+    replaced; a file added there since is the user's, and the folder is refused, nothing deleted."""
+    from datapipe.errors import OutputError
+
+    peer = _webdataset()
+    listing = peers._as_samples(source)
+    fewer = peers.SampleList(listing.root, listing.samples[:20])
+    assert peer.prepare(fewer, tmp_path) > 0.0
+    folder = tmp_path / "webdataset"
+    written = json.loads((folder / "_datapipe_peer.json").read_text())
+    assert written["state"] == "complete" and sorted(written["files"]) == sorted(p.name for p in folder.glob("shard-*.tar"))
+    (folder / "notes.txt").write_text("added by the user")
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(OutputError, match="notes.txt, which datapipe did not write"):
+        peer.prepare(source, tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing deleted
+    (folder / "notes.txt").unlink()
+    assert peer.prepare(source, tmp_path) > 0.0
+    assert json.loads((folder / "_datapipe_peer.json").read_text())["samples"] == IMAGES
+    _one_epoch(peer.loader(source, tmp_path, batch_size=8, workers=0), 8)
+
+
+def test_shards_under_an_earlier_marker_are_replaced_by_their_names(source, tmp_path):
+    """A marker of an earlier datapipe (written last, without the list of files): the files named as
+    the library names its shards are datapipe's; anything else is refused."""
+    from datapipe.errors import OutputError
+
+    peer = _webdataset()
+    folder = tmp_path / "webdataset"
+    folder.mkdir()
+    (folder / "shard-000000.tar").write_bytes(b"old")
+    (folder / "_datapipe_peer.json").write_text(json.dumps({"peer": "webdataset", "source": "/elsewhere", "samples": 3,
+                                                            "fingerprint": "0" * 40, "write_s": 1.0}))
+    (folder / "mine.bin").write_bytes(b"x")
+    with pytest.raises(OutputError, match="mine.bin"):
+        peer.prepare(source, tmp_path)
+    (folder / "mine.bin").unlink()
+    assert peer.prepare(source, tmp_path) > 0.0
+    assert sum(1 for _ in folder.glob("shard-*.tar")) > 1
 
 
 def test_loader_without_prepare_fails_clearly(source, tmp_path):

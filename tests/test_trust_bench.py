@@ -181,3 +181,59 @@ def test_all_skips_peers_that_are_not_installed_without_failing(built, tmp_path,
 
 def test_source_errors_are_datapipe_errors():
     assert issubclass(SourceError, DatapipeError)
+
+
+def test_a_work_folder_datapipe_did_not_write_is_refused_before_anything_runs(built, tmp_path):
+    """The rule of ownership: a peer's folder without datapipe's marker is the user's, never deleted."""
+    mine = tmp_path / "work" / "webdataset"
+    mine.mkdir(parents=True)
+    (mine / "IMPORTANT.txt").write_text("my notes, not datapipe's")
+    proc = cli(str(built / "cache"), "--source", str(built / "src"), "--against", "webdataset",
+               "--work-dir", str(tmp_path / "work"), *FAST)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert str(mine) in line and "not datapipe's" in line
+    assert (mine / "IMPORTANT.txt").read_text() == "my notes, not datapipe's"
+    assert sorted(p.name for p in mine.iterdir()) == ["IMPORTANT.txt"]
+
+
+@pytest.mark.parametrize("inside", ["cache", "src"])
+def test_a_work_dir_inside_the_cache_or_the_source_is_refused(built, inside):
+    before = sorted(p.name for p in (built / inside).iterdir())
+    proc = cli(str(built / "cache"), "--source", str(built / "src"), "--against", "dataloader,webdataset",
+               "--work-dir", str(built / inside / "work"), *FAST)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "--work-dir" in line and f"inside the {'cache' if inside == 'cache' else 'source'} folder" in line
+    assert sorted(p.name for p in (built / inside).iterdir()) == before
+
+
+def test_sigterm_to_the_process_group_is_one_line_and_143(built, tmp_path):
+    """systemd, scancel and `kill -TERM -PGID` signal every process of the group: the DataLoader
+    workers die with the command, which must still say one line and exit 143 (not torch's report
+    of a killed worker)."""
+    import signal
+    import time
+
+    args = [sys.executable, "-m", "datapipe.cli", "bench", str(built / "cache"), "--source", str(built / "src"),
+            "--against", "dataloader", "--work-dir", str(tmp_path / "work"), "--batch-size", "4", "--workers", "2",
+            "--repeats", "200", "--crop", "48", "--quiet"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # until the peer's workers run
+            line = proc.stderr.readline()
+            lines.append(line)
+            if "preparing dataloader" in line or not line:
+                break
+        time.sleep(3)  # into the measured rounds
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    after = [line for line in err.strip().splitlines() if line.strip()]
+    assert proc.returncode == 143, "".join(lines) + err
+    assert after == ["datapipe bench: terminated"], err

@@ -8,16 +8,41 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from ..text import plural
 
 log = logging.getLogger("datapipe.demo")
 
 
+#: The sample dataset's classes (one class folder each).
+CLASSES = 10
+
+
+def check_demo_args(*, images: object, workers: object) -> None:
+    """The demo's options, checked before anything is written; the message names the flag."""
+    from ..errors import ArgumentError
+    from ..text import show
+
+    if isinstance(images, bool) or not isinstance(images, int) or images < CLASSES:
+        raise ArgumentError(f"--images must be a whole number >= {CLASSES} (the sample's {CLASSES} classes each "
+                            f"get an image), got {show(images)}; raise --images")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ArgumentError(f"--workers must be a whole number >= 1, got {show(workers)}")
+
+
 def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000, workers: int | None = None,
-             bench: bool = True) -> dict:
+             bench: bool = True, out: TextIO | None = None) -> dict:
+    """Generate, build, read back and bench; progress goes to the ``datapipe.demo`` logger, the
+    results (the bench's table and the verdict) are written to ``out`` (default: standard output).
+
+    Raises:
+        ArgumentError: ``images`` below the sample's classes, or ``workers`` below 1 (checked first).
+    """
+    check_demo_args(images=images, workers=workers)
     from .. import augment
     from ..builder import Cluster, build
     from ..cache import Cache
@@ -32,7 +57,7 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
     t0 = time.perf_counter()
     existing = sum(1 for _ in source.glob("*/*.jpg")) if source.exists() else 0
     if existing != images:
-        make_sample_dataset(source, images=images, classes=10, workers=cores)
+        make_sample_dataset(source, images=images, classes=CLASSES, workers=cores)
         log.info(f"      generated in {time.perf_counter() - t0:.1f} s")
     else:
         log.info("      already there")
@@ -49,13 +74,18 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
         log.info(f"      sample {i}: {cache.path(i)} -> {image.shape} {image.dtype}, class {cache.classes[label]!r}")
     ds = StreamingDataset(cache, batch_size=256, shuffle=True, seed=0)
     loader = DeviceLoader(ds, device="auto", num_workers=min(2, cores), augment=augment.train(224))
-    for epoch in range(2):
-        loader.set_epoch(epoch)
-        n = sum(int(labels.shape[0]) for _, labels in loader)
-        s = loader.stats()
-        log.info(f"      epoch {epoch}: {plural(n, 'sample')} in {plural(len(loader), 'batch', 'batches')} of float [256, 3, 224, 224] on "
-              f"{loader.device}; {s['images_per_s']:,.0f} img/s since start")
-    loader.close()
+    try:
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            n, shapes = 0, []
+            for images_, labels in loader:
+                n += int(labels.shape[0])
+                shapes.append(tuple(images_.shape))
+            s = loader.stats()  # right after the loop: the last batch's step counts
+            log.info(f"      epoch {epoch}: {plural(n, 'sample')} in {plural(len(shapes), 'batch', 'batches')} of float "
+                     f"{_shapes(shapes)} on {loader.device}; {s['images_per_s']:,.0f} img/s since start")
+    finally:
+        loader.close()
     result = {"build": report, "loader": s}
     if bench:
         from .harness import BenchSpec, format_table, run
@@ -63,12 +93,22 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
         log.info("[4/4] bench against the plain torch DataLoader + Pillow ImageFolder pipeline (same output)")
         res = run(cache_dir, BenchSpec(workers=min(2, cores), repeats=2, batches=min(len(ds), 8)), source=source,
                   against=["dataloader"], progress=False)
-        log.info(format_table(res))
+        out = sys.stdout if out is None else out
+        print(format_table(res), file=out)
         peer = res.systems["dataloader"]
         if peer.ratio:
-            log.info(f"\ndatapipe delivered {res.systems['datapipe'].median:,.0f} img/s, {peer.ratio:.1f}x the plain "
-                  f"DataLoader's {peer.median:,.0f} img/s on this machine.")
+            print(f"\ndatapipe delivered {res.systems['datapipe'].median:,.0f} img/s, {peer.ratio:.1f}x the plain "
+                  f"DataLoader's {peer.median:,.0f} img/s on this machine.", file=out)
         else:
-            log.info(f"\nno comparison: the plain DataLoader {peer.status}: {peer.reason}")
+            print(f"\nno comparison: the plain DataLoader {peer.status}: {peer.reason}", file=out)
+        out.flush()
         result["bench"] = res
     return result
+
+
+def _shapes(shapes: list[tuple[int, ...]]) -> str:
+    """The batches' shapes as a list: ``[256, 3, 224, 224]``, or ``[256|200, 3, 224, 224]`` where the last is smaller."""
+    if not shapes:
+        return "[]"
+    sizes = sorted({s[0] for s in shapes}, reverse=True)
+    return f"[{'|'.join(str(n) for n in sizes)}, {', '.join(str(d) for d in shapes[0][1:])}]"

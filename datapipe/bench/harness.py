@@ -29,7 +29,7 @@ import numpy as np
 
 from ..environment import environment
 from ..errors import ArgumentError
-from ..text import show
+from ..text import one_line, show
 from .timing import settle, timed_pass, timeit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -404,7 +404,46 @@ class _Peers:
                 raise SourceError("comparing against other loaders needs --source, the folder the cache was built from")
             listing = peer_mod.cache_samples(cache, source)  # refuses a source that is not the cache's
         work = Path(work_dir) if work_dir else cache.root.parent / f"{cache.root.name}-bench-work"
+        if names:
+            assert listing is not None
+            _check_work_dir(work, cache.root, listing.root)
+            for name in names:
+                peer = peer_mod.get_peer(name)
+                if peer.writes_shards:
+                    peer.check_folder(work)  # a folder that is not datapipe's is refused before anything runs
         return cls(names, every, listing, work)
+
+
+def _check_work_dir(work: Path, cache_root: Path, source_root: Path) -> None:
+    """Refuse a work folder inside the cache or the source (or one of them): the peers' shards would
+    become part of the cache's folder, or a class of the source's next build."""
+    from ..errors import ArgumentError
+
+    where = work.expanduser().resolve()
+    for what, root in (("cache", cache_root), ("source", source_root)):
+        root = root.expanduser().resolve()
+        if where == root or where.is_relative_to(root):
+            raise ArgumentError(f"--work-dir {work} is inside the {what} folder {root}; the peers' shards must go "
+                                f"elsewhere: choose a folder outside it (default: {cache_root.name}-bench-work beside the cache)")
+
+
+def _check_same_samples(first: Cache, other: Cache) -> None:
+    """Refuse an ``--also`` cache that does not hold the first cache's samples: built from the same
+    source, the same files with the same labels (only the encoding, fit or size may differ)."""
+    def describe(c: Cache) -> str:
+        return f"{len(c):,} samples of {c.manifest.source.root}"
+
+    problem = None
+    if first.manifest.source.root != other.manifest.source.root:
+        problem = "it was built from another source"
+    elif len(first) != len(other):
+        problem = "it holds another number of samples"
+    elif (list(first.classes) != list(other.classes) or not np.array_equal(first.labels, other.labels)
+          or any(first.path(i) != other.path(i) for i in range(len(first)))):
+        problem = "its files or labels differ"
+    if problem:
+        raise ArgumentError(f"--also {other.root}: {problem} ({describe(other)}, the cache {first.root} holds "
+                            f"{describe(first)}); pass caches built from the same source, with the same samples")
 
 
 def _datapipe_loader(cache: Cache, spec: BenchSpec, device: torch.device, *, workers: int | None = None,
@@ -419,11 +458,11 @@ def _datapipe_loader(cache: Cache, spec: BenchSpec, device: torch.device, *, wor
 
 
 def _prepare_systems(caches: dict[str, Cache], spec: BenchSpec, device: torch.device,
-                     peers: _Peers) -> tuple[dict[str, Measurement], dict[str, Any]]:
-    """datapipe's loader on each cache, then each peer's shards and loader; a peer that cannot be
-    prepared is marked failed (or, for ``--against all``, skipped where it is not installed) and gets no loader."""
+                     peers: _Peers, loaders: dict[str, Any]) -> dict[str, Measurement]:
+    """datapipe's loader on each cache, then each peer's shards and loader (into ``loaders``, as each
+    is made); a peer that cannot be prepared is marked failed (or, for ``--against all``, skipped
+    where it is not installed) and gets no loader."""
     systems: dict[str, Measurement] = {}
-    loaders: dict[str, Any] = {}
     for name, cache in caches.items():
         systems[name] = _datapipe_measurement(name, cache)
         loaders[name] = _datapipe_loader(cache, spec, device)
@@ -431,7 +470,24 @@ def _prepare_systems(caches: dict[str, Cache], spec: BenchSpec, device: torch.de
         systems[name], loader = _prepare_peer(name, spec, peers)
         if loader is not None:
             loaders[name] = loader
-    return systems, loaders
+    return systems
+
+
+def close_loader(loader: Any) -> None:
+    """Stop a loader's workers now: a DeviceLoader's threads (``close``), a torch DataLoader's
+    persistent worker processes (its iterator's shutdown). Never raises."""
+    try:
+        close = getattr(loader, "close", None)
+        if callable(close):
+            close()
+        iterator = getattr(loader, "_iterator", None)  # a DataLoader keeps its persistent workers' iterator
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        if iterator is not None:
+            loader._iterator = None
+    except Exception as exc:  # noqa: BLE001 - closing is best effort; the measurement is what matters
+        log.debug(f"datapipe bench: closing a loader: {type(exc).__name__}: {exc}")
 
 
 def _datapipe_measurement(name: str, cache: Cache) -> Measurement:
@@ -536,6 +592,8 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
         raise ArgumentError(f"spec must be a datapipe.bench.BenchSpec, got {show(spec)} ({type(spec).__name__})")
     opened = Cache(cache)
     others = [Cache(Path(path)) for path in ([also] if isinstance(also, (str, os.PathLike)) else also)]
+    for other in others:
+        _check_same_samples(opened, other)  # "same samples for all" must hold for every datapipe system too
     caches = dict(zip(_system_names([opened, *others]), [opened, *others], strict=True))
     dev = _resolve_device(spec.device)
     peers = _Peers.chosen(opened, against, source, work_dir)
@@ -546,16 +604,17 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
     timers: StageTimers = {}
     stages = measure_stages(opened, batch_size=spec.batch_size, crop=spec.crop, device=dev, timers=timers)
     stages["bytes_on_disk_per_image"] = opened.manifest.nbytes / max(len(opened), 1)
-    systems, loaders = _prepare_systems(caches, spec, dev, peers)
-    cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches, sync=_sync(dev), progress=progress)
-    _summarise(systems, cpu)
-    attribution = _attribution(opened, timers, spec, dev, batches=batches)
-    if spec.step_ms > 0:
-        attribution["model_step"] = _with_step(opened, spec, dev, batches=batches)
-    for loader in loaders.values():
-        close = getattr(loader, "close", None)
-        if close:
-            close()
+    loaders: dict[str, Any] = {}
+    try:
+        systems = _prepare_systems(caches, spec, dev, peers, loaders)
+        cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches, sync=_sync(dev), progress=progress)
+        _summarise(systems, cpu)
+        attribution = _attribution(opened, timers, spec, dev, batches=batches)
+        if spec.step_ms > 0:
+            attribution["model_step"] = _with_step(opened, spec, dev, batches=batches)
+    finally:  # also when stopped (SIGTERM, Ctrl-C): worker processes shut down here, not at interpreter exit
+        for loader in loaders.values():
+            close_loader(loader)
     return BenchResult(machine=describe_machine(), config=_config(caches, spec, source, dev, batches), stages=stages,
                        systems=systems, attribution=attribution)
 
@@ -671,11 +730,13 @@ def _attribution(cache: Cache, timers: StageTimers, spec: BenchSpec, device: tor
 def _with_step(cache: Cache, spec: BenchSpec, device: torch.device, *, batches: int) -> dict:
     """datapipe with a synthetic model step of ``spec.step_ms`` after each batch: how long the loop waits."""
     loader = _datapipe_loader(cache, spec, device)
-    timed_pass(loader, min(batches, 2))
-    loader.meter.reset()
-    timed_pass(loader, batches, step_s=spec.step_ms / 1000.0)
-    s = loader.stats()
-    loader.close()
+    try:
+        timed_pass(loader, min(batches, 2))
+        loader.meter.reset()
+        timed_pass(loader, batches, step_s=spec.step_ms / 1000.0)
+        s = loader.stats()  # its wall time ends with the last batch's step: N steps for N batches
+    finally:
+        loader.close()
     return {"step_ms": spec.step_ms, "images_per_s": s["images_per_s"], "wait_share": s["wait_share"]}
 
 
@@ -735,7 +796,57 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
+#: The chart formats ``--plot`` writes (by the file's suffix; none: ``.png`` is added).
+CHART_FORMATS = ("png", "svg", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def chart_path(path: str | os.PathLike[str]) -> Path:
+    """The file a chart asked for at ``path`` is written to: ``path`` itself, or ``path.png`` where it
+    has no suffix.
+
+    Raises:
+        ArgumentError: a suffix that is not one of :data:`CHART_FORMATS`.
+        OutputError: ``path`` is a folder.
+    """
+    from ..errors import OutputError
+
+    p = Path(path)
+    if p.expanduser().is_dir():
+        raise OutputError(f"--plot {p}: is a folder; name the chart's file (e.g. {p / 'bench.png'})")
+    suffix = p.suffix.lower().lstrip(".")
+    if not suffix:
+        return p.with_name(f"{p.name}.png")
+    if suffix not in CHART_FORMATS:
+        raise ArgumentError(f"--plot {one_line(str(path), 200)}: .{suffix} is not a chart format; name a file ending in "
+                            f"{', '.join('.' + f for f in CHART_FORMATS[:3])} (or another of {', '.join(CHART_FORMATS[3:])})")
+    return p
+
+
+def check_output_file(flag: str, path: str | os.PathLike[str]) -> Path:
+    """Check, before anything is measured, that a result file can be written at ``path``.
+
+    Raises:
+        OutputError: ``path`` is a folder, or its folder is missing or not writable, or the file
+            exists and cannot be overwritten; the message names ``flag``.
+    """
+    from ..errors import OutputError
+
+    p = Path(path).expanduser()
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise OutputError(f"{flag} {p}: is a folder; name a file (e.g. {p / 'bench'}{'.json' if flag == '--json' else '.png'})")
+    if not parent.is_dir():
+        raise OutputError(f"{flag} {p}: the folder {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise OutputError(f"{flag} {p}: cannot be written (permission denied); choose a writable path")
+    if p.exists() and not p.is_file():
+        raise OutputError(f"{flag} {p}: is not a regular file; choose another path")
+    return p
+
+
+def plot(result: BenchResult, path: str | os.PathLike[str]) -> Path:
+    """Write the chart of ``result``; returns the file written (see :func:`chart_path`)."""
+    path = chart_path(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -767,5 +878,6 @@ def plot(result: BenchResult, path: str | os.PathLike[str]) -> None:
     fig.suptitle(f"{result.machine['cpu']} · {result.machine['cores']} cores · GPU: {result.machine['gpu'] or 'none'}",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=path.suffix.lower().lstrip("."))
     plt.close(fig)
+    return path

@@ -34,6 +34,7 @@ Third-party libraries (and torch) are imported lazily, inside the methods that n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -41,7 +42,6 @@ import io
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -78,8 +78,10 @@ __all__ = [
 #: File extensions a folder source is listed with: the build's (:data:`datapipe.sources.IMAGE_EXTENSIONS`).
 IMG_EXTENSIONS = IMAGE_EXTENSIONS
 
-#: Name of the file written last into a peer's folder, once its shards are complete.
+#: datapipe's marker in a peer's folder: written first (``state: writing``), completed with the list of
+#: the files written once the shards are complete. Only a folder carrying it is datapipe's to write.
 _MARKER = "_datapipe_peer.json"
+_MARKER_FORMAT = "datapipe-peer-shards"
 #: Fixed seed of the order in which samples are written into shards (shards hold a shuffled mix of
 #: classes, as is usual for shard formats; the readers shuffle again every epoch).
 _WRITE_SEED = 0
@@ -184,6 +186,21 @@ def _fingerprint(source: Path, samples: Sequence[tuple[Path, int]]) -> str:
     for path, label in samples:
         digest.update(f"{os.path.relpath(path, source)}\t{label}\n".encode())
     return digest.hexdigest()
+
+
+def _plain_relative(name: str) -> bool:
+    """A file name a marker may list: relative, inside the folder (no ``..``, no absolute path)."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
+
+
+def _remove_empty_folders(out: Path) -> None:
+    """Remove the folders under ``out`` left empty once datapipe's files are deleted (never a file)."""
+    if not out.is_dir():
+        return
+    for folder in sorted((p for p in out.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):  # not empty: not datapipe's to remove
+            folder.rmdir()
 
 
 def _write_order(n: int) -> list[int]:
@@ -404,6 +421,10 @@ class Peer:
     install: str = ""
     #: modules that must import for the peer to run
     modules: tuple[str, ...] = ()
+    #: the names of the files this peer's library writes (the files of an interrupted write that are datapipe's)
+    patterns: tuple[str, ...] = ()
+    #: whether the peer writes shards into ``workdir/<name>/`` (the plain DataLoader reads the source files)
+    writes_shards: bool = True
 
     def __repr__(self) -> str:
         return f"<peer {self.name}>"
@@ -433,33 +454,93 @@ class Peer:
     def prepare(self, source: Path | SampleList, workdir: Path) -> float:
         """Write this peer's shards of ``source`` (a :class:`SampleList`, or a folder listed like
         ImageFolder) into ``workdir/<name>/``, unless they are already there and complete.
-        Returns the seconds spent writing (0.0 if nothing was written)."""
+        Returns the seconds spent writing (0.0 if nothing was written).
+
+        The folder is datapipe's only while it carries datapipe's marker (``_datapipe_peer.json``),
+        written into the new or empty folder before the shards and completed, with the list of
+        every file written, after them. Shards of other samples are replaced by deleting exactly
+        the files the marker lists (after an interrupted write: the files named as this peer's
+        library names its shards); anything else is the user's and is never touched.
+
+        Raises:
+            OutputError: the folder is not datapipe's (not empty, no marker of this peer), or holds
+                files besides the ones datapipe wrote (see :meth:`check_folder`).
+        """
         self._require()
         listing = _as_samples(source)
         samples = list(listing.samples)
         out = self.folder(workdir)
-        expected = {
-            "peer": self.name,
-            "source": str(listing.root.resolve()),
-            "samples": len(samples),
-            "fingerprint": _fingerprint(listing.root, samples),
-        }
+        expected = self._expected(listing, samples)
         if self._is_complete(out, expected):
             return 0.0
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        for path in self.check_folder(workdir):  # refuses a folder that is not datapipe's, deleting nothing
+            path.unlink(missing_ok=True)
+        _remove_empty_folders(out)
+        out.mkdir(parents=True, exist_ok=True)
+        marker = {"format": _MARKER_FORMAT, "peer": self.name, "state": "writing"}
+        (out / _MARKER).write_text(json.dumps(marker, indent=1))
         start = time.perf_counter()
         self._write(samples, out)
         seconds = time.perf_counter() - start
-        (out / _MARKER).write_text(json.dumps({**expected, "write_s": seconds}, indent=1))
+        files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != _MARKER)
+        done = {**marker, "state": "complete", **expected, "write_s": seconds, "files": files}
+        tmp = out / f"{_MARKER}.tmp"
+        tmp.write_text(json.dumps(done, indent=1))
+        os.replace(tmp, out / _MARKER)
         return seconds
 
-    @staticmethod
-    def _is_complete(out: Path, expected: dict[str, Any]) -> bool:
+    def _expected(self, listing: SampleList, samples: list[tuple[Path, int]]) -> dict[str, Any]:
+        return {"peer": self.name, "source": str(listing.root.resolve()), "samples": len(samples),
+                "fingerprint": _fingerprint(listing.root, samples)}
+
+    def check_folder(self, workdir: Path) -> list[Path]:
+        """The files datapipe would delete before writing this peer's shards into ``workdir/<name>/``
+        (none where the folder is new or empty); checked before anything is measured or deleted.
+
+        Raises:
+            OutputError: the folder is a file, or is not empty and carries no marker of this peer
+                (it is the user's), or holds files the marker does not account for.
+        """
+        from ..errors import OutputError
+
+        out = self.folder(workdir)
+        if not out.exists() and not out.is_symlink():
+            return []
+        if out.is_symlink() or not out.is_dir():
+            raise OutputError(f"--work-dir: {out} is not a folder datapipe wrote; move it or choose another --work-dir")
+        present = sorted(p for p in out.rglob("*") if not p.is_dir() or p.is_symlink())
+        if not present:
+            return []
+        marker = self._marker(out)
+        if marker is None:
+            raise OutputError(f"--work-dir: {out} is not empty and is not datapipe's (no {_MARKER} of the {self.name} "
+                              "peer); datapipe never deletes files it did not write: move them or choose another --work-dir")
+        listed = marker.get("files") if marker.get("state") == "complete" else None
+        if isinstance(listed, list) and all(isinstance(f, str) for f in listed):
+            ours = {out / f for f in listed if _plain_relative(f)}
+        else:  # an interrupted write, or a marker of an earlier datapipe: the files named as the library names them
+            ours = {p for p in present if any(p.relative_to(out).match(pattern) for pattern in self.patterns)}
+        ours.add(out / _MARKER)
+        ours.add(out / f"{_MARKER}.tmp")
+        foreign = [p for p in present if p not in ours or p.is_symlink()]
+        if foreign:
+            raise OutputError(f"--work-dir: {out} holds {foreign[0].relative_to(out)}, which datapipe did not write; "
+                              "datapipe never deletes files it did not write: move it or choose another --work-dir")
+        return [p for p in present if p.name != _MARKER] + [out / _MARKER]
+
+    def _marker(self, out: Path) -> dict[str, Any] | None:
+        """This peer's marker in ``out``: a JSON object naming the peer; None where there is none."""
         try:
             found = json.loads((out / _MARKER).read_text())
         except (OSError, ValueError):
+            return None
+        if not isinstance(found, dict) or found.get("peer") != self.name:
+            return None
+        return found
+
+    def _is_complete(self, out: Path, expected: dict[str, Any]) -> bool:
+        found = self._marker(out)
+        if found is None or found.get("state", "complete") != "complete":  # a marker without state is written last
             return False
         return all(found.get(k) == v for k, v in expected.items())
 
@@ -504,6 +585,7 @@ class DataLoaderPeer(Peer):
     name = "dataloader"
     install = "pip install torch"
     modules = ("torch", "PIL", "numpy")
+    writes_shards = False
 
     def prepare(self, source: Path | SampleList, workdir: Path) -> float:
         self._require()
@@ -540,6 +622,7 @@ class WebDatasetPeer(Peer):
     name = "webdataset"
     install = "pip install webdataset"
     modules = ("webdataset", "torch")
+    patterns = ("shard-*.tar",)
 
     max_per_shard = 1000
     min_shards = 16
@@ -598,6 +681,7 @@ class LitDataPeer(Peer):
     name = "litdata"
     install = "pip install litdata torchvision"
     modules = ("litdata", "torch")
+    patterns = ("chunk-*.bin", "*index.json")
 
     chunk_bytes = "64MB"
 
@@ -653,6 +737,7 @@ class StreamingPeer(Peer):
     name = "streaming"
     install = "pip install mosaicml-streaming torchvision"
     modules = ("streaming", "torch")
+    patterns = ("shard.*.mds", "shard.*.mds.*", "index.json")
 
     def _write(self, samples: list[tuple[Path, int]], out: Path) -> None:
         from streaming import MDSWriter

@@ -142,18 +142,11 @@ def make_sample_dataset(
         The root folder.
 
     Raises:
+        ArgumentError: a parameter out of range (checked before anything is written).
         OutputError: ``root`` holds anything else (a dataset of the user's, another sample).
         OutputWriteError: writing failed part-way (what was written is kept for the rerun).
     """
-    if images < 1 or classes < 1:
-        from ..errors import ArgumentError
-
-        raise ArgumentError(f"images and classes must be >= 1, got images={images}, classes={classes}")
-    if images < classes:  # class folders are made by their images: fewer images would make fewer classes
-        from ..errors import ArgumentError
-
-        raise ArgumentError(f"--images ({images}) must be at least --classes ({classes}), so that every class "
-                            "gets an image; raise --images or lower --classes")
+    _check_params(images=images, classes=classes, seed=seed, workers=workers)  # before anything is written
     root = Path(root)
     params = {"images": images, "classes": classes, "seed": seed}
     if sample_is_complete(root, **params):
@@ -173,6 +166,21 @@ def make_sample_dataset(
     return root
 
 
+def _check_params(*, images: object, classes: object, seed: object, workers: object) -> None:
+    """Every parameter checked before a folder or a marker is written; the message names the flag."""
+    from ..errors import ArgumentError
+    from ..text import show
+
+    for flag, value, least in (("--images", images, 1), ("--classes", classes, 1), ("--seed", seed, 0),
+                               ("workers", workers, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ArgumentError(f"{flag} must be a whole number >= {least}, got {show(value)}")
+    assert isinstance(images, int) and isinstance(classes, int)
+    if images < classes:  # class folders are made by their images: fewer images would make fewer classes
+        raise ArgumentError(f"--images ({images}) must be at least --classes ({classes}), so that every class "
+                            "gets an image; raise --images or lower --classes")
+
+
 def _generate(root: Path, images: int, classes: int, seed: int, workers: int) -> None:
     if workers <= 1:
         _write_range(root, 0, images, classes, seed)
@@ -189,7 +197,14 @@ def _generate(root: Path, images: int, classes: int, seed: int, workers: int) ->
 
 def subset_folder(source: Path, out: Path, images: int) -> Path:
     """Copy ``images`` files of the class folders in ``source`` (spread evenly over its sorted listing,
-    so every class keeps its share) into ``out`` in the same class folders; reused when already there."""
+    so every class keeps its share) into ``out`` in the same class folders; reused when already there.
+
+    ``out`` must be new, empty or an earlier subset: the files an earlier subset's marker
+    (``.subset.json``) lists are replaced, nothing else is deleted.
+
+    Raises:
+        OutputError: ``out`` holds files this function did not copy there.
+    """
     import shutil
 
     from datapipe.bench.peers import list_image_folder
@@ -199,13 +214,43 @@ def subset_folder(source: Path, out: Path, images: int) -> Path:
         files = [files[i] for i in np.linspace(0, len(files) - 1, images).round().astype(int)]
     marker = out / ".subset.json"
     wanted = {"source": str(source.resolve()), "files": [str(p.relative_to(source)) for p, _ in files]}
-    if marker.is_file() and json.loads(marker.read_text()) == wanted:
+    found = _subset_marker(marker)
+    if found == wanted:
         return out
-    if out.exists():
-        shutil.rmtree(out)
+    _clear_subset(out, found)
     for path, _ in files:
         dest = out / path.relative_to(source)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, dest)
     marker.write_text(json.dumps(wanted))
     return out
+
+
+def _subset_marker(marker: Path) -> dict | None:
+    try:
+        found = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _clear_subset(out: Path, found: dict | None) -> None:
+    """Delete the files of an earlier subset in ``out`` (those its marker lists), refusing anything else."""
+    from ..errors import OutputError
+
+    if not out.exists():
+        return
+    present = sorted(p for p in out.rglob("*") if not p.is_dir())
+    listed = found.get("files") if found is not None else None
+    ours = {out / ".subset.json"}
+    if isinstance(listed, list):
+        ours |= {out / f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()}
+    foreign = [p for p in present if p not in ours or p.is_symlink()]
+    if foreign:
+        raise OutputError(f"{out} holds {foreign[0].relative_to(out)}, which no earlier subset wrote; datapipe never "
+                          "deletes files it did not write: move it or choose another folder")
+    for p in present:
+        p.unlink()
+    for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(folder.iterdir()):
+            folder.rmdir()

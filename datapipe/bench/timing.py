@@ -22,20 +22,27 @@ class Pass(NamedTuple):
 
 def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = None, *, step_s: float = 0.0,
                sync: Callable[[], object] | None = None) -> Pass:
-    """Iterate ``loader`` for up to ``batches`` batches (default: to its end, one epoch).
+    """Iterate ``loader`` for ``batches`` batches, over as many epochs as that takes (each iteration of
+    the loader is one epoch), or, where ``batches`` is None, to its end: one epoch.
 
     ``step_s`` sleeps after each batch, as a model step would; ``sync`` (e.g.
     ``torch.cuda.synchronize``) is called before the clock stops so queued device work counts.
     """
-    images = 0
+    images, done, empty = 0, 0, 0
     cpu0 = cpu_seconds()
     t0 = time.perf_counter()
-    for i, batch in enumerate(loader):
-        images += int(batch[0].shape[0])
-        if step_s:
-            time.sleep(step_s)
-        if batches is not None and i + 1 >= batches:
+    while empty < 2:  # two empty epochs in a row: the loader yields nothing (more)
+        before = done
+        for batch in loader:
+            images += int(batch[0].shape[0])
+            done += 1
+            if step_s:
+                time.sleep(step_s)
+            if batches is not None and done >= batches:
+                break
+        if batches is None or done >= batches:
             break
+        empty = empty + 1 if done == before else 0
     if sync:
         sync()
     seconds = time.perf_counter() - t0
