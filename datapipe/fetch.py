@@ -73,7 +73,7 @@ from .errors import (
     local_os_error,
     one_line,
 )
-from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, make_dirs
+from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, free_mib, make_dirs
 from .records import INDEX_ROW_BYTES, MANIFEST, Manifest, parse_json, parse_manifest
 from .remote import is_s3fs
 from .shards import SHARDS_DIR, images_path, index_path
@@ -442,11 +442,7 @@ class ShardFetcher:
         """``rel`` is the file this node downloaded, by its record read without the lock (a record being
         rewritten reads as empty: the caller then takes the lock and looks again)."""
         assert self.manifest is not None
-        try:
-            with open(self._lock_path(self.manifest.shards[shard].name), "rb", buffering=0) as f:
-                entry = _parse_record(f.read(1 << 20)).get(rel)
-        except OSError:
-            return False
+        entry = _peek_record(self._lock_path(self.manifest.shards[shard].name)).get(rel)
         return entry is not None and _same_file(self.folder / rel, entry)
 
     def _want(self, shard: int, rel: str) -> tuple[str, int, bool]:
@@ -499,11 +495,7 @@ class ShardFetcher:
         for shard, rec in enumerate(self.manifest.shards):
             if not rec.count:
                 continue
-            try:
-                with open(self._lock_path(rec.name), "rb", buffering=0) as f:
-                    record = _parse_record(f.read(1 << 20))
-            except OSError:
-                record = {}
+            record = _peek_record(self._lock_path(rec.name))
             for rel in self._shard_rels(shard):
                 if rel in found or (rel in record and _same_file(self.folder / rel, record[rel])):
                     continue
@@ -539,10 +531,7 @@ class ShardFetcher:
             if exc.errno not in FULL_DISK:
                 raise ArgumentError(f"local_cache {self.local_root} cannot be used ({reason}); pass a writable "
                                     "local folder") from None
-            free = ""
-            with contextlib.suppress(OSError):
-                st = os.statvfs(self.local_root)
-                free = f", {st.f_bavail * st.f_frsize / 2**20:,.1f} MiB free on its disk now"
+            free = f", {mib} free on its disk now" if (mib := free_mib(self.local_root)) else ""
             limit = ("no cache_limit is set: set one below the space the node may use there (least recently used "
                      "shards are evicted to stay under it)" if self.limit is None else
                      f"its cache_limit of {self.limit:,} bytes is more than its disk holds: lower it")
@@ -1405,6 +1394,16 @@ def _scan(root: Path) -> tuple[int, list[tuple[int, str, Path, str]]]:
 def _read_record(fd: int) -> dict[str, dict]:
     # as many bytes as the file holds (asking for 1 MiB made a 1 MiB buffer each time: 50 us a read)
     return _parse_record(os.pread(fd, min(os.fstat(fd).st_size, 1 << 20) + 1, 0))
+
+
+def _peek_record(path: Path) -> dict[str, dict]:
+    """The record of the lock file ``path``, read without its lock: {} where there is none, or while it is
+    being rewritten (a caller that must be sure takes the lock and reads it with :func:`_read_record`)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return _parse_record(f.read(1 << 20))
+    except OSError:
+        return {}
 
 
 def _parse_record(data: bytes) -> dict[str, dict]:

@@ -124,6 +124,39 @@ def crc32c_range(fd: int, start: int, stop: int | None, buf: np.ndarray, value: 
     return value, at
 
 
+def listed_files(folder: Path, listed: object) -> set[Path]:
+    """The files inside ``folder`` that a marker's list (``listed``: relative paths, as datapipe wrote them)
+    names; an entry that is no relative path inside the folder (absolute, with ``..``, not a string) names
+    none, and a list that is not one names nothing."""
+    if not isinstance(listed, list):
+        return set()
+    return {folder / name for name in listed if isinstance(name, str) and _inside(Path(name))}
+
+
+def _inside(path: Path) -> bool:
+    return bool(path.parts) and not path.is_absolute() and ".." not in path.parts
+
+
+def remove_empty_folders(folder: Path) -> None:
+    """Remove the folders under ``folder`` left empty (deepest first), once datapipe's files in them are
+    deleted; a folder that still holds anything stays, and no file is touched."""
+    if not folder.is_dir():
+        return
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):  # not empty
+            sub.rmdir()
+
+
+def free_mib(folder: str | os.PathLike) -> str | None:
+    """The space left to write on the disk of ``folder``, as "12.3 MiB" (for a message about a full disk);
+    None where the disk cannot be asked."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return f"{st.f_bavail * st.f_frsize / 2**20:,.1f} MiB"
+
+
 def make_dirs(folder: str | os.PathLike) -> None:
     """``mkdir -p``, top down from the deepest folder that exists: one ``mkdir`` per missing level
     (``Path.mkdir(parents=True)`` first fails at every missing level on the way up, and a directory

@@ -41,7 +41,7 @@ from .errors import (
     local_os_error,
     one_line,
 )
-from .files import crc32c
+from .files import crc32c, free_mib
 from .records import (
     BUILD_LOCK,
     FORMAT,
@@ -420,10 +420,7 @@ def local_disk_message(exc: OSError, head: str) -> str:
         place = (f"a local disk, not the store: while a build writes into a store, each shard is staged first in "
                  f"{os.path.join(folder, STAGING)} on the machine that builds it (its TMPDIR)")
     if exc.errno in FULL_DISK:
-        free = ""
-        with contextlib.suppress(OSError):
-            st = os.statvfs(folder)
-            free = f", {st.f_bavail * st.f_frsize / 2**20:,.1f} MiB free there now"
+        free = f", {mib} free there now" if (mib := free_mib(folder)) else ""
         todo = ("free space there, or point TMPDIR at a folder on a larger disk (on every Dask worker), and run the "
                 "command again (a build resumes: finished shards are kept)")
         return f"{head}: {reason} on {place}{free}; {todo}"

@@ -163,7 +163,7 @@ class _Walker:
         self.real_root = os.path.realpath(root)
         st = os.stat(root)
         self.visited: set[tuple[int, int]] = {(st.st_dev, st.st_ino)}
-        self.excluded = _identity(exclude) if exclude is not None else None
+        self.excluded = _identity(exclude) if exclude is not None else None  # (dev, inode) of the output
         self.records: list[tuple[str, int]] = []
         self.ignored: list[str] = []
         self.outside: list[str] = []  # image files at the top of the source: no class folder
@@ -172,12 +172,10 @@ class _Walker:
     def enter(self, path: str, rel: str, *, is_link: bool) -> bool:
         """Whether to read the directory at ``path``: once per real directory; a link only if it leads
         outside the source root (everything inside the root is read through its real path)."""
-        try:
-            st = os.stat(path)
-        except OSError:
+        key = _identity(path)
+        if key is None:
             self.ignored.append(shown(rel) + "/")
             return False
-        key = (st.st_dev, st.st_ino)
         if key == self.excluded:
             self.ignored.append(shown(rel) + "/ (the build's output folder)")
             return False
@@ -231,10 +229,11 @@ def unreadable_folder(root: Path | str, rel: str, exc: OSError) -> SourceError:
 
 
 def _identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the directory (or file) at ``path``, links followed; None where it cannot be stat'ed."""
     try:
         st = os.stat(path)
     except OSError:
-        return None  # not there yet: nothing to skip
+        return None  # gone, unreadable, or (the output) not there yet
     return st.st_dev, st.st_ino
 
 
@@ -255,7 +254,7 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
         if not is_dir:
             image = os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS
             (walker.outside if image else walker.ignored).append(shown(entry.name))
-        elif _identity(entry.path) == walker.excluded and walker.excluded is not None:
+        elif walker.excluded is not None and _identity(entry.path) == walker.excluded:
             walker.ignored.append(shown(entry.name) + "/ (the build's output folder)")
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)

@@ -34,7 +34,6 @@ Third-party libraries (and torch) are imported lazily, inside the methods that n
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..files import listed_files, remove_empty_folders
 from ..sources import IMAGE_EXTENSIONS
 from .timing import timed_pass
 
@@ -186,21 +186,6 @@ def _fingerprint(source: Path, samples: Sequence[tuple[Path, int]]) -> str:
     for path, label in samples:
         digest.update(f"{os.path.relpath(path, source)}\t{label}\n".encode())
     return digest.hexdigest()
-
-
-def _plain_relative(name: str) -> bool:
-    """A file name a marker may list: relative, inside the folder (no ``..``, no absolute path)."""
-    parts = Path(name).parts
-    return bool(parts) and not Path(name).is_absolute() and ".." not in parts
-
-
-def _remove_empty_folders(out: Path) -> None:
-    """Remove the folders under ``out`` left empty once datapipe's files are deleted (never a file)."""
-    if not out.is_dir():
-        return
-    for folder in sorted((p for p in out.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
-        with contextlib.suppress(OSError):  # not empty: not datapipe's to remove
-            folder.rmdir()
 
 
 def _write_order(n: int) -> list[int]:
@@ -475,7 +460,7 @@ class Peer:
             return 0.0
         for path in self.check_folder(workdir):  # refuses a folder that is not datapipe's, deleting nothing
             path.unlink(missing_ok=True)
-        _remove_empty_folders(out)
+        remove_empty_folders(out)
         out.mkdir(parents=True, exist_ok=True)
         marker = {"format": _MARKER_FORMAT, "peer": self.name, "state": "writing"}
         (out / _MARKER).write_text(json.dumps(marker, indent=1))
@@ -517,7 +502,7 @@ class Peer:
                               "peer); datapipe never deletes files it did not write: move them or choose another --work-dir")
         listed = marker.get("files") if marker.get("state") == "complete" else None
         if isinstance(listed, list) and all(isinstance(f, str) for f in listed):
-            ours = {out / f for f in listed if _plain_relative(f)}
+            ours = listed_files(out, listed)
         else:  # an interrupted write, or a marker of an earlier datapipe: the files named as the library names them
             ours = {p for p in present if any(p.relative_to(out).match(pattern) for pattern in self.patterns)}
         ours.add(out / _MARKER)

@@ -237,20 +237,16 @@ def _subset_marker(marker: Path) -> dict | None:
 def _clear_subset(out: Path, found: dict | None) -> None:
     """Delete the files of an earlier subset in ``out`` (those its marker lists), refusing anything else."""
     from ..errors import OutputError
+    from ..files import listed_files, remove_empty_folders
 
     if not out.exists():
         return
     present = sorted(p for p in out.rglob("*") if not p.is_dir())
-    listed = found.get("files") if found is not None else None
-    ours = {out / ".subset.json"}
-    if isinstance(listed, list):
-        ours |= {out / f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()}
+    ours = {out / ".subset.json"} | listed_files(out, found.get("files") if found is not None else None)
     foreign = [p for p in present if p not in ours or p.is_symlink()]
     if foreign:
         raise OutputError(f"{out} holds {foreign[0].relative_to(out)}, which no earlier subset wrote; datapipe never "
                           "deletes files it did not write: move it or choose another folder")
     for p in present:
         p.unlink()
-    for folder in sorted((p for p in out.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        if not any(folder.iterdir()):
-            folder.rmdir()
+    remove_empty_folders(out)
