@@ -482,15 +482,11 @@ class TrainAugment(BatchAugment):
             pairs = zip(images, params["crops"].tolist(), strict=True)
             if "jitter" not in params:
                 return self._crop_normalize_uint8(pairs, params["flip"], out, batch)
-            crops = self._crop_uint8(pairs, params["flip"], batch)
-            x = crops.permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
-        else:
-            x = crop_and_resize(_stack(images), params["crops"], self.size, flip=params["flip"])  # 0..255
-            if "jitter" not in params:
-                return self._finish(_scale_shift_(x, self.mean, self.std))
-            x = x.mul_(1.0 / 255.0).clamp_(0.0, 1.0)
-        if "jitter" in params:
-            x = self._jitter(x, params)
+            return self._crop_jitter_normalize(pairs, params, out, batch)
+        x = crop_and_resize(_stack(images), params["crops"], self.size, flip=params["flip"])  # 0..255
+        if "jitter" not in params:
+            return self._finish(_scale_shift_(x, self.mean, self.std))
+        x = self._jitter(x.mul_(1.0 / 255.0).clamp_(0.0, 1.0), params)
         return self._finish(_normalize_float(x, self.mean, self.std))
 
     def decode(self, encoded: Sequence[EncodedSample], seed: int | None = None,
@@ -513,8 +509,7 @@ class TrainAugment(BatchAugment):
         if "jitter" not in params:
             batch = self._decode_batch(encoded, params, out, n)
             return batch if batch is not None else self._crop_normalize_uint8(crops(), params["flip"], out, n)
-        x = self._crop_uint8(crops(), params["flip"], n).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
-        return self._finish(_normalize_float(self._jitter(x, params), self.mean, self.std))
+        return self._crop_jitter_normalize(crops(), params, out, n)
 
     def _decode_batch(self, encoded: Sequence[EncodedSample], params: dict[str, torch.Tensor], out: torch.Tensor | None,
                       n: int) -> torch.Tensor | None:
@@ -554,19 +549,29 @@ class TrainAugment(BatchAugment):
                 torch.addcmul(shift, (tmp_chw.flip(2) if f else tmp_chw).float(), scale, out=out[i])
         return self._as_dtype(out)
 
-    def _crop_uint8(self, crops: Iterable[tuple[torch.Tensor, Box]], flip: torch.Tensor, n: int) -> torch.Tensor:
-        """Resize each crop on uint8 into [B, size, size, 3]; flipped samples are mirrored in place."""
+    def _crop_jitter_normalize(self, crops: Iterable[tuple[torch.Tensor, Box]], params: dict[str, torch.Tensor],
+                               out: torch.Tensor | None, n: int) -> torch.Tensor:
+        """:meth:`_crop_normalize_uint8` with the colour jitter: per sample, the crop resized on uint8, mirrored,
+        made [0, 1] floats, jittered in place in its own order, normalised into its slot of ``out``; the
+        image stays in cache from the resize to the normalisation, and no batch-wide pass or gather runs
+        (6.6 against 0.6 ms per 224² image for the jitter alone, with the batch's gathers, here)."""
+        assert self.color_jitter is not None
         s = self.size
-        out: torch.Tensor | None = None
+        out = self._float_out(n, out)
+        tmp = torch.empty((s, s, 3), dtype=torch.uint8)
+        tmp_chw = tmp.permute(2, 0, 1)
+        img = torch.empty((1, 3, s, s), dtype=torch.float32)
+        mean, std = _channels(tuple(self.mean), img.device, img.dtype), _channels(tuple(self.std), img.device, img.dtype)
         resizer, resize = native.resizer(), _resize_aa()
-        for b, ((x, (top, left, h, w)), f) in enumerate(zip(crops, flip.tolist(), strict=True)):
-            if out is None:
-                out = torch.empty((n, s, s, 3), dtype=torch.uint8, device=x.device)
-            _resize_crop(x, top, left, h, w, out[b], resizer, resize)
-            if f:
-                out[b] = out[b].flip(1)
-        assert out is not None  # n >= 1
-        return out
+        factors, order = params["jitter"], params.get("jitter_order")
+        enabled = [v > 0 for v in self.color_jitter]
+        flips = params["flip"].tolist()
+        for i, (x, (top, left, h, w)) in enumerate(crops):
+            _resize_crop(x, top, left, h, w, tmp, resizer, resize)
+            img[0].copy_(tmp_chw.flip(2) if flips[i] else tmp_chw).mul_(1.0 / 255.0)
+            _jitter(img, factors[i : i + 1], None if order is None else order[i : i + 1], enabled)
+            out[i].copy_(img[0].sub_(mean).div_(std))
+        return self._as_dtype(out)
 
 
 GRAY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights (R, G, B)
@@ -597,7 +602,12 @@ def _saturation(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
 
 
 def _hue(x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    from kornia.enhance import adjust_hue  # HSV's hue turned by f (of a full turn), as torchvision's
+    """HSV's hue turned by f (of a full turn), as torchvision's: on the CPU by the compiled kernel, in place and
+    bit-identical to torchvision's float operations (0.3 against Kornia's 4.4 ms per 224² image on one core
+    here); elsewhere by Kornia (within 2e-6 of it)."""
+    if x.device.type == "cpu" and native.hue(x, f.tolist()):
+        return x
+    from kornia.enhance import adjust_hue
 
     return adjust_hue(x, f * (2 * math.pi)).clamp_(0.0, 1.0)
 
@@ -610,10 +620,21 @@ def _jitter(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor | None =
     """torchvision's ColorJitter with per-sample factors [B, 4] (brightness, contrast, saturation, hue) on
     [0, 1] floats, each sample's operations in its own order (``order``: int64 [B, 4], a permutation of
     0..3 per sample, as torchvision draws one per image; None: that order). ``factors`` and ``order`` are
-    read on the host (no wait for the device): each operation runs once per sample, on the samples that
-    take it at that step, gathered by index. ``enabled``: the operations the preset draws at all."""
+    read on the host (no wait for the device). ``x`` is changed in place (it is always the preset's own batch):
+    on the CPU image by image, each in its own order; on a device each operation runs once per step, on the
+    samples that take it at that step, gathered by index and put back. ``enabled``: the operations the
+    preset draws at all."""
     if order is None:
         order = torch.arange(4).expand(len(x), 4)
+    if x.device.type == "cpu":  # each image in place, in its own order: no gathers (a row of x is one image's memory)
+        for i, ops in enumerate(order.tolist()):
+            row = x[i : i + 1]
+            for op in ops:
+                if enabled[op]:
+                    y = JITTER_OPS[op](row, factors[i : i + 1, op])
+                    if y.data_ptr() != row.data_ptr():  # an operation that is not in place (Kornia's hue)
+                        row.copy_(y)
+        return x
     on_device = factors.to(x.device, non_blocking=True)
     for step in range(4):
         for op, run in enumerate(JITTER_OPS):
@@ -622,9 +643,9 @@ def _jitter(x: torch.Tensor, factors: torch.Tensor, order: torch.Tensor | None =
             rows = (order[:, step] == op).nonzero().flatten()
             if rows.numel() == len(x):
                 x = run(x, on_device[:, op])
-            elif rows.numel():
+            elif rows.numel():  # the samples that take this operation at this step, gathered and put back in place
                 idx = rows.to(x.device, non_blocking=True)
-                x = x.index_copy(0, idx, run(x.index_select(0, idx), on_device.index_select(0, idx)[:, op]))
+                x.index_copy_(0, idx, run(x.index_select(0, idx), on_device.index_select(0, idx)[:, op]))
     return x
 
 

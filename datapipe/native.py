@@ -49,7 +49,7 @@ from .errors import MappedReadError
 if TYPE_CHECKING:  # torch is imported by the loader's callers, never here: a build's workers only resize
     import torch
 
-ABI = 4  # must match DATAPIPE_NATIVE_ABI in _native.c
+ABI = 5  # must match DATAPIPE_NATIVE_ABI in _native.c
 
 
 @lru_cache(maxsize=1)
@@ -90,6 +90,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     gs.restype = ctypes.c_int
     gs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_ssize_t]
+    hue = lib.datapipe_hue_f32
+    hue.restype = None
+    hue.argtypes = [ctypes.c_void_p] + [ctypes.c_ssize_t] * 5 + [ctypes.c_float]
     lib.datapipe_guard_arm.restype = ctypes.c_int
     lib.datapipe_guard_fault.restype = ctypes.c_size_t
     lib.datapipe_guard_faults.restype = ctypes.c_long
@@ -97,7 +100,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.datapipe_map.argtypes = [ctypes.c_int, ctypes.c_size_t]
     lib.datapipe_unmap.restype = ctypes.c_int
     lib.datapipe_unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return lib, f"{path.name} (AVX2 uint8 resize and uint8 -> float conversion)"
+    return lib, f"{path.name} (AVX2 uint8 resize and uint8 -> float conversion, hue)"
 
 
 def available() -> bool:
@@ -187,6 +190,21 @@ def kernel_addresses() -> tuple[int, int] | None:
     resize = ctypes.cast(lib.datapipe_resize_rgb, ctypes.c_void_p).value
     convert = ctypes.cast(lib.datapipe_u8_to_f32, ctypes.c_void_p).value
     return None if resize is None or convert is None else (resize, convert)
+
+
+def hue(x: torch.Tensor, factors: Sequence[float]) -> bool:
+    """Turn the hue of each float32 [3, H, W] image of the CPU batch ``x`` ([B, 3, H, W], values in [0, 1],
+    any strides) by its factor (of a full turn), in place, as torchvision's ``adjust_hue``; False (and
+    ``x`` untouched) where the kernel is not built or ``x`` is not such a batch."""
+    import torch
+
+    lib = _library()[0]
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4 or x.shape[1] != 3:
+        return False
+    fn, (_, sc, sy, sx), (_, _, h, w) = lib.datapipe_hue_f32, x.stride(), x.shape
+    for i, f in enumerate(factors):
+        fn(x[i].data_ptr(), h, w, sc, sy, sx, float(f))
+    return True
 
 
 @lru_cache(maxsize=16)

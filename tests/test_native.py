@@ -149,6 +149,102 @@ def test_cpu_presets_and_normalisation_go_through_the_kernel(monkeypatch):
         assert len(calls) == 5
 
 
+# ----------------------------------------------------------------------------- the hue turn of the colour jitter
+
+
+def torchvision_hue(img: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """torchvision's adjust_hue of float [B, 3, H, W] in [0, 1] with a factor per image, written out from its
+    _rgb2hsv and _hsv2rgb (torchvision/transforms/_functional_tensor.py), operation for operation."""
+    r, g, b = img.unbind(dim=-3)
+    maxc, minc = img.max(dim=-3).values, img.min(dim=-3).values
+    eqc = maxc == minc
+    cr = maxc - minc
+    ones = torch.ones_like(maxc)
+    s = cr / torch.where(eqc, ones, maxc)
+    cr_divisor = torch.where(eqc, ones, cr)
+    rc, gc, bc = (maxc - r) / cr_divisor, (maxc - g) / cr_divisor, (maxc - b) / cr_divisor
+    hr = (maxc == r) * (bc - gc)
+    hg = ((maxc == g) & (maxc != r)) * (2.0 + rc - bc)
+    hb = ((maxc != g) & (maxc != r)) * (4.0 + gc - rc)
+    h = torch.fmod((hr + hg + hb) / 6.0 + 1.0, 1.0)
+    h = (h + factors.view(-1, 1, 1)) % 1.0
+    i = torch.floor(h * 6.0)
+    f = h * 6.0 - i
+    i = i.to(torch.int32) % 6
+    v = maxc
+    p = torch.clamp(v * (1.0 - s), 0.0, 1.0)
+    q = torch.clamp(v * (1.0 - s * f), 0.0, 1.0)
+    t = torch.clamp(v * (1.0 - s * (1.0 - f)), 0.0, 1.0)
+    mask = i.unsqueeze(dim=-3) == torch.arange(6).view(-1, 1, 1)
+    a = torch.stack((torch.stack((v, q, p, p, t, v), dim=-3), torch.stack((t, v, v, q, p, p), dim=-3),
+                     torch.stack((p, p, t, v, v, q), dim=-3)), dim=-4)
+    return torch.einsum("...ijk, ...xijk -> ...xjk", mask.to(img.dtype), a)
+
+
+def hue_batches(seed: int):
+    """Float batches the jitter meets: 8-bit levels (many ties between channels), greys, pure colours,
+    continuous noise; every width class of the vector blocks and their scalar tail."""
+    g = torch.Generator().manual_seed(seed)
+    for h, w in ((1, 1), (3, 7), (5, 8), (9, 13), (16, 24), (31, 57)):
+        levels = torch.randint(0, 256, (4, 3, h, w), generator=g).float() / 255
+        levels[1] = levels[1, :1].expand(3, h, w)  # grey: maxc == minc
+        levels[2] = torch.tensor([1.0, 0.0, 0.0]).view(3, 1, 1).expand(3, h, w)  # a pure red
+        levels[3] = levels[3].mul(4).round().div(4)  # few levels: max shared by two channels
+        yield levels
+        yield torch.rand(4, 3, h, w, generator=g)
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", ["planar", "channels_last", "crop"])
+def test_hue_kernel_is_torchvisions_adjust_hue_bit_for_bit(layout):
+    """The compiled hue turn gives torchvision's float32 values exactly, for every factor range (the ends,
+    0, values that wrap the hue past 1 and below 0), every layout the jitter hands it, any width."""
+    factors = [torch.tensor([0.5, -0.5, 0.0, 1e-7]), torch.tensor([0.1, -0.1, 0.37, -0.2]),
+               torch.tensor([0.49999, -0.49999, 0.25, -0.25])]
+    checked = 0
+    for k, x in enumerate(hue_batches(seed=3)):
+        f = factors[k % len(factors)]
+        want = torchvision_hue(x, f)
+        if layout == "planar":
+            y = x.clone()
+        elif layout == "channels_last":
+            y = x.contiguous(memory_format=torch.channels_last)
+        else:  # a window of a larger batch: rows and planes strided
+            big = torch.rand(4, 3, x.shape[2] + 3, x.shape[3] + 5)
+            y = big[:, :, 1 : 1 + x.shape[2], 2 : 2 + x.shape[3]]
+            y.copy_(x)
+        assert native.hue(y, f.tolist())
+        assert torch.equal(y, want), (x.shape, (y - want).abs().max())
+        checked += 1
+    assert checked == 12
+
+
+@needs_kernel
+def test_cpu_jitter_turns_the_hue_with_the_kernel_and_agrees_with_the_device_path():
+    """The preset's hue step on the CPU is the kernel's (torchvision's values exactly), and the Kornia step
+    that the device path runs is within 2e-6 of it."""
+    from kornia.enhance import adjust_hue
+
+    x = torch.randint(0, 256, (6, 3, 40, 52)).float() / 255
+    f = torch.tensor([0.1, -0.1, 0.05, -0.02, 0.0, 0.09])
+    cpu = augment._hue(x.clone(), f)
+    assert torch.equal(cpu, torchvision_hue(x, f))
+    kornia = adjust_hue(x, f * (2 * np.pi)).clamp(0, 1)
+    torch.testing.assert_close(cpu, kornia, rtol=0, atol=2e-6)
+
+
+def test_hue_kernel_declines_what_it_does_not_take():
+    """Not float32 [B, 3, H, W] on the CPU (or no kernel): False, and the batch untouched."""
+    x = torch.rand(2, 3, 4, 4, dtype=torch.float64)
+    assert not native.hue(x, [0.1, 0.1])
+    x32 = torch.rand(2, 4, 4, 4)
+    assert not native.hue(x32.clone(), [0.1, 0.1])
+    if not native.available():
+        y = torch.rand(2, 3, 4, 4)
+        before = y.clone()
+        assert not native.hue(y, [0.1, 0.1]) and torch.equal(y, before)
+
+
 # ----------------------------------------------------------------------------- the resize
 
 
