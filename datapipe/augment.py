@@ -436,14 +436,48 @@ class BatchAugment(nn.Module):
         return len(images), h, w, first.device
 
 
+def _number(value: object) -> float | None:
+    """A finite real number given as an int or float (not a bool, not a string), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _range_pair(values: object, what: str) -> tuple[float, float]:
+    """RandomResizedCrop's ``scale`` or ``ratio``: (min, max), two finite numbers with 0 < min <= max."""
+    pair = tuple(values) if isinstance(values, (tuple, list)) else ()
+    numbers = [_number(v) for v in pair]
+    if len(numbers) != 2 or None in numbers or not 0 < numbers[0] <= numbers[1]:  # type: ignore[operator]
+        raise ArgumentError(f"{what} must be (min, max): two numbers with 0 < min <= max, got {show(values)}")
+    return numbers[0], numbers[1]  # type: ignore[return-value]
+
+
+def _probability(value: object, what: str) -> float:
+    p = _number(value)
+    if p is None or not 0.0 <= p <= 1.0:
+        raise ArgumentError(f"{what} must be a probability between 0 and 1, got {show(value)}")
+    return p
+
+
+def _jitter_ranges(values: object) -> tuple[float, float, float, float]:
+    """ColorJitter's (brightness, contrast, saturation, hue): numbers >= 0, the hue at most 0.5 (torchvision's rule)."""
+    four = tuple(values) if isinstance(values, (tuple, list)) else ()
+    numbers = [_number(v) for v in four]
+    if len(numbers) != 4 or None in numbers or min(numbers) < 0 or numbers[3] > 0.5:  # type: ignore[type-var, operator]
+        raise ArgumentError("color_jitter must be a number >= 0 or four numbers >= 0 (brightness, contrast, saturation, "
+                            f"hue; the hue at most 0.5), got {show(values)}")
+    return numbers[0], numbers[1], numbers[2], numbers[3]  # type: ignore[return-value]
+
+
 class TrainAugment(BatchAugment):
     """RandomResizedCrop(size) + horizontal flip (+ colour jitter), normalised. See module docs."""
 
     def __init__(self, size: int, *, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3),
                  flip: float = 0.5, color_jitter: tuple[float, float, float, float] | None = None, **kwargs: Any) -> None:
         super().__init__(size, **kwargs)
-        self.scale, self.ratio, self.flip = tuple(scale), tuple(ratio), float(flip)
-        self.color_jitter = tuple(color_jitter) if color_jitter else None
+        self.scale, self.ratio = _range_pair(scale, "scale"), _range_pair(ratio, "ratio")
+        self.flip = _probability(flip, "flip")
+        self.color_jitter = _jitter_ranges(color_jitter) if color_jitter else None
 
     def sample(self, batch: int, height: int | torch.Tensor, width: int | torch.Tensor,
                seed: int | None) -> dict[str, torch.Tensor]:
@@ -742,6 +776,10 @@ class Convert(BatchAugment):
                  std: Sequence[float] = IMAGENET_STD, channels_last: bool = False, module: BatchFn | None = None) -> None:
         super().__init__(None, mean=mean, std=std, dtype=dtype, channels_last=channels_last)
         self.normalize = check_bool(normalize, "normalize")
+        if module is train or module is eval or module is convert:
+            name = module.__name__  # type: ignore[union-attr]
+            raise ArgumentError(f"datapipe.augment.{name} is the function that makes the preset: pass its result, "
+                                f"e.g. augment={name}({'' if name == 'convert' else '224'}), not augment={name}")
         if module is not None and not callable(module):
             raise ArgumentError(f"module must be an nn.Module or a callable on float [B, 3, H, W] batches, "
                                 f"got {show(module)} ({type(module).__name__})")
@@ -779,6 +817,13 @@ def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean:
     return Convert(dtype=dtype, normalize=normalize, mean=mean, std=std, channels_last=channels_last, module=module)
 
 
+def _not_a_batch(size: object, name: str) -> None:
+    """The preset functions called as if they were the preset (on a batch): say how to make the preset."""
+    if isinstance(size, (torch.Tensor, list, tuple)):
+        raise ArgumentError(f"datapipe.augment.{name}(size) makes the preset and takes its output size: pass "
+                            f"augment={name}(224) to the loader, not augment={name}")
+
+
 def train(size: int = 224, *, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3), flip: float = 0.5,
           color_jitter: tuple[float, float, float, float] | float | None = None, dtype: torch.dtype = torch.float32,
           channels_last: bool = False, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
@@ -787,8 +832,11 @@ def train(size: int = 224, *, scale: Sequence[float] = (0.08, 1.0), ratio: Seque
 
     ``dtype``, ``channels_last``, ``mean`` and ``std`` set the output's form (see :class:`BatchAugment`);
     ``path`` the implementation ("auto": "uint8" on the CPU, "device" elsewhere)."""
-    jitter: tuple[float, float, float, float] | None
-    if isinstance(color_jitter, (int, float)):
+    _not_a_batch(size, "train")
+    jitter: Any  # a number made four, or what was given (TrainAugment checks it)
+    if isinstance(color_jitter, (int, float)) and not isinstance(color_jitter, bool):
+        if color_jitter < 0 or not math.isfinite(color_jitter):
+            raise ArgumentError(f"color_jitter must be a number >= 0 or four numbers, got {show(color_jitter)}")
         jitter = (color_jitter, color_jitter, color_jitter, min(0.1, color_jitter)) if color_jitter else None
     else:
         jitter = color_jitter or None
@@ -800,4 +848,5 @@ def eval(size: int = 224, *, dtype: torch.dtype = torch.float32, channels_last: 
          mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, path: Path_ = "auto") -> EvalAugment:
     """The ImageNet evaluation preset: center crop (a 256 cache + eval(224) is the usual 0.875 crop).
     The output's form as in :func:`train`."""
+    _not_a_batch(size, "eval")
     return EvalAugment(size, dtype=dtype, channels_last=channels_last, mean=mean, std=std, path=path)

@@ -25,18 +25,23 @@ if TYPE_CHECKING:
 __all__ = ["environment", "main"]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def _whole_number(text: str, least: int, need: str) -> int:
+    """``text`` as an int of at least ``least``; argparse prints the message after the flag's name."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1, "a positive integer")
 
 
 def _nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
-    return value
+    return _whole_number(text, 0, "a whole number >= 0")
 
 
 def _check_build_args(args: argparse.Namespace) -> None:
@@ -49,14 +54,16 @@ def _check_build_args(args: argparse.Namespace) -> None:
 
 
 def _storage_option_flag(parser: argparse.ArgumentParser) -> None:
+    from .remote import TEXT_WORDS
+
     parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the object store's fsspec filesystem for s3:// (gs://, az://) URLs, e.g. "
                              "endpoint_url=http://minio:9000 or client_kwargs.region_name=eu-west-1 (repeatable). "
-                             "A credential, name or URL (a key whose name has key, secret, token, password, user, "
-                             "profile, name, url, endpoint, region, bucket, account or id in it) is taken as the text "
-                             "given, digits too; other values are JSON when they parse (numbers, true/false, null, "
-                             "{...}), else text. An option the filesystem does not take is refused. Credentials also "
-                             "come from AWS_* variables")
+                             "A credential, name or URL is taken as the text given, digits too: a key whose last part "
+                             f"has one of the words {', '.join(sorted(TEXT_WORDS))} (as a word, split at _ and case: "
+                             "region_name, aws_access_key_id, sessionToken); other values are JSON when they parse "
+                             "(numbers, true/false, null, {...}), else text. An option the filesystem does not take is "
+                             "refused. Credentials also come from AWS_* variables")
 
 
 def _storage_options(args: argparse.Namespace) -> dict | None:

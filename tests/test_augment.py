@@ -203,6 +203,42 @@ def test_transform_arguments_are_checked(make, kwargs):
         make(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"color_jitter": "0.4"}, {"color_jitter": (0.4, 0.4, 0.4)}, {"color_jitter": -1}, {"color_jitter": float("nan")},
+    {"color_jitter": (0.4, 0.4, 0.4, 0.9)}, {"color_jitter": (0.4, -0.1, 0.4, 0.1)}, {"color_jitter": (0.4, "a", 0.4, 0.1)},
+    {"scale": (1.0, 0.08)}, {"scale": (-1, 0.5)}, {"scale": (0.08,)}, {"scale": "0.08"}, {"scale": (0.08, float("inf"))},
+    {"ratio": (0, 0)}, {"ratio": (1.0,)}, {"ratio": (4 / 3, 3 / 4)}, {"flip": 2}, {"flip": -0.1}, {"flip": True},
+    {"flip": "0.5"},
+])
+def test_train_preset_parameters_are_checked_when_it_is_made(kwargs):
+    """Every parameter of augment.train is refused at once with a line naming it (torchvision's rules: scale and ratio
+    (min, max) with 0 < min <= max, a flip probability, four jitter ranges >= 0 with the hue at most 0.5), never at the
+    first batch with an error from inside the preset."""
+    with pytest.raises(ArgumentError, match=next(iter(kwargs))) as excinfo:
+        augment.train(32, **kwargs)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_train_preset_parameters_that_torchvision_takes_are_taken():
+    aug = augment.train(32, scale=[0.5, 0.5], ratio=(1, 1), flip=0, color_jitter=(0, 0.2, 0, 0.5))
+    assert (aug.scale, aug.ratio, aug.flip, aug.color_jitter) == ((0.5, 0.5), (1.0, 1.0), 0.0, (0.0, 0.2, 0.0, 0.5))
+    assert augment.train(32, color_jitter=0.4).color_jitter == (0.4, 0.4, 0.4, 0.1)
+    assert augment.train(32, color_jitter=0).color_jitter is None
+
+
+@pytest.mark.parametrize("name", ["train", "eval", "convert"])
+def test_a_preset_function_given_for_the_preset_says_to_call_it(tmp_path, name):
+    """augment=augment.train (the function, not the preset it makes) is refused by the loader at once, saying
+    to pass augment.train(224)."""
+    fn = getattr(augment, name)
+    with pytest.raises(ArgumentError, match=rf"pass its result, e\.g\. augment={name}\(") as excinfo:
+        augment.convert(module=fn)
+    assert "\n" not in str(excinfo.value)
+    if name != "convert":
+        with pytest.raises(ArgumentError, match=rf"augment={name}\(224\)"):
+            fn(torch.zeros(2, 8, 8, 3, dtype=torch.uint8))
+
+
 def smooth_batch(n: int = 6, size: int = 40) -> torch.Tensor:
     y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
                           indexing="ij")

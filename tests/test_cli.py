@@ -81,14 +81,29 @@ def test_a_bad_build_value_is_one_line_naming_the_flag(tmp_path, capsys, option,
     assert "max_bad_fraction" not in line and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize(("option", "flag"), [(["--shard-size", "0"], "--shard-size"),
-                                              (["--shard-size", "x"], "--shard-size"),
-                                              (["--workers", "-1"], "--workers")])
-def test_a_malformed_number_is_refused_by_the_parser_naming_the_flag(tmp_path, capsys, option, flag):
+@pytest.mark.parametrize(("command", "option", "flag"), [
+    ("build", ["--shard-size", "0"], "--shard-size"), ("build", ["--shard-size", "x"], "--shard-size"),
+    ("build", ["--workers", "-1"], "--workers"), ("build", ["--size", "32.5"], "--size"),
+    ("sample", ["--images", "ten"], "--images"), ("sample", ["--seed", "-1"], "--seed"), ("sample", ["--seed", "1e3"], "--seed"),
+])
+def test_a_malformed_number_is_refused_by_the_parser_naming_the_flag(tmp_path, capsys, command, option, flag):
+    """The flag and what it takes, with the text given; never the parser's name of a function."""
+    args = [str(tmp_path), str(tmp_path / "o")] if command == "build" else [str(tmp_path / "s")]
     with pytest.raises(SystemExit) as stop:
-        cli.main(["build", str(tmp_path), str(tmp_path / "o"), *option])
+        cli.main([command, *args, *option])
     assert stop.value.code == 2
-    assert f"argument {flag}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be a " in err and repr(option[1]) in err and "_int" not in err
+
+
+def test_the_storage_option_help_lists_the_words_that_keep_a_value_text(capsys):
+    from datapipe.remote import TEXT_WORDS, text_option
+
+    with pytest.raises(SystemExit):
+        cli.main(["build", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(f" {word}," in out or f" {word} (" in out for word in TEXT_WORDS), out
+    assert text_option("region_name") and text_option("aws_access_key_id") and not text_option("hostname")
 
 
 def test_an_unknown_peer_names_the_flag(tmp_path, capsys):
