@@ -9,8 +9,10 @@ same number of batches and the stream is identical for any number of DataLoader 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+from collections import deque
 from collections.abc import Iterator, Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
 from pathlib import Path
@@ -22,11 +24,11 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .errors import ArgumentError, DatapipeError, StateError
+from .errors import ArgumentError, DatapipeError, RankMismatchError, StateError
 from .fetch import ShardFetcher, is_url
 from .remote import local_path
 from .text import show
-from .world import World, detect_ranks, detect_worker
+from .world import World, detect_ranks, detect_worker, distributed_ranks, first_published, forget
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.data._utils.worker import WorkerInfo
@@ -39,6 +41,13 @@ SHARD_STATE_KEYS = ("order", "window", "nodes")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
+# Each process numbers the datasets of each cache (build id) it splits over ranks in the order it creates
+# them: the n-th of a cache on every rank is one dataset, whose settings and positions the ranks compare
+# (see StreamingDataset._agree). Per cache, so that a dataset made on some ranks only (an evaluation set on
+# rank 0) never pairs the datasets of another cache made after it with the wrong ones.
+_SPLIT_DATASETS: dict[str, itertools.count] = {}
+# Position keys a dataset keeps in the process group's store; older ones are removed (two per epoch).
+_KEPT_KEYS = 8
 
 
 def is_int(value: object) -> TypeGuard[int | np.integer]:
@@ -134,10 +143,12 @@ class StreamingDataset(IterableDataset):
         batch_size: samples per batch on each rank.
         shuffle: a global shuffle of all samples each epoch (samples inside one batch come in
             index order: one sequential pass per shard they live in).
-        seed: the order is a pure function of (seed, epoch, position).
+        seed: the order is a pure function of (seed, epoch, position). The same on every rank: the ranks
+            split one order between them (a seed per rank would read some samples twice and others never).
         drop_last: drop the epoch's last partial global step (so every batch is full); otherwise
             every sample comes exactly once and the last batch of each rank may be smaller.
-        rank: this process's rank; default: what torch.distributed or RANK say.
+        rank: this process's rank; default: what torch.distributed or RANK say when the dataset is
+            created (create it after ``init_process_group``, or under torchrun, which sets RANK).
         world_size: the number of ranks; default: what torch.distributed or WORLD_SIZE say.
         return_index: also yield the global sample indices (as ``datapipe.open(cache)[i]`` numbers them).
         order: ``"global"`` (one permutation of all samples; the default for a local cache) or
@@ -158,6 +169,15 @@ class StreamingDataset(IterableDataset):
 
     Iterating yields ``images`` uint8 [B, H, W, 3] and ``labels`` int64 [B] (and ``indices``
     int64 [B]).
+
+    Under torch.distributed the ranks check, in this process (never in DataLoader workers), without
+    waiting for each other, that they read alike: ``set_epoch``, ``len()`` and an iteration begun
+    here (a DeviceLoader, or a DataLoader with ``num_workers=0``) raise
+    :class:`~datapipe.errors.RankMismatchError` when another rank has this dataset with another
+    cache, seed, shuffle, order, batch size, drop_last or world size, or starts the epoch at another
+    position (a state loaded on one rank only), or when torch.distributed contradicts the rank and
+    world size detected when the dataset was created. The n-th dataset of a cache split over ranks
+    that each process creates is compared with the n-th of that cache on the others.
     """
 
     def __init__(self, cache: str | Path | Cache, /, *, batch_size: int = 256, shuffle: bool = True,
@@ -177,6 +197,7 @@ class StreamingDataset(IterableDataset):
         for name, value in (("rank", rank), ("world_size", world_size)):
             if value is not None:
                 check_int(value, name, 0)
+        self._detected = (rank is None, world_size is None)  # checked against torch.distributed when used
         try:
             self.rank, self.world_size = detect_ranks(rank, world_size)
             World(self.rank, self.world_size)  # validates
@@ -209,6 +230,13 @@ class StreamingDataset(IterableDataset):
         # only the iteration holding the current number moves the state (see note_received).
         self._iteration = 0
         self._overlapped = False  # an earlier iteration yielded after the current one began
+        self._running = False  # the current iteration (main process) has begun and not ended
+        # Agreement between ranks (_agree): this dataset's number among those this process splits over
+        # ranks (0: not split), whether its settings were compared, and the position keys published.
+        self._split = next(_SPLIT_DATASETS.setdefault(self._identity[0], itertools.count(1))) if self.world_size > 1 else 0
+        self._agreed = False
+        self._published: dict[tuple[int, str], int] = {}  # (epoch, kind): positions published
+        self._keys: deque[str] = deque()
 
     # ----------------------------------------------------------------- epoch, length, plan
     @property
@@ -227,13 +255,19 @@ class StreamingDataset(IterableDataset):
         process (``num_workers=0``, DeviceLoader) it is also used only once; DataLoader worker
         processes cannot tell the main process that they used it, so there a second pass over the
         resumed epoch without ``set_epoch`` starts at the resumed position again.
+
+        Raises:
+            RankMismatchError: under torch.distributed, another rank reads this dataset with other
+                settings or starts this epoch elsewhere, or the detected rank is not torch.distributed's.
         """
         epoch = check_int(epoch, "epoch", 0, ORDER_LIMIT - 1)
+        self._check_ranks()
         if epoch != self.epoch:
             self._shared[1] = 0
             self._shared[2] = 0
             self._restart(0)
         self._shared[0] = epoch
+        self._agree("epoch")
 
     def _restart(self, base: int) -> None:
         """Nothing of the current epoch received yet, from ``base`` on: a new epoch, a loaded state or a
@@ -242,6 +276,13 @@ class StreamingDataset(IterableDataset):
         self._consumed = 0
         self._iteration += 1
         self._overlapped = False
+        self._running = False
+
+    def end_iteration(self, iteration: int) -> None:
+        """Iteration ``iteration`` of this process ended (read to its end, or dropped): ``len()`` is the
+        next one's again."""
+        if iteration == self._iteration:
+            self._running = False
 
     @property
     def iteration(self) -> int:
@@ -250,8 +291,19 @@ class StreamingDataset(IterableDataset):
 
     @property
     def batches_consumed(self) -> int:
-        """Batches of the current iteration the training loop has received (main-process count)."""
-        return self._consumed
+        """Batches of the current epoch the training loop has received, counted from the epoch's start
+        (after a resume: those before the resumed position too), as this process counted them: what
+        ``state_dict()`` saves when not told. DataLoader workers' batches are not counted here."""
+        return self._batches_before() + self._consumed
+
+    def _epoch_batches(self, start: int = 0) -> int:
+        """Batches each rank yields for the current epoch's order from ``start`` on."""
+        return part.num_batches(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
+                                drop_last=self.drop_last, start=start)
+
+    def _batches_before(self) -> int:
+        """The epoch's batches ahead of where the current iteration began (in this batch layout)."""
+        return self._epoch_batches() - self._epoch_batches(self._iter_base)
 
     def note_received(self, iteration: int, batches: int) -> None:
         """Record that the loop has received the first ``batches`` batches of iteration ``iteration``.
@@ -266,9 +318,16 @@ class StreamingDataset(IterableDataset):
             self._overlapped = True
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch."""
-        return part.num_batches(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
-                                drop_last=self.drop_last)
+        """Batches this rank yields in the current iteration (the same on every rank): from ``iter()``
+        until that iteration ends, the batches it yields; otherwise those the next iteration yields —
+        after ``load_state_dict`` the rest of the resumed epoch, after ``set_epoch`` to a new epoch
+        all of it."""
+        self._check_ranks()
+        self._agree()
+        return self._len()
+
+    def _len(self) -> int:
+        return self._epoch_batches(self._iter_base if self._running else self.start)
 
     def plan(self, start: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The current epoch's global order [N] and this rank's batch bounds [n, 2] from ``start``."""
@@ -295,9 +354,16 @@ class StreamingDataset(IterableDataset):
         """Start an iteration of the current epoch in this process: its order and batch bounds.
 
         A resumed position is used once; the next iteration of the same epoch is whole again.
+
+        Raises:
+            RankMismatchError: another rank reads this dataset with other settings or from another
+                position, or torch.distributed contradicts the detected rank (see the class).
         """
+        self._check_ranks()
+        self._agree("iteration")
         order, bounds = self.plan()
         self._restart(self.start)
+        self._running = True
         self._shared[1] = 0
         self._shared[2] = 0
         self._follow(order, bounds, np.arange(len(bounds)))
@@ -372,16 +438,20 @@ class StreamingDataset(IterableDataset):
             self._follow(order, bounds, mine)
             _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
         remote = self.cache.remote
-        for k, j in enumerate(mine):
-            if remote is not None:
-                remote.advance(k)  # the plan's position (_follow): what is finished, how far to prefetch
-            begin, end = bounds[j]
-            batch = self._read(order[begin:end], shared=in_worker)
-            if remote is not None:
-                remote.read(k)
+        try:
+            for k, j in enumerate(mine):
+                if remote is not None:
+                    remote.advance(k)  # the plan's position (_follow): what is finished, how far to prefetch
+                begin, end = bounds[j]
+                batch = self._read(order[begin:end], shared=in_worker)
+                if remote is not None:
+                    remote.read(k)
+                if not in_worker:
+                    self.note_received(iteration, int(j) + 1)
+                yield batch
+        finally:
             if not in_worker:
-                self.note_received(iteration, int(j) + 1)
-            yield batch
+                self.end_iteration(iteration)
 
     def _sample_bytes(self) -> int:
         """Decoded bytes of the largest sample (all of them when they share one shape)."""
@@ -406,6 +476,81 @@ class StreamingDataset(IterableDataset):
         self.cache.read_batch(indices, images.numpy(), labels.numpy(), index.numpy())
         return (images, labels, index) if self.return_index else (images, labels)
 
+    # ----------------------------------------------------------------- ranks
+    def _check_ranks(self) -> None:
+        """The rank and world size detected when the dataset was created are torch.distributed's now.
+
+        Not re-detected: a loaded state, the order's nodes and ``len()`` already given out were for the
+        detected world. Checked in the main process only (a DataLoader worker has no process group).
+        """
+        if not any(self._detected) or torch.utils.data.get_worker_info() is not None:
+            return
+        ranks = distributed_ranks()
+        if ranks is None:
+            return
+        rank, world_size = ranks
+        if (self._detected[0] and rank != self.rank) or (self._detected[1] and world_size != self.world_size):
+            raise RankMismatchError(
+                f"this StreamingDataset detected rank {self.rank} of world_size {self.world_size} when it was "
+                f"created, but torch.distributed is now initialised as rank {rank} of {world_size}: create the "
+                "dataset after init_process_group, or pass rank= and world_size=")
+
+    def _settings(self) -> dict[str, object]:
+        """What every rank must read this dataset with."""
+        build_id, _ = self._identity
+        order = {"order": self.order} | ({"window": self.window, "nodes": self.nodes} if self.order == "shards" else {})
+        return {"build_id": build_id, "num_samples": len(self.cache), "seed": self.seed, "shuffle": self.shuffle,
+                **order, "batch_size": self.batch_size, "drop_last": self.drop_last, "world_size": self.world_size}
+
+    def _agree(self, kind: str | None = None) -> None:
+        """Under torch.distributed, compare this dataset's settings (once) and, for ``kind``, the position
+        the epoch is read from, with the first rank that published them. Never waits, no collective.
+
+        A position is published per (epoch, kind, n): the n-th ``set_epoch`` to that epoch ("epoch") or
+        the n-th iteration of it begun here ("iteration"). Ranks running the same code publish the same
+        keys whatever their timing; a rank that loaded a state the others did not differs in its start.
+        """
+        if not self._split or torch.utils.data.get_worker_info() is not None or distributed_ranks() is None:
+            return
+        prefix = f"datapipe/{self._identity[0]}/dataset-{self._split}"
+        if not self._agreed:
+            self._compare(f"{prefix}/settings", self._settings(), "settings")
+            self._agreed = True
+        if kind is None:
+            return
+        epoch = self.epoch
+        n = self._published.get((epoch, kind), 0)
+        self._published[(epoch, kind)] = n + 1
+        key = f"{prefix}/epoch-{epoch}/{kind}-{n}"
+        self._compare(key, {"start": self.start}, f"epoch {epoch} starts")
+        self._keys.append(key)
+        while len(self._keys) > _KEPT_KEYS:  # every rank removes the same old keys: a few per dataset at most
+            forget(self._keys.popleft())
+
+    def _which(self) -> str:
+        return f"StreamingDataset #{self._split} of {show(str(self.cache.root))}"
+
+    def _compare(self, key: str, mine: dict[str, object], what: str) -> None:
+        """Raise when the first rank to publish ``key`` published other values than ``mine``."""
+        first = first_published(key, {**mine, "rank": self.rank})
+        if first is None:
+            return
+        other = first.pop("rank", "?")
+        differ = [name for name in mine if first.get(name) != mine[name]]
+        if not differ:
+            return
+        if "start" in mine:
+            raise RankMismatchError(
+                f"the ranks disagree on {self._which()}: {what} at sample {mine['start']} here "
+                f"(rank {self.rank}) but at sample {show(first.get('start'))} on rank {other}; load the same state "
+                "on every rank (load_state_dict on each rank, not only on one) and call set_epoch alike")
+        values = "; ".join(f"{name}={show(mine[name])} here (rank {self.rank}) but {name}={show(first.get(name))} "
+                           f"on rank {other}" for name in differ)
+        why = " (the ranks split one order: a seed per rank reads some samples twice and others never)" \
+            if "seed" in differ else ""
+        raise RankMismatchError(f"the ranks disagree on {self._which()}'s {what}: {values}; create "
+                                f"it with the same settings on every rank{why}")
+
     # ----------------------------------------------------------------- resume
     def state_dict(self, batches_consumed: int | None = None) -> dict:
         """A small, versioned state: load it into a fresh dataset to continue the same stream.
@@ -414,30 +559,50 @@ class StreamingDataset(IterableDataset):
         that it is never applied to another cache of the same size.
 
         Args:
-            batches_consumed: batches of the current epoch the training loop has received. Default:
-                what this dataset counted while iterated in the main process (``num_workers=0``);
-                required when the epoch was read through your own multi-worker DataLoader (its
-                workers cannot report it): without it that raises StateError.
+            batches_consumed: batches of the current epoch the training loop has received, counted
+                from the epoch's start in this dataset's batch layout: after a resume, the batches
+                before the resumed position (``state["position"] // (batch_size * world_size)``) plus
+                those received since. Default: what this dataset counted while iterated in the main
+                process (``num_workers=0``); required when the epoch was read through your own
+                multi-worker DataLoader (its workers cannot report it): without it that raises
+                StateError.
+
+        Raises:
+            StateError: ``batches_consumed`` is needed and missing, is no integer, is beyond the
+                epoch's batches, or counts fewer batches than lie before the resumed position.
         """
+        before = self._batches_before()
+        count = (f"k = the batches of epoch {self.epoch} the loop has received, counted from the epoch's start"
+                 + (f", the {before} before the resumed position included" if before else ""))
         if batches_consumed is None and int(self._shared[2]):
             raise StateError(
                 "this epoch was read by DataLoader worker processes, which cannot tell this process how "
-                "many batches your loop received: pass state_dict(batches_consumed=k), k = the batches "
-                "of this epoch the loop took (or use datapipe.DeviceLoader, which counts them)")
+                f"many batches your loop received: pass state_dict(batches_consumed=k), {count} "
+                "(or use datapipe.DeviceLoader, which counts them)")
         if batches_consumed is None and self._overlapped:
             raise StateError(
                 "an earlier iterator of this dataset went on yielding after a newer iteration began (or after "
                 "set_epoch/load_state_dict), so this process cannot tell which one your loop follows: pass "
-                "state_dict(batches_consumed=k), k = the batches of the current iteration the loop took")
-        left = part.num_batches(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
-                                drop_last=self.drop_last, start=self._iter_base)
-        k = self._consumed if batches_consumed is None else check_int(
-            batches_consumed, "batches_consumed", 0, left, error=StateError)
+                f"state_dict(batches_consumed=k), {count}")
+        total = self._epoch_batches()
+        if batches_consumed is None:
+            k = before + self._consumed
+        else:
+            k = check_int(batches_consumed, "batches_consumed", 0, total, error=StateError)
+            if k < before:
+                raise StateError(
+                    f"batches_consumed={k} is before the position this epoch resumed at (sample {self._iter_base}, "
+                    f"after {before} batches): it counts the batches of epoch {self.epoch} from the epoch's start, "
+                    f"so pass {before} + the batches the loop has received since the resume")
         # The last batch received: the epoch is done, whatever drop_last skipped after it. Saved as
         # the end of the order, it resumes to no batch under any batch layout (a position short of
         # the end would hand a smaller layout the dropped samples, and a larger one could refuse it).
-        done = k > 0 and k == left
-        position = len(self.cache) if done else self._iter_base + k * self.batch_size * self.world_size
+        if k == before:  # nothing received since this iteration began (at a step boundary, or the end)
+            position = self._iter_base
+        elif k == total:
+            position = len(self.cache)
+        else:
+            position = k * self.batch_size * self.world_size
         build_id, config_hash = self._identity
         return {
             "version": STATE_VERSION,
@@ -456,12 +621,16 @@ class StreamingDataset(IterableDataset):
         Every field is checked before anything changes: its type, its range, and that the state
         belongs to this cache (build, configuration, size), seed and shuffle. The world size and
         batch size may differ from the saved run as long as the saved position falls on a global
-        step boundary of the new configuration.
+        step boundary of the new configuration. Load it on every rank: under torch.distributed a rank
+        that starts the epoch elsewhere than the others is refused (see the class). Until the resumed
+        iteration ends, ``len()`` counts the batches left from the position.
 
         Raises:
             StateError: the state is malformed, from another datapipe version, or for another
                 cache, seed or shuffle, or its position cannot be resumed with this batch layout.
+            RankMismatchError: torch.distributed contradicts the rank detected at creation.
         """
+        self._check_ranks()
         epoch, position = self.check_state(state)
         self._shared[0] = epoch
         self._shared[1] = position
@@ -532,4 +701,4 @@ class StreamingDataset(IterableDataset):
     def __repr__(self) -> str:
         return (f"StreamingDataset({str(self.cache.root)!r}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}/{self.world_size}, "
-                f"batches={len(self)})")
+                f"batches={self._len()})")

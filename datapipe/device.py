@@ -226,7 +226,9 @@ class DeviceLoader:
 
     # ----------------------------------------------------------------- public surface
     def __len__(self) -> int:
-        """Batches per epoch on this rank (the same on every rank)."""
+        """Batches of the current iteration on this rank (the same on every rank): during an iteration
+        what it yields, between iterations what the next yields — after ``load_state_dict`` the rest of
+        the resumed epoch, after ``set_epoch`` to a new epoch all of it (see ``StreamingDataset.__len__``)."""
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
@@ -241,6 +243,7 @@ class DeviceLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state; every field is checked first (see StreamingDataset.load_state_dict).
+        Load it on every rank: a rank that starts elsewhere is refused when the epoch begins.
 
         Raises:
             StateError: a malformed state, or one for another cache, seed or shuffle.
@@ -324,6 +327,7 @@ class DeviceLoader:
             self.meter.finish()  # the loop asked for a batch after the last: its last step is over
             self._check_current(gen, iteration)
         finally:
+            ds.end_iteration(iteration)
             with self._cond:
                 # A newer iteration took every buffer back already (_drain): this one releases nothing.
                 if self._generation == gen:

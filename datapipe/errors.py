@@ -77,6 +77,11 @@ class StateError(DatapipeError, ValueError):
     """A saved loader state cannot be restored (unknown version, other dataset, other batch size)."""
 
 
+class RankMismatchError(DatapipeError, ValueError):
+    """The ranks of a distributed run disagree on a dataset (its cache, seed, batch layout or position),
+    or a dataset's rank and world size are not torch.distributed's; the message names both values."""
+
+
 class IterationSupersededError(DatapipeError, RuntimeError):
     """An iterator of a DeviceLoader was asked for a batch after a newer iteration began (or after
     set_epoch/load_state_dict changed the position it reads): only the newest iteration runs."""

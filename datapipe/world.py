@@ -1,9 +1,16 @@
-"""Who am I: rank and world size (torch.distributed or RANK/WORLD_SIZE) and DataLoader worker."""
+"""Who am I: rank and world size (torch.distributed or RANK/WORLD_SIZE) and DataLoader worker.
+
+And do the ranks agree: values published in the default process group's store, compared without waiting.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,18 +37,58 @@ def detect_ranks(rank: int | None = None, world_size: int | None = None) -> tupl
     """Rank and world size: the arguments if given, else torch.distributed, else RANK/WORLD_SIZE."""
     if rank is not None and world_size is not None:
         return int(rank), int(world_size)
-    det_rank, det_world = 0, 1
-    try:
+    detected = distributed_ranks()
+    det_rank, det_world = detected or (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    return (det_rank if rank is None else int(rank)), (det_world if world_size is None else int(world_size))
+
+
+def distributed_ranks() -> tuple[int, int] | None:
+    """(rank, world size) of torch.distributed's default group when it is initialised in this process, else None."""
+    with contextlib.suppress(ImportError, RuntimeError):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            det_rank, det_world = dist.get_rank(), dist.get_world_size()
-        else:
-            raise RuntimeError
-    except (ImportError, RuntimeError):
-        det_rank = int(os.environ.get("RANK", "0"))
-        det_world = int(os.environ.get("WORLD_SIZE", "1"))
-    return (det_rank if rank is None else int(rank)), (det_world if world_size is None else int(world_size))
+            return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _default_store() -> Any:
+    """The default process group's key-value store, or None (no group, or a torch without one)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except (ImportError, AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def first_published(key: str, mine: Mapping[str, Any]) -> dict | None:
+    """What the first rank to publish ``key`` in the default process group's store published there
+    (``mine`` when this rank is the first), or None when there is no store to ask.
+
+    One atomic set-if-absent (``compare_set`` with an empty expected value), so it never waits for
+    another rank and is no collective: ranks may get here at different times, or some never. Every
+    rank that publishes something else than the first learns it; which rank is first does not matter.
+    """
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        value = store.compare_set(key, "", json.dumps(dict(mine), sort_keys=True))
+        first = json.loads(value)
+    except (RuntimeError, NotImplementedError, ValueError, OSError):  # a store without it, or gone: no check
+        return None
+    return first if isinstance(first, dict) else None
+
+
+def forget(key: str) -> None:
+    """Remove ``key`` from the default store, if it is there (a rank that has not published it yet
+    publishes it anew: the check is lost for it, never a false alarm)."""
+    store = _default_store()
+    if store is None:
+        return
+    with contextlib.suppress(RuntimeError, NotImplementedError, ValueError, OSError):
+        store.delete_key(key)
 
 
 def detect_worker() -> tuple[int, int]:

@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     model = small_cnn(len(dataset.cache.classes)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
     step, start_epoch = 0, 0
-    if len(loader) == 0:
+    per_epoch = len(loader)  # a whole epoch's batches (after a resume, len() counts those left in it)
+    if per_epoch == 0:
         loader.close()
         return fail(f"--batch-size {args.batch_size} is larger than the {len(dataset.cache):,} samples shared by "
                     f"{world} process(es): no full batch to train on; lower --batch-size")
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     criterion = nn.CrossEntropyLoss()
     if rank == 0:
-        log(f"{world} process(es) on {device}: {len(loader)} batches of {args.batch_size} per process "
+        log(f"{world} process(es) on {device}: {per_epoch} batches of {args.batch_size} per process "
             f"and epoch from {dataset.cache!r}")
 
     stop = StopRequest()

@@ -133,7 +133,7 @@ def test_two_resumes_in_one_epoch(index_cache, reference):
     second.load_state_dict(first.state_dict())
     part2 = take(second, 2, 3)
     third = dataset(index_cache)
-    third.load_state_dict(second.state_dict(batches_consumed=3))
+    third.load_state_dict(second.state_dict(batches_consumed=5))  # the epoch's batches: 2 before the resume + 3
     assert third.start == 5 * B
     part3 = take(third, 3)
     assert same_stream(part1 + part2 + part3, reference)
@@ -155,7 +155,9 @@ def test_resume_in_a_later_epoch(index_cache):
 def test_the_resumed_position_is_used_once(index_cache, reference):
     ds = dataset(index_cache)
     ds.load_state_dict({**dataset(index_cache).state_dict(), "position": 4 * B})
-    assert len(take(ds, 0)) == len(ds) - 4
+    assert len(ds) == len(reference) - 4
+    assert len(take(ds, 0)) == len(reference) - 4
+    assert len(ds) == len(reference)
     assert same_stream(take(ds, 0), reference), "the next iteration of the epoch is whole again"
 
 
@@ -194,7 +196,7 @@ def test_the_state_through_a_dataloader_follows_epochs_breaks_passes_and_resumes
     assert where() == (2, 5 * B)
     it = iter(loader)
     next(it)
-    assert where(1) == (2, 6 * B)
+    assert where(6) == (2, 6 * B), "the epoch's batches from its start: 5 before the resume, 1 since"
     del it
     ds.set_epoch(3)
     assert where() == (3, 0), "after a resumed epoch"
@@ -248,10 +250,67 @@ def test_the_resumed_position_holds_until_the_epoch_changes_with_workers(index_c
     for the resumed epoch and a new epoch is whole."""
     ds = dataset(index_cache)
     ds.load_state_dict({**ds.state_dict(), "position": 4 * B})
-    assert len(take(ds, 2)) == len(ds) - 4
-    assert len(take(ds, 2)) == len(ds) - 4
+    whole = -(-index_cache.n // B)
+    assert len(take(ds, 2)) == len(ds) == whole - 4
+    assert len(take(ds, 2)) == len(ds) == whole - 4
     ds.set_epoch(1)
-    assert len(take(ds, 2)) == len(ds)
+    assert len(take(ds, 2)) == len(ds) == whole
+
+
+def test_batches_consumed_counts_the_epoch_from_its_start_across_resumes(index_cache, reference):
+    """Your own DataLoader with workers, checkpointed twice in one epoch: k is the epoch's batches the
+    loop has received, those before a resume included; a k short of the resumed position is refused."""
+    first = dataset(index_cache)
+    part1 = take(first, 2, 5)
+    second = dataset(index_cache)
+    second.load_state_dict(first.state_dict(batches_consumed=5))
+    part2 = take(second, 2, 3)
+    with pytest.raises(StateError, match="from the epoch's start") as excinfo:
+        second.state_dict(batches_consumed=3)  # the batches since the resume only
+    assert "\n" not in str(excinfo.value) and "pass 5 + the batches" in str(excinfo.value)
+    third = dataset(index_cache)
+    third.load_state_dict(second.state_dict(batches_consumed=8))
+    assert third.start == 8 * B
+    part3 = take(third, 2)
+    assert same_stream(part1 + part2 + part3, reference)
+
+
+def test_the_counted_batches_include_those_before_the_resume(index_cache):
+    """Read in this process, the dataset's own count has the same meaning as batches_consumed."""
+    ds = dataset(index_cache)
+    ds.load_state_dict({**ds.state_dict(), "position": 4 * B})
+    take(ds, 0, 3)
+    assert ds.batches_consumed == 7
+    assert ds.state_dict() == ds.state_dict(batches_consumed=7)
+    assert ds.state_dict()["position"] == 7 * B
+
+
+@pytest.mark.parametrize("how", ["dataset", "dataloader-0", "dataloader-2", "device-0", "device-2"])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_len_is_what_an_iteration_yields_after_a_resume(index_cache, how, rank):
+    """After load_state_dict len() is the rest of the epoch, before and during the resumed iteration, on
+    every rank; once that iteration has ended (and after set_epoch to a new epoch) the whole epoch."""
+    world = 3
+    ds = dataset(index_cache, rank=rank, world_size=world)
+    whole = -(-index_cache.n // (B * world))
+    ds.load_state_dict({**ds.state_dict(), "position": 2 * B * world})
+    if how.startswith("device"):
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=int(how[-1]), output="uint8")
+    elif how.startswith("dataloader"):
+        loader = DataLoader(ds, batch_size=None, num_workers=int(how[-1]))
+    else:
+        loader = ds
+    try:
+        assert len(loader) == len(ds) == whole - 2
+        lengths = [len(loader) for _ in loader]
+        assert lengths == [whole - 2] * (whole - 2)
+        if how != "dataloader-2":  # worker processes resume every pass of the epoch (documented)
+            assert len(loader) == whole
+        ds.set_epoch(1)
+        assert len(loader) == whole == sum(1 for _ in loader)
+    finally:
+        if isinstance(loader, datapipe.DeviceLoader):
+            loader.close()
 
 
 def test_elastic_resume_with_another_world_size(index_cache):

@@ -179,3 +179,155 @@ def test_two_gloo_ranks_read_each_sample_once_per_epoch(index_cache, tmp_path):
     # The DeviceLoader (epoch 1) reads the same per-rank batches as the DataLoader did in epoch 1.
     for r in results:
         assert [sorted(b) for b in r["device"]] == [sorted(b) for b in r["epochs"][1]]
+
+
+def _attempt(action) -> str | None:
+    """None when ``action()`` runs through, else the RankMismatchError it raised, as 'Name: message'."""
+    from datapipe.errors import RankMismatchError
+
+    try:
+        action()
+    except RankMismatchError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> None:
+    """One rank of runs whose datasets differ on one rank (and of runs that must pass): what each raised.
+
+    A barrier after each run keeps every rank (and rank 0's store) up until all have checked, so the
+    outcome does not depend on which rank gets where first."""
+    try:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        multiprocessing.set_start_method("fork", force=True)
+        import torch
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader
+
+        import datapipe
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+
+        def make(**kwargs) -> datapipe.StreamingDataset:
+            return datapipe.StreamingDataset(cache, **{"batch_size": B, "seed": 5, "return_index": True, **kwargs})
+
+        def device_epoch(ds, state=None, load_after_set_epoch=False, passes=1) -> None:
+            loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
+            if state is not None and not load_after_set_epoch:
+                loader.load_state_dict(state)
+            loader.set_epoch(0)
+            if state is not None and load_after_set_epoch:
+                loader.load_state_dict(state)
+            for _ in range(passes):
+                for _batch in loader:
+                    pass
+
+        def unsplit_on_rank_0() -> None:  # e.g. an evaluation of rank 0's own
+            if rank == 0:
+                device_epoch(make(rank=0, world_size=1))
+
+        def with_workers() -> None:
+            ds = make()
+            ds.set_epoch(1)
+            list(DataLoader(ds, batch_size=None, num_workers=2))
+
+        state = {**make().state_dict(), "position": 2 * B * WORLD}
+        runs = {
+            "seed per rank": lambda: device_epoch(make(seed=rank)),
+            "batch size": lambda: make(batch_size=2 * B if rank else B).set_epoch(0),
+            "drop_last": lambda: len(DataLoader(make(drop_last=rank == 1), batch_size=None, num_workers=2)),
+            "resumed on rank 0 only": lambda: device_epoch(make(), state if rank == 0 else None),
+            "resumed on rank 0 only, after set_epoch": lambda: device_epoch(
+                make(), state if rank == 0 else None, load_after_set_epoch=True),
+            # what must pass: the same state on every rank (loaded after set_epoch, the epoch read twice),
+            # a dataset of one rank's own (world_size=1), and a dataset read by DataLoader workers
+            "resumed alike": lambda: device_epoch(make(), state, load_after_set_epoch=True, passes=2),
+            "rank 0 only, unsplit": unsplit_on_rank_0,
+            "alike with workers": with_workers,
+        }
+        result = {}
+        for name, run in runs.items():
+            result[name] = _attempt(run)
+            dist.barrier()
+        dist.destroy_process_group()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index_cache, tmp_path):
+    """A seed per rank, another batch size or drop_last on one rank, a state loaded on one rank only:
+    one rank raises a one-line RankMismatchError naming the setting and both values (the other, first
+    to publish, reads on: nothing waits for anything), where it would read samples twice or hang DDP."""
+    results = _run_ranks(index_cache.path, tmp_path, target=_disagreeing_main)
+    expected = {
+        "seed per rank": ("seed=", "seed=0", "seed=1", "a seed per rank"),
+        "batch size": ("batch_size=", f"batch_size={B}", f"batch_size={2 * B}"),
+        "drop_last": ("drop_last=", "drop_last=False", "drop_last=True"),
+        "resumed on rank 0 only": ("epoch 0 starts", f"sample {2 * B * WORLD}", "sample 0", "load the same state"),
+        "resumed on rank 0 only, after set_epoch": ("epoch 0 starts", f"sample {2 * B * WORLD}", "sample 0"),
+    }
+    for name, words in expected.items():
+        raised = [r[name] for r in results if r[name] is not None]
+        assert len(raised) == 1, f"{name}: {[r[name] for r in results]}"
+        [message] = raised
+        assert message.startswith("RankMismatchError: ") and "\n" not in message and len(message) < 400, message
+        assert all(word in message for word in words), message
+    for name in ("resumed alike", "rank 0 only, unsplit", "alike with workers"):
+        assert [r[name] for r in results] == [None] * WORLD, name
+
+
+def _created_before_init_main(rank: int, port: int, cache: str, out: str) -> None:
+    """One rank that creates datasets before init_process_group (as mp.spawn + tcp:// allows): from no
+    RANK/WORLD_SIZE, from torchrun's variables, and with explicit ranks. What using each raised."""
+    try:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        import torch
+        import torch.distributed as dist
+
+        import datapipe
+
+        torch.set_num_threads(1)
+
+        def make(**kwargs) -> datapipe.StreamingDataset:
+            return datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True, **kwargs)
+
+        undetected = make()  # rank 0 of 1: nothing says otherwise yet
+        explicit = make(rank=rank, world_size=WORLD)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD))
+        from_env = make()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=60))
+
+        def device_epoch(ds) -> int:
+            loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
+            return sum(1 for _ in loader)
+
+        result = {
+            "undetected": [_attempt(lambda: undetected.set_epoch(0)), _attempt(lambda: len(undetected)),
+                           _attempt(lambda: device_epoch(undetected))],
+            "explicit": [_attempt(lambda: explicit.set_epoch(0)), _attempt(lambda: device_epoch(explicit))],
+            "from_env": [_attempt(lambda: from_env.set_epoch(0)), _attempt(lambda: device_epoch(from_env))],
+        }
+        dist.barrier()
+        dist.destroy_process_group()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_a_dataset_created_before_init_process_group_is_refused_not_read_whole(index_cache, tmp_path):
+    """Detected as rank 0 of 1 before the process group existed, a dataset would read every sample on
+    every rank: set_epoch, len() and an iteration say so in one line, naming the fix."""
+    results = _run_ranks(index_cache.path, tmp_path, target=_created_before_init_main)
+    for rank, r in enumerate(results):
+        for message in r["undetected"]:
+            assert message is not None and message.startswith("RankMismatchError: ") and "\n" not in message
+            assert f"rank {rank} of {WORLD}" in message and "after init_process_group" in message, message
+        assert r["explicit"] == [None, None] and r["from_env"] == [None, None]
