@@ -164,8 +164,8 @@ class StreamingDataset(IterableDataset):
         cache_limit: bytes (or a size such as ``"200GB"``) ``local_cache`` may hold; least recently
             used shards are evicted beyond it. None: no limit.
         storage_options: for the URL's filesystem (fsspec: credentials, ``endpoint_url``...).
-        prefetch: shards downloaded ahead of the reader (an int), or bytes ahead (``"2GB"``).
-        timeout: seconds without a byte arriving before a download raises RemoteStoreError.
+        prefetch: shards downloaded ahead of the reader (an int), or bytes ahead (``"2GB"``); default 2.
+        timeout: seconds without a byte arriving before a download raises RemoteStoreError; default 60.
 
     Iterating yields ``images`` uint8 [B, H, W, 3] and ``labels`` int64 [B] (and ``indices``
     int64 [B]).
@@ -185,7 +185,8 @@ class StreamingDataset(IterableDataset):
                  world_size: int | None = None, return_index: bool = False, order: str | None = None,
                  window: int = part.DEFAULT_WINDOW, nodes: int | None = None,
                  local_cache: str | PathLike | None = None, cache_limit: int | str | None = None,
-                 storage_options: dict | None = None, prefetch: int | str = 2, timeout: float = 60.0) -> None:
+                 storage_options: dict | None = None, prefetch: int | str | None = None,
+                 timeout: float | None = None) -> None:
         super().__init__()
         if not isinstance(cache, (str, PathLike, Cache)):
             raise ArgumentError(f"cache must be a cache folder or a datapipe.Cache, got {type(cache).__name__}")
@@ -213,10 +214,14 @@ class StreamingDataset(IterableDataset):
                 raise ArgumentError(f"{cache} is in object storage: pass local_cache= (a node-local folder its shards "
                                     "are downloaded into)")
             self.cache = ShardFetcher(str(cache), local_cache, storage_options=storage_options, cache_limit=cache_limit,
-                                      prefetch=prefetch, timeout=timeout).open()
-        elif local_cache is not None or cache_limit is not None or storage_options is not None:
-            raise ArgumentError(f"local_cache, cache_limit and storage_options are for a cache in object storage (a URL "
-                                f"such as s3://bucket/cache); {show(str(cache))} is read in place")
+                                      prefetch=2 if prefetch is None else prefetch,
+                                      timeout=60.0 if timeout is None else timeout).open()
+        elif any(v is not None for v in (local_cache, cache_limit, storage_options, prefetch, timeout)):
+            given = [name for name, v in (("local_cache", local_cache), ("cache_limit", cache_limit),
+                                          ("storage_options", storage_options), ("prefetch", prefetch),
+                                          ("timeout", timeout)) if v is not None]
+            raise ArgumentError(f"{', '.join(given)}: for a cache in object storage (a URL such as s3://bucket/cache) "
+                                f"only; {show(str(cache))} is read in place, so leave {'it' if len(given) == 1 else 'them'} out")
         else:
             self.cache = cache if isinstance(cache, Cache) else Cache(cache)
         self._identity = cache_identity(self.cache)

@@ -319,6 +319,18 @@ def test_dataset_arguments_are_checked(index_cache, kwargs):
     assert next(iter(kwargs)) in str(excinfo.value)
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"local_cache": "/tmp/x"}, {"cache_limit": "1GB"}, {"storage_options": {}}, {"prefetch": "2GB"}, {"prefetch": 2},
+    {"timeout": -1}, {"timeout": "x"}, {"timeout": 60.0},
+])
+def test_object_storage_arguments_are_refused_for_a_cache_read_in_place(index_cache, kwargs):
+    """What only a cache in object storage uses is refused for a local one, never silently dropped."""
+    with pytest.raises(ArgumentError, match="object storage") as excinfo:
+        dataset(index_cache, **kwargs)
+    one_line_refusal(excinfo.value)
+    assert next(iter(kwargs)) in str(excinfo.value)
+
+
 def test_ranks_from_a_broken_environment_are_refused(index_cache, monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ArgumentError, match="RANK") as excinfo:
