@@ -3,8 +3,10 @@
 One Dask task per shard and one writer per shard; tasks take paths and return small records, so
 no image bytes ever travel through the task graph. A shard is written under a temporary name and
 renamed when whole; a rerun recognises finished shards (by their inputs hash and the build's
-configuration hash) and skips them, so a killed build resumes and an unchanged rerun is a no-op.
-The manifest is written last.
+configuration hash) and skips them, so a killed build resumes and an unchanged rerun is a no-op
+that writes nothing. A shard that quarantined a file for a reason that says nothing of its bytes (a
+failed read, a timeout, a crashed decoder) is built again by a rerun (see :func:`read_again`). The
+manifest is written last.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import fcntl
 import gc
 import hashlib
+import io
 import json
 import logging
 import os
@@ -49,9 +52,9 @@ from .errors import (
     quarantine_counts,
     unreadable,
 )
-from .files import atomic_write_text, file_crc32c, fsync_dir
+from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, read_regular
 from .output import Output, prepare, remove_shards, shard_build_id
-from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of
+from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
 from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
 from .sources import Listing, plan_shards, scan, shown, with_classes
 from .text import plural, show
@@ -217,12 +220,43 @@ class BuildReport:
 # ----------------------------------------------------------------------------- the task
 
 
+# Quarantine classes that are no verdict on a file's bytes: a read that failed (no permission, an I/O
+# error, a store that refused it), a decode that ran out of time or whose process died (memory pressure).
+# Each can clear while the file keeps its size and mtime (chmod changes neither), which is all the inputs
+# hash sees; so a rerun reads such files again (see read_again).
+READ_AGAIN = frozenset({"unreadable", "timeout", "decoder-crash"})
+# ... but for a path that did not exist: the scan records size and mtime -1 for a path it cannot stat (a
+# dangling symlink), so one that appears changes the inputs hash and is read again anyway.
+_MISSING = tuple(f"unreadable: {name}:" for name in ("FileNotFoundError", "NotADirectoryError"))
+
+
+def read_again(entry: dict) -> bool:
+    """Whether a quarantined file (an entry of a shard's record) is read again by a rerun: its class says
+    nothing of its bytes (READ_AGAIN). A verdict on bytes that were read whole (corrupt, not an image, ...)
+    stands until the file changes."""
+    kind = entry.get("error")
+    if kind not in READ_AGAIN:
+        return False
+    return not (kind == "unreadable" and str(entry.get("reason", "")).startswith(_MISSING))
+
+
+def _reads_again(record: dict) -> bool:
+    quarantined = record.get("quarantined")
+    return isinstance(quarantined, list) and any(isinstance(q, dict) and read_again(q) for q in quarantined)
+
+
+def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bool:
+    """Whether a shard's record is of this plan's inputs, this configuration and this build."""
+    return (record.get("inputs_hash") == plan["inputs_hash"] and record.get("config_hash") == config_hash
+            and record.get("build_id") == build_id)
+
+
 def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str) -> dict | None:
     """The record of this plan's shard when it is already on disk, whole, from the same inputs,
-    configuration and build (its zarr.json and one stat: no data is read)."""
+    configuration and build (its zarr.json and one stat: no data is read), and quarantined no file
+    that a rerun reads again (:func:`read_again`): such a shard is built again."""
     existing = read_shard_record(Path(output) / SHARDS_DIR / shard_name(plan["shard"]))
-    if (existing and existing.get("inputs_hash") == plan["inputs_hash"] and existing.get("config_hash") == config_hash
-            and existing.get("build_id") == build_id):
+    if existing is not None and _same_build(existing, plan, config_hash, build_id) and not _reads_again(existing):
         return existing
     return None
 
@@ -243,7 +277,8 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
     ``spec`` is the :class:`DecodeSpec`'s fields; ``encoding`` and ``quality`` say how samples are
-    stored. A finished shard of the same inputs, configuration and build is kept (with ``verify``,
+    stored. A finished shard of the same inputs, configuration and build is kept (unless it quarantined a
+    file to read again, see :func:`read_again`; with ``verify``,
     only if its data file's checksum, and an indexed shard's index's, still match). With ``isolate`` (after this shard's task killed a
     worker) every file is first decoded in a separate process; one that crashes it or never
     finishes is quarantined. A file that takes longer than DATAPIPE_FILE_TIMEOUT ends the process
@@ -587,7 +622,8 @@ def build(
 
     Args:
         source: a folder of class folders (ImageNet layout) or a CSV of ``path,label`` rows.
-        output: the cache folder; created if missing. A rerun resumes or is a no-op.
+        output: the cache folder; created if missing. A rerun resumes, or is a no-op that writes nothing
+            (in a folder that cannot be written too: a cache there that is up to date is reported as such).
         spec: what the cache holds (:class:`BuildSpec`); default ``BuildSpec()``.
         cluster: where the build runs (:class:`Cluster`); default a LocalCluster with one worker per core.
         max_bad_fraction: quarantined files above this share of the source fail the build.
@@ -614,7 +650,8 @@ def build(
     Raises:
         ArgumentError: an option is out of range, or the spec is given both ways.
         SourceError: the source is missing or holds no images.
-        OutputError: the output cannot be written, or holds something that is not a datapipe cache.
+        OutputError: the output cannot be written (and the build has something to write), or holds
+            something that is not a datapipe cache.
         ConfigMismatchError: the output holds a build with another configuration (use ``force``).
         TooManyBadFilesError: more than ``max_bad_fraction`` of the files were quarantined.
         OutputWriteError: writing failed part-way (disk full, read-only folder); finished shards are kept.
@@ -730,24 +767,49 @@ def _write_errors():
 
 def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: BuildSpec, *, cluster: Cluster,
                   max_bad_fraction: float, verify: bool, progress: bool, t0: float, options: dict) -> BuildReport:
-    """The build proper, run while holding the output's lock."""
+    """The build proper, run while holding the output's lock (or, for a read-only output, checking that
+    there is nothing to do: see :func:`_check_up_to_date`)."""
     out = target.path
     plans = plan_shards(listing, spec.samples_per_shard)
-    _retire_stale_manifest(out, plans, chash)
+    if target.read_only is not None:
+        _log_plan(listing, plans, spec)
+        return _check_up_to_date(target, listing, plans, config, chash, verify=verify,
+                                 max_bad_fraction=max_bad_fraction, t0=t0)
+    _retire_stale_manifest(out, plans, chash, target.build_id)
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
     kwargs = {"root": listing.location, "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
               "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality, **options}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
-    done: dict[int, dict] = {}
-    if not verify:
-        for plan in plans:
-            rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=target.build_id)
-            if rec is not None:
-                done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
+    done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False)
     return _build_todo(out, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
                        max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
+
+
+def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, verify: bool) -> dict[int, dict]:
+    """The plans' shards already finished in ``out`` (see finished_shard; with ``verify``, also their checksums)."""
+    done: dict[int, dict] = {}
+    for plan in plans:
+        rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=build_id)
+        if rec is not None and (not verify or _checksums_match(out / SHARDS_DIR / shard_name(plan["shard"]), rec)):
+            done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
+    return done
+
+
+def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], config: dict, chash: str, *,
+                      verify: bool, max_bad_fraction: float, t0: float) -> BuildReport:
+    """A build into a folder it may not write (a shared cache): its report when the cache is finished and a
+    build would write nothing (every shard finished, and labels, paths, report and manifest what it would
+    write), else ``target.cannot_write()``. No lock is taken; the verdict holds all the same: any build that
+    changes a shard first removes the manifest, and the manifest is compared last."""
+    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify)
+    if len(done) < len(plans):
+        raise target.cannot_write()
+    records = [done[p["shard"]] for p in plans]
+    timing = {"scan": time.perf_counter() - t0, "shards": 0.0, "cluster": 0.0}
+    return _finish(target.path, listing, plans, records, config, chash, max_bad_fraction, seconds=timing, workers=0,
+                   dashboard=None, t0=t0, build_id=target.build_id, read_only=target)
 
 
 def _log_plan(listing: Listing, plans: list[dict], spec: BuildSpec) -> None:
@@ -806,15 +868,14 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
 
 def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool) -> dict[int, dict]:
     """The plans' shards already whole in the store, from the listing and their zarr.json records (with
-    ``verify``, also their data's crc32c, streamed)."""
+    ``verify``, also their data's crc32c, streamed), but for those with a quarantined file to read again."""
     names = {shard_name(p["shard"]): p for p in plans}
     records = remote.shard_records(target.loc, target.objects, names)
     done: dict[int, dict] = {}
     for name, rec in records.items():
         plan = names[name]
         objects = remote.shard_objects(target.objects, name)
-        if (rec.get("inputs_hash") != plan["inputs_hash"] or rec.get("config_hash") != chash
-                or rec.get("build_id") != target.build_id or not remote.whole(rec, objects)):
+        if not _same_build(rec, plan, chash, target.build_id) or _reads_again(rec) or not remote.whole(rec, objects):
             continue
         if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec):
             continue
@@ -852,8 +913,9 @@ def _describe(spec: BuildSpec) -> str:
     return text + (f", {spec.encoding} q{spec.quality}" if spec.encoding != "raw" else "")
 
 
-def _retire_stale_manifest(out: Path, plans: list[dict], chash: str) -> None:
-    """Remove an earlier build's manifest unless it already describes this build's shards.
+def _retire_stale_manifest(out: Path, plans: list[dict], chash: str, build_id: str) -> None:
+    """Remove an earlier build's manifest unless it already describes this build's shards, and none of
+    them is to be built again for a file it quarantined (see read_again).
 
     A build that replaces, adds or removes any shard would otherwise leave, if it is stopped or
     fails, a manifest that no longer matches the shards (and labels) on disk. Without one the cache
@@ -869,6 +931,12 @@ def _retire_stale_manifest(out: Path, plans: list[dict], chash: str) -> None:
             (shard_name(p["shard"]), p["inputs_hash"]) for p in plans]
     except CacheError:  # damaged: it cannot describe this build's shards
         same = False
+    if same:
+        for plan in plans:  # a file read again may now be a sample: the shard, labels and manifest change
+            rec = read_shard_record(out / SHARDS_DIR / shard_name(plan["shard"]))
+            if rec is not None and _same_build(rec, plan, chash, build_id) and _reads_again(rec):
+                same = False
+                break
     if not same:
         path.unlink()
         fsync_dir(out)
@@ -949,22 +1017,12 @@ def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[
 def _dask_client(cluster: Cluster) -> Iterator[Client]:
     """A Dask client of the scheduler at ``cluster.scheduler``, or of a LocalCluster of our own;
     closed when the block ends, and our own workers with it (none may outlive the build)."""
-    from dask.distributed import Client
-
     own = None
     pending: list[int] = []
     if cluster.scheduler:
         client = _connect(cluster.scheduler)
     else:
-        # Ctrl-C or SIGTERM while the cluster starts would leave it half made, not yet ours to close
-        # (its workers, and distributed's exit handler failing on it): such a signal waits until it is.
-        with _signals_deferred(pending):
-            own = _local_cluster(cluster.workers or os.cpu_count() or 1)
-            try:
-                client = Client(own)
-            except BaseException:
-                own.close(timeout=15)
-                raise
+        own, client = _start_local(cluster.workers or os.cpu_count() or 1, pending)
     try:
         for signum in pending:  # delivered now, so that the cluster is closed below
             signal.raise_signal(signum)
@@ -980,12 +1038,46 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         _close(client, own)
 
 
+def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Client]:
+    """Our own LocalCluster and a client of it, started with SIGINT and SIGTERM deferred into ``pending``.
+
+    Ctrl-C or SIGTERM while the cluster starts would leave it half made, not yet ours to close (its
+    workers, and distributed's exit handler failing on it): such a signal waits until it is. A signal
+    sent to the whole process group (Ctrl-C in a terminal) also stops the starting workers, so that the
+    start fails ("Nanny failed to start"): the failure is then that interruption, delivered here once the
+    cluster has closed what it had started, and not distributed's traceback."""
+    from dask.distributed import Client
+
+    try:
+        with _signals_deferred(pending):
+            own = _local_cluster(n_workers)
+            try:
+                return own, Client(own)
+            except BaseException:
+                own.close(timeout=15)
+                raise
+    except Exception as exc:
+        if not pending:
+            raise
+        failure = exc
+    _quiet_dask()  # the workers' shutdown has nothing to tell the user
+    for signum in pending:  # outside the except block: the interruption is not chained to the failure
+        signal.raise_signal(signum)
+    raise failure  # a handler that did not raise: the start's own failure
+
+
 @contextlib.contextmanager
 def _signals_deferred(pending: list[int]) -> Iterator[None]:
     """SIGINT and SIGTERM received in the block are noted in ``pending`` (for the caller to deliver
     once it owns what the block made) instead of interrupting it. Only the main thread handles
     signals; elsewhere the block runs as it is. The handlers are Python's: processes started in the
-    block (spawned, not forked) do not inherit them."""
+    block (spawned, not forked) do not inherit them.
+
+    SIGINT is also blocked in this thread during the block, and so in the threads started in it and in
+    the processes they start (a signal mask is inherited, through exec too): the cluster's workers never
+    see Ctrl-C, which a terminal sends to the whole process group, and one that is still starting does
+    not die of it with a traceback of its own; this process stops them. SIGTERM stays deliverable to
+    them: their nanny stops them with it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -999,9 +1091,16 @@ def _signals_deferred(pending: list[int]) -> Iterator[None]:
     for sig in kinds:
         if previous[sig] not in (signal.SIG_IGN, None):
             signal.signal(sig, note)
+    # multiprocessing's resource tracker, when it starts, unblocks SIGINT in the thread that starts it (the
+    # cluster's loop thread, whose spawned workers would inherit that): it is started here, before the block
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a SIGINT held back meanwhile is noted here
         for sig in kinds:
             if previous[sig] not in (signal.SIG_IGN, None):
                 signal.signal(sig, previous[sig])
@@ -1146,7 +1245,10 @@ def _dashboard(client: Client) -> str | None:
 
 def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str,
             max_bad_fraction: float, *, seconds: dict[str, float], workers: int, dashboard: str | None, t0: float,
-            build_id: str) -> BuildReport:
+            build_id: str, read_only: Output | None = None) -> BuildReport:
+    """Check the quarantine budget, then write what changed of the cache's index files, manifest (last)
+    and report. With ``read_only`` (a local folder this build may not write), nothing is written: the
+    report when everything already is as it would be written, else ``read_only.cannot_write()``."""
     quarantined = list(listing.dropped)
     for rec in records:
         quarantined.extend(rec.get("quarantined", []))
@@ -1171,24 +1273,39 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
     if bad_fraction > max_bad_fraction:
         report.status = "failed"
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
-        _write_report(out, report)
+        if read_only is None:
+            _write_report(out, report)
         first = "; ".join(f"{q['path']} ({q.get('error', 'unknown')}): {q['reason']}" for q in quarantined[:3])
         raise TooManyBadFilesError(
             f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "
             f"--max-bad-fraction {max_bad_fraction:g}. First: {first}. Every file and its reason "
-            f"is in {_report_location(out)}; finished shards are kept, so fixing the files or raising the "
-            "budget and rerunning resumes the build.")
+            f"is in {_report_location(out)}; finished shards are kept, and a rerun reads again every file "
+            "that changed or could not be read, timed out or crashed its decoder, so fixing the files or "
+            "raising the budget and rerunning resumes the build.")
     t_fin = time.perf_counter()
-    # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
-    # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
     if isinstance(out, remote.RemoteOutput):
         _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
+        changed = True
+    elif read_only is not None:
+        documents = _index_documents(listing, records, config, chash, build_id=build_id)
+        report.seconds = {**seconds, "total": time.perf_counter() - t0}
+        # the manifest last: a build that changes anything removes it first, so its bytes, unchanged after
+        # everything else was found as it should be, vouch for all of it
+        if not (_holds(out / mf.LABELS, documents[mf.LABELS]) and _holds(out / mf.PATHS, documents[mf.PATHS])
+                and _report_current(out, report) and _holds(out / mf.MANIFEST, documents[mf.MANIFEST])):
+            raise read_only.cannot_write()
+        log.info(f"datapipe build: {report.summary()} (up to date; nothing written: the folder cannot be written)")
+        return report
     else:
+        # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
+        # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
         remove_shards(out, build_id, keep={shard_name(p["shard"]) for p in plans})
-        _write_index(out, listing, plans, records, config, chash, build_id=build_id)
+        changed = _write_index(out, listing, plans, records, config, chash, build_id=build_id)
     seconds["finalize"] = time.perf_counter() - t_fin
     report.seconds = {**seconds, "total": time.perf_counter() - t0}
-    _write_report(out, report)
+    # A rerun with nothing to do writes nothing, and keeps the report of the build that did the work.
+    if changed or built or not _report_current(out, report):
+        _write_report(out, report)
     log.info("datapipe build: " + report.summary())
     return report
 
@@ -1200,16 +1317,15 @@ def _empty_classes(listing: Listing, records: list[dict]) -> list[str]:
     return [name for i, name in enumerate(listing.classes) if i not in present]
 
 
-def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str, *,
-                 build_id: str = "") -> None:
+def _index_documents(listing: Listing, records: list[dict], config: dict, chash: str, *,
+                     build_id: str) -> dict[str, bytes]:
+    """The bytes of labels.npy, paths.json and manifest.json for these shard records, in the order they are
+    written (the manifest last)."""
     label_of = dict(zip(listing.paths, listing.labels, strict=True))  # a shard's samples are its plan's surviving files
     paths = [p for r in records for p in r["paths"]]
-    labels = np.fromiter((label_of[p] for p in paths), np.int64, count=len(paths))
-    lab_tmp = out / f".tmp-{mf.LABELS}"
-    with open(lab_tmp, "wb") as f:
-        np.save(f, labels)
-    os.replace(lab_tmp, out / mf.LABELS)
-    atomic_write_text(out / mf.PATHS, json.dumps(paths, ensure_ascii=False))
+    labels = io.BytesIO()
+    np.save(labels, np.fromiter((label_of[p] for p in paths), np.int64, count=len(paths)))
+    documents = {mf.LABELS: labels.getvalue(), mf.PATHS: json.dumps(paths, ensure_ascii=False).encode("utf-8")}
     shards, first = [], 0
     for r in records:
         shards.append(ShardRecord(name=shard_name(r["shard"]), count=r["count"], first=first, nbytes=r["nbytes"],
@@ -1219,11 +1335,61 @@ def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[d
     manifest = Manifest(
         config=config, config_hash=chash, num_samples=first, classes=tuple(listing.classes),
         source=SourceRecord(root=listing.location, kind=listing.kind),
-        files={"labels": FileRecord(name=mf.LABELS, crc32c=file_crc32c(out / mf.LABELS)),
-               "paths": FileRecord(name=mf.PATHS, crc32c=file_crc32c(out / mf.PATHS))},
+        files={key: FileRecord(name=name, crc32c=f"{crc32c(documents[name]):08x}")
+               for key, name in (("labels", mf.LABELS), ("paths", mf.PATHS))},
         shards=tuple(shards), build_id=build_id,
     )
-    mf.write_manifest(out, manifest)
+    doc = manifest.to_json()
+    parse_manifest(doc, Path(mf.MANIFEST))  # the writer never writes what the reader refuses
+    documents[mf.MANIFEST] = json.dumps(doc, indent=1, ensure_ascii=False).encode("utf-8")
+    return documents
+
+
+def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str, *,
+                 build_id: str = "") -> bool:
+    """Write labels.npy, paths.json, then manifest.json, each only where it differs from the file there (an
+    unchanged file keeps its inode, so a reader that has it open reads on); whether any was written."""
+    documents = _index_documents(listing, records, config, chash, build_id=build_id)
+    written = False
+    for name, data in documents.items():
+        if _holds(out / name, data):
+            continue
+        if name == mf.LABELS:
+            tmp = out / f".tmp-{mf.LABELS}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, out / name)
+        else:  # paths.json and the manifest: fsynced, then renamed over the old ones
+            atomic_write_text(out / name, data.decode("utf-8"))
+        written = True
+    return written
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether ``path`` is a regular file of exactly these bytes."""
+    try:
+        return read_regular(path, len(data)) == data
+    except (OSError, NotRegularFile, FileTooLarge):
+        return False
+
+
+# What report.json says of the run rather than of the cache: a rerun with nothing to do keeps the report of
+# the build that did the work, when it says the same of the cache.
+_RUN_FIELDS = frozenset({"output", "shards_built", "shards_skipped", "workers", "dashboard", "seconds",
+                         "images_per_second", "page_faults_per_image", "peak_worker_rss_mb"})
+
+
+def _report_current(out: Path | remote.RemoteOutput, report: BuildReport) -> bool:
+    """Whether the output's report.json is a finished build's report saying of the cache what ``report`` does."""
+    if isinstance(out, remote.RemoteOutput):
+        return False
+    try:
+        doc = read_json(out / mf.REPORT)
+    except CacheError:
+        return False
+    want = json.loads(json.dumps(asdict(report), ensure_ascii=False))  # as it would read back
+    return isinstance(doc, dict) and set(doc) == set(want) and all(
+        doc[key] == value for key, value in want.items() if key not in _RUN_FIELDS)
 
 
 def _write_report(out: Path | remote.RemoteOutput, report: BuildReport) -> None:

@@ -45,6 +45,7 @@ from . import manifest as mf
 from . import native
 from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError
 from .files import FileTooLarge, NotRegularFile, file_crc32c, read_regular
+from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import SHARDS_DIR, images_path, index_path, read_shard_metadata, shard_labels_path
@@ -223,7 +224,11 @@ class Cache:
         # a remote cache's node-local copy (datapipe.fetch.ShardFetcher): shard files are made local
         # when first opened, so their sizes are checked then (the rest of the hot path is the same)
         self.remote = remote
-        self.manifest: Manifest = mf.read_manifest(self.root)
+        try:
+            self.manifest: Manifest = mf.read_manifest(self.root)
+        except CacheError:
+            _check_not_being_built(self.root)
+            raise
         m = self.manifest
         self.build_id: str = m.build_id
         self.size = m.size
@@ -821,7 +826,34 @@ class Cache:
                     "the store's objects) and run again")
         return "rerun the same `datapipe build` to rewrite the shard"
 
+    def _rebuilt(self) -> bool:
+        """Whether the cache on disk is no longer the build this reader opened: its manifest is gone, cannot
+        be read, or is another (a rebuild writes a new one, ``--force`` under a new build id). Asked only
+        once a shard's file is found wrong, to tell a rebuild (reopen the cache) from damage (rebuild it):
+        advice to rebuild a cache that was just rebuilt, maybe into another layout, would undo that build."""
+        if self.remote is not None:
+            return False  # a node's copy of a store's cache: its files are checked as they are downloaded
+        try:
+            return mf.read_manifest(self.root) != self.manifest
+        except CacheError:
+            return True
+
     def _load_index(self, shard: int) -> SampleIndex:
+        """Read shard ``shard``'s sample index and check it (see :meth:`_read_index`); an index that is
+        wrong because the cache was rebuilt since it was opened is said to be that.
+
+        Raises:
+            CorruptShardError: naming the index file, with what is wrong.
+        """
+        try:
+            return self._read_index(shard)
+        except CorruptShardError:
+            if self._rebuilt():
+                raise CorruptShardError(_changed(self._index_path(shard), f"shard {self.shard_names[shard]}'s sample index",
+                                                 "is not the one the cache was opened with")) from None
+            raise
+
+    def _read_index(self, shard: int) -> SampleIndex:
         """Read shard ``shard``'s sample index (a bounded read of a regular file), check its crc32c
         against the manifest's, every row, and that the samples fill the data file the manifest sizes.
 
@@ -894,7 +926,7 @@ class Cache:
         path = self._shard_path(shard)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # gone, or a file where its folder was (another layout)
             raise CorruptShardError(self._shard_changed(shard, "is gone")) from None
         except OSError as exc:
             raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) cannot be opened "
@@ -902,6 +934,8 @@ class Cache:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
+                if self._rebuilt():  # a folder where the data file was: a rebuild into another layout
+                    raise CorruptShardError(self._shard_changed(shard, "is not a file any more"))
                 raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) is not a regular file; "
                                         f"{self._rewrite_hint}")
             with self._lock:
@@ -1071,6 +1105,17 @@ class Cache:
             return [f"shard {rec.name}: labels chunk {path} differs from {mf.LABELS}; rerun the same `datapipe build` "
                     "with --verify to rewrite it"]
         return []
+
+
+def _check_not_being_built(root: Path) -> None:
+    """A folder without a manifest whose build lock is held: say that a build is writing it now, rather
+    than that one did not finish (whose advice, to run it again, would only meet that build's lock)."""
+    if os.path.lexists(root / mf.MANIFEST) or not root.is_dir():
+        return
+    holder = lock_holder(root)
+    if holder is not None:
+        raise CacheError(f"{root} is not a finished datapipe cache (no {mf.MANIFEST}): a datapipe build is writing "
+                         f"it now ({holder}); open it once that build has finished") from None
 
 
 def _changed(path: Path, what: str, how: str = "differs from the file seen at open") -> str:

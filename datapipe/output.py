@@ -11,16 +11,23 @@ A build holds an exclusive ``flock`` on ``OUTPUT/.datapipe.lock`` (host and pid 
 its whole run and removes the file when it ends; a second build into the same output fails at once
 naming the holder. The kernel releases the lock when its process dies, so a build killed with
 SIGKILL is resumed by a rerun (the file it leaves is locked anew).
+
+A rerun that finds nothing to do writes nothing: ``build.json`` is rewritten only when its content would
+change. In a folder the user cannot write (a shared dataset), the lock cannot be taken: :func:`prepare`
+then hands the builder a read-only output, which it may only check, never write (see ``Output.read_only``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Collection
@@ -29,7 +36,16 @@ from pathlib import Path
 
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
-from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, remove_stale_temps
+from .files import (
+    OUTPUT_TEMPS,
+    TMP_PREFIX,
+    FileTooLarge,
+    NotRegularFile,
+    atomic_write_text,
+    fsync_dir,
+    read_regular,
+    remove_stale_temps,
+)
 from .shards import GROUP_META, SHARDS_DIR
 from .text import plural
 
@@ -38,6 +54,21 @@ LOCK_FILE = ".datapipe.lock"
 
 def new_build_id() -> str:
     return uuid.uuid4().hex
+
+
+# A lock found held is tried again for this long before the build gives up: a look at the lock by
+# lock_holder (a shared lock taken and dropped at once) must not make a build fail as busy.
+LOCK_PATIENCE_SECONDS = 0.2
+NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+class OutputNotWritable(OutputError):
+    """The output folder may not be written (no permission, a read-only file system)."""
+
+
+def busy(out: Path, holder: str) -> OutputBusyError:
+    return OutputBusyError(f"output {out} is being written by another datapipe build ({holder}); wait for it "
+                           "to finish or stop it, or build into another folder")
 
 
 class BuildLock:
@@ -49,22 +80,19 @@ class BuildLock:
         self.created = False
 
     def acquire(self) -> None:
-        import fcntl
-
+        """Take the lock. Raises OutputBusyError naming the holder, OutputNotWritable where the lock file
+        cannot be created or opened for writing (no permission, a read-only file system), else OutputError."""
         self.created = not os.path.lexists(self.path)
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as exc:
-                raise OutputError(f"cannot write to output folder {self.path.parent}: {exc.strerror or exc}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+                kind = OutputNotWritable if exc.errno in NOT_WRITABLE else OutputError
+                raise kind(f"cannot write to output folder {self.path.parent}: {exc.strerror or exc}") from None
+            if not _lock_within(fd, LOCK_PATIENCE_SECONDS):
                 holder = _holder(fd)
                 os.close(fd)
-                raise OutputBusyError(
-                    f"output {self.path.parent} is being written by another datapipe build ({holder}); wait for it "
-                    "to finish or stop it, or build into another folder") from None
+                raise busy(self.path.parent, holder) from None
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # the holder removed the file as we locked it: lock the current one
@@ -83,6 +111,40 @@ class BuildLock:
             self.path.unlink(missing_ok=True)
         os.close(self.fd)  # closing the last descriptor releases the flock
         self.fd = None
+
+
+def _lock_within(fd: int, seconds: float) -> bool:
+    """Take the exclusive flock on ``fd``, trying again for ``seconds``; whether it was taken."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+        time.sleep(0.01)
+
+
+def lock_holder(out: Path) -> str | None:
+    """Who holds the build lock of ``out`` (``pid N on host H, since T``), or None when no build does.
+
+    Reads only: the lock file is opened read-only (never created) and a shared lock is taken and dropped
+    at once, which a build starting at that moment waits out (LOCK_PATIENCE_SECONDS)."""
+    try:
+        fd = os.open(out / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return _holder(fd)
+        return None
+    finally:
+        os.close(fd)  # drops the shared lock
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -109,6 +171,17 @@ class Output:
     build_id: str
     lock: BuildLock
     created: list[Path] = field(default_factory=list)  # in creation order
+    # Not None: a folder this process may not write, holding this very build (same configuration and
+    # source): the builder may only check that it is up to date, and raises cannot_write() otherwise.
+    read_only: OutputNotWritable | None = None
+
+    def cannot_write(self) -> OutputError:
+        """The error of a build that has something to write into a read-only output: that another build is
+        writing it (whose changes may be what this one found), else that the folder cannot be written."""
+        holder = lock_holder(self.path)
+        if holder is not None:
+            return busy(self.path, holder)
+        return self.read_only or OutputNotWritable(f"cannot write to output folder {self.path}")
 
     def discard_if_untouched(self) -> None:
         """After a failure before any shard was finished: remove exactly what this run created."""
@@ -142,10 +215,14 @@ def _entries(out: Path) -> list[str]:
 def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> Output:
     """Create or reopen ``out`` for a build of ``config`` from ``source``, holding its lock.
 
+    A folder whose lock file cannot be written (no permission, a read-only file system) that holds this
+    very build gives an Output without the lock, marked ``read_only``: the builder only checks it.
+
     Raises:
-        OutputError: the folder cannot be created or written, is not empty and not datapipe's, or
-            holds a build whose files cannot be told from a user's.
-        OutputBusyError: another build holds the output.
+        OutputError: the folder cannot be created or written (OutputNotWritable where it holds no build
+            of this configuration and source), is not empty and not datapipe's, or holds a build whose
+            files cannot be told from a user's.
+        OutputBusyError: another build holds the output (also while it has not yet written its marker).
         ConfigMismatchError: it holds a build of another configuration or source (``force`` rebuilds).
         CacheError: its build.json carries the datapipe marker but is damaged.
     """
@@ -153,6 +230,9 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
     if existed and not out.is_dir():
         raise OutputError(f"output {out} is a file, not a folder; choose a folder")
     if existed and _entries(out) and not records.is_datapipe_output(out):
+        holder = lock_holder(out)  # a build that has made the folder but not yet written its marker
+        if holder is not None:
+            raise busy(out, holder)
         raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
                           "or new folder (datapipe never deletes files it did not create)")
     try:
@@ -162,7 +242,10 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
     output = Output(out, "", BuildLock(out))
     if not existed:
         output.created.append(out)
-    output.lock.acquire()
+    try:
+        output.lock.acquire()
+    except OutputNotWritable as exc:
+        return _read_only(out, config, chash, source, force, exc)
     if output.lock.created:
         output.created.append(output.lock.path)
     try:
@@ -174,9 +257,10 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         if not shards.exists():
             shards.mkdir()
             output.created.append(shards)
-        atomic_write_text(build_json, json.dumps(records.BuildRecord(
-            config=config, config_hash=chash, build_id=output.build_id, source=source).to_json(), indent=1))
-        fsync_dir(out)
+        text = _build_json(config, chash, output.build_id, source)
+        if _text_of(build_json) != text:  # an unchanged one is left as it is: a rerun with nothing to do writes nothing
+            atomic_write_text(build_json, text)
+            fsync_dir(out)
     except OutputError:  # says what is wrong already
         output.discard_if_untouched()
         output.lock.release()
@@ -195,6 +279,34 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         logging.getLogger("datapipe.build").info(
             f"datapipe build: removed {plural(removed, 'unfinished shard')} left by an interrupted build")
     return output
+
+
+def _build_json(config: dict, chash: str, build_id: str, source: dict[str, str]) -> str:
+    return json.dumps(records.BuildRecord(config=config, config_hash=chash, build_id=build_id, source=source).to_json(),
+                      indent=1)
+
+
+def _text_of(path: Path) -> str | None:
+    """The text of a small regular file of the output; None if there is none, or it cannot be read as one."""
+    try:
+        return read_regular(path, records.MAX_JSON_BYTES[records.BUILD_LOCK]).decode("utf-8")
+    except (OSError, NotRegularFile, FileTooLarge, UnicodeDecodeError):
+        return None
+
+
+def _read_only(out: Path, config: dict, chash: str, source: dict[str, str], force: bool,
+               error: OutputNotWritable) -> Output:
+    """The output of a build into a folder it may not write: only when the folder holds this very build,
+    whose build.json needs no change, and then as an Output the builder may only check (``read_only``).
+    Anything else needs writing: ``error`` (or ConfigMismatchError, as for a writable folder)."""
+    previous = records.read_build_record(out) if _entries(out) else None
+    if previous is None or not previous.build_id:
+        raise error
+    if not resumes(previous, config, chash, source, force=force, where=str(out), place="folder"):
+        raise error  # a rebuild (--force) writes
+    if _text_of(out / records.BUILD_LOCK) != _build_json(config, chash, previous.build_id, source):
+        raise error
+    return Output(out, previous.build_id, BuildLock(out), read_only=error)
 
 
 def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> str:

@@ -11,8 +11,12 @@ source file first waits on a FIFO the test holds (``GATED``). Everything else is
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,9 +27,21 @@ from pathlib import Path
 import pytest
 
 import datapipe
+import datapipe.builder as builder
+import datapipe.writer as writer
 from datapipe.bounded import read_file
 from datapipe.cli import main as cli_main
-from datapipe.errors import CacheError, ConfigMismatchError, DecodeError, OutputError, SourceError
+from datapipe.errors import (
+    CacheError,
+    ConfigMismatchError,
+    DecodeError,
+    OutputBusyError,
+    OutputError,
+    OutputWriteError,
+    SourceError,
+    TooManyBadFilesError,
+)
+from datapipe.shards import images_path
 
 SIZE = 32
 
@@ -369,6 +385,173 @@ def test_sigterm_mid_build_is_one_line_and_resumable(small, tmp_path):
     assert report.shards_skipped == 1 and report.shards_built == 2 and report.num_samples == 10
 
 
+def hold_build_lock(out: Path) -> int:
+    """Hold ``out``'s build lock as a running build does (flock on a descriptor of our own, holder written);
+    returns the descriptor: closing it releases the lock."""
+    fd = os.open(out / ".datapipe.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}).encode())
+    return fd
+
+
+def test_a_build_meeting_another_that_has_not_written_its_marker_yet_says_it_is_busy(small, tmp_path):
+    """Between its mkdir and the rename of its build.json a starting build's folder holds shards/ (and a
+    temporary build.json) but no marker: a second build must name the first, not call the folder foreign."""
+    out = tmp_path / "out"
+    (out / "shards").mkdir(parents=True)
+    (out / ".tmp-build.json.1a2b3c4d").write_text("{")
+    fd = hold_build_lock(out)
+    try:
+        with pytest.raises(OutputBusyError, match=rf"another datapipe build \(pid {os.getpid()} on host"):
+            build(small, out)
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(out)) == [".datapipe.lock", ".tmp-build.json.1a2b3c4d", "shards"]
+
+
+def files_of(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``folder``: (inode, mtime, bytes) by relative path."""
+    return {path.relative_to(folder).as_posix(): (path.stat().st_ino, path.stat().st_mtime_ns, path.read_bytes())
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("again", [{}, {"force": True}, {"verify": True}], ids=["plain", "force", "verify"])
+def test_a_rerun_with_nothing_to_do_touches_no_file_and_open_readers_read_on(small, tmp_path, again):
+    out = tmp_path / "out"
+    build(small, out)
+    before = files_of(out)
+    cache = datapipe.open(out)  # a reader that has the cache open (DataLoader workers get pickled copies)
+    report = build(small, out, **again)
+    assert report.status == "ok" and report.shards_built == 0 and report.num_samples == 10
+    assert files_of(out) == before  # the same files: same inodes, same bytes
+    assert [cache.path(i) for i in range(10)] == sorted(cache.path(i) for i in range(10))
+    assert len(pickle.loads(pickle.dumps(cache)).labels) == 10
+
+
+def run_without_write_permission(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as a user who may not write where file permissions say so: root gives up its override."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+        if shutil.which("setpriv") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+            pytest.skip("running as root, and setpriv cannot drop the permission override")
+    return subprocess.run([*prefix, sys.executable, "-m", "datapipe.cli", *args], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+
+
+def set_writable(folder: Path, writable: bool) -> None:
+    for path in [folder, *folder.rglob("*")]:
+        mode = path.stat().st_mode
+        path.chmod(mode | 0o200 if writable else mode & ~0o222)
+
+
+def test_a_finished_cache_in_a_read_only_folder_is_up_to_date_and_only_then(small, tmp_path, imaging):
+    """A shared cache the user may not write: the rerun that has nothing to do says so (exit 0, one line),
+    without the lock it cannot take; a rerun that has something to do still fails with the clear line."""
+    out = tmp_path / "out"
+    build(small, out)
+    before = files_of(out)
+    args = ["build", str(small), str(out), "--size", str(SIZE), "--shard-size", "4", "--scheduler", "sync", "--quiet"]
+    set_writable(out, False)
+    try:
+        for extra in ([], ["--force"], ["--verify"]):
+            proc = run_without_write_permission(*args, *extra)
+            assert proc.returncode == 0, proc.stderr
+            assert "up to date" in proc.stderr.strip().splitlines()[-1] and "error" not in proc.stderr
+        (small / "b" / "img001.jpg").write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=99)))  # a changed input
+        proc = run_without_write_permission(*args)
+        assert proc.returncode == 2 and "cannot write to output folder" in one_line(proc.stderr)
+    finally:
+        set_writable(out, True)
+    assert files_of(out) == before
+    shard = images_path(out / "shards" / "000000.zarr", "fixed")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF  # damage that keeps the size: only --verify sees it
+    shard.write_bytes(bytes(data))
+    set_writable(out, False)
+    try:
+        proc = run_without_write_permission(*args, "--verify")
+        assert proc.returncode == 2 and "cannot write to output folder" in one_line(proc.stderr)
+    finally:
+        set_writable(out, True)
+
+
+VICTIM = "b/img001.jpg"  # in shard 1 of ``small`` (4 files a shard)
+
+
+def fail_reads(monkeypatch, kind: str) -> list[bool]:
+    """While the returned list holds True, the build quarantines VICTIM as ``kind`` without its size or mtime
+    changing: a read refused (``unreadable``: permissions, an I/O error), or, as the isolated decode of a
+    shard that killed its worker reports it, a ``timeout`` or a ``decoder-crash`` (memory pressure)."""
+    failing = [True]
+    real_read, real_load = builder.read_file, builder._load
+
+    def read(path, limit):
+        if failing and path.endswith(VICTIM):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_read(path, limit)
+
+    def load(file, spec, path, quarantined, *args, **kwargs):
+        if failing and path == VICTIM:
+            quarantined.append({"path": path, "error": kind, "reason": f"{kind} (isolated after its shard killed a worker)"})
+            return None
+        return real_load(file, spec, path, quarantined, *args, **kwargs)
+
+    if kind == "unreadable":
+        monkeypatch.setattr(builder, "read_file", read)
+    else:
+        monkeypatch.setattr(builder, "_load", load)
+    return failing
+
+
+@pytest.mark.parametrize("kind", ["unreadable", "timeout", "decoder-crash"])
+def test_a_file_that_failed_for_no_fault_of_its_bytes_is_read_again(small, tmp_path, monkeypatch, kind):
+    """Fixed (chmod, an I/O error that cleared, memory freed) with its size and mtime unchanged, it is read
+    again by the rerun the error line advises: only its shard is built again, and then nothing."""
+    out = tmp_path / "out"
+    failing = fail_reads(monkeypatch, kind)
+    with pytest.raises(TooManyBadFilesError, match="reads again"):
+        build(small, out, max_bad_fraction=0)
+    failing.clear()
+    report = build(small, out, max_bad_fraction=0)
+    assert report.quarantined == [] and report.num_samples == 10 and report.shards_built == 1
+    cache = datapipe.open(out)
+    assert VICTIM in [cache.path(i) for i in range(len(cache))]
+    assert build(small, out, max_bad_fraction=0).shards_built == 0
+
+
+def test_a_file_that_still_cannot_be_read_is_quarantined_again(small, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    failing = fail_reads(monkeypatch, "unreadable")
+    first = build(small, out, max_bad_fraction=0.5)
+    assert [(q["path"], q["error"]) for q in first.quarantined] == [(VICTIM, "unreadable")]
+    again = build(small, out, max_bad_fraction=0.5)
+    assert again.shards_built == 1 and [q["path"] for q in again.quarantined] == [VICTIM]
+    failing.clear()
+    fixed = build(small, out, max_bad_fraction=0.5)
+    assert fixed.shards_built == 1 and fixed.quarantined == [] and len(datapipe.open(out)) == 10
+
+
+def test_a_rerun_that_reads_a_file_again_drops_the_manifest_first(small, tmp_path, monkeypatch):
+    """The file now read may add a sample: stopped while it rebuilds that shard, the rerun must leave an
+    unfinished cache, never the old manifest describing a shard that is being replaced."""
+    out = tmp_path / "out"
+    failing = fail_reads(monkeypatch, "unreadable")
+    build(small, out, max_bad_fraction=0.5)
+    failing.clear()
+
+    def disk_full(self, image, label, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.tmp_dir))
+
+    monkeypatch.setattr(writer.ShardWriter, "add", disk_full)
+    with pytest.raises(OutputWriteError, match="No space left"):
+        build(small, out, max_bad_fraction=0.5)
+    with pytest.raises(CacheError, match="did not finish"):
+        datapipe.open(out)
+    monkeypatch.undo()
+    assert build(small, out, max_bad_fraction=0.5).quarantined == [] and len(datapipe.open(out)) == 10
+
+
 # ----------------------------------------------------------------------------- hangs and crashes
 
 
@@ -485,5 +668,42 @@ def test_a_signal_while_the_cluster_starts_is_one_line_and_leaves_no_process(sma
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines[-1] == f"datapipe build: {what}; finished shards are kept, rerun to resume", stderr
     assert len(lines) <= 3, stderr  # the plan, the workers' line at most, and the one line
+    wait_for(lambda: subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1, 30,
+             "every process of the build to end")
+
+
+GROUP_SIGNAL = """
+import os, signal
+
+def dask_setup(worker):  # as Ctrl-C in a terminal does: the signal reaches every process of the group
+    os.killpg(os.getpgrp(), getattr(signal, os.environ["SIGNAL"]))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_whole_group_while_a_worker_starts_is_one_line(small, tmp_path, signame):
+    """The signal reaches the build and its worker still starting (a worker preload sends it, so the
+    moment is always the same): the worker's death makes the cluster's start fail ("Nanny failed to
+    start"), which must be reported as the interruption, not as distributed's traceback."""
+    preload = tmp_path / "preload.py"
+    preload.write_text(GROUP_SIGNAL)
+    out = tmp_path / "out"
+    env = {**os.environ, "SIGNAL": signame, "DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps([str(preload)])}
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(small), str(out), "--size", str(SIZE),
+                             "--workers", "1", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=env)
+    try:
+        stderr = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == (143 if signame == "SIGTERM" else 130), stderr
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    what = "terminated" if signame == "SIGTERM" else "interrupted"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1] == f"datapipe build: {what}; finished shards are kept, rerun to resume", stderr
+    assert len(lines) <= 3, stderr
     wait_for(lambda: subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1, 30,
              "every process of the build to end")

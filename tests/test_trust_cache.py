@@ -452,6 +452,48 @@ def test_shard_replaced_by_a_rebuild_never_pairs_new_images_with_old_labels(cach
         cache.read_batch(np.arange(0, 7), out, labels)
 
 
+@pytest.mark.parametrize("before, after", [({"encoding": "raw"}, {"encoding": "jpeg"}),
+                                           ({"encoding": "jpeg"}, {"encoding": "raw"}),
+                                           ({"fit": "short"}, {"fit": "crop"})],
+                         ids=["raw-to-jpeg", "jpeg-to-raw", "short-to-crop"])
+def test_a_reader_of_a_cache_rebuilt_into_another_layout_is_told_it_changed(tmp_path, imaging, before, after):
+    """Rebuilt with --force into another shard layout, a shard's files are at other paths (a file where a
+    folder was, no sample index): the reader must say the cache changed, not advise rebuilding it (which
+    would undo the new build) or checking the storage."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    imaging.write_source(src, {"a": 6, "b": 6}, variety=False)
+    options = {"size": 32, "shard_size": 4, "cluster": datapipe.Cluster(scheduler="sync"), "progress": False}
+    datapipe.build(src, out, **options, **before)
+    cache = datapipe.open(out)
+    labels = np.empty(1, np.int64)
+    cache.read_samples(np.array([0]), labels)  # shard 0 in use
+    datapipe.build(src, out, force=True, **options, **after)
+    with pytest.raises(CorruptShardError, match="000002.zarr.*the cache changed since it was opened"):
+        cache.read_samples(np.array([11]), labels)
+
+
+def test_a_cache_a_build_is_writing_says_so_rather_than_unfinished(cache_dir, capsys):
+    """Opened (info, verify, open) while a build holds its lock, without a manifest: that build is named;
+    the advice for an unfinished build, to run it again, would only meet that build's lock."""
+    import fcntl
+    import socket
+
+    (cache_dir / "manifest.json").unlink()  # as a rebuild that changes a shard does first
+    fd = os.open(cache_dir / ".datapipe.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}).encode())
+        running = rf"a datapipe build is writing it now \(pid {os.getpid()} on host"
+        with pytest.raises(CacheError, match=running):
+            datapipe.open(cache_dir)
+        for command in ("info", "verify"):
+            assert "writing it now" in one_line_error(capsys, [command, str(cache_dir)])
+    finally:
+        os.close(fd)
+    with pytest.raises(CacheError, match="did not finish"):  # its lock released: a build that did not finish
+        datapipe.open(cache_dir)
+
+
 def test_many_shards_hold_a_bounded_number_of_descriptors(tmp_path, ids):
     cache_dir = build_index_cache(tmp_path, 60, shard_size=1)  # 60 shards
     cache = datapipe.open(cache_dir)
