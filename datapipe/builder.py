@@ -1294,7 +1294,7 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
         if not (_holds(out / mf.LABELS, documents[mf.LABELS]) and _holds(out / mf.PATHS, documents[mf.PATHS])
                 and _report_current(out, report) and _holds(out / mf.MANIFEST, documents[mf.MANIFEST])):
             raise read_only.cannot_write()
-        log.info(f"datapipe build: {report.summary()} (up to date; nothing written: the folder cannot be written)")
+        log.info(f"datapipe build: {report.summary()} (up to date; nothing written: {read_only.why_read_only()})")
         return report
     else:
         # Shards left from an earlier, larger source are this build's and no longer part of the cache; so

@@ -171,9 +171,15 @@ class Output:
     build_id: str
     lock: BuildLock
     created: list[Path] = field(default_factory=list)  # in creation order
-    # Not None: a folder this process may not write, holding this very build (same configuration and
-    # source): the builder may only check that it is up to date, and raises cannot_write() otherwise.
-    read_only: OutputNotWritable | None = None
+    # Not None: a folder this process may not write (OutputNotWritable) or another build holds (OutputBusyError),
+    # holding this very build (same configuration and source): the builder may only check that it is up to
+    # date, and raises cannot_write() otherwise.
+    read_only: OutputError | None = None
+
+    def why_read_only(self) -> str:
+        """Why a read-only output was not written, for the build's last line."""
+        return "another build holds the folder" if isinstance(self.read_only, OutputBusyError) else \
+            "the folder cannot be written"
 
     def cannot_write(self) -> OutputError:
         """The error of a build that has something to write into a read-only output: that another build is
@@ -215,14 +221,16 @@ def _entries(out: Path) -> list[str]:
 def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> Output:
     """Create or reopen ``out`` for a build of ``config`` from ``source``, holding its lock.
 
-    A folder whose lock file cannot be written (no permission, a read-only file system) that holds this
-    very build gives an Output without the lock, marked ``read_only``: the builder only checks it.
+    A folder whose lock file cannot be written (no permission, a read-only file system), or whose lock
+    another build holds, that holds this very build gives an Output without the lock, marked
+    ``read_only``: the builder only checks that it is up to date.
 
     Raises:
         OutputError: the folder cannot be created or written (OutputNotWritable where it holds no build
             of this configuration and source), is not empty and not datapipe's, or holds a build whose
             files cannot be told from a user's.
-        OutputBusyError: another build holds the output (also while it has not yet written its marker).
+        OutputBusyError: another build holds the output (also while it has not yet written its marker);
+            raised by the builder when the output is not up to date.
         ConfigMismatchError: it holds a build of another configuration or source (``force`` rebuilds).
         CacheError: its build.json carries the datapipe marker but is damaged.
     """
@@ -244,7 +252,9 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         output.created.append(out)
     try:
         output.lock.acquire()
-    except OutputNotWritable as exc:
+    except (OutputNotWritable, OutputBusyError) as exc:
+        # A folder this process cannot write, or one another build holds (the ranks of a job each calling
+        # build() on the same cache): it may still hold this very build, up to date, checked without the lock.
         return _read_only(out, config, chash, source, force, exc)
     if output.lock.created:
         output.created.append(output.lock.path)
@@ -295,10 +305,11 @@ def _text_of(path: Path) -> str | None:
 
 
 def _read_only(out: Path, config: dict, chash: str, source: dict[str, str], force: bool,
-               error: OutputNotWritable) -> Output:
-    """The output of a build into a folder it may not write: only when the folder holds this very build,
-    whose build.json needs no change, and then as an Output the builder may only check (``read_only``).
-    Anything else needs writing: ``error`` (or ConfigMismatchError, as for a writable folder)."""
+               error: OutputError) -> Output:
+    """The output of a build into a folder it may not write, or that another build holds (``error`` says
+    which): only when the folder holds this very build, whose build.json needs no change, and then as an
+    Output the builder may only check (``read_only``). Anything else needs writing: ``error`` (or
+    ConfigMismatchError, as for a writable folder)."""
     previous = records.read_build_record(out) if _entries(out) else None
     if previous is None or not previous.build_id:
         raise error

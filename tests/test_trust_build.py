@@ -476,6 +476,36 @@ def test_a_finished_cache_in_a_read_only_folder_is_up_to_date_and_only_then(smal
         set_writable(out, True)
 
 
+def test_a_build_of_a_cache_another_build_holds_is_up_to_date_without_waiting_and_only_then(small, tmp_path, imaging,
+                                                                                          caplog):
+    """Every rank of a job calling build() on the same finished cache (the README's pattern under torchrun): the
+    one that finds the lock held checks, without it, that the cache is up to date, and goes on; with
+    something to do it is refused naming the holder, and nothing is written either way."""
+    from datapipe.errors import OutputBusyError
+    from datapipe.output import BuildLock
+
+    out = tmp_path / "out"
+    first = build(small, out)
+    before = files_of(out)
+    holder = BuildLock(out)  # another build of it (another rank), as far as the flock tells
+    holder.acquire()
+    try:
+        for kwargs in ({}, {"verify": True}):
+            with caplog.at_level("INFO", logger="datapipe"):
+                report = build(small, out, **kwargs)
+            assert report.status == "ok" and report.num_samples == first.num_samples and report.shards_built == 0
+            assert "up to date; nothing written: another build holds the folder" in caplog.text
+            caplog.clear()
+        (small / "b" / "img001.jpg").write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=99)))  # a changed input
+        with pytest.raises(OutputBusyError, match=f"being written by another datapipe build \\(pid {os.getpid()}"):
+            build(small, out)
+    finally:
+        holder.release()
+    assert files_of(out) == before
+    build(small, out)  # the lock free again: the change is built
+    assert files_of(out) != before
+
+
 VICTIM = "b/img001.jpg"  # in shard 1 of ``small`` (4 files a shard)
 
 
