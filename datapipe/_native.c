@@ -271,6 +271,82 @@ void datapipe_hue_f32(float *x, ptrdiff_t h, ptrdiff_t w, ptrdiff_t sc, ptrdiff_
     }
 }
 
+/* The other three operations of ColorJitter, in place on one float RGB image in [0, 1] (strides as for the
+ * hue): torchvision's _blend(img, other, f) = (f * img + (1 - f) * other) clamped to [0, 1], where other is
+ * black (brightness), the image's mean grey (contrast) or each pixel's grey (saturation); grey = 0.2989 R +
+ * 0.587 G + 0.114 B. The same float32 operations in the same order, so brightness and saturation give
+ * torchvision's values bit for bit; the contrast's mean is summed in double (torch sums in float32 in its
+ * own order: the mean may differ in its last bit). torch needs ~10 full-image temporaries per operation. */
+
+enum { JITTER_BRIGHTNESS = 0, JITTER_CONTRAST = 1, JITTER_SATURATION = 2 };
+
+static inline float gray_of(float r, float g, float b) { return 0.2989f * r + 0.587f * g + 0.114f * b; }
+
+static inline float blend01(float v, float f, float other_part) { return clamp01(f * v + other_part); }
+
+#ifdef HAVE_AVX2_PATH
+__attribute__((target("avx2"))) static ptrdiff_t blend_row_avx2(float *r, float *g, float *b, ptrdiff_t w, int op,
+                                                                  float f, float mean_part)
+{
+    const ptrdiff_t n = w & ~(ptrdiff_t)7;
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), fv = _mm256_set1_ps(f);
+    const __m256 rest = _mm256_set1_ps(1.0f - f), part = _mm256_set1_ps(mean_part);
+    const __m256 wr = _mm256_set1_ps(0.2989f), wg = _mm256_set1_ps(0.587f), wb = _mm256_set1_ps(0.114f);
+    for (ptrdiff_t i = 0; i < n; i += 8) {
+        __m256 R = _mm256_loadu_ps(r + i), G = _mm256_loadu_ps(g + i), B = _mm256_loadu_ps(b + i);
+        __m256 other = part;
+        if (op == JITTER_SATURATION) {
+            const __m256 grey = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(wr, R), _mm256_mul_ps(wg, G)), _mm256_mul_ps(wb, B));
+            other = _mm256_mul_ps(grey, rest);
+        }
+        if (op == JITTER_BRIGHTNESS) {
+            R = _mm256_mul_ps(fv, R), G = _mm256_mul_ps(fv, G), B = _mm256_mul_ps(fv, B);
+        } else {
+            R = _mm256_add_ps(_mm256_mul_ps(fv, R), other), G = _mm256_add_ps(_mm256_mul_ps(fv, G), other);
+            B = _mm256_add_ps(_mm256_mul_ps(fv, B), other);
+        }
+        _mm256_storeu_ps(r + i, _mm256_min_ps(_mm256_max_ps(R, zero), one));
+        _mm256_storeu_ps(g + i, _mm256_min_ps(_mm256_max_ps(G, zero), one));
+        _mm256_storeu_ps(b + i, _mm256_min_ps(_mm256_max_ps(B, zero), one));
+    }
+    return n;
+}
+#endif
+
+/* op: JITTER_BRIGHTNESS, JITTER_CONTRAST or JITTER_SATURATION; f: its factor. */
+void datapipe_blend_f32(float *x, ptrdiff_t h, ptrdiff_t w, ptrdiff_t sc, ptrdiff_t sy, ptrdiff_t sx, float f, int op)
+{
+    float mean_part = 0.0f;
+    if (op == JITTER_CONTRAST) {
+        double sum = 0.0;
+        for (ptrdiff_t y = 0; y < h; y++)
+            for (ptrdiff_t i = 0; i < w; i++) {
+                const float *p = x + y * sy + i * sx;
+                sum += gray_of(p[0], p[sc], p[2 * sc]);
+            }
+        mean_part = (float)(sum / (double)(h * w)) * (1.0f - f);
+    }
+    const int simd = datapipe_native_simd();
+    (void)simd;
+    for (ptrdiff_t y = 0; y < h; y++) {
+        float *r = x + y * sy, *g = r + sc, *b = r + 2 * sc;
+        ptrdiff_t done = 0;
+#ifdef HAVE_AVX2_PATH
+        if (simd && sx == 1)
+            done = blend_row_avx2(r, g, b, w, op, f, mean_part);
+#endif
+        for (ptrdiff_t i = done; i < w; i++) {
+            float *pr = r + i * sx, *pg = g + i * sx, *pb = b + i * sx;
+            if (op == JITTER_BRIGHTNESS) {
+                *pr = clamp01(f * *pr), *pg = clamp01(f * *pg), *pb = clamp01(f * *pb);
+                continue;
+            }
+            const float other = op == JITTER_SATURATION ? gray_of(*pr, *pg, *pb) * (1.0f - f) : mean_part;
+            *pr = blend01(*pr, f, other), *pg = blend01(*pg, f, other), *pb = blend01(*pb, f, other);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------
  * Antialiased bilinear resize of packed uint8 RGB, bit-identical to torch's uint8 path
  * (F.interpolate(mode="bilinear", antialias=True) on uint8: aten/src/ATen/native/cpu/UpSampleKernel.cpp,

@@ -8,6 +8,9 @@
   (``F.interpolate(..., mode="bilinear", antialias=True)`` on uint8), reading a crop in place:
   ~0.10 against ~0.17 ms for the 340² -> 256² of a build, ~0.05 against ~0.07 ms for the loader's
   crops to 224².
+* :func:`jitter` runs torchvision's ColorJitter operations (brightness, contrast, saturation, hue) on
+  float images in place with torchvision's float32 arithmetic: ~0.3 against Kornia's ~4.7 ms for the
+  hue of a 224² image here, ~0.2 against ~0.8 ms for contrast or saturation.
 * Guarded reads of memory-mapped files: :class:`Mapping` maps a shard file, :func:`gather` copies
   samples out of it, and the resize and conversion above read their source under the same guard. A
   page that vanished under the read (the file was truncated) raises :class:`~datapipe.errors.MappedReadError`
@@ -93,6 +96,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     hue = lib.datapipe_hue_f32
     hue.restype = None
     hue.argtypes = [ctypes.c_void_p] + [ctypes.c_ssize_t] * 5 + [ctypes.c_float]
+    blend = lib.datapipe_blend_f32
+    blend.restype = None
+    blend.argtypes = [ctypes.c_void_p] + [ctypes.c_ssize_t] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.datapipe_guard_arm.restype = ctypes.c_int
     lib.datapipe_guard_fault.restype = ctypes.c_size_t
     lib.datapipe_guard_faults.restype = ctypes.c_long
@@ -100,7 +106,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.datapipe_map.argtypes = [ctypes.c_int, ctypes.c_size_t]
     lib.datapipe_unmap.restype = ctypes.c_int
     lib.datapipe_unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return lib, f"{path.name} (AVX2 uint8 resize and uint8 -> float conversion, hue)"
+    return lib, f"{path.name} (AVX2 uint8 resize, uint8 -> float conversion, colour jitter)"
 
 
 def available() -> bool:
@@ -192,19 +198,35 @@ def kernel_addresses() -> tuple[int, int] | None:
     return None if resize is None or convert is None else (resize, convert)
 
 
-def hue(x: torch.Tensor, factors: Sequence[float]) -> bool:
-    """Turn the hue of each float32 [3, H, W] image of the CPU batch ``x`` ([B, 3, H, W], values in [0, 1],
-    any strides) by its factor (of a full turn), in place, as torchvision's ``adjust_hue``; False (and
-    ``x`` untouched) where the kernel is not built or ``x`` is not such a batch."""
+#: The colour jitter's operations that :func:`jitter` runs (torchvision's ColorJitter; the kernel's numbers).
+JITTER_OPS = {"brightness": 0, "contrast": 1, "saturation": 2, "hue": 3}
+
+
+def jitter(x: torch.Tensor, op: str, factors: Sequence[float]) -> bool:
+    """One operation of torchvision's ColorJitter on each float32 [3, H, W] image of the CPU batch ``x``
+    ([B, 3, H, W], values in [0, 1], any strides) with its factor, in place: ``"brightness"``,
+    ``"contrast"``, ``"saturation"`` (blends with black, the mean grey, each pixel's grey) or ``"hue"``
+    (HSV's hue turned by the factor, of a full turn). torchvision's float32 operations in its order: the
+    same values bit for bit (the contrast's mean grey is summed in double: its last bit may differ).
+    False (and ``x`` untouched) where the kernel is not built or ``x`` is not such a batch."""
     import torch
 
     lib = _library()[0]
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4 or x.shape[1] != 3:
         return False
-    fn, (_, sc, sy, sx), (_, _, h, w) = lib.datapipe_hue_f32, x.stride(), x.shape
+    code = JITTER_OPS[op]
+    (_, sc, sy, sx), (_, _, h, w) = x.stride(), x.shape
     for i, f in enumerate(factors):
-        fn(x[i].data_ptr(), h, w, sc, sy, sx, float(f))
+        if code == 3:
+            lib.datapipe_hue_f32(x[i].data_ptr(), h, w, sc, sy, sx, float(f))
+        else:
+            lib.datapipe_blend_f32(x[i].data_ptr(), h, w, sc, sy, sx, float(f), code)
     return True
+
+
+def hue(x: torch.Tensor, factors: Sequence[float]) -> bool:
+    """:func:`jitter`'s ``"hue"``."""
+    return jitter(x, "hue", factors)
 
 
 @lru_cache(maxsize=16)

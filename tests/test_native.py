@@ -219,6 +219,41 @@ def test_hue_kernel_is_torchvisions_adjust_hue_bit_for_bit(layout):
     assert checked == 12
 
 
+def torchvision_blend(img: torch.Tensor, op: str, factors: torch.Tensor) -> torch.Tensor:
+    """torchvision's adjust_brightness / adjust_contrast / adjust_saturation of float [B, 3, H, W] in [0, 1], a
+    factor per image: _blend(img, other, f) = (f * img + (1 - f) * other).clamp(0, 1), other black, the mean
+    grey or each pixel's grey (rgb_to_grayscale: 0.2989 R + 0.587 G + 0.114 B)."""
+    f = factors.view(-1, 1, 1, 1)
+    r, g, b = img.unbind(dim=-3)
+    grey = (0.2989 * r + 0.587 * g + 0.114 * b).unsqueeze(dim=-3)
+    other = {"brightness": torch.zeros_like(img), "contrast": grey.mean(dim=(-3, -2, -1), keepdim=True),
+             "saturation": grey}[op]
+    return (f * img + (1.0 - f) * other).clamp(0, 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("op", ["brightness", "contrast", "saturation"])
+@pytest.mark.parametrize("layout", ["planar", "channels_last", "crop"])
+def test_blend_kernels_are_torchvisions_operations(op, layout):
+    """Brightness and saturation give torchvision's float32 values bit for bit; the contrast's mean grey is
+    summed in double where torch sums in float32, so its values may differ in their last bit."""
+    factors = torch.tensor([0.6, 1.4, 0.0, 1.0])
+    for x in hue_batches(seed=5):
+        want = torchvision_blend(x, op, factors)
+        if layout == "planar":
+            y = x.clone()
+        elif layout == "channels_last":
+            y = x.contiguous(memory_format=torch.channels_last)
+        else:
+            y = torch.rand(4, 3, x.shape[2] + 2, x.shape[3] + 9)[:, :, 1 : 1 + x.shape[2], 4 : 4 + x.shape[3]]
+            y.copy_(x)
+        assert native.jitter(y, op, factors.tolist())
+        if op == "contrast":
+            torch.testing.assert_close(y, want, rtol=0, atol=2.5e-7)
+        else:
+            assert torch.equal(y, want), (op, x.shape, (y - want).abs().max())
+
+
 @needs_kernel
 def test_cpu_jitter_turns_the_hue_with_the_kernel_and_agrees_with_the_device_path():
     """The preset's hue step on the CPU is the kernel's (torchvision's values exactly), and the Kornia step
