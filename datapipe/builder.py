@@ -78,6 +78,11 @@ def default_shard_size(size: int, encoding: samples.Encoding = "raw") -> int:
     return int(min(4096, max(1, TARGET_SHARD_BYTES // max(per_sample, 1))))
 
 
+def fields_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name``."""
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
 @dataclass(frozen=True)
 class BuildSpec(DecodeSpec):
     """What a cache holds: every field enters the build configuration and its hash, so a cache built
@@ -114,6 +119,13 @@ class BuildSpec(DecodeSpec):
             raise ArgumentError(f"--encoding must be one of {', '.join(samples.ENCODINGS)}, got {self.encoding!r}")
         if isinstance(self.quality, bool) or not isinstance(self.quality, int) or not 1 <= self.quality <= 100:
             raise ArgumentError(f"--quality must be an integer from 1 to 100, got {self.quality!r}")
+        # An option of another mode is refused rather than dropped (it would not enter the configuration either).
+        if self.encoding == "raw" and self.quality != samples.DEFAULT_QUALITY:
+            raise ArgumentError(f"--quality {self.quality} applies to --encoding jpeg only; the samples are stored raw "
+                                "(add --encoding jpeg, or leave --quality out)")
+        if self.fit != "short" and self.max_aspect != fields_default(DecodeSpec, "max_aspect"):
+            raise ArgumentError(f"--max-aspect {self.max_aspect:g} applies to --fit short only; with --fit {self.fit} every "
+                                "sample is square (add --fit short, or leave --max-aspect out)")
 
     @property
     def samples_per_shard(self) -> int:
@@ -1112,7 +1124,10 @@ def _connect(scheduler: str) -> Client:
     wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
     try:
         return Client(scheduler, timeout=f"{float(wait):g}s")
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # refused before any connection is tried
+        raise OutputError(f"--scheduler {scheduler} is not a Dask scheduler address ({exc}); give one such as "
+                          "tcp://head:8786") from None
+    except OSError as exc:
         raise OutputError(f"cannot reach the Dask scheduler at {scheduler} within {wait} s "
                           f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import functools
 import io
+import operator
 import os
 import stat
 import threading
@@ -49,6 +50,7 @@ from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import SHARDS_DIR, images_path, index_path, read_shard_metadata, shard_labels_path
+from .text import show
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 T = TypeVar("T")
@@ -449,7 +451,15 @@ class Cache:
         return self.fixed_shape
 
     def _check_index(self, index: int) -> int:
-        i = int(index)
+        """A sample's number from ``index``: an int (or numpy integer), negative from the end; anything else
+        (a float, a string, a bool, a slice) is refused, never rounded or converted."""
+        try:
+            if isinstance(index, (bool, np.bool_)):
+                raise TypeError
+            i = operator.index(index)  # an int, a numpy integer, a 0-d integer tensor
+        except TypeError:
+            raise TypeError(f"a sample index must be an integer (cache[i], cache.path(i)), got {show(index)} "
+                            f"({type(index).__name__})") from None
         if i < 0:
             i += self.num_samples
         if not 0 <= i < self.num_samples:
@@ -993,8 +1003,7 @@ class Cache:
                 what = {-1: "missing", -2: "not a regular file"}.get(actual, f"{actual:,} bytes, expected {rec.nbytes:,}")
                 raise CorruptShardError(
                     f"shard {rec.name} ({path}) is {what}: truncated or altered after the build. "
-                    "Rerun the same `datapipe build` to rewrite damaged shards, or `datapipe verify` "
-                    "to check every checksum.")
+                    "Rerun the same `datapipe build` to rewrite damaged shards.")
             self._identities[s] = _identity(st)
 
     # ----------------------------------------------------------------- verify

@@ -136,10 +136,14 @@ def test_existing_configurations_keep_their_dict_and_hash(builds):
         assert datapipe.manifest.config_hash(config) == old_config_hash(config)
         manifest = read_manifest(builds["raw", fit][0])
         assert manifest.config == config and manifest.config_hash == old_config_hash(config)
-    # max_aspect is no part of a square configuration: its value changes nothing there
-    assert datapipe.BuildSpec(max_aspect=3.0).config("csv") == datapipe.BuildSpec().config("csv")
-    # quality is no part of a raw one
-    assert datapipe.BuildSpec(quality=50).config("csv") == datapipe.BuildSpec().config("csv")
+    # max_aspect is no part of a square configuration, quality no part of a raw one: another value of either
+    # there is refused, naming the mode it belongs to, rather than dropped
+    with pytest.raises(ArgumentError, match="--max-aspect 3 applies to --fit short only"):
+        datapipe.BuildSpec(max_aspect=3.0)
+    with pytest.raises(ArgumentError, match="--quality 50 applies to --encoding jpeg only"):
+        datapipe.BuildSpec(quality=50)
+    assert datapipe.BuildSpec(fit="short", max_aspect=3.0).config("csv")["max_aspect"] == 3.0
+    assert datapipe.BuildSpec(encoding="jpeg", quality=50).config("csv")["quality"] == 50
 
 
 # ----------------------------------------------------------------------------- the shards

@@ -600,6 +600,16 @@ def test_an_unreachable_scheduler_leaves_nothing_behind(small, tmp_path):
     assert list((tmp_path / "new").iterdir()) == []  # no output folder, no shards/, no lock file
 
 
+@pytest.mark.parametrize("address", ["foo", "tcp://head"])
+def test_a_malformed_scheduler_address_is_named_as_such_at_once(small, tmp_path, address):
+    """An address Dask cannot parse fails before any wait, saying so (it said 'cannot reach ... within 20 s')."""
+    proc = cli("build", str(small), str(tmp_path / "out"), "--scheduler", address, "--quiet")
+    assert proc.returncode == 2
+    line = one_line(proc.stderr)
+    assert f"--scheduler {address} is not a Dask scheduler address" in line and "within" not in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_unchanged_rerun_starts_no_cluster(small, tmp_path):
     out = tmp_path / "out"
     build(small, out)

@@ -372,6 +372,25 @@ def test_out_of_range_indices_are_refused_not_clipped(built, bad):
     assert not out.any()
 
 
+@pytest.mark.parametrize("bad", [1.9, 2.0, "3", True, np.bool_(False), None, slice(0, 2), np.float64(1)])
+def test_indices_that_are_no_integers_are_refused_not_converted(built, bad):
+    """cache[1.9] was sample 1, cache["3"] sample 3 and cache[True] sample 1: an index is an integer or refused."""
+    cache = datapipe.open(built)
+    with pytest.raises(TypeError, match="sample index must be an integer") as excinfo:
+        cache[bad]
+    assert "\n" not in str(excinfo.value)
+    with pytest.raises(TypeError, match="sample index must be an integer"):
+        cache.path(bad)
+
+
+def test_integer_indices_of_any_integer_type_are_taken(built, ids):
+    import torch
+
+    cache = datapipe.open(built)
+    for i in (3, np.int64(3), np.int32(3), torch.tensor(3), 3 - N):
+        assert np.array_equal(cache[i][0], cache[3][0]) and cache.path(i) == cache.path(3)
+
+
 def test_batches_pair_every_image_with_its_label(built, ids):
     cache = datapipe.open(built)
     order = np.random.default_rng(0).permutation(N)
