@@ -1,7 +1,11 @@
 """Scan a source (class folders or a CSV list) into sorted, labelled records and shard plans.
 
 Order and labels are deterministic: records are sorted by their path relative to the source root,
-and the class index is the position of the class name in the sorted list of class names. Only
+and the class index is the position of the class name in the sorted list of class names: for class
+folders sorted as strings, as torchvision's ImageFolder numbers them ("10" before "2"); for a CSV's
+labels, numbers in numeric order, then names (so that numeric labels keep their order). A folder
+whose class names are numbers out of numeric order says so in the log (a CSV of the same names
+numbers them otherwise: ``--classes-from`` gives two caches one list). Only
 paths, labels, sizes and modification times are gathered here — never image bytes.
 
 Nothing is lost silently: every file with an image extension (every row of a CSV) ends up either as
@@ -23,6 +27,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 import stat
@@ -32,6 +37,8 @@ from pathlib import Path
 
 from .errors import SourceError
 from .files import FileTooLarge, NotRegularFile, describe_mode, read_regular
+
+log = logging.getLogger("datapipe.build")
 
 IMAGE_EXTENSIONS = frozenset(
     [".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".bmp", ".dib", ".tif", ".tiff", ".webp"]
@@ -259,6 +266,7 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)
     classes = [e.name for e in class_dirs if _valid_utf8(e.name)]  # others: their files are quarantined
+    _note_string_order(classes)
     # Real class folders are read before linked ones, so a class linked to another is the one left empty.
     for entry in sorted(class_dirs, key=lambda e: (e.is_symlink(), e.name)):
         label = classes.index(entry.name) if _valid_utf8(entry.name) else -1
@@ -412,10 +420,27 @@ def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dic
     return seen, dropped
 
 
+def _is_number(name: str) -> bool:
+    """A class name that is a whole number in ASCII digits (``"²"`` and ``"٣"`` are names)."""
+    return name.isascii() and name.isdigit()
+
+
+def _note_string_order(classes: list[str]) -> None:
+    """Log the class folders' numbering when their names are numbers out of numeric order: the folders take
+    ImageFolder's string order, a CSV of the same names their numeric order, so two caches of one dataset
+    built from the two kinds of source would disagree on labels but for --classes-from."""
+    numbers = [c for c in classes if _is_number(c)]
+    if numbers and numbers != sorted(numbers, key=int):
+        first = next(a for a, b in zip(numbers, sorted(numbers, key=int), strict=True) if a != b)
+        log.info("datapipe build: class folders are numbered in torchvision ImageFolder's (string) order, so %r "
+                 "is label %d; a CSV source numbers numeric labels in numeric order (a cache built from one "
+                 "shares its labels with a cache from the other through --classes-from)", first, classes.index(first))
+
+
 def csv_labels(seen: dict[str, str]) -> tuple[list[str], list[str], list[int]]:
     """The classes (numbers in numeric order, then names), the sorted paths and their label indices of a
     CSV's path -> label rows."""
-    names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))
+    names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if _is_number(s) else (1, 0, s))
     index = {name: i for i, name in enumerate(names)}
     records = sorted((rel, index[label]) for rel, label in seen.items())
     return names, [p for p, _ in records], [lab for _, lab in records]

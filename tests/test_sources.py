@@ -80,6 +80,39 @@ def test_csv_without_header_numeric_labels(tmp_path, imaging):
     assert [cache[i][1] for i in range(3)] == [1, 0, 0]
 
 
+def test_numeric_class_folders_are_numbered_as_imagefolder_does_and_the_log_says_so(tmp_path, imaging, caplog):
+    """Class folders 1, 2, 10 are numbered in torchvision ImageFolder's string order ('10' is label 1), a CSV of the
+    same names in numeric order: the build's log says so, and --classes-from gives both caches one list."""
+    root = tmp_path / "data"
+    files = imaging.write_source(root, {"1": 1, "2": 1, "10": 1}, variety=False)
+    with caplog.at_level("INFO", logger="datapipe.build"):
+        build(root, tmp_path / "folder")
+    assert datapipe.open(tmp_path / "folder").classes == ["1", "10", "2"]
+    assert "ImageFolder's (string) order, so '10' is label 1" in caplog.text
+    caplog.clear()
+    (tmp_path / "list.csv").write_text("".join(f"data/{p},{p.split('/')[0]}\n" for p in sorted(files)))
+    with caplog.at_level("INFO", logger="datapipe.build"):
+        build(tmp_path / "list.csv", tmp_path / "csv")
+    assert datapipe.open(tmp_path / "csv").classes == ["1", "2", "10"] and "ImageFolder" not in caplog.text
+    build(tmp_path / "list.csv", tmp_path / "csv-shared", classes=datapipe.open(tmp_path / "folder").classes)
+    shared = datapipe.open(tmp_path / "csv-shared")
+    assert shared.classes == ["1", "10", "2"]
+    assert {shared.path(i).split("/")[-2]: shared[i][1] for i in range(3)} == {"1": 0, "10": 1, "2": 2}
+
+
+def test_csv_labels_that_look_like_digits_but_are_no_ascii_numbers_are_names(tmp_path, imaging):
+    """'²' or '①' pass str.isdigit() but are no numbers for int(): names, sorted after the numbers (they crashed
+    the build with a traceback)."""
+    root = tmp_path / "data"
+    files = sorted(imaging.write_source(root, {"a": 4}, variety=False))
+    labels = ["²", "cat", "①", "3"]
+    (root / "list.csv").write_text("".join(f"{p},{label}\n" for p, label in zip(files, labels, strict=True)))
+    build(root / "list.csv", tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["3", "cat", "²", "①"]
+    assert [cache.classes[cache[i][1]] for i in range(4)] == labels
+
+
 def test_csv_paths_whose_names_begin_or_end_with_spaces(tmp_path, imaging):
     """Spaces around a path cell are dropped, except where the file's own name has them (a quoted cell)."""
     root = tmp_path / "data"
