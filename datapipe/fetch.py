@@ -339,7 +339,7 @@ class ShardFetcher:
             for rel in self._take_or_refuse(fd, wanted, recheck=True):  # small files: checked at every opening
                 if rel == MANIFEST:
                     atomic_write_text(self.folder / MANIFEST, raw.decode("utf-8"))
-                    self._record(fd, MANIFEST, os.stat(self.folder / MANIFEST), evict=False)
+                    self._record(fd, MANIFEST, os.stat(self.folder / MANIFEST), evict=False, crc=wanted[MANIFEST][0])
                 else:
                     self._fetch_file(fd, rel, wanted[rel][0], None, f"{rel} of {self.url}", evict=False)
         self._reclaim_temps()
@@ -429,8 +429,11 @@ class ShardFetcher:
         return self.manifest.layout == "indexed"
 
     def _present(self, shard: int, fd: int) -> bool:
-        """The shard's files are in place, each the very file downloaded under its lock (``fd``, held)."""
-        return all(self._ours(fd, rel) for rel in self._shard_rels(shard))
+        """The shard's files are in place, each the very file downloaded under its lock (``fd``, held) as the
+        object the manifest names now (see :func:`_current`)."""
+        record = _read_record(fd)
+        return all(self._ours(fd, rel, record) and _current(record[rel], self._want(shard, rel)[0])
+                   for rel in self._shard_rels(shard))
 
     def _ours(self, fd: int, rel: str, record: dict[str, dict] | None = None) -> bool:
         """``rel`` is in place and is the file this node downloaded (the record in the lock file, held;
@@ -443,7 +446,7 @@ class ShardFetcher:
         rewritten reads as empty: the caller then takes the lock and looks again)."""
         assert self.manifest is not None
         entry = _peek_record(self._lock_path(self.manifest.shards[shard].name)).get(rel)
-        return entry is not None and _same_file(self.folder / rel, entry)
+        return entry is not None and _same_file(self.folder / rel, entry) and _current(entry, self._want(shard, rel)[0])
 
     def _want(self, shard: int, rel: str) -> tuple[str, int, bool]:
         """(crc32c, size, evictable) the manifest gives the shard's data file or sample index ``rel``."""
@@ -469,15 +472,16 @@ class ShardFetcher:
         refused: dict[str, str] = {}
         for rel, (crc, size, evict) in wanted.items():
             ours = self._ours(fd, rel, record)
-            if ours and not recheck:
+            current = ours and _current(record[rel], crc)
+            if current and not recheck:
                 continue
             if not ours and not os.path.lexists(self.folder / rel):
                 todo.append(rel)
                 continue
             why, st = _differs(self.folder / rel, crc, size)
             if why is None and st is not None:
-                if not ours:
-                    self._record(fd, rel, st, evict=evict)
+                if not current:
+                    self._record(fd, rel, st, evict=evict, crc=crc)
             elif ours:
                 todo.append(rel)  # this node's own download, since altered: replaced
             else:
@@ -542,13 +546,14 @@ class ShardFetcher:
         return self.folder / LOCKS / f"{name}.lock"
 
     @staticmethod
-    def _record(fd: int, rel: str, st: os.stat_result, *, evict: bool) -> None:
-        """Record in the lock file (held exclusively) the identity of the file downloaded to ``rel`` —
-        before it is renamed into place (a rename keeps inode, size and mtime), so a file in place is
-        always recorded."""
+    def _record(fd: int, rel: str, st: os.stat_result, *, evict: bool, crc: str) -> None:
+        """Record in the lock file (held exclusively) the identity of the file downloaded to ``rel`` and the
+        manifest's crc32c of the object it is a copy of — before it is renamed into place (a rename keeps
+        inode, size and mtime), so a file in place is always recorded."""
         with _RECORD_LOCK:  # a shard's files are downloaded by two threads of this process at once
             files = _read_record(fd)
-            files[rel] = {"path": rel, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "evict": evict}
+            files[rel] = {"path": rel, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "evict": evict,
+                          "crc32c": crc}
             _write_record(fd, files)
 
     def _log_download(self, what: str, rel: str, nbytes: int) -> None:
@@ -840,7 +845,7 @@ class ShardFetcher:
                     got = (file_crc32c(tmp), os.stat(tmp).st_size)
                 crc, size = got
                 if crc == want_crc and (want_size is None or size == want_size):
-                    self._record(fd, rel, os.stat(tmp), evict=evict)
+                    self._record(fd, rel, os.stat(tmp), evict=evict, crc=want_crc)
                     os.replace(tmp, final)
                     self._log_download(what, rel, size)
                     return
@@ -1423,6 +1428,14 @@ def _write_record(fd: int, files: dict[str, dict]) -> None:
     data = json.dumps({"files": list(files.values())}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
+
+
+def _current(entry: dict, crc: str) -> bool:
+    """The recorded download is a copy of the object the manifest names now: its crc32c is the manifest's. A
+    rebuild that changes a shard keeps its build id (and so the node's folder) when its configuration and
+    source are the same: the file in place is then the earlier object's, to be downloaded again. A record
+    without a crc32c (an earlier datapipe's) is checked against the file once."""
+    return entry.get("crc32c") == crc
 
 
 def _same_file(path: Path, entry: dict) -> bool:

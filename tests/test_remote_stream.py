@@ -510,6 +510,41 @@ def test_datasets_of_a_process_share_one_client_per_store_and_options(s3, built,
     assert fs[0] is fs[1] and fs[2] is not fs[0]
 
 
+# ----------------------------------------------------------------------------- a cache rebuilt in place
+
+
+def test_a_node_cache_of_a_cache_rebuilt_in_place_serves_the_new_shards(tmp_path):
+    """An incremental rebuild (a source image removed, then one added) keeps the build id, so the node's
+    folder is reused: every shard the rebuild changed is downloaded again, never served with the new labels
+    (the node cache served the earlier build's pixels for every sample of a changed shard)."""
+    from datapipe.builder import Cluster, build
+
+    cache = build_index_cache(tmp_path / "b", 40, shard_size=SHARD)
+    source = cache.parent / "source"
+    url, node = "file://" + str(cache), tmp_path / "node"
+
+    def epoch(ds) -> tuple[np.ndarray, np.ndarray]:
+        batches = list(ds)
+        return np.concatenate([b[0].numpy() for b in batches]), np.concatenate([b[1].numpy() for b in batches])
+
+    def streamed_equals_in_place() -> int:
+        images, labels = epoch(datapipe.StreamingDataset(url, batch_size=8, shuffle=False, local_cache=node))
+        want_images, want_labels = epoch(datapipe.StreamingDataset(cache, batch_size=8, shuffle=False))
+        assert np.array_equal(labels, want_labels)
+        assert np.array_equal(images, want_images), "the node cache served another build's pixels"
+        return len(labels)
+
+    assert streamed_equals_in_place() == 40
+    build_id = json.loads((cache / "manifest.json").read_text())["build_id"]
+    first = sorted(p for p in source.rglob("*") if p.is_file())[0]
+    first.unlink()
+    for _ in range(2):
+        report = build(source, cache, size=32, shard_size=SHARD, cluster=Cluster(scheduler="sync"), progress=False)
+        assert report.shards_built > 0 and json.loads((cache / "manifest.json").read_text())["build_id"] == build_id
+        assert streamed_equals_in_place() == report.num_samples
+        (first.parent / ("z" + first.name)).write_bytes(sorted(p for p in source.rglob("*") if p.is_file())[-1].read_bytes())
+
+
 # ----------------------------------------------------------------------------- a node cache copied, damaged, full, read-only
 
 
