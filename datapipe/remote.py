@@ -431,11 +431,12 @@ def local_disk_message(exc: OSError, head: str) -> str:
 # ----------------------------------------------------------------------------- objects
 
 
-def listing(loc: Location, prefix: str = "") -> dict[str, int]:
+def listing(loc: Location, prefix: str = "", *, markers: bool = False) -> dict[str, int]:
     """Every object under ``prefix`` (a key under the root): key -> size in bytes. One listing request (paged;
-    on S3 each page under the location's deadline)."""
+    on S3 each page under the location's deadline). ``markers``: also the folders, as ``key/`` (on S3 the
+    zero-byte objects a console's "Create folder" makes; elsewhere the directories)."""
     if is_s3fs(loc.fs):
-        return _s3_listing(loc, prefix)
+        return _s3_listing(loc, prefix, markers=markers)
     loc.fs.invalidate_cache(loc.path(prefix))  # the store, not the filesystem's memory of an earlier listing
     try:
         found = loc.fs.find(loc.path(prefix), detail=True)
@@ -445,10 +446,12 @@ def listing(loc: Location, prefix: str = "") -> dict[str, int]:
     for path, info in found.items():
         if info.get("type", "file") == "file":
             out[loc.key_of(path)] = int(info.get("size") or 0)
+        elif markers and info.get("type") == "directory" and loc.key_of(path):
+            out[loc.key_of(path).rstrip("/") + "/"] = 0
     return out
 
 
-def _s3_listing(loc: Location, prefix: str) -> dict[str, int]:
+def _s3_listing(loc: Location, prefix: str, *, markers: bool = False) -> dict[str, int]:
     """listing() on S3: ListObjectsV2 page by page (1,000 keys each), s3fs's own requests, each under the
     deadline (a listing of millions of objects is thousands of pages: no deadline can cover it whole)."""
     bucket, key, _ = loc.fs.split_path(loc.path(prefix))
@@ -463,6 +466,8 @@ def _s3_listing(loc: Location, prefix: str) -> dict[str, int]:
         for obj in page.get("Contents", []):
             if not obj["Key"].endswith("/"):  # a folder marker is no object of a cache
                 out[loc.key_of(f"{bucket}/{obj['Key']}")] = int(obj.get("Size") or 0)
+            elif markers and obj["Key"] != folder:
+                out[loc.key_of(f"{bucket}/{obj['Key'].rstrip('/')}") + "/"] = 0
         token = page.get("NextContinuationToken")
         if not page.get("IsTruncated") or not token:
             return out
@@ -1132,34 +1137,44 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
     ``path,label`` rows (a URL ending in .csv: read once, and its folder listed once). A
     :class:`datapipe.sources.Listing` whose ``root`` is the path of the folder its paths are relative
     to and ``url`` that folder's URL; workers read each object directly. ``timeout``: each request's deadline."""
-    from .sources import IMAGE_EXTENSIONS, Listing
+    from .sources import IMAGE_EXTENSIONS, Listing, note_string_order
 
     loc = open_location(url, storage_options, timeout=timeout)
     if loc.root.lower().endswith(".csv"):
         with store_errors(loc, "read the source", SourceError):
             return _scan_csv(loc)
     with store_errors(loc, "list the source", SourceError):
-        objects = listing(loc)
+        objects = listing(loc, markers=True)
     if not objects:
         raise SourceError(f"source {url} holds no objects; pass a prefix of class folders (PREFIX/<class>/<image>)")
+    # As a local folder source: a class for each top-level folder (a folder marker alone, as a console's
+    # "Create folder" makes, is an empty class), images at the top level named as outside any class.
     records: list[tuple[str, str]] = []
     ignored: list[str] = []
+    outside: list[str] = []
+    folders: set[str] = set()
     for key in sorted(objects):
         parts = PurePosixPath(key).parts
-        if any(p.startswith(".") for p in parts):
+        if not parts or any(p.startswith(".") for p in parts):
             continue
-        if len(parts) < 2 or os.path.splitext(key)[1].lower() not in IMAGE_EXTENSIONS:
-            ignored.append(key)
+        if len(parts) > 1 or key.endswith("/"):
+            folders.add(parts[0])  # a class, also with no image in it (as a local folder)
+        if key.endswith("/"):
+            continue
+        image = os.path.splitext(key)[1].lower() in IMAGE_EXTENSIONS
+        if len(parts) < 2 or not image:
+            (outside if image else ignored).append(key)
             continue
         records.append((key, parts[0]))
     if not records:
-        raise SourceError(f"source {url} holds no image objects under class folders ({len(ignored)} other objects, "
-                          f"e.g. {ignored[:3]}); expected PREFIX/<class>/<image>")
-    classes = sorted({c for _, c in records})
+        raise SourceError(f"source {url} holds no image objects under class folders ({len(ignored) + len(outside)} "
+                          f"other objects, e.g. {(outside + ignored)[:3]}); expected PREFIX/<class>/<image>")
+    classes = sorted({c for _, c in records} | folders)
+    note_string_order(classes)
     index = {c: i for i, c in enumerate(classes)}
     listing_ = Listing(root=Path(loc.root), kind="folder", classes=classes, paths=[k for k, _ in records],
                        labels=[index[c] for _, c in records], stats=[(objects[k], 0) for k, _ in records],
-                       ignored=ignored)
+                       ignored=ignored, outside_classes=outside)
     listing_.url = loc.url
     return listing_
 

@@ -266,7 +266,7 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)
     classes = [e.name for e in class_dirs if _valid_utf8(e.name)]  # others: their files are quarantined
-    _note_string_order(classes)
+    note_string_order(classes)
     # Real class folders are read before linked ones, so a class linked to another is the one left empty.
     for entry in sorted(class_dirs, key=lambda e: (e.is_symlink(), e.name)):
         label = classes.index(entry.name) if _valid_utf8(entry.name) else -1
@@ -425,7 +425,7 @@ def _is_number(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
 
-def _note_string_order(classes: list[str]) -> None:
+def note_string_order(classes: list[str]) -> None:
     """Log the class folders' numbering when their names are numbers out of numeric order: the folders take
     ImageFolder's string order, a CSV of the same names their numeric order, so two caches of one dataset
     built from the two kinds of source would disagree on labels but for --classes-from."""

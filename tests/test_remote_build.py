@@ -305,6 +305,38 @@ def test_a_source_in_s3_builds_the_same_cache_as_the_local_source(s3, source, bu
     assert datapipe.open(out).manifest.source.root == src
 
 
+def test_a_source_in_s3_names_its_classes_and_unused_images_as_a_local_folder_does(s3, source, tmp_path):
+    """An image at the top of the prefix is named as outside any class (it was an unreported 'ignored'), a folder
+    marker alone (a console's "Create folder") or a folder without images is an empty class, as an empty local
+    folder is: the labels of a build from the store and from the same tree on disk agree."""
+    local = tmp_path / "tree"
+    for path in sorted(source[0].rglob("*")):
+        if path.is_file() and not path.name.startswith("."):
+            (local / path.relative_to(source[0])).parent.mkdir(parents=True, exist_ok=True)
+            (local / path.relative_to(source[0])).write_bytes(path.read_bytes())
+    first = sorted(local.rglob("*.jpg"))[0]
+    (local / "top.jpg").write_bytes(first.read_bytes())
+    (local / "0-empty").mkdir()  # sorts first: a missing empty class would move every label
+    (local / "notes").mkdir()
+    (local / "notes" / "readme.txt").write_text("no images here")
+    src = s3.bucket() + "/images"
+    fs = s3.filesystem()
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            fs.put_file(str(path), src.removeprefix("s3://") + "/" + path.relative_to(local).as_posix())
+    s3.client().put_object(Bucket=src.removeprefix("s3://").split("/")[0], Key="images/0-empty/", Body=b"")
+    reports = {"s3": build(src, tmp_path / "from-s3", storage_options=s3.storage_options),
+               "local": build(local, tmp_path / "from-disk")}
+    for where, report in reports.items():
+        assert report.outside_classes == ["top.jpg"], where
+        assert report.empty_classes == ["0-empty", "notes"], where
+        assert "1 image file at the source's top level not used" in report.summary(), where
+    classes = {where: datapipe.open(tmp_path / f"from-{'s3' if where == 's3' else 'disk'}").classes for where in reports}
+    assert classes["s3"] == classes["local"] and classes["s3"][0] == "0-empty"
+    s3_labels = datapipe.open(tmp_path / "from-s3").labels
+    assert np.array_equal(s3_labels, datapipe.open(tmp_path / "from-disk").labels)
+
+
 def test_a_shard_larger_than_a_part_is_streamed_in_parts_and_equals_the_local_build(s3, big_source, tmp_path, imaging,
                                                                                    monkeypatch):
     monkeypatch.setattr(remote, "PART_BYTES", remote.MIN_PART_BYTES)
