@@ -278,19 +278,33 @@ def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
     where = local_path(where)
     if is_url(where):
         from . import remote
+        from .errors import CacheError
 
         loc = remote.open_location(where, storage_options, timeout=remote.store_timeout())
-        return remote.read_manifest(loc).classes
-    path = Path(where).expanduser()
-    if path.is_dir():
-        from .manifest import read_manifest
+        try:
+            return remote.read_manifest(loc).classes
+        except CacheError as no_cache:  # perhaps a text object of class names
+            folder, _, name = where.rstrip("/").rpartition("/")
+            data = remote.read_bytes(remote.open_location(folder, storage_options, timeout=remote.store_timeout()),
+                                     name, 64 << 20) if name else None
+            if data is None:
+                raise no_cache from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ArgumentError(f"--classes-from {where}: neither a cache nor a UTF-8 text object of class names "
+                                f"({exc})") from None
+    else:
+        path = Path(where).expanduser()
+        if path.is_dir():
+            from .manifest import read_manifest
 
-        return read_manifest(path).classes
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ArgumentError(f"--classes-from {where}: cannot be read as a cache folder or a UTF-8 text file of class "
-                            f"names ({getattr(exc, 'strerror', None) or exc})") from None
+            return read_manifest(path).classes
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ArgumentError(f"--classes-from {where}: cannot be read as a cache folder or a UTF-8 text file of "
+                                f"class names ({getattr(exc, 'strerror', None) or exc})") from None
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise ArgumentError(f"--classes-from {where}: holds no class name; write one per line")

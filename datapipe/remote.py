@@ -1077,6 +1077,13 @@ def no_manifest(loc: Location) -> CacheError:
             loc.read("call_s3", "list_objects_v2", what=f"{loc.url}/ (list)", Bucket=bucket,
                      Prefix=f"{key.rstrip('/')}/" if key else "", MaxKeys=1)
         started = read_bytes(loc, BUILD_LOCK, 1 << 20) is not None
+        try:
+            held = read_doc(loc, LOCK_OBJECT) if started else None
+        except CacheError:
+            held = None  # a damaged lock object holds nobody
+    if isinstance(held, dict) and RemoteLock(loc)._alive(held):
+        return CacheError(f"{loc.url} is not a finished datapipe cache yet: a datapipe build is writing it now (pid "
+                          f"{held.get('pid')} on host {held.get('host')}); open it once that build has finished")
     hint = (" — a build was started here but did not finish; run the same `datapipe build` again" if started else
             f"; build it with `datapipe build SOURCE {loc.url}`")
     return CacheError(f"{loc.url} is not a finished datapipe cache (no {MANIFEST}){hint}")

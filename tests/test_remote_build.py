@@ -291,6 +291,48 @@ def test_a_fresh_lock_of_another_build_is_refused_and_a_dead_one_taken_over(s3, 
     assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
 
 
+def test_a_cache_in_the_store_that_a_build_is_writing_says_so_rather_than_unfinished(s3, tmp_path):
+    """info, verify and the loader on a prefix whose first build runs name that build (its lock object is fresh);
+    once its holder is gone, the prefix is a build that did not finish, to be run again."""
+    import socket
+
+    url = s3.bucket() + "/cache"
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://")
+    fs.pipe_file(key + "/build.json", b"{}")
+    fs.pipe_file(key + "/.datapipe.lock", json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                      "refreshed": time.time()}).encode())
+    for command in ("info", "verify"):
+        done = cli(command, url, env=s3.env)
+        assert done.returncode == 2 and f"a datapipe build is writing it now (pid {os.getpid()}" in done.stderr, done.stderr
+    with pytest.raises(datapipe.errors.CacheError, match="a datapipe build is writing it now"):
+        datapipe.StreamingDataset(url, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fs.pipe_file(key + "/.datapipe.lock", json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout),
+                                                      "refreshed": time.time()}).encode())
+    with pytest.raises(datapipe.errors.CacheError, match="did not finish; run the same `datapipe build` again"):
+        datapipe.StreamingDataset(url, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+
+
+def test_classes_from_a_cache_or_a_text_object_in_the_store(s3, source, tmp_path):
+    """--classes-from takes a cache in the store (its manifest's list) or a text object of one name per line, as
+    locally (a text object was read as a cache and the advice was to build into it); anything else names the URL."""
+    url = s3.bucket() + "/cache"
+    build(source[0], url, storage_options=s3.storage_options)
+    names = remote.read_manifest(remote.open_location(url, s3.storage_options)).classes
+    text = url.rsplit("/", 1)[0] + "/lists/classes.txt"
+    s3.filesystem().pipe_file(text.removeprefix("s3://"), ("\n".join(reversed(names)) + "\n").encode())
+    for given, want in ((url, list(names)), (text, list(reversed(names)))):
+        out = tmp_path / f"out-{len(given)}"
+        done = cli("build", str(source[0]), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
+                   "--classes-from", given, env=s3.env)
+        assert done.returncode == 0, done.stderr
+        assert datapipe.open(out).classes == want
+    done = cli("build", str(source[0]), str(tmp_path / "x"), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
+               "--classes-from", url + "-missing", env=s3.env)
+    assert done.returncode == 2 and "not a finished datapipe cache" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_a_source_in_s3_builds_the_same_cache_as_the_local_source(s3, source, built, tmp_path, imaging):
     src = s3.bucket() + "/images"
     fs = s3.filesystem()
