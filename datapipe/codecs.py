@@ -12,7 +12,11 @@ kept when it decodes fully. For JPEGs, every libjpeg-turbo message is damage exc
 leave the pixels intact (:data:`_JPEG_HARMLESS`: junk bytes between header segments, a bad ICC chunk,
 ...): truncated data (``Premature end of JPEG file``, even when only the end marker is missing) is
 refused, as Pillow refuses it; so is scan data that ends early, does not decode or is longer than
-its blocks need, which Pillow would keep with grey or garbage blocks in place of the picture.
+its blocks need, which Pillow would keep with grey or garbage blocks in place of the picture. PNGs
+and deflate TIFFs must also pass their own checksums, which Pillow does not check
+(:func:`_checksum_error`). Orientation is what ``ImageOps.exif_transpose`` applies, and
+``max_pixels`` alone says what is too large (not Pillow's ``MAX_IMAGE_PIXELS``, see
+:func:`_pillow_limit`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import math
 import re
 import struct
 import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -157,41 +164,124 @@ def _simplejpeg():
 # ----------------------------------------------------------------------------- EXIF orientation
 
 
+_XMP_ID = b"http://ns.adobe.com/xap/1.0/\x00"
+# Markers Pillow's JPEG parser steps over without reading a length: JPG, RSTn, SOI, EOI, JPGn
+_NO_LENGTH = frozenset({0xC8, *range(0xD0, 0xDA), *range(0xF0, 0xFE)})
+# Bytes per value of each IFD field type (TIFF 6 and BigTIFF): any other type is left to Pillow
+_IFD_TYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8, 17: 8, 18: 8}
+# exif_transpose looks the value up in a dict keyed 2..8: 6, 6.0 and a rational 6/1 all turn the image
+_TRANSPOSING = {k: k for k in range(2, 9)}
+_ABSENT, _ASK_PILLOW = "absent", "ask Pillow"
+
+
 def jpeg_orientation(data: bytes) -> int:
-    """Read the EXIF orientation (1–8) from a JPEG's APP1 segment; 1 when absent or broken."""
-    try:
-        pos, end = 2, min(len(data), 1 << 20)
-        while pos + 4 <= end:
-            if data[pos] != 0xFF:
-                return 1
-            marker = data[pos + 1]
-            if marker == 0xFF:  # fill byte
-                pos += 1
-                continue
-            if marker in (0xDA, 0xD9):  # start of scan / end of image: no EXIF before pixels
-                return 1
-            length = struct.unpack(">H", data[pos + 2 : pos + 4])[0]
-            if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
-                return _tiff_orientation(data[pos + 10 : pos + 2 + length])
-            pos += 2 + length
-    except (struct.error, IndexError, ValueError):
-        pass
-    return 1
+    """The EXIF orientation (1–8) that Pillow's ``ImageOps.exif_transpose`` applies to this JPEG; 1 when
+    there is none or the metadata is broken (where exif_transpose would raise).
 
-
-def _tiff_orientation(tiff: bytes) -> int:
-    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
-    if order is None:
+    Pillow's rules: the Orientation tag of the first IFD of the EXIF data (every APP1 ``Exif``
+    segment, joined), whatever its field type (a LONG, a float or a rational 6/1 rotate as a SHORT 6
+    does); when the EXIF has none, ``tiff:Orientation`` in the last XMP segment. The usual case, an
+    EXIF segment whose first IFD holds a single SHORT (or no orientation, and no XMP one), is read
+    here (under 10 µs); every other form is read by Pillow itself (about 0.1 ms), so that the result
+    is Pillow's by construction.
+    """
+    found: int | str = _ABSENT
+    exif_segments, xmp = 0, None
+    for marker_payload in _jpeg_app1(data):
+        if marker_payload.startswith(_XMP_ID):
+            xmp = marker_payload[len(_XMP_ID) :]
+            continue
+        exif_segments += 1
+        found = _exif_orientation(marker_payload) if exif_segments == 1 else _ASK_PILLOW
+        if isinstance(found, int):  # later EXIF segments only lengthen the data Pillow reads it from
+            return _TRANSPOSING.get(found, 1)
+    if found == _ABSENT and (xmp is None or b"tiff:Orientation" not in xmp):
         return 1
+    return _pillow_jpeg_orientation(data)
+
+
+def _jpeg_app1(data: bytes) -> Iterator[bytes]:
+    """The APP1 ``Exif`` and XMP segments of a JPEG's header (their payloads), found as Pillow's parser
+    walks the header: junk bytes, fill bytes and stuffed zeros are skipped; the walk stops at the start
+    of scan, and where Pillow would refuse the header (a marker it does not know, a segment cut short)."""
+    pos, n = 2, len(data)
+    while pos + 1 < n:
+        if data[pos] != 0xFF:  # junk: Pillow reads on, byte by byte
+            nxt = data.find(b"\xff", pos + 1)
+            if nxt < 0:
+                return
+            pos = nxt
+            continue
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x00:  # a stuffed zero
+            pos += 2
+            continue
+        if marker < 0xC0:
+            return
+        pos += 2
+        if marker in _NO_LENGTH:
+            continue
+        if pos + 2 > n:
+            return
+        size = max(0, struct.unpack(">H", data[pos : pos + 2])[0] - 2)
+        if pos + 2 + size > n:
+            return
+        if marker == 0xDA:
+            return
+        if marker == 0xE1 and data.startswith((b"Exif\x00\x00", _XMP_ID), pos + 2, pos + 2 + size):
+            yield data[pos + 2 : pos + 2 + size]
+        pos += 2 + size
+
+
+def _exif_orientation(segment: bytes) -> int | str:
+    """The orientation in one APP1 ``Exif`` segment, read as Pillow reads it: its value when the first
+    IFD's first Orientation entry is one SHORT; :data:`_ABSENT` when that IFD has none; else
+    :data:`_ASK_PILLOW` (another field type, another TIFF header, or an entry before it whose data
+    lies outside the segment, which makes Pillow stop reading the IFD)."""
+    tiff = segment[6:]
+    order = {b"II*\x00": "<", b"MM\x00*": ">"}.get(tiff[:4])
+    if order is None or len(tiff) < 8:
+        return _ABSENT if not tiff else _ASK_PILLOW
     ifd = struct.unpack(order + "I", tiff[4:8])[0]
+    if ifd + 2 > len(tiff):
+        return _ABSENT  # Pillow reads no entry
     count = struct.unpack(order + "H", tiff[ifd : ifd + 2])[0]
+    elsewhere = 0  # bytes of values stored outside their entries, as Pillow counts them against the size
     for i in range(count):
-        entry = tiff[ifd + 2 + 12 * i : ifd + 14 + 12 * i]
-        tag, typ = struct.unpack(order + "HH", entry[:4])
+        start = ifd + 2 + 12 * i
+        if start + 12 > len(tiff):
+            return _ABSENT  # the IFD is cut short before any orientation: Pillow keeps what it read
+        tag, typ, number, value = struct.unpack(order + "HHI4s", tiff[start : start + 12])
         if tag == 0x0112:
-            value = struct.unpack(order + "H", entry[8:10])[0] if typ == 3 else 1
-            return value if 1 <= value <= 8 else 1
-    return 1
+            return struct.unpack(order + "H", value[:2])[0] if typ == 3 and number == 1 else _ASK_PILLOW
+        unit = _IFD_TYPE_SIZES.get(typ)
+        if unit is None:
+            return _ASK_PILLOW
+        if number * unit > 4:
+            offset = struct.unpack(order + "I", value)[0]
+            elsewhere += number * unit
+            if elsewhere > len(tiff) or offset + number * unit > len(tiff):
+                return _ASK_PILLOW
+    return _ABSENT
+
+
+def _pillow_jpeg_orientation(data: bytes) -> int:
+    """The orientation Pillow reads from a JPEG's metadata (what exif_transpose applies); 1 where Pillow
+    cannot open the file or raises on its EXIF."""
+    import warnings
+
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings(), _pillow_limit(None):  # metadata only: no pixel is decoded
+            warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
+            with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
+                return _TRANSPOSING.get(img.getexif().get(0x0112, 1), 1)
+    except Exception:  # noqa: BLE001 - broken metadata is tolerated, the image is not
+        return 1
 
 
 def apply_orientation(img: np.ndarray, orientation: int) -> np.ndarray:
@@ -600,10 +690,11 @@ def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, reuse: boo
 
     With ``reuse`` the pixels land in this thread's scratch buffer (valid until its next decode).
     """
+    source = data  # whose metadata Pillow would read
     try:
         data, (height, width, colorspace, _) = _jpeg_header(sj, data)
     except DecodeError:
-        if _pillow_reads(data):  # a JPEG feature this libjpeg-turbo lacks, such as 12-bit samples
+        if _pillow_reads(data, spec):  # a JPEG feature this libjpeg-turbo lacks, such as 12-bit samples
             return None
         raise
     _check_pixels(width, height, spec)
@@ -620,16 +711,16 @@ def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, reuse: boo
             data, min_height=min_h, min_width=min_w, strict=False)[:2]
         buffer = _buffer(out_h * out_w * 3)
     img = _jpeg_pixels(sj, data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=buffer)
-    return apply_orientation(img, jpeg_orientation(data))
+    return apply_orientation(img, jpeg_orientation(source))
 
 
-def _pillow_reads(data: bytes) -> bool:
+def _pillow_reads(data: bytes, spec: DecodeSpec) -> bool:
     """Whether Pillow fully decodes these bytes (for the rare JPEG that libjpeg-turbo here refuses)."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
-            _check_pixels(img.width, img.height, DecodeSpec())
+        with _pillow_limit(spec.max_pixels), Image.open(io.BytesIO(data), formats=["JPEG"]) as img:
+            _check_pixels(img.width, img.height, spec)
             img.load()
         return True
     except Exception:  # noqa: BLE001 - any failure means "no": the caller reports libjpeg-turbo's reason
@@ -638,40 +729,98 @@ def _pillow_reads(data: bytes) -> bool:
 
 def _check_pixels(width: int, height: int, spec: DecodeSpec) -> None:
     if width * height > spec.max_pixels:
-        raise DecodeError(
-            f"decompression bomb: header says {width}x{height} = {width * height:,} pixels, "
-            f"over max_pixels={spec.max_pixels:,} (raise max_pixels if the image is genuine)", "too-large"
-        )
+        raise _too_large(width, height, spec.max_pixels)
     if width < 1 or height < 1:
         raise DecodeError(f"image header says {width}x{height} pixels")
 
 
-def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
+def _too_large(width: int, height: int, max_pixels: int) -> DecodeError:
+    return DecodeError(
+        f"decompression bomb: header says {width}x{height} = {width * height:,} pixels, "
+        f"over max_pixels={max_pixels:,} (raise max_pixels if the image is genuine)", "too-large"
+    )
+
+
+# Pillow checks an image's size against its module-wide Image.MAX_IMAGE_PIXELS when it opens a file
+# (and TIFF, GIF and WebP again while reading one), and refuses above twice that (178,956,970 pixels
+# by default): an image under a raised max_pixels would be lost, and a user who lowers the limit for
+# their own code would change datapipe's verdicts. Setting the module variable would change it for
+# every thread of the process, user code included. Instead Pillow's check function is wrapped, once,
+# by one that applies the limit of the datapipe decode running in the calling thread (see
+# _pillow_limit) and in any other thread calls Pillow's own, which reads MAX_IMAGE_PIXELS as before.
+_limit = threading.local()
+_limit_lock = threading.Lock()
+_limit_installed = False
+
+
+@contextmanager
+def _pillow_limit(max_pixels: int | None) -> Iterator[None]:
+    """Within this block, in this thread only, Pillow's decompression-bomb check applies ``max_pixels``
+    (None: no limit, for reading metadata) in place of ``Image.MAX_IMAGE_PIXELS``."""
+    _install_pillow_limit()
+    outer = getattr(_limit, "stack", None)
+    _limit.stack = (max_pixels, outer)
+    try:
+        yield
+    finally:
+        _limit.stack = outer
+
+
+def _install_pillow_limit() -> None:
+    global _limit_installed
+    if _limit_installed:
+        return
+    from PIL import Image
+
+    with _limit_lock:
+        pillows = getattr(Image, "_decompression_bomb_check", None)
+        if not _limit_installed and pillows is not None:
+
+            def bomb_check(size: tuple[int, int], *args: object, **kwargs: object) -> None:
+                scope = getattr(_limit, "stack", None)
+                if scope is None:  # not inside a datapipe decode: Pillow's own rule
+                    return pillows(size, *args, **kwargs)
+                width, height = size
+                if scope[0] is not None and max(1, width) * max(1, height) > scope[0]:
+                    raise _too_large(width, height, scope[0])
+                return None
+
+            Image._decompression_bomb_check = bomb_check
+        _limit_installed = True
+
+
+def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None = None) -> np.ndarray:
     """Decode with Pillow: the first frame, fully (truncated data is refused: LOAD_TRUNCATED_IMAGES
-    stays off), then orientation as ``ImageOps.exif_transpose`` would apply it."""
+    stays off; so is data that fails its own checksum, see :func:`_checksum_error`), then orientation
+    as ``ImageOps.exif_transpose`` would apply it (a JPEG's read from ``source``, the file's bytes
+    before :func:`_clean_jpeg_header`, when given). ``spec.max_pixels`` alone decides what is too
+    large (:func:`_pillow_limit`), from the header, before any pixel is decoded."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _pillow_limit(spec.max_pixels):
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
             img = Image.open(io.BytesIO(data), formats=[_PILLOW_FORMATS[fmt]])
             _check_pixels(img.width, img.height, spec)
+            damage = _checksum_error(img, data, fmt)
+            if damage:
+                raise DecodeError(damage)
             if fmt == "jpeg":
                 factor = dct_factor(img.height, img.width, spec)
                 if factor > 1:  # Pillow picks the largest scale whose result is at least this size
                     img.draft(img.mode, (max(1, img.width // factor), max(1, img.height // factor)))
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
-            orientation = jpeg_orientation(data) if fmt == "jpeg" else _pillow_orientation(img)
+            orientation = jpeg_orientation(source or data) if fmt == "jpeg" else _pillow_orientation(img)
             if fmt == "png":
                 _scale_low_depth_gray_trns(img, data)
             rgb = _to_rgb(img)
     except DecodeError:
         raise
-    except Image.DecompressionBombError as exc:
+    except Image.DecompressionBombError as exc:  # only where Pillow has no check for _pillow_limit to wrap
         raise DecodeError(f"decompression bomb: {exc}", "too-large") from None
     except UnidentifiedImageError:  # Pillow's message names only its in-memory buffer
         raise DecodeError(f"not a readable {fmt.upper()} image: it starts like one, but its header does not "
@@ -680,6 +829,89 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec) -> np.ndarray:
             ZeroDivisionError, OverflowError, MemoryError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
     return apply_orientation(rgb, orientation)
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _checksum_error(img: Image.Image, data: bytes, fmt: str) -> str | None:
+    """The quarantine reason when the file's own integrity checks fail, which Pillow's decode does
+    not look at: a PNG's chunk CRC-32s (:func:`_png_crc_error`) and the Adler-32 of a TIFF's deflate
+    strips or tiles (:func:`_tiff_deflate_error`); None when they pass or the format has none."""
+    if fmt == "png":
+        return _png_crc_error(data)
+    if fmt == "tiff":
+        return _tiff_deflate_error(img, data)
+    return None
+
+
+def _png_crc_error(data: bytes) -> str | None:
+    """The first chunk up to IEND whose CRC-32 fails, as a quarantine reason; None when all pass.
+
+    Pillow checks the CRCs of the chunks before the image data only. A damaged byte inside IDAT
+    decodes to wrong pixels (zlib's Adler-32 at the end of the stream would tell, but Pillow stops
+    inflating once it has every row and never reads it), and one in a chunk after the image data
+    (eXIf, iTXt) can change the orientation read from it. A chunk cut short by the end of the file is
+    left to Pillow (missing image data fails its decode). Cost: one CRC-32 pass over the file (about
+    0.4 ms per MB): 0.11 ms for a 265 KB 400x350 RGB PNG of a noisy photo-like picture, +5 % of its
+    2 ms decode; less for a PNG that compresses better.
+    """
+    view = memoryview(data)
+    pos, end = 8, len(data)
+    while pos + 12 <= end:
+        length = struct.unpack_from(">I", data, pos)[0]
+        stop = pos + 8 + length
+        if stop + 4 > end:
+            return None
+        kind = data[pos + 4 : pos + 8]
+        if zlib.crc32(view[pos + 4 : stop]) != struct.unpack_from(">I", data, stop)[0]:
+            name = kind.decode("ascii", "backslashreplace")
+            return f"corrupt PNG: chunk {name} at byte {pos} fails its CRC (damaged data)"
+        if kind == b"IEND":
+            return None
+        pos = stop + 4
+    return None
+
+
+_DEFLATE = (8, 32946)  # TIFF compression codes of zlib streams (Adobe deflate, the older deflate code)
+
+
+def _tiff_deflate_error(img: Image.Image, data: bytes) -> str | None:
+    """The first deflate strip (or tile) of the TIFF's first page whose zlib stream fails to inflate
+    or fails its Adler-32 check, as a quarantine reason; None when all pass, or not deflate.
+
+    libtiff stops inflating a strip once it has the strip's pixels, so a damaged byte gives wrong
+    pixels without a word; the Adler-32 at the stream's end would tell. The check inflates each
+    stream once more, with Python's zlib: 1.4–1.6 ms for a 400x350 RGB TIFF whose decode takes
+    1.9 ms (+75–90 %, on a format rare in datasets). A stream that does not end, or holds more than
+    its block needs, is left to libtiff. LZW, PackBits and uncompressed data carry no checksum:
+    damage that still decodes is kept.
+    """
+    tags = getattr(img, "tag_v2", None)
+    if tags is None or tags.get(259) not in _DEFLATE:
+        return None
+    tiled = 322 in tags and 323 in tags
+    offsets, counts = tags.get(324 if tiled else 273), tags.get(325 if tiled else 279)
+    if offsets is None or counts is None:
+        return None
+    offsets = offsets if isinstance(offsets, tuple) else (offsets,)
+    counts = counts if isinstance(counts, tuple) else (counts,)
+    bits = tags.get(258, 1)
+    bits = sum(bits) if isinstance(bits, tuple) else bits * tags.get(277, 1)
+    cols, rows = (tags[322], tags[323]) if tiled else (img.width, min(tags.get(278, img.height), img.height))
+    cap = 2 * rows * (cols * bits // 8 + 1) + (1 << 16)  # what a block holds, with room: the rest is libtiff's
+    view = memoryview(data)
+    for index, (offset, count) in enumerate(zip(offsets, counts, strict=False)):
+        stream, inflated, stop = zlib.decompressobj(), 0, min(offset + count, len(data))
+        try:
+            for at in range(offset, stop, 1 << 16):  # in pieces: memory stays bounded
+                inflated += len(stream.decompress(view[at : min(at + (1 << 16), stop)]))
+                if stream.eof or inflated > cap:
+                    break
+        except zlib.error as exc:
+            block = "tile" if tiled else "strip"
+            return f"corrupt TIFF: the deflate data of {block} {index} is damaged (zlib: {str(exc).split(': ')[-1]})"
+    return None
 
 
 def _scale_low_depth_gray_trns(img: Image.Image, data: bytes) -> None:
@@ -692,11 +924,11 @@ def _scale_low_depth_gray_trns(img: Image.Image, data: bytes) -> None:
 
 
 def _pillow_orientation(img: Image.Image) -> int:
+    """The orientation exif_transpose applies to ``img`` (see :data:`_TRANSPOSING`); 1 for broken EXIF."""
     try:
-        value = int(img.getexif().get(0x0112, 1))
+        return _TRANSPOSING.get(img.getexif().get(0x0112, 1), 1)
     except Exception:  # noqa: BLE001 - broken EXIF is tolerated, the image is not
         return 1
-    return value if 1 <= value <= 8 else 1
 
 
 def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = False) -> np.ndarray:
@@ -718,7 +950,7 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = Fa
             img = _decode_simplejpeg(sj, data, spec, reuse=_reuse)
             if img is not None:
                 return img
-            data = _clean_jpeg_header(data)
+            return _decode_pillow(_clean_jpeg_header(data), fmt, spec, source=data)
     return _decode_pillow(data, fmt, spec)
 
 

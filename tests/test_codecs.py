@@ -4,7 +4,10 @@ good kind becomes uint8 RGB with orientation, colour, alpha and bit depth handle
 from __future__ import annotations
 
 import io
+import struct
+import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -150,6 +153,142 @@ def test_max_pixels_is_configurable(imaging):
     check_rgb(decode_rgb(data, DecodeSpec(size=32, max_pixels=2000)), (40, 50))
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF", "GIF", "BMP", "WEBP"])
+def test_max_pixels_alone_decides_whatever_pillows_limit(imaging, monkeypatch, fmt):
+    """Pillow refuses an image over 2 x Image.MAX_IMAGE_PIXELS (178,956,970 pixels by default) when it
+    opens it, and TIFF, GIF and WebP again while reading it; in datapipe's decode max_pixels is the
+    only rule, in both directions. Pillow's limit is made tiny here rather than decoding 180 M pixels."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow alone would refuse over 200 pixels
+    data = imaging.encode(imaging.gradient(30, 40), fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    check_rgb(decode_rgb(data, DecodeSpec(size=32, max_pixels=1200)), (30, 40))
+    for limit in (100, None):  # Pillow's check on or off: datapipe's applies the same
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+        with pytest.raises(DecodeError, match="decompression bomb: header says 40x30 = 1,200 pixels") as info:
+            decode_rgb(data, DecodeSpec(size=32, max_pixels=1199))
+        assert info.value.kind == "too-large"
+
+
+def test_max_pixels_above_pillows_default_limit_is_honoured(imaging):
+    """A header of 13500 x 13500 = 182 M pixels, over Pillow's default limit of 178,956,970: with
+    max_pixels at 200 M it goes on to be decoded, not refused as a bomb. Only 4x4 pixels of data
+    follow the header, so the decode fails as truncated at once and the test decodes no 182 M pixels."""
+    data = imaging.png_claiming(13500, 13500)
+    with pytest.raises(DecodeError) as info:
+        decode_rgb(data, DecodeSpec(size=32, max_pixels=200_000_000))
+    assert info.value.kind == "corrupt" and "bomb" not in str(info.value), info.value
+    with pytest.raises(DecodeError, match="decompression bomb: header says 13500x13500"):
+        decode_rgb(data, DecodeSpec(size=32, max_pixels=182_249_999))
+
+
+def test_pillows_own_limit_still_holds_outside_datapipes_decode(imaging, monkeypatch):
+    """datapipe's limit applies to its own decode, in its own thread: code that opens an image with
+    Pillow in another thread meanwhile keeps Pillow's limit (no module-wide setting changes)."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    data = imaging.encode(imaging.gradient(30, 40), "PNG")
+    inside, release, result = threading.Event(), threading.Event(), {}
+    to_rgb = codecs._to_rgb
+
+    def paused(img):  # holds the decode (and its limit) open while the main thread opens the image
+        inside.set()
+        release.wait(10)
+        return to_rgb(img)
+
+    def decode():
+        result["rgb"] = decode_rgb(data, DecodeSpec(size=32, max_pixels=10_000))
+
+    monkeypatch.setattr(codecs, "_to_rgb", paused)
+    worker = threading.Thread(target=decode)
+    worker.start()
+    try:
+        assert inside.wait(5), "the decode did not get past Pillow's limit"
+        with pytest.raises(Image.DecompressionBombError):
+            Image.open(io.BytesIO(data))
+    finally:
+        release.set()
+        worker.join(10)
+    check_rgb(result["rgb"], (30, 40))
+
+
+def _flipped(data: bytes, pos: int) -> bytes:
+    bad = bytearray(data)
+    bad[pos] ^= 0x01
+    return bytes(bad)
+
+
+def _pillow_keeps(data: bytes) -> bool:
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+        return True
+    except Exception:  # noqa: BLE001 - any refusal
+        return False
+
+
+def test_png_whose_image_data_fails_its_crc_is_quarantined(imaging):
+    """One flipped bit anywhere in IDAT: the chunk's CRC-32 fails. Pillow checks no CRC from IDAT on,
+    and keeps many such files with wrong pixels (it stops inflating once it has every row, before
+    zlib's Adler-32)."""
+    y, x = np.mgrid[0:64, 0:96]
+    arr = np.stack([x * 2, y * 3, (x * y) % 256], -1).astype(np.uint8)
+    data = imaging.encode(arr, "PNG")
+    start = data.index(b"IDAT") + 4
+    length = struct.unpack(">I", data[start - 8 : start - 4])[0]
+    wrong_but_kept_by_pillow = 0
+    for pos in range(start, start + length, 3):
+        bad = _flipped(data, pos)
+        with pytest.raises(DecodeError, match=rf"^corrupt PNG: chunk IDAT at byte {start - 8} fails its CRC") as info:
+            decode_rgb(bad, FULL)
+        assert info.value.kind == "corrupt"
+        if _pillow_keeps(bad):
+            wrong_but_kept_by_pillow += mean_abs(pillow_rgb(bad), arr) > 5
+    assert wrong_but_kept_by_pillow > 5
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_png_chunk_after_the_image_data_is_checked_too(imaging):
+    """An eXIf chunk after IDAT: Pillow reads the orientation from it but never checks its CRC."""
+    arr = imaging.gradient(40, 56)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    png = imaging.encode(arr, "PNG")
+    data = png[:-12] + _png_chunk(b"eXIf", exif.tobytes()[6:]) + png[-12:]  # before IEND
+    np.testing.assert_array_equal(decode_rgb(data, FULL), np.rot90(arr, -1))
+    value = data.index(b"eXIf") + 4 + 8 + 2 + 8  # the orientation SHORT of the one IFD entry
+    bad = bytearray(data)
+    bad[value] = 3  # 6 -> 3: rotated 180 degrees instead
+    assert _pillow_keeps(bytes(bad))
+    with pytest.raises(DecodeError, match="^corrupt PNG: chunk eXIf at byte .* fails its CRC"):
+        decode_rgb(bytes(bad), FULL)
+
+
+@pytest.mark.parametrize("compression", ["tiff_adobe_deflate", "tiff_deflate"])
+def test_deflate_tiff_whose_data_fails_its_check_is_quarantined(imaging, compression):
+    """A damaged byte in a deflate strip: libtiff stops inflating once it has the strip's pixels and says
+    nothing, Pillow keeps the file with wrong pixels; the zlib stream's Adler-32 (or its structure)
+    tells. Damage that changes no pixel (the unused bits after the final block) may be kept."""
+    arr = imaging.gradient(200, 120)  # 72 KB of pixels: two strips
+    data = imaging.encode(arr, "TIFF", compression=compression)
+    with Image.open(io.BytesIO(data)) as img:
+        offsets, counts = img.tag_v2[273], img.tag_v2[279]
+    assert len(offsets) >= 2
+    np.testing.assert_array_equal(decode_rgb(data, FULL), arr)
+    wrong_but_kept_by_pillow = 0
+    for strip, (offset, count) in enumerate(zip(offsets, counts, strict=True)):
+        for pos in range(offset, offset + count, max(1, count // 250)):
+            bad = _flipped(data, pos)
+            try:
+                np.testing.assert_array_equal(decode_rgb(bad, FULL), arr)
+            except DecodeError as exc:
+                assert str(exc).startswith(f"corrupt TIFF: the deflate data of strip {strip} is damaged"), exc
+                assert exc.kind == "corrupt"
+                if _pillow_keeps(bad):
+                    wrong_but_kept_by_pillow += mean_abs(pillow_rgb(bad), arr) > 5
+    assert wrong_but_kept_by_pillow > 5
+
+
 # ----------------------------------------------------------------------------- EXIF orientation
 
 
@@ -200,6 +339,99 @@ def test_broken_exif_decodes_upright(imaging, backend, payload):
     ours = decode_rgb(broken, FULL)
     check_rgb(ours, (40, 56))
     np.testing.assert_array_equal(ours, decode_rgb(clean, FULL))
+
+
+def _exif(order: bytes, entries: list[tuple[int, int, int, bytes]]) -> bytes:
+    """A TIFF header and one IFD of ``entries`` (tag, type, count, value bytes in ``order``); values
+    longer than 4 bytes are stored after the IFD."""
+    o = "<" if order == b"II" else ">"
+    after = 8 + 2 + 12 * len(entries) + 4
+    ifd, heap = struct.pack(o + "H", len(entries)), b""
+    for tag, typ, count, value in entries:
+        if len(value) > 4:
+            ifd += struct.pack(o + "HHII", tag, typ, count, after + len(heap))
+            heap += value
+        else:
+            ifd += struct.pack(o + "HHI", tag, typ, count) + value.ljust(4, b"\x00")
+    return order + struct.pack(o + "HI", 42, 8) + ifd + struct.pack(o + "I", 0) + heap
+
+
+# Every field type Pillow reads, as (type, count, value bytes for orientation k): Pillow's
+# exif_transpose turns the image for some (a LONG 6, a float 6.0, a rational 12/2, the first of two
+# SHORTs) and not for others (BYTE and UNDEFINED come back as bytes, ASCII as text).
+STORAGE_FORMS = {
+    "SHORT": (3, 1, "H", lambda k: (k,)), "LONG": (4, 1, "I", lambda k: (k,)),
+    "SSHORT": (8, 1, "h", lambda k: (k,)), "SLONG": (9, 1, "i", lambda k: (k,)),
+    "BYTE": (1, 1, "B", lambda k: (k,)), "SBYTE": (6, 1, "b", lambda k: (k,)),
+    "UNDEFINED": (7, 1, "B", lambda k: (k,)), "ASCII": (2, 2, "Bx", lambda k: (48 + k,)),
+    "RATIONAL": (5, 1, "II", lambda k: (2 * k, 2)), "SRATIONAL": (10, 1, "ii", lambda k: (k, 1)),
+    "FLOAT": (11, 1, "f", lambda k: (k,)), "DOUBLE": (12, 1, "d", lambda k: (k,)),
+    "IFD": (13, 1, "I", lambda k: (k,)), "LONG8": (16, 1, "Q", lambda k: (k,)),
+    "2 SHORTs": (3, 2, "HH", lambda k: (k, 1)), "2 LONGs": (4, 2, "II", lambda k: (k, 1)),
+    "0 SHORTs": (3, 0, "", lambda k: ()),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Metadata Warning:UserWarning")  # Pillow's, about the 2-value forms
+@pytest.mark.parametrize("order", [b"II", b"MM"], ids=["little-endian", "big-endian"])
+def test_jpeg_orientation_in_every_storage_form_is_what_exif_transpose_applies(imaging, backend, order):
+    arr = imaging.gradient(24, 36)
+    clean = imaging.jpeg(arr, quality=95)
+    plain = decode_rgb(clean, FULL)
+    wrong = []
+    for name, (typ, count, fmt, values) in STORAGE_FORMS.items():
+        for k in range(1, 9):
+            value = struct.pack(("<" if order == b"II" else ">") + fmt, *values(k))
+            data = imaging.with_app1(clean, b"Exif\x00\x00" + _exif(order, [(0x0112, typ, count, value)]))
+            ref = pillow_rgb(data)
+            ours = decode_rgb(data, FULL)
+            if ours.shape != ref.shape or mean_abs(ours, ref) > 2:
+                wrong.append(f"{name} {k}")
+            elif name == "LONG":  # the form phone cameras write: turned exactly as a SHORT is
+                np.testing.assert_array_equal(ours, apply_orientation(plain, k))
+    assert not wrong, f"not as exif_transpose: {wrong}"
+
+
+XMP_FORMS = {"attribute": 'tiff:Orientation="{k}"', "element": "<tiff:Orientation>{k}</tiff:Orientation>"}
+
+
+@pytest.mark.parametrize("form", sorted(XMP_FORMS))
+def test_jpeg_xmp_orientation_applies_when_exif_has_none(imaging, backend, form):
+    """Pillow reads ``tiff:Orientation`` from the (last) XMP packet when the EXIF holds no orientation,
+    as datapipe's PNG path does through Pillow: a JPEG follows the same rule."""
+    arr = imaging.gradient(24, 36)
+    clean = imaging.jpeg(arr, quality=95)
+    plain = decode_rgb(clean, FULL)
+
+    def xmp(k: int) -> bytes:
+        return (b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta xmlns:x=\"adobe:ns:meta/\"><rdf:Description "
+                b"xmlns:tiff=\"http://ns.adobe.com/tiff/1.0/\" " + XMP_FORMS[form].format(k=k).encode() + b"/></x:xmpmeta>")
+
+    no_orientation = b"Exif\x00\x00" + _exif(b"II", [(0x0131, 2, 4, b"gimp")])
+    with_orientation = b"Exif\x00\x00" + _exif(b"MM", [(0x0112, 3, 1, struct.pack(">H", 3))])
+    for k in range(1, 9):
+        for data, expected in [
+            (imaging.with_app1(clean, xmp(k)), k),  # XMP alone
+            (imaging.with_app1(imaging.with_app1(clean, xmp(k)), no_orientation), k),  # EXIF without one
+            (imaging.with_app1(imaging.with_app1(clean, xmp(9 - k)), xmp(k)), 9 - k),  # the last packet
+            (imaging.with_app1(imaging.with_app1(clean, xmp(k)), with_orientation), 3),  # EXIF first
+        ]:
+            ours = decode_rgb(data, FULL)
+            np.testing.assert_array_equal(ours, apply_orientation(plain, expected))
+            assert ours.shape == pillow_rgb(data).shape and mean_abs(ours, pillow_rgb(data)) < 2
+
+
+def test_orientation_of_other_formats_is_what_exif_transpose_applies(imaging):
+    """exif_transpose turns the image for a value equal to 2..8 (6, 6.0, 12/2), not for 6.5 or 13/2."""
+    arr = imaging.gradient(24, 36)
+    png = imaging.encode(arr, "PNG")
+    for typ, fmt, values, expected in [(5, "II", (13, 2), 1), (11, "f", (6.5,), 1), (5, "II", (12, 2), 6),
+                                       (11, "f", (6.0,), 6), (4, "I", (6,), 6)]:
+        exif = _exif(b"II", [(0x0112, typ, 1, struct.pack("<" + fmt, *values))])
+        data = png[:33] + _png_chunk(b"eXIf", exif) + png[33:]  # after IHDR
+        ours = decode_rgb(data, FULL)
+        np.testing.assert_array_equal(ours, apply_orientation(arr, expected))
+        np.testing.assert_array_equal(ours, pillow_rgb(data))
 
 
 # ----------------------------------------------------------------------------- colour and bit depth

@@ -303,6 +303,77 @@ def test_both_kernels_give_the_same_bytes_for_oriented_views(imaging, monkeypatc
     np.testing.assert_array_equal(decode_sample(data, spec), first)
 
 
+def random_metadata_jpeg(rng: np.random.Generator, clean: bytes) -> bytes:
+    """``clean`` with random EXIF and XMP segments: an orientation of any field type and count (some
+    stored after the IFD, some pointing past the data), duplicate entries, entries before it whose data
+    lies elsewhere or nowhere, IFDs cut short, damaged TIFF headers, two EXIF segments, XMP packets
+    with or without an orientation."""
+    order = (b"II", b"MM")[rng.integers(2)]
+    o = "<" if order == b"II" else ">"
+    formats = {1: "B", 2: "B", 3: "H", 4: "I", 5: "II", 6: "b", 7: "B", 8: "h", 9: "i", 10: "ii", 11: "f", 12: "d",
+               13: "I", 16: "Q", 14: "I", 0: "I"}  # 14 and 0 are no field type Pillow reads
+    entries: list[tuple[int, int, int, bytes, bool]] = []  # tag, type, count, value, stored past the data
+    if rng.random() < 0.5:
+        entries.append((0x010F, 2, 6, b"Apple\x00", rng.random() < 0.2))
+    if rng.random() < 0.3:
+        entries.append((0x0112, int(rng.choice([2, 3, 7, 14])), int(rng.integers(2)), b"\x06\x00", False))
+    if rng.random() < 0.9:
+        typ, count, k = int(rng.choice(list(formats))), int(rng.choice([1, 1, 1, 2, 0, 3])), int(rng.integers(10))
+        fmt = formats[typ]
+        numbers = [k, *rng.integers(0, 10, 2)][:count]
+        if fmt in "fd":
+            value = b"".join(struct.pack(o + fmt, v + float(rng.choice([0, 0, 0.5]))) for v in numbers)
+        elif len(fmt) == 2:
+            value = b"".join(struct.pack(o + fmt, v * 2, int(rng.choice([2, 1, 0]))) for v in numbers)
+        else:
+            value = b"".join(struct.pack(o + fmt, v) for v in numbers)
+        entries.append((0x0112, typ, count, value, rng.random() < 0.1))
+    if rng.random() < 0.3:
+        entries.append((0x0112, 3, 1, struct.pack(o + "H", int(rng.integers(1, 9))), False))
+    heap_at = 8 + 2 + 12 * len(entries) + 4
+    ifd, heap = struct.pack(o + "H", len(entries)), b""
+    for tag, typ, count, value, past in entries:
+        if len(value) > 4:
+            ifd += struct.pack(o + "HHII", tag, typ, count, heap_at + len(heap) + (10_000 if past else 0))
+            heap += value
+        else:
+            ifd += struct.pack(o + "HHI", tag, typ, count) + value.ljust(4, b"\x00")
+    tiff = order + struct.pack(o + "HI", 42, 8) + ifd + struct.pack(o + "I", 0) + heap
+    if rng.random() < 0.1:
+        tiff = tiff[: rng.integers(len(tiff) + 1)]
+    if rng.random() < 0.05:
+        tiff = b"IM" + tiff[2:]
+    segments = []
+    if rng.random() < 0.85:
+        segments.append(b"Exif\x00\x00" + (b"Exif\x00\x00" if rng.random() < 0.05 else b"") + tiff)
+    if rng.random() < 0.1:
+        segments.append(b"Exif\x00\x00" + tiff)
+    if rng.random() < 0.4:
+        k = int(rng.integers(10))
+        form = rng.choice([f'tiff:Orientation="{k}"', f"<tiff:Orientation>{k}</tiff:Orientation>", "none"])
+        segments.insert(rng.integers(len(segments) + 1), b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta " + form.encode() + b"/>")
+    app1 = b"".join(b"\xff\xe1" + struct.pack(">H", len(s) + 2) + s for s in segments)
+    return clean[:2] + app1 + clean[2:]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow's, about the broken EXIF made here
+@pytest.mark.parametrize("seed", range(4))
+def test_jpeg_orientation_of_random_metadata_is_what_exif_transpose_applies(imaging, seed):
+    """Whatever the EXIF and XMP hold, a JPEG is turned as ``ImageOps.exif_transpose`` turns it (upright
+    where exif_transpose raises on broken EXIF, which datapipe tolerates)."""
+    rng = np.random.default_rng(seed)
+    arr = imaging.gradient(24, 36, seed=seed)
+    clean = imaging.jpeg(arr, quality=95, dpi=(72, 72)) if seed % 2 else imaging.jpeg(arr, quality=95)
+    for i in range(150):
+        data = random_metadata_jpeg(rng, clean)
+        with Image.open(io.BytesIO(data)) as opened:
+            try:
+                ref = canonical_of(ImageOps.exif_transpose(opened))
+            except Exception:  # noqa: BLE001 - Pillow raised on the EXIF: datapipe keeps the image upright
+                ref = canonical_of(opened)
+        assert_matches(decode_rgb(data, FULL), ref, f"seed {seed}, case {i}: {data[:160]!r}")
+
+
 # ----------------------------------------------------------------------------- every Pillow mode
 
 
@@ -649,6 +720,29 @@ def test_damaged_scan_data_is_refused_although_pillow_keeps_it(imaging):
     with pytest.raises(DecodeError, match="damaged scan data"):
         decode_rgb(data, FULL)
     assert oracle_or_reason(data)[0] is not None
+
+
+def test_damaged_png_and_deflate_tiff_are_refused_although_pillow_keeps_them(imaging):
+    """A flipped bit in a PNG's image data or a TIFF's deflate strip: Pillow (and libtiff) stop
+    inflating once they have every row, never reach the zlib stream's Adler-32 nor check the PNG
+    chunk's CRC-32, and keep many such files with wrong pixels; datapipe checks them and quarantines
+    every one."""
+    y, x = np.mgrid[0:64, 0:96]
+    arr = np.stack([x * 2, y * 3, (x * y) % 256], -1).astype(np.uint8)  # a pattern whose damage Pillow often keeps
+    for fmt, kwargs, reason in [("PNG", {}, "corrupt PNG: chunk IDAT at byte"),
+                                ("TIFF", {"compression": "tiff_adobe_deflate"}, "corrupt TIFF: the deflate data of strip 0")]:
+        data = imaging.encode(arr, fmt, **kwargs)
+        kept_by_pillow = 0
+        for pos in range(len(data) // 4, len(data) * 3 // 4, 3):
+            bad = bytearray(data)
+            bad[pos] ^= 0x01
+            ref, _ = oracle_or_reason(bytes(bad))
+            if ref is None or agreement(ref, arr)[1] < 1:
+                continue  # refused by Pillow too, or the bit changed no pixel
+            kept_by_pillow += 1
+            ours, exc = ours_or_reason(bytes(bad))
+            assert ours is None and exc.kind == "corrupt" and str(exc).startswith(reason), (fmt, pos, exc)
+        assert kept_by_pillow > 5, fmt
 
 
 def test_truncated_png_and_gif_are_refused_like_pillow(imaging):
