@@ -692,10 +692,15 @@ sys.exit(main(sys.argv[1:]))
 def test_a_signal_while_the_cluster_starts_is_one_line_and_leaves_no_process(small, tmp_path, phase, signame):
     """SIGTERM or Ctrl-C in any phase of the LocalCluster's start: the build's one line, its exit code,
     no traceback (distributed's exit handler once failed on the half-made cluster), no worker left."""
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", STARTUP_SIGNAL, "build", str(small), str(out), "--size", str(SIZE),
-                             "--workers", "1", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "PHASE": phase, "SIGNAL": signame})
+    interrupted_build(["-c", STARTUP_SIGNAL, "build", str(small), str(tmp_path / "out")], signame,
+                      {**os.environ, "PHASE": phase, "SIGNAL": signame})
+
+
+def interrupted_build(args: list[str], signame: str, env: dict[str, str]) -> None:
+    """Run ``python ARGS --size SIZE --workers 1 --quiet`` in a session of its own, which a signal interrupts:
+    the build's one line and exit code, no traceback, and no process of it left."""
+    proc = subprocess.Popen([sys.executable, *args, "--size", str(SIZE), "--workers", "1", "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
         stderr = proc.communicate(timeout=120)[1]
     finally:
@@ -728,22 +733,5 @@ def test_a_signal_to_the_whole_group_while_a_worker_starts_is_one_line(small, tm
     start"), which must be reported as the interruption, not as distributed's traceback."""
     preload = tmp_path / "preload.py"
     preload.write_text(GROUP_SIGNAL)
-    out = tmp_path / "out"
     env = {**os.environ, "SIGNAL": signame, "DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps([str(preload)])}
-    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(small), str(out), "--size", str(SIZE),
-                             "--workers", "1", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env=env)
-    try:
-        stderr = proc.communicate(timeout=120)[1]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-    assert proc.returncode == (143 if signame == "SIGTERM" else 130), stderr
-    assert "Traceback" not in stderr and "Error" not in stderr, stderr
-    what = "terminated" if signame == "SIGTERM" else "interrupted"
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert lines[-1] == f"datapipe build: {what}; finished shards are kept, rerun to resume", stderr
-    assert len(lines) <= 3, stderr
-    wait_for(lambda: subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 1, 30,
-             "every process of the build to end")
+    interrupted_build(["-m", "datapipe.cli", "build", str(small), str(tmp_path / "out")], signame, env)
