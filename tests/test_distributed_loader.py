@@ -9,6 +9,7 @@ per epoch over both ranks, equal and exact batch counts, and different orders ac
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -192,71 +193,87 @@ def _attempt(action) -> str | None:
     return None
 
 
+def _reporting(body):
+    """A rank's target from ``body(rank, port, cache, out) -> result``: after it, a barrier and the end of the
+    process group, then the result in ``out/rank<r>.json`` (or the traceback in ``out/rank<r>.err``)."""
+
+    @functools.wraps(body)
+    def target(rank: int, port: int, cache: str, out: str) -> None:
+        try:
+            result = body(rank, port, cache, out)
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+            Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        except BaseException:
+            Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+            raise
+
+    return target
+
+
+@_reporting
 def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> None:
     """One rank of runs whose datasets differ on one rank (and of runs that must pass): what each raised.
 
     A barrier after each run keeps every rank (and rank 0's store) up until all have checked, so the
     outcome does not depend on which rank gets where first."""
-    try:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            os.environ.pop(key, None)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        multiprocessing.set_start_method("fork", force=True)
-        import torch
-        import torch.distributed as dist
-        from torch.utils.data import DataLoader
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(key, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    multiprocessing.set_start_method("fork", force=True)
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
 
-        import datapipe
+    import datapipe
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
 
-        def make(**kwargs) -> datapipe.StreamingDataset:
-            return datapipe.StreamingDataset(cache, **{"batch_size": B, "seed": 5, "return_index": True, **kwargs})
+    def make(**kwargs) -> datapipe.StreamingDataset:
+        return datapipe.StreamingDataset(cache, **{"batch_size": B, "seed": 5, "return_index": True, **kwargs})
 
-        def device_epoch(ds, state=None, load_after_set_epoch=False, passes=1) -> None:
-            loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
-            if state is not None and not load_after_set_epoch:
-                loader.load_state_dict(state)
-            loader.set_epoch(0)
-            if state is not None and load_after_set_epoch:
-                loader.load_state_dict(state)
-            for _ in range(passes):
-                for _batch in loader:
-                    pass
+    def device_epoch(ds, state=None, load_after_set_epoch=False, passes=1) -> None:
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
+        if state is not None and not load_after_set_epoch:
+            loader.load_state_dict(state)
+        loader.set_epoch(0)
+        if state is not None and load_after_set_epoch:
+            loader.load_state_dict(state)
+        for _ in range(passes):
+            for _batch in loader:
+                pass
 
-        def unsplit_on_rank_0() -> None:  # e.g. an evaluation of rank 0's own
-            if rank == 0:
-                device_epoch(make(rank=0, world_size=1))
+    def unsplit_on_rank_0() -> None:  # e.g. an evaluation of rank 0's own
+        if rank == 0:
+            device_epoch(make(rank=0, world_size=1))
 
-        def with_workers() -> None:
-            ds = make()
-            ds.set_epoch(1)
-            list(DataLoader(ds, batch_size=None, num_workers=2))
+    def with_workers() -> None:
+        ds = make()
+        ds.set_epoch(1)
+        list(DataLoader(ds, batch_size=None, num_workers=2))
 
-        state = {**make().state_dict(), "position": 2 * B * WORLD}
-        runs = {
-            "seed per rank": lambda: device_epoch(make(seed=rank)),
-            "batch size": lambda: make(batch_size=2 * B if rank else B).set_epoch(0),
-            "drop_last": lambda: len(DataLoader(make(drop_last=rank == 1), batch_size=None, num_workers=2)),
-            "resumed on rank 0 only": lambda: device_epoch(make(), state if rank == 0 else None),
-            "resumed on rank 0 only, after set_epoch": lambda: device_epoch(
-                make(), state if rank == 0 else None, load_after_set_epoch=True),
-            # what must pass: the same state on every rank (loaded after set_epoch, the epoch read twice),
-            # a dataset of one rank's own (world_size=1), and a dataset read by DataLoader workers
-            "resumed alike": lambda: device_epoch(make(), state, load_after_set_epoch=True, passes=2),
-            "rank 0 only, unsplit": unsplit_on_rank_0,
-            "alike with workers": with_workers,
-        }
-        result = {}
-        for name, run in runs.items():
-            result[name] = _attempt(run)
-            dist.barrier()
-        dist.destroy_process_group()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    state = {**make().state_dict(), "position": 2 * B * WORLD}
+    runs = {
+        "seed per rank": lambda: device_epoch(make(seed=rank)),
+        "batch size": lambda: make(batch_size=2 * B if rank else B).set_epoch(0),
+        "drop_last": lambda: len(DataLoader(make(drop_last=rank == 1), batch_size=None, num_workers=2)),
+        "resumed on rank 0 only": lambda: device_epoch(make(), state if rank == 0 else None),
+        "resumed on rank 0 only, after set_epoch": lambda: device_epoch(
+            make(), state if rank == 0 else None, load_after_set_epoch=True),
+        # what must pass: the same state on every rank (loaded after set_epoch, the epoch read twice),
+        # a dataset of one rank's own (world_size=1), and a dataset read by DataLoader workers
+        "resumed alike": lambda: device_epoch(make(), state, load_after_set_epoch=True, passes=2),
+        "rank 0 only, unsplit": unsplit_on_rank_0,
+        "alike with workers": with_workers,
+    }
+    result = {}
+    for name, run in runs.items():
+        result[name] = _attempt(run)
+        dist.barrier()
+    return result
 
 
 def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index_cache, tmp_path):
@@ -281,45 +298,40 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
         assert [r[name] for r in results] == [None] * WORLD, name
 
 
+@_reporting
 def _created_before_init_main(rank: int, port: int, cache: str, out: str) -> None:
     """One rank that creates datasets before init_process_group (as mp.spawn + tcp:// allows): from no
     RANK/WORLD_SIZE, from torchrun's variables, and with explicit ranks. What using each raised."""
-    try:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(key, None)
-        import torch
-        import torch.distributed as dist
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    import torch
+    import torch.distributed as dist
 
-        import datapipe
+    import datapipe
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
-        def make(**kwargs) -> datapipe.StreamingDataset:
-            return datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True, **kwargs)
+    def make(**kwargs) -> datapipe.StreamingDataset:
+        return datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True, **kwargs)
 
-        undetected = make()  # rank 0 of 1: nothing says otherwise yet
-        explicit = make(rank=rank, world_size=WORLD)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD))
-        from_env = make()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=timedelta(seconds=60))
+    undetected = make()  # rank 0 of 1: nothing says otherwise yet
+    explicit = make(rank=rank, world_size=WORLD)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD))
+    from_env = make()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
 
-        def device_epoch(ds) -> int:
-            loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
-            return sum(1 for _ in loader)
+    def device_epoch(ds) -> int:
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
+        return sum(1 for _ in loader)
 
-        result = {
-            "undetected": [_attempt(lambda: undetected.set_epoch(0)), _attempt(lambda: len(undetected)),
-                           _attempt(lambda: device_epoch(undetected))],
-            "explicit": [_attempt(lambda: explicit.set_epoch(0)), _attempt(lambda: device_epoch(explicit))],
-            "from_env": [_attempt(lambda: from_env.set_epoch(0)), _attempt(lambda: device_epoch(from_env))],
-        }
-        dist.barrier()
-        dist.destroy_process_group()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    result = {
+        "undetected": [_attempt(lambda: undetected.set_epoch(0)), _attempt(lambda: len(undetected)),
+                       _attempt(lambda: device_epoch(undetected))],
+        "explicit": [_attempt(lambda: explicit.set_epoch(0)), _attempt(lambda: device_epoch(explicit))],
+        "from_env": [_attempt(lambda: from_env.set_epoch(0)), _attempt(lambda: device_epoch(from_env))],
+    }
+    return result
 
 
 def test_a_dataset_created_before_init_process_group_is_refused_not_read_whole(index_cache, tmp_path):
