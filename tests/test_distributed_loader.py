@@ -68,59 +68,74 @@ def _read_epochs(ds, ids: np.ndarray, epochs: int = 2) -> list[list[list[int]]]:
     return result
 
 
-def _rank_main(rank: int, port: int, cache: str, out: str) -> None:
-    """One rank: runs in a spawned process, writes what it read to ``out/rank{rank}.json``."""
-    try:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(key, None)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # A spawned child inherits "spawn"; ranks started by torchrun have the platform default,
-        # under which DataLoader workers fork instead of re-importing torch (seconds each).
-        multiprocessing.set_start_method("fork", force=True)
-        import torch
-        import torch.distributed as dist
-        from torch.utils.data import DataLoader
+def _reporting(body):
+    """A rank's target from ``body(rank, port, cache, out) -> result``: after it, a barrier and the end of the
+    process group, then the result in ``out/rank<r>.json`` (or the traceback in ``out/rank<r>.err``)."""
 
-        import datapipe
-        from datapipe.testing import index_map, to_uint8
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-        ids = index_map(cache)
-        result: dict = {}
-
-        ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
-        result["detected"] = [ds.rank, ds.world_size]
-        result["len"] = len(ds)
-        result["epochs"] = _read_epochs(ds, ids)
-
-        dropping = datapipe.StreamingDataset(cache, batch_size=B, seed=5, drop_last=True, return_index=True)
-        result["drop_len"] = len(dropping)
-        result["drop"] = [idx.tolist() for _, _, idx in DataLoader(dropping, batch_size=None, num_workers=2)]
-
-        device_ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
-        device = datapipe.DeviceLoader(device_ds, device="cpu", num_workers=2, augment=datapipe.augment.train(24))
-        device.set_epoch(1)
-        result["device_len"] = len(device)
-        result["device"] = []
+    @functools.wraps(body)
+    def target(rank: int, port: int, cache: str, out: str) -> None:
         try:
-            for images, labels, idx in device:
-                _check_pixels(ids, to_uint8(images), labels, idx)
-                result["device"].append(idx.tolist())
-        finally:
-            device.close()
+            result = body(rank, port, cache, out)
+            import torch.distributed as dist
 
-        # What DDP needs: every rank steps the same number of times (gathered, not assumed).
-        counts = [len(e) for e in result["epochs"]] + [len(result["drop"]), len(result["device"])]
-        gathered: list = [None] * WORLD
-        dist.all_gather_object(gathered, counts)
-        result["gathered_counts"] = gathered
-        dist.barrier()
-        dist.destroy_process_group()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+            dist.barrier()
+            dist.destroy_process_group()
+            Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        except BaseException:
+            Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+            raise
+
+    return target
+
+
+@_reporting
+def _rank_main(rank: int, port: int, cache: str, out: str) -> dict:
+    """One rank: runs in a spawned process, writes what it read to ``out/rank{rank}.json``."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A spawned child inherits "spawn"; ranks started by torchrun have the platform default,
+    # under which DataLoader workers fork instead of re-importing torch (seconds each).
+    multiprocessing.set_start_method("fork", force=True)
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    import datapipe
+    from datapipe.testing import index_map, to_uint8
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    ids = index_map(cache)
+    result: dict = {}
+
+    ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
+    result["detected"] = [ds.rank, ds.world_size]
+    result["len"] = len(ds)
+    result["epochs"] = _read_epochs(ds, ids)
+
+    dropping = datapipe.StreamingDataset(cache, batch_size=B, seed=5, drop_last=True, return_index=True)
+    result["drop_len"] = len(dropping)
+    result["drop"] = [idx.tolist() for _, _, idx in DataLoader(dropping, batch_size=None, num_workers=2)]
+
+    device_ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True)
+    device = datapipe.DeviceLoader(device_ds, device="cpu", num_workers=2, augment=datapipe.augment.train(24))
+    device.set_epoch(1)
+    result["device_len"] = len(device)
+    result["device"] = []
+    try:
+        for images, labels, idx in device:
+            _check_pixels(ids, to_uint8(images), labels, idx)
+            result["device"].append(idx.tolist())
+    finally:
+        device.close()
+
+    # What DDP needs: every rank steps the same number of times (gathered, not assumed).
+    counts = [len(e) for e in result["epochs"]] + [len(result["drop"]), len(result["device"])]
+    gathered: list = [None] * WORLD
+    dist.all_gather_object(gathered, counts)
+    result["gathered_counts"] = gathered
+    return result
 
 
 def _run_ranks(cache: Path, out: Path, timeout: float = 100.0, target=None) -> list[dict]:
@@ -193,28 +208,8 @@ def _attempt(action) -> str | None:
     return None
 
 
-def _reporting(body):
-    """A rank's target from ``body(rank, port, cache, out) -> result``: after it, a barrier and the end of the
-    process group, then the result in ``out/rank<r>.json`` (or the traceback in ``out/rank<r>.err``)."""
-
-    @functools.wraps(body)
-    def target(rank: int, port: int, cache: str, out: str) -> None:
-        try:
-            result = body(rank, port, cache, out)
-            import torch.distributed as dist
-
-            dist.barrier()
-            dist.destroy_process_group()
-            Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-        except BaseException:
-            Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
-            raise
-
-    return target
-
-
 @_reporting
-def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> None:
+def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
     """One rank of runs whose datasets differ on one rank (and of runs that must pass): what each raised.
 
     A barrier after each run keeps every rank (and rank 0's store) up until all have checked, so the
@@ -299,7 +294,7 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
 
 
 @_reporting
-def _created_before_init_main(rank: int, port: int, cache: str, out: str) -> None:
+def _created_before_init_main(rank: int, port: int, cache: str, out: str) -> dict:
     """One rank that creates datasets before init_process_group (as mp.spawn + tcp:// allows): from no
     RANK/WORLD_SIZE, from torchrun's variables, and with explicit ranks. What using each raised."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -7,19 +7,16 @@ the same stream for any number of workers, resume by seek; and real ranks (gloo)
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loader_fixtures import B, concat, dataset, index_cache_info, same_stream, take
-from test_distributed_loader import _read_epochs, _run_ranks
+from test_distributed_loader import _read_epochs, _reporting, _run_ranks
 
 import datapipe
 from datapipe import partition as part
@@ -334,29 +331,24 @@ def test_malformed_order_fields_are_refused(index_cache, bad):
 # ----------------------------------------------------------------------------- real ranks
 
 
-def _rank_main(rank: int, port: int, cache: str, out: str) -> None:
+@_reporting
+def _rank_main(rank: int, port: int, cache: str, out: str) -> dict:
     """One rank of 2 nodes × 1 (LOCAL_WORLD_SIZE=1), 2 DataLoader workers, two epochs."""
-    try:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(key, None)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1")
-        multiprocessing.set_start_method("fork", force=True)
-        import torch
-        import torch.distributed as dist
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="1")
+    multiprocessing.set_start_method("fork", force=True)
+    import torch
+    import torch.distributed as dist
 
-        from datapipe.testing import index_map
+    from datapipe.testing import index_map
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-        ids = index_map(cache)
-        ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True, order="shards", window=2)
-        result: dict = {"nodes": ds.nodes, "epochs": _read_epochs(ds, ids)}
-        dist.barrier()
-        dist.destroy_process_group()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    ids = index_map(cache)
+    ds = datapipe.StreamingDataset(cache, batch_size=B, seed=5, return_index=True, order="shards", window=2)
+    result: dict = {"nodes": ds.nodes, "epochs": _read_epochs(ds, ids)}
+    return result
 
 
 @pytest.mark.distributed
