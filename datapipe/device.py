@@ -373,11 +373,21 @@ class DeviceLoader:
             )
             self._slots.append(slot)
         self._free = list(self._slots)
+        # On the CPU each reader runs torch with one intra-op thread (readers must not fight over the cores).
+        # torch.set_num_threads also sets the process's default, which every thread that has not used torch's
+        # pool yet (the training loop's, often) would take: the caller's count is put back once each reader
+        # has taken its one (OpenMP keeps a thread's own count).
+        single = not self.cuda and self.num_workers > 0
+        before = torch.get_num_threads()  # this thread's count, fixed now
+        ready = threading.Barrier(self.num_workers + 1) if single else None
         for i in range(self.num_workers):
-            t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, not self.cuda),
+            t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, ready),
                                  name=f"datapipe-reader-{i}", daemon=True)
             t.start()
             self._threads.append(t)
+        if ready is not None:
+            ready.wait()
+            torch.set_num_threads(before)  # also when this thread still has it: the default is what changed
 
     def _buffer_shape(self) -> tuple[int, int, int]:
         """The shape of a sample's row in the host buffers: the samples' own, or for samples of varying
@@ -577,11 +587,14 @@ class DeviceLoader:
         return (out, labels, index) if self.dataset.return_index else (out, labels)
 
 
-def _reader_loop(ref: weakref.ref[DeviceLoader], jobs: queue.SimpleQueue, single_thread: bool) -> None:
+def _reader_loop(ref: weakref.ref[DeviceLoader], jobs: queue.SimpleQueue, ready: threading.Barrier | None) -> None:
     """A reader thread. It holds the loader only while handling a job, so an unused loader is
-    garbage-collected (which stops its threads)."""
-    if single_thread:
-        torch.set_num_threads(1)  # per thread: readers must not fight over the cores
+    garbage-collected (which stops its threads). With ``ready`` (the CPU), it takes one intra-op thread
+    and then waits at it for the others (the loader then puts the process's default back)."""
+    if ready is not None:
+        torch.get_num_threads()  # torch sets up this thread's count at its first use: before ours, not after
+        torch.set_num_threads(1)
+        ready.wait()
     while True:
         job = jobs.get()
         if job is None:

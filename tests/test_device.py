@@ -684,3 +684,42 @@ def test_the_stall_meter_counts_every_step_and_not_the_time_after_the_epoch(inde
     assert s["batches"] == n and s["seconds"] >= n * step  # every step, the last one's too
     assert s["seconds"] < n * step + 0.4, s  # without the half second after the epoch
     assert s["images_per_s"] <= 16 / step
+
+
+def test_cpu_readers_run_one_intra_op_thread_and_leave_the_processes_count_alone(index_cache, monkeypatch):
+    """Each reader augments with one intra-op thread; the thread that made and iterated the loader, and threads
+    started after it, keep the process's count (torch.set_num_threads in a reader set the process's default,
+    which a training loop that had not used torch yet then took: it trained on one core)."""
+    seen: set[tuple[str, int]] = set()
+    real = augment._resize_crop
+
+    def probe(*args, **kwargs):
+        seen.add((threading.current_thread().name, torch.get_num_threads()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(augment, "_resize_crop", probe)
+    original = torch.get_num_threads()
+    count = original + 2  # a count of the user's own, told apart from 1 and from the machine's default
+    torch.set_num_threads(count)
+    try:
+        after: dict[str, int] = {}
+
+        def train_loop() -> None:  # a thread that has not used torch's pool before the loader starts
+            loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=2, augment=augment.train(16))
+            for _ in loader:
+                pass
+            loader.close()
+            after["loop"] = torch.get_num_threads()
+            later = threading.Thread(target=lambda: after.setdefault("later", torch.get_num_threads()))
+            later.start()
+            later.join()
+
+        loop = threading.Thread(target=train_loop)
+        loop.start()
+        loop.join(120)
+        assert after == {"loop": count, "later": count}
+        assert torch.get_num_threads() == count
+        readers = {n for name, n in seen if name.startswith("datapipe-reader-")}
+        assert readers == {1} and len({name for name, _ in seen}) == 2, seen
+    finally:
+        torch.set_num_threads(original)
