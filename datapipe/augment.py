@@ -804,19 +804,30 @@ class Convert(BatchAugment):
         x = _stack(images)
         if self.module is None and self.normalize and b:
             return normalize_uint8(x, self.mean, self.std, dtype=self.dtype, channels_last=self.channels_last, out=out)
-        x = x.permute(0, 3, 1, 2).to(self.dtype).div_(255.0)
+        # float32 until the end, as the presets: the module takes what any float32 model takes, and the
+        # output is rounded to a lower precision once
+        x = x.permute(0, 3, 1, 2).to(torch.float32).div_(255.0)
         if self.module is not None:
             x = self._run_module(self.module, x, seed)
         return self._finish(_normalize_float(x, self.mean, self.std) if self.normalize else x)
 
     @staticmethod
     def _run_module(module: BatchFn, x: torch.Tensor, seed: int | None) -> torch.Tensor:
-        """The module, its random state (torch's global generator) seeded from ``seed`` and then restored."""
+        """The module, its random state (torch's global generator) seeded from ``seed`` and then restored; its
+        result checked to be a float [B, 3, h, w] batch of the same B (made float32)."""
         if seed is None:
-            return module(x)
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            return module(x)
+            y = module(x)
+        else:
+            with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                y = module(x)
+        if not isinstance(y, torch.Tensor) or not y.is_floating_point() or y.dim() != 4 or y.shape[:2] != x.shape[:2]:
+            got = (f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else
+                   f"a {type(y).__name__}" + (" (a batch transform that also changes the labels, such as MixUp, "
+                                                "belongs in the training step)" if isinstance(y, (tuple, list)) else ""))
+            raise ArgumentError(f"augment module {type(module).__name__} must return a float [B, 3, H, W] tensor of "
+                                f"the batch's {len(x)} samples, got {got}")
+        return y if y.dtype == torch.float32 else y.float()
 
 
 def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean: Sequence[float] = IMAGENET_MEAN,

@@ -156,7 +156,8 @@ class DeviceLoader:
             (no threads at all: for a debugger), with the same batches, state and statistics.
         prefetch: batches read ahead of the loop, beyond one per reader (unused with 0 readers).
         log_every: log images/s and the waiting share every N batches (logger ``datapipe``).
-        timeout: seconds to wait for one batch before raising (a stuck reader never hangs the loop).
+        timeout: seconds to wait for one batch before raising (a stuck reader never hangs the loop);
+            with ``num_workers=0`` the batch is read in the loop's own thread, which no timeout interrupts.
 
     Raises:
         ArgumentError: an argument of the wrong type or out of range (the message names it).

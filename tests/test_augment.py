@@ -382,3 +382,41 @@ def test_eval_centre_crop_offsets_are_torchvisions(path, h, w):
     for got in (aug(image[None])[0], aug([image, other])[0]):
         assert torch.allclose(got, want, atol=1e-6)
     assert aug.sample(1, torch.tensor([h]), torch.tensor([w]))["crops"].tolist() == [[top, left, 224, 224]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_module_gets_float32_whatever_the_output_dtype_and_the_output_is_rounded_once(dtype):
+    """convert(module=m, dtype=bf16/fp16): m gets float32 in [0, 1] (a float32 conv ran on bf16 input and failed),
+    and the output is the float32 result rounded once (it was rounded before the module and the normalisation)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 3, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.copy_(torch.eye(3).view(3, 3, 1, 1))  # the identity, in float32 weights
+    images = torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8)
+    with torch.no_grad():
+        got = augment.convert(module=conv, dtype=dtype)(images, seed=1)
+        want = augment.convert(module=conv)(images, seed=1).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+class _Returns(torch.nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, x):
+        return self.make(x)
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda x: (x * 255).to(torch.uint8), "torch.uint8"), (lambda x: x[1:], f"({3}, 3, 8, 8)"),
+    (lambda x: x[:, :1], "(4, 1, 8, 8)"), (lambda x: (x, torch.zeros(4)), "a tuple (a batch transform that also changes"),
+    (lambda x: x[0], "(3, 8, 8)"),
+])
+def test_a_modules_output_that_is_no_batch_of_the_same_samples_is_refused(make, says):
+    """A module that drops a sample, returns uint8, one channel or (images, labels) is refused in one line naming it
+    (a dropped sample unpaired images and labels; uint8 gave inf and NaN; one channel was broadcast to three)."""
+    images = torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8)
+    with pytest.raises(ArgumentError, match="augment module _Returns must return a float") as excinfo:
+        augment.convert(module=_Returns(make))(images, seed=1)
+    assert says in str(excinfo.value) and "\n" not in str(excinfo.value)

@@ -136,6 +136,13 @@ def test_a_bad_spec_is_one_error_naming_the_flag(field, flag, bad):
     assert message.startswith(f"{flag} must be") and "\n" not in message
 
 
+def test_batches_larger_than_the_machine_are_refused_before_anything_runs():
+    """--crop 60000 --batch-size 2 (80 GiB float batches) was a traceback from torch's allocator mid-run."""
+    with pytest.raises(ArgumentError, match=r"^--crop 60000 with --batch-size 2 makes float batches of 80\.5 GiB"):
+        BenchSpec(crop=60000, batch_size=2)
+    assert BenchSpec(crop=512, batch_size=8).crop == 512  # 24 MiB a batch: taken
+
+
 def test_the_spec_keeps_good_values_and_is_frozen():
     spec = BenchSpec(batch_size=1, workers=0, crop=1, batches=None, device="cuda:1", repeats=1, step_ms=0)
     assert (spec.batch_size, spec.workers, spec.batches, spec.device, spec.step_ms) == (1, 0, None, "cuda:1", 0)

@@ -150,6 +150,11 @@ class BenchSpec:
             raise ArgumentError(f"--step-ms must be a number of milliseconds >= 0, got {show(self.step_ms)}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {show(self.device)}")
+        batch_bytes, memory = self.batch_size * 3 * self.crop**2 * 4, _physical_memory()
+        if memory and batch_bytes > memory // 4:  # every system holds a few such batches at once
+            raise ArgumentError(f"--crop {self.crop} with --batch-size {self.batch_size} makes float batches of "
+                                f"{batch_bytes / 2**30:,.1f} GiB, more than a quarter of this machine's "
+                                f"{memory / 2**30:,.0f} GiB of memory; lower --crop or --batch-size")
 
     def batches_per_pass(self, samples: int) -> int:
         """``batches``, or one epoch of ``samples`` capped at 40 batches."""
@@ -157,6 +162,14 @@ class BenchSpec:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _physical_memory() -> int:
+    """Bytes of memory on this machine (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _check_whole(flag: str, value: object, *, least: int) -> None:
