@@ -263,12 +263,13 @@ def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bo
             and record.get("build_id") == build_id)
 
 
-def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str) -> dict | None:
+def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str, retry: bool = True) -> dict | None:
     """The record of this plan's shard when it is already on disk, whole, from the same inputs,
-    configuration and build (its zarr.json and one stat: no data is read), and quarantined no file
-    that a rerun reads again (:func:`read_again`): such a shard is built again."""
+    configuration and build (its zarr.json and one stat: no data is read), and, with ``retry``,
+    quarantined no file that a rerun reads again (:func:`read_again`): such a shard is built again."""
     existing = read_shard_record(Path(output) / SHARDS_DIR / shard_name(plan["shard"]))
-    if existing is not None and _same_build(existing, plan, config_hash, build_id) and not _reads_again(existing):
+    if existing is not None and _same_build(existing, plan, config_hash, build_id) \
+            and not (retry and _reads_again(existing)):
         return existing
     return None
 
@@ -705,7 +706,7 @@ def build(
     try:
         with _write_errors():
             return _build_locked(target, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
-                                 verify=verify, progress=progress, t0=t0, options=options)
+                                 force=force, verify=verify, progress=progress, t0=t0, options=options)
     except BaseException:
         target.discard_if_untouched()  # a build that failed before its first shard leaves nothing behind
         raise
@@ -778,44 +779,55 @@ def _write_errors():
 
 
 def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: BuildSpec, *, cluster: Cluster,
-                  max_bad_fraction: float, verify: bool, progress: bool, t0: float, options: dict) -> BuildReport:
+                  max_bad_fraction: float, force: bool, verify: bool, progress: bool, t0: float,
+                  options: dict) -> BuildReport:
     """The build proper, run while holding the output's lock (or, for a read-only output, checking that
     there is nothing to do: see :func:`_check_up_to_date`)."""
     out = target.path
     plans = plan_shards(listing, spec.samples_per_shard)
+    retry = _retries(force, verify, finished=(out / mf.MANIFEST).exists())
     if target.read_only is not None:
         _log_plan(listing, plans, spec)
-        return _check_up_to_date(target, listing, plans, config, chash, verify=verify,
+        return _check_up_to_date(target, listing, plans, config, chash, verify=verify, retry=retry,
                                  max_bad_fraction=max_bad_fraction, t0=t0)
-    _retire_stale_manifest(out, plans, chash, target.build_id)
+    _retire_stale_manifest(out, plans, chash, target.build_id, retry=retry)
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
     kwargs = {"root": listing.location, "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
               "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality, **options}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
-    done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False)
+    done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False, retry=retry)
     return _build_todo(out, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
                        max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
 
 
-def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, verify: bool) -> dict[int, dict]:
+def _retries(force: bool, verify: bool, *, finished: bool) -> bool:
+    """Whether a build reads again the files its finished shards quarantined for a reason their bytes do not
+    decide (:func:`read_again`): when the earlier build did not finish (it failed over its budget of bad
+    files, or was stopped), or when asked (``--force``, ``--verify``). A rerun of a finished cache stays a
+    no-op that writes nothing (the training script that calls build() on every start, on every rank)."""
+    return force or verify or not finished
+
+
+def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, verify: bool,
+                    retry: bool) -> dict[int, dict]:
     """The plans' shards already finished in ``out`` (see finished_shard; with ``verify``, also their checksums)."""
     done: dict[int, dict] = {}
     for plan in plans:
-        rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=build_id)
+        rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=build_id, retry=retry)
         if rec is not None and (not verify or _checksums_match(out / SHARDS_DIR / shard_name(plan["shard"]), rec)):
             done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
     return done
 
 
 def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], config: dict, chash: str, *,
-                      verify: bool, max_bad_fraction: float, t0: float) -> BuildReport:
+                      verify: bool, retry: bool, max_bad_fraction: float, t0: float) -> BuildReport:
     """A build into a folder it may not write (a shared cache): its report when the cache is finished and a
     build would write nothing (every shard finished, and labels, paths, report and manifest what it would
     write), else ``target.cannot_write()``. No lock is taken; the verdict holds all the same: any build that
     changes a shard first removes the manifest, and the manifest is compared last."""
-    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify)
+    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify, retry=retry)
     if len(done) < len(plans):
         raise target.cannot_write()
     records = [done[p["shard"]] for p in plans]
@@ -862,7 +874,8 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
         with remote.store_errors(loc, "write the cache", OutputWriteError):
             plans = plan_shards(listing, spec.samples_per_shard)
             _log_plan(listing, plans, spec)
-            done = _finished_remote(target, plans, chash, verify=verify)
+            done = _finished_remote(target, plans, chash, verify=verify,
+                                    retry=_retries(force, verify, finished=mf.MANIFEST in target.objects))
             if len(done) < len(plans) and mf.MANIFEST in target.objects:
                 remote.delete(loc, [mf.MANIFEST])  # a half-rebuilt cache must not read as finished
             kwargs = {"root": listing.location, "output": loc.url, "spec": asdict(spec.decode), "config_hash": chash,
@@ -878,7 +891,8 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
     return report
 
 
-def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool) -> dict[int, dict]:
+def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool,
+                     retry: bool) -> dict[int, dict]:
     """The plans' shards already whole in the store, from the listing and their zarr.json records (with
     ``verify``, also their data's crc32c, streamed), but for those with a quarantined file to read again."""
     names = {shard_name(p["shard"]): p for p in plans}
@@ -887,7 +901,8 @@ def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str,
     for name, rec in records.items():
         plan = names[name]
         objects = remote.shard_objects(target.objects, name)
-        if not _same_build(rec, plan, chash, target.build_id) or _reads_again(rec) or not remote.whole(rec, objects):
+        if not _same_build(rec, plan, chash, target.build_id) or (retry and _reads_again(rec)) \
+                or not remote.whole(rec, objects):
             continue
         if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec):
             continue
@@ -925,7 +940,7 @@ def _describe(spec: BuildSpec) -> str:
     return text + (f", {spec.encoding} q{spec.quality}" if spec.encoding != "raw" else "")
 
 
-def _retire_stale_manifest(out: Path, plans: list[dict], chash: str, build_id: str) -> None:
+def _retire_stale_manifest(out: Path, plans: list[dict], chash: str, build_id: str, *, retry: bool) -> None:
     """Remove an earlier build's manifest unless it already describes this build's shards, and none of
     them is to be built again for a file it quarantined (see read_again).
 
@@ -943,7 +958,7 @@ def _retire_stale_manifest(out: Path, plans: list[dict], chash: str, build_id: s
             (shard_name(p["shard"]), p["inputs_hash"]) for p in plans]
     except CacheError:  # damaged: it cannot describe this build's shards
         same = False
-    if same:
+    if same and retry:
         for plan in plans:  # a file read again may now be a sample: the shard, labels and manifest change
             rec = read_shard_record(out / SHARDS_DIR / shard_name(plan["shard"]))
             if rec is not None and _same_build(rec, plan, chash, build_id) and _reads_again(rec):

@@ -550,16 +550,24 @@ def test_a_file_that_failed_for_no_fault_of_its_bytes_is_read_again(small, tmp_p
     assert build(small, out, max_bad_fraction=0).shards_built == 0
 
 
-def test_a_file_that_still_cannot_be_read_is_quarantined_again(small, tmp_path, monkeypatch):
+def test_a_finished_cache_reads_such_files_again_when_asked_and_only_then(small, tmp_path, monkeypatch):
+    """A finished cache (within its budget) that quarantined a file it could not read: a plain rerun is the no-op
+    that writes nothing (the training script that calls build() on every start); --force or --verify reads
+    the file again, quarantines it again while it still fails, and takes it once it is fixed."""
     out = tmp_path / "out"
     failing = fail_reads(monkeypatch, "unreadable")
     first = build(small, out, max_bad_fraction=0.5)
     assert [(q["path"], q["error"]) for q in first.quarantined] == [(VICTIM, "unreadable")]
-    again = build(small, out, max_bad_fraction=0.5)
+    failing.clear()
+    before = files_of(out)
+    plain = build(small, out, max_bad_fraction=0.5)
+    assert plain.shards_built == 0 and files_of(out) == before
+    failing.append(True)
+    again = build(small, out, max_bad_fraction=0.5, force=True)
     assert again.shards_built == 1 and [q["path"] for q in again.quarantined] == [VICTIM]
     failing.clear()
-    fixed = build(small, out, max_bad_fraction=0.5)
-    assert fixed.shards_built == 1 and fixed.quarantined == [] and len(datapipe.open(out)) == 10
+    fixed = build(small, out, max_bad_fraction=0.5, verify=True)
+    assert fixed.quarantined == [] and len(datapipe.open(out)) == 10
 
 
 def test_a_rerun_that_reads_a_file_again_drops_the_manifest_first(small, tmp_path, monkeypatch):
@@ -575,7 +583,7 @@ def test_a_rerun_that_reads_a_file_again_drops_the_manifest_first(small, tmp_pat
 
     monkeypatch.setattr(writer.ShardWriter, "add", disk_full)
     with pytest.raises(OutputWriteError, match="No space left"):
-        build(small, out, max_bad_fraction=0.5)
+        build(small, out, max_bad_fraction=0.5, force=True)
     with pytest.raises(CacheError, match="did not finish"):
         datapipe.open(out)
     monkeypatch.undo()
