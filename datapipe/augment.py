@@ -443,13 +443,20 @@ def _number(value: object) -> float | None:
     return float(value)
 
 
+def _numbers(values: object, count: int) -> list[float] | None:
+    """``values`` as ``count`` finite numbers (a tuple or list of ints and floats), or None."""
+    if not isinstance(values, (tuple, list)) or len(values) != count:
+        return None
+    numbers = [_number(v) for v in values]
+    return None if None in numbers else numbers  # type: ignore[return-value]
+
+
 def _range_pair(values: object, what: str) -> tuple[float, float]:
     """RandomResizedCrop's ``scale`` or ``ratio``: (min, max), two finite numbers with 0 < min <= max."""
-    pair = tuple(values) if isinstance(values, (tuple, list)) else ()
-    numbers = [_number(v) for v in pair]
-    if len(numbers) != 2 or None in numbers or not 0 < numbers[0] <= numbers[1]:  # type: ignore[operator]
+    pair = _numbers(values, 2)
+    if pair is None or not 0 < pair[0] <= pair[1]:
         raise ArgumentError(f"{what} must be (min, max): two numbers with 0 < min <= max, got {show(values)}")
-    return numbers[0], numbers[1]  # type: ignore[return-value]
+    return pair[0], pair[1]
 
 
 def _probability(value: object, what: str) -> float:
@@ -461,12 +468,11 @@ def _probability(value: object, what: str) -> float:
 
 def _jitter_ranges(values: object) -> tuple[float, float, float, float]:
     """ColorJitter's (brightness, contrast, saturation, hue): numbers >= 0, the hue at most 0.5 (torchvision's rule)."""
-    four = tuple(values) if isinstance(values, (tuple, list)) else ()
-    numbers = [_number(v) for v in four]
-    if len(numbers) != 4 or None in numbers or min(numbers) < 0 or numbers[3] > 0.5:  # type: ignore[type-var, operator]
+    four = _numbers(values, 4)
+    if four is None or min(four) < 0 or four[3] > 0.5:
         raise ArgumentError("color_jitter must be a number >= 0 or four numbers >= 0 (brightness, contrast, saturation, "
                             f"hue; the hue at most 0.5), got {show(values)}")
-    return numbers[0], numbers[1], numbers[2], numbers[3]  # type: ignore[return-value]
+    return four[0], four[1], four[2], four[3]
 
 
 class TrainAugment(BatchAugment):

@@ -52,7 +52,7 @@ from .errors import (
     quarantine_counts,
     unreadable,
 )
-from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, read_regular
+from .files import atomic_write_text, crc32c, file_crc32c, fsync_dir, holds
 from .output import Output, prepare, remove_shards, shard_build_id
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
 from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
@@ -1321,8 +1321,8 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
         # the manifest last: a build that changes anything removes it first, so its bytes, unchanged after
         # everything else was found as it should be, vouch for all of it
-        if not (_holds(out / mf.LABELS, documents[mf.LABELS]) and _holds(out / mf.PATHS, documents[mf.PATHS])
-                and _report_current(out, report) and _holds(out / mf.MANIFEST, documents[mf.MANIFEST])):
+        if not (holds(out / mf.LABELS, documents[mf.LABELS]) and holds(out / mf.PATHS, documents[mf.PATHS])
+                and _report_current(out, report) and holds(out / mf.MANIFEST, documents[mf.MANIFEST])):
             raise read_only.cannot_write()
         log.info(f"datapipe build: {report.summary()} (up to date; nothing written: {read_only.why_read_only()})")
         return report
@@ -1382,7 +1382,7 @@ def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[d
     documents = _index_documents(listing, records, config, chash, build_id=build_id)
     written = False
     for name, data in documents.items():
-        if _holds(out / name, data):
+        if holds(out / name, data):
             continue
         if name == mf.LABELS:
             tmp = out / f".tmp-{mf.LABELS}"
@@ -1393,14 +1393,6 @@ def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[d
             atomic_write_text(out / name, data.decode("utf-8"))
         written = True
     return written
-
-
-def _holds(path: Path, data: bytes) -> bool:
-    """Whether ``path`` is a regular file of exactly these bytes."""
-    try:
-        return read_regular(path, len(data)) == data
-    except (OSError, NotRegularFile, FileTooLarge):
-        return False
 
 
 # What report.json says of the run rather than of the cache: a rerun with nothing to do keeps the report of

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
@@ -209,19 +209,19 @@ class StreamingDataset(IterableDataset):
         if order is None and is_url(cache):
             order = part.default_order(is_remote=True)
         self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size)
+        # what only a cache in object storage uses, as given (ShardFetcher's defaults for the others)
+        given: dict[str, Any] = {"local_cache": local_cache, "cache_limit": cache_limit,
+                                 "storage_options": storage_options, "prefetch": prefetch, "timeout": timeout}
+        streaming = {name: value for name, value in given.items() if value is not None}
         if is_url(cache):
             if local_cache is None:
                 raise ArgumentError(f"{cache} is in object storage: pass local_cache= (a node-local folder its shards "
                                     "are downloaded into)")
-            self.cache = ShardFetcher(str(cache), local_cache, storage_options=storage_options, cache_limit=cache_limit,
-                                      prefetch=2 if prefetch is None else prefetch,
-                                      timeout=60.0 if timeout is None else timeout).open()
-        elif any(v is not None for v in (local_cache, cache_limit, storage_options, prefetch, timeout)):
-            given = [name for name, v in (("local_cache", local_cache), ("cache_limit", cache_limit),
-                                          ("storage_options", storage_options), ("prefetch", prefetch),
-                                          ("timeout", timeout)) if v is not None]
-            raise ArgumentError(f"{', '.join(given)}: for a cache in object storage (a URL such as s3://bucket/cache) "
-                                f"only; {show(str(cache))} is read in place, so leave {'it' if len(given) == 1 else 'them'} out")
+            self.cache = ShardFetcher(str(cache), **streaming).open()
+        elif streaming:
+            raise ArgumentError(f"{', '.join(streaming)}: for a cache in object storage (a URL such as s3://bucket/cache) "
+                                f"only; {show(str(cache))} is read in place, so leave "
+                                f"{'it' if len(streaming) == 1 else 'them'} out")
         else:
             self.cache = cache if isinstance(cache, Cache) else Cache(cache)
         self._identity = cache_identity(self.cache)

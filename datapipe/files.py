@@ -223,3 +223,11 @@ def remove_stale_temps(folder: Path, names: re.Pattern[str] = SHARD_TEMPS) -> in
                     entry.unlink()
             removed += not os.path.lexists(entry)
     return removed
+
+
+def holds(path: str | os.PathLike, data: bytes) -> bool:
+    """Whether ``path`` is a regular file of exactly these bytes (a larger one is not read)."""
+    try:
+        return read_regular(path, len(data)) == data
+    except (OSError, NotRegularFile, FileTooLarge):
+        return False

@@ -224,11 +224,6 @@ def jitter(x: torch.Tensor, op: str, factors: Sequence[float]) -> bool:
     return True
 
 
-def hue(x: torch.Tensor, factors: Sequence[float]) -> bool:
-    """:func:`jitter`'s ``"hue"``."""
-    return jitter(x, "hue", factors)
-
-
 @lru_cache(maxsize=16)
 def converter(mean: tuple, std: tuple) -> Converter | None:
     """A :class:`Converter` for (mean, std), or None where the kernel is not available."""

@@ -36,16 +36,7 @@ from pathlib import Path
 
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
-from .files import (
-    OUTPUT_TEMPS,
-    TMP_PREFIX,
-    FileTooLarge,
-    NotRegularFile,
-    atomic_write_text,
-    fsync_dir,
-    read_regular,
-    remove_stale_temps,
-)
+from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
 from .shards import GROUP_META, SHARDS_DIR
 from .text import plural
 
@@ -268,7 +259,7 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
             shards.mkdir()
             output.created.append(shards)
         text = _build_json(config, chash, output.build_id, source)
-        if _text_of(build_json) != text:  # an unchanged one is left as it is: a rerun with nothing to do writes nothing
+        if not holds(build_json, text.encode()):  # an unchanged one is left as it is: a rerun with nothing to do writes nothing
             atomic_write_text(build_json, text)
             fsync_dir(out)
     except OutputError:  # says what is wrong already
@@ -296,14 +287,6 @@ def _build_json(config: dict, chash: str, build_id: str, source: dict[str, str])
                       indent=1)
 
 
-def _text_of(path: Path) -> str | None:
-    """The text of a small regular file of the output; None if there is none, or it cannot be read as one."""
-    try:
-        return read_regular(path, records.MAX_JSON_BYTES[records.BUILD_LOCK]).decode("utf-8")
-    except (OSError, NotRegularFile, FileTooLarge, UnicodeDecodeError):
-        return None
-
-
 def _read_only(out: Path, config: dict, chash: str, source: dict[str, str], force: bool,
                error: OutputError) -> Output:
     """The output of a build into a folder it may not write, or that another build holds (``error`` says
@@ -315,7 +298,7 @@ def _read_only(out: Path, config: dict, chash: str, source: dict[str, str], forc
         raise error
     if not resumes(previous, config, chash, source, force=force, where=str(out), place="folder"):
         raise error  # a rebuild (--force) writes
-    if _text_of(out / records.BUILD_LOCK) != _build_json(config, chash, previous.build_id, source):
+    if not holds(out / records.BUILD_LOCK, _build_json(config, chash, previous.build_id, source).encode()):
         raise error
     return Output(out, previous.build_id, BuildLock(out), read_only=error)
 

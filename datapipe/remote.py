@@ -894,7 +894,7 @@ class RemoteLock:
             held = read_doc(self.loc, LOCK_OBJECT)
         except CacheError:
             held = None  # a damaged lock object holds nobody
-        if isinstance(held, dict) and self._alive(held):
+        if isinstance(held, dict) and self.alive(held):
             raise OutputBusyError(
                 f"output {self.loc.url} is being written by another datapipe build (pid {held.get('pid')} on host "
                 f"{held.get('host')}, refreshed {time.time() - float(held.get('refreshed', 0)):.0f} s ago); wait for it "
@@ -903,7 +903,9 @@ class RemoteLock:
         self._thread = threading.Thread(target=self._beat, daemon=True, name="datapipe-remote-lock")
         self._thread.start()
 
-    def _alive(self, held: dict[str, Any]) -> bool:
+    def alive(self, held: dict[str, Any]) -> bool:
+        """Whether the lock object ``held`` is a living build's: refreshed within the TTL, and, on this host, its
+        process still there."""
         try:
             age = time.time() - float(held.get("refreshed", 0))
         except (TypeError, ValueError):
@@ -1081,7 +1083,7 @@ def no_manifest(loc: Location) -> CacheError:
             held = read_doc(loc, LOCK_OBJECT) if started else None
         except CacheError:
             held = None  # a damaged lock object holds nobody
-    if isinstance(held, dict) and RemoteLock(loc)._alive(held):
+    if isinstance(held, dict) and RemoteLock(loc).alive(held):
         return CacheError(f"{loc.url} is not a finished datapipe cache yet: a datapipe build is writing it now (pid "
                           f"{held.get('pid')} on host {held.get('host')}); open it once that build has finished")
     hint = (" — a build was started here but did not finish; run the same `datapipe build` again" if started else

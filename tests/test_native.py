@@ -213,7 +213,7 @@ def test_hue_kernel_is_torchvisions_adjust_hue_bit_for_bit(layout):
             big = torch.rand(4, 3, x.shape[2] + 3, x.shape[3] + 5)
             y = big[:, :, 1 : 1 + x.shape[2], 2 : 2 + x.shape[3]]
             y.copy_(x)
-        assert native.hue(y, f.tolist())
+        assert native.jitter(y, "hue", f.tolist())
         assert torch.equal(y, want), (x.shape, (y - want).abs().max())
         checked += 1
     assert checked == 12
@@ -271,13 +271,13 @@ def test_cpu_jitter_turns_the_hue_with_the_kernel_and_agrees_with_the_device_pat
 def test_hue_kernel_declines_what_it_does_not_take():
     """Not float32 [B, 3, H, W] on the CPU (or no kernel): False, and the batch untouched."""
     x = torch.rand(2, 3, 4, 4, dtype=torch.float64)
-    assert not native.hue(x, [0.1, 0.1])
+    assert not native.jitter(x, "hue", [0.1, 0.1])
     x32 = torch.rand(2, 4, 4, 4)
-    assert not native.hue(x32.clone(), [0.1, 0.1])
+    assert not native.jitter(x32.clone(), "hue", [0.1, 0.1])
     if not native.available():
         y = torch.rand(2, 3, 4, 4)
         before = y.clone()
-        assert not native.hue(y, [0.1, 0.1]) and torch.equal(y, before)
+        assert not native.jitter(y, "hue", [0.1, 0.1]) and torch.equal(y, before)
 
 
 # ----------------------------------------------------------------------------- the resize

@@ -108,7 +108,7 @@ def describe_machine() -> dict:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "memory_gb": round(_physical_memory() / 2**30, 1),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": env["python"],
         "platform": env["platform"],
