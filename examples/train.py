@@ -197,13 +197,16 @@ def main(argv=None) -> int:
         log(f"[rank {rank}/{world}] epoch {epoch}: {batches} batches, loss {loss:.4f}, "
             f"{time.perf_counter() - started:.1f} s | loader: {s['images_per_s']:,.0f} img/s, "
             f"waited {100 * s['wait_share']:.1f}% of the time, {s['batches']} batches in all")
+        # A stop during the epoch's last step still finished the epoch: saved as done, the resume
+        # starts the next one (not an empty rest of this one).
+        finished = dataset.batches_consumed == per_epoch
         if rank == 0:
             save_checkpoint(args.checkpoint, {
                 "model": (model.module if isinstance(model, DistributedDataParallel) else model).state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "loader": loader.state_dict(),  # counts the batches trained on, not the prefetched ones
                 "epoch": epoch,
-                "epoch_done": not stopped,
+                "epoch_done": finished,
                 "step": step,
                 "args": vars(args),
             })

@@ -105,6 +105,25 @@ def test_train_example_resumes_mid_epoch(stopped_run, example_cache):
     assert ckpt["step"] == 2 + 4 + 6 and ckpt["epoch"] == 1 and ckpt["epoch_done"]
 
 
+def test_train_stopped_at_an_epochs_last_batch_resumes_at_the_next_epoch(example_cache, tmp_path):
+    """--max-steps at exactly an epoch's end (batches of 8: 6 per epoch): the checkpoint says the epoch is
+    done; the resume trains the next epoch whole (no empty rest of the finished one) and ends with the
+    weights of an uninterrupted run."""
+    run([sys.executable, *train_args(example_cache, tmp_path / "s.pt", "--epochs", 3, "--batch-size", 8,
+                                     "--max-steps", 6)], timeout=180, cwd=tmp_path)
+    ckpt = torch.load(tmp_path / "s.pt", map_location="cpu")
+    assert (ckpt["epoch"], ckpt["epoch_done"], ckpt["step"], ckpt["loader"]["position"]) == (0, True, 6, IMAGES)
+    proc = run([sys.executable, *train_args(example_cache, tmp_path / "r.pt", "--epochs", 2, "--batch-size", 8,
+                                            "--resume", tmp_path / "s.pt")], timeout=180, cwd=tmp_path)
+    assert epochs(proc.stdout) == {(0, 1): 6}
+    run([sys.executable, *train_args(example_cache, tmp_path / "w.pt", "--epochs", 2, "--batch-size", 8)],
+        timeout=180, cwd=tmp_path)
+    resumed, whole = (torch.load(tmp_path / f"{n}.pt", map_location="cpu") for n in ("r", "w"))
+    assert resumed["step"] == whole["step"] == 12
+    for key, value in whole["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+
+
 @pytest.mark.distributed
 def test_train_example_under_torchrun(example_cache):
     """Two gloo ranks with batches of 4 (a global step of 8: 6 steps per epoch), stopped and resumed."""
@@ -174,7 +193,11 @@ def test_train_saves_a_checkpoint_when_stopped_and_resumes_exactly(example_cache
     assert proc.returncode == code, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("train.py: stopped by ")
     ckpt = torch.load(tmp_path / "stopped.pt", map_location="cpu")
-    assert ckpt["loader"]["position"] == 2 * (ckpt["step"] % (IMAGES // 2)) and not ckpt["epoch_done"]
+    # Stopped mid-epoch: the position counts the epoch's trained batches. A stop during an epoch's last
+    # step finished that epoch: saved as done, at its end.
+    in_epoch = ckpt["step"] - ckpt["epoch"] * (IMAGES // 2)
+    assert 0 < in_epoch <= IMAGES // 2 and ckpt["loader"]["position"] == 2 * in_epoch
+    assert ckpt["epoch_done"] == (in_epoch == IMAGES // 2)
     last = ckpt["epoch"] + 1  # the stopped epoch and one more
     ends = {}
     for name, more in (("resumed", ["--resume", tmp_path / "stopped.pt"]), ("whole", [])):
