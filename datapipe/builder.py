@@ -687,6 +687,9 @@ def build(
     t0 = time.perf_counter()
     remote_source = remote.is_url(os.fspath(source))
     remote_output = remote.is_url(os.fspath(output))
+    if storage_options and not (remote_source or remote_output):
+        raise ArgumentError(f"storage_options: for an s3:// (gs://, az://) source or output only; {source} and {output} "
+                            "are local, so leave them out")
     store_timeout = remote.store_timeout() if remote_source or remote_output else remote.STORE_TIMEOUT
     if remote_source:
         listing = remote.scan(os.fspath(source), storage_options, store_timeout)
@@ -704,7 +707,7 @@ def build(
     out = Path(output).expanduser().absolute()
     target = prepare(out, config, chash, listing.identity, force)
     try:
-        with _write_errors():
+        with _write_errors(out):
             return _build_locked(target, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
                                  force=force, verify=verify, progress=progress, t0=t0, options=options)
     except BaseException:
@@ -766,15 +769,16 @@ def _spec(spec: BuildSpec | None, **given: Any) -> BuildSpec:
 
 
 @contextlib.contextmanager
-def _write_errors():
+def _write_errors(out: Path) -> Iterator[None]:
     """An OSError while the cache is written (the disk filling up, the folder turning read-only) is the
-    machine's state, not a bug: it becomes an OutputWriteError naming the file."""
+    machine's state, not a bug: it becomes an OutputWriteError naming the file (or, when the error does
+    not say which, the output folder)."""
     try:
         yield
     except OSError as exc:
         if isinstance(exc, DatapipeError):
             raise
-        where = f": {exc.filename}" if exc.filename else ""
+        where = f": {exc.filename}" if exc.filename else f" while writing {out}"
         raise OutputWriteError(f"{exc.strerror or exc}{where}; finished shards are kept: fix it and rerun to resume") from exc
 
 

@@ -66,10 +66,19 @@ def _storage_option_flag(parser: argparse.ArgumentParser) -> None:
                              "refused. Credentials also come from AWS_* variables")
 
 
-def _storage_options(args: argparse.Namespace) -> dict | None:
-    from .remote import parse_storage_options
+def _storage_options(args: argparse.Namespace, *locations: str | None) -> dict | None:
+    """The --storage-option flags as a dict (None when none was given); refused when none of
+    ``locations`` (the command's paths and URLs) is in object storage: they would do nothing."""
+    from .errors import ArgumentError
+    from .remote import is_url, local_path, parse_storage_options
 
-    return parse_storage_options(args.storage_option) if args.storage_option else None
+    if not args.storage_option:
+        return None
+    if not any(where is not None and is_url(local_path(where)) for where in locations):
+        raise ArgumentError("--storage-option: for s3:// (gs://, az://) URLs only; "
+                            f"{' and '.join(str(w) for w in locations if w is not None)} "
+                            f"{'is' if sum(w is not None for w in locations) == 1 else 'are'} local, so leave it out")
+    return parse_storage_options(args.storage_option)
 
 
 
@@ -87,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its options)")
 
     b = _command(sub, "build", help="decode a folder of images (or a CSV list) into a sharded cache")
-    b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label, or an "
-                                  "s3:// (gs://, az://) URL of class folders")
+    b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label; either may "
+                                  "be an s3:// (gs://, az://) URL")
     b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op), or an s3:// (gs://, az://) URL")
     _storage_option_flag(b)
     b.add_argument("--size", type=_positive_int, default=256,
@@ -111,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="fail when more than this share of files is quarantined (default 0.01)")
     b.add_argument("--max-pixels", type=_positive_int, default=100_000_000,
                    help="quarantine images whose header claims more pixels (default 100,000,000)")
-    b.add_argument("--force", action="store_true", help="rebuild an output built with another configuration")
+    b.add_argument("--force", action="store_true",
+                   help="rebuild an output built with another configuration or source; with the same ones, read "
+                        "again the files an earlier build quarantined for a reason their bytes do not decide "
+                        "(timeouts, unreadable files, decoder crashes)")
     b.add_argument("--classes-from", default=None, metavar="CACHE_OR_FILE",
                    help="label with this class list instead of the source's own: a datapipe cache's (folder or URL; "
                         "e.g. the training cache, for a validation set missing some classes) or a text file of "
@@ -121,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
 
     i = _command(sub, "info", help="describe a cache, or the environment with --env")
-    i.add_argument("cache", nargs="?", help="cache folder")
+    i.add_argument("cache", nargs="?", help="cache folder, or the s3:// (gs://, az://) URL of one")
     i.add_argument("--env", action="store_true", help="print the active decoders and library versions")
     _storage_option_flag(i)
 
@@ -255,11 +267,14 @@ def _quiet() -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from . import remote
     from .builder import BuildSpec, Cluster, build
 
     _check_build_args(args)
-    storage_options = _storage_options(args)
+    storage_options = _storage_options(args, args.source, args.output, args.classes_from)
     classes = None if args.classes_from is None else _classes_from(args.classes_from, storage_options)
+    if not any(remote.is_url(remote.local_path(where)) for where in (args.source, args.output)):
+        storage_options = None  # for --classes-from only
     spec = BuildSpec(size=args.size, fit=args.fit, max_pixels=args.max_pixels, shard_size=args.shard_size,
                      max_aspect=args.max_aspect, encoding=args.encoding, quality=args.quality, classes=classes)
     build(args.source, args.output, spec, cluster=Cluster(workers=args.workers, scheduler=args.scheduler),
@@ -321,6 +336,7 @@ def _info(args: argparse.Namespace) -> int:
     args.cache = local_path(args.cache)  # a file:// URL is the folder it names
     if is_url(args.cache):
         return _remote_info(args)
+    _storage_options(args, args.cache)  # refused for a folder
     from .cache import Cache
     from .records import read_report
 
@@ -373,7 +389,7 @@ def _remote_info(args: argparse.Namespace) -> int:
     from . import remote
     from .records import parse_report
 
-    loc = remote.open_location(args.cache, _storage_options(args), timeout=remote.store_timeout())
+    loc = remote.open_location(args.cache, _storage_options(args, args.cache), timeout=remote.store_timeout())
     m = remote.read_manifest(loc)
     with remote.store_errors(loc, "read report.json"):
         doc = remote.read_doc(loc, "report.json")
@@ -388,7 +404,7 @@ def _remote_verify(args: argparse.Namespace) -> int:
     """``datapipe verify URL``: every object of a cache in object storage checked by streaming it."""
     from . import remote
 
-    loc = remote.open_location(args.cache, _storage_options(args), timeout=remote.store_timeout())
+    loc = remote.open_location(args.cache, _storage_options(args, args.cache), timeout=remote.store_timeout())
     manifest = remote.read_manifest(loc)
     return _verdict(remote.verify(loc, manifest), loc.url, len(manifest.shards), manifest.num_samples, output=loc.url)
 
@@ -399,6 +415,7 @@ def _verify(args: argparse.Namespace) -> int:
     args.cache = local_path(args.cache)  # a file:// URL is the folder it names
     if is_url(args.cache):
         return _remote_verify(args)
+    _storage_options(args, args.cache)  # refused for a folder
     from pathlib import Path
 
     from .cache import Cache, node_cache_of

@@ -24,8 +24,9 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
+from .cache import open as open_cache
 from .errors import ArgumentError, DatapipeError, RankMismatchError, StateError
-from .fetch import ShardFetcher, is_url
+from .fetch import is_url
 from .remote import local_path
 from .text import show
 from .world import World, detect_ranks, detect_worker, distributed_ranks, first_published, forget
@@ -209,21 +210,16 @@ class StreamingDataset(IterableDataset):
         if order is None and is_url(cache):
             order = part.default_order(is_remote=True)
         self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size)
-        # what only a cache in object storage uses, as given (ShardFetcher's defaults for the others)
-        given: dict[str, Any] = {"local_cache": local_cache, "cache_limit": cache_limit,
-                                 "storage_options": storage_options, "prefetch": prefetch, "timeout": timeout}
-        streaming = {name: value for name, value in given.items() if value is not None}
-        if is_url(cache):
-            if local_cache is None:
-                raise ArgumentError(f"{cache} is in object storage: pass local_cache= (a node-local folder its shards "
-                                    "are downloaded into)")
-            self.cache = ShardFetcher(str(cache), **streaming).open()
-        elif streaming:
-            raise ArgumentError(f"{', '.join(streaming)}: for a cache in object storage (a URL such as s3://bucket/cache) "
-                                f"only; {show(str(cache))} is read in place, so leave "
-                                f"{'it' if len(streaming) == 1 else 'them'} out")
+        # object-storage arguments are passed on as given (ShardFetcher's defaults for those left out)
+        streaming: dict[str, Any] = {"local_cache": local_cache, "cache_limit": cache_limit, "storage_options": storage_options,
+                     "prefetch": prefetch, "timeout": timeout}
+        if not isinstance(cache, Cache):
+            self.cache = open_cache(cache, **streaming)
+        elif any(value is not None for value in streaming.values()):
+            raise ArgumentError(f"{', '.join(k for k, v in streaming.items() if v is not None)}: for a cache in object "
+                                "storage given by its URL only; a datapipe.Cache is already open, so leave them out")
         else:
-            self.cache = cache if isinstance(cache, Cache) else Cache(cache)
+            self.cache = cache
         self._identity = cache_identity(self.cache)
         # [epoch, start, read by workers]: shared with DataLoader workers (also persistent ones)
         # through shared memory. The third is set by a worker that reads this epoch: then only the

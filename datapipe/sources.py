@@ -366,7 +366,7 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
                 raise SourceError(
                     f"{csv_path}:{lineno}: {len(row)} columns, expected 'path,label'. A datapipe cache holds "
                     "one class label per image, so boxes, masks or other targets in further columns "
-                    "would be lost: keep them in a file of your own, keyed by path (ds.path(i)), or "
+                    "would be lost: keep them in a file of your own, keyed by path (datapipe.open(cache).path(i)), or "
                     "write the CSV with two columns")
             if first_row and _is_header(row, exists):
                 first_row = False

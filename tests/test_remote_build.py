@@ -331,6 +331,32 @@ def test_classes_from_a_cache_or_a_text_object_in_the_store(s3, source, tmp_path
     done = cli("build", str(source[0]), str(tmp_path / "x"), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
                "--classes-from", url + "-missing", env=s3.env)
     assert done.returncode == 2 and "not a finished datapipe cache" in done.stderr and "Traceback" not in done.stderr
+    # --storage-option reaches --classes-from when only that is in the store
+    done = cli("build", str(source[0]), str(tmp_path / "y"), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
+               "--classes-from", url, "--storage-option", f"endpoint_url={s3.storage_options['endpoint_url']}",
+               env={k: v for k, v in s3.env.items() if not k.startswith("AWS_ENDPOINT_URL")})
+    assert done.returncode == 0, done.stderr
+    assert datapipe.open(tmp_path / "y").classes == list(names)
+
+
+@pytest.mark.parametrize("command", ["build", "info", "verify"])
+def test_storage_options_for_nothing_in_object_storage_are_refused(built, tmp_path, command, capsys):
+    """--storage-option (storage_options=) with only local paths would do nothing: one line says so,
+    naming the paths, and nothing is written."""
+    from datapipe.cli import main as cli_main
+
+    argv = {"build": ["build", str(tmp_path / "src"), str(tmp_path / "out"), "--scheduler", "sync"],
+            "info": ["info", str(built[0])], "verify": ["verify", str(built[0])]}[command]
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    assert cli_main([*argv, "--storage-option", "endpoint_url=http://127.0.0.1:1"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--storage-option: for s3:// (gs://, az://) URLs only" in line and argv[1] in line and "leave it out" in line
+    assert not (tmp_path / "out").exists()
+    if command == "build":
+        with pytest.raises(ArgumentError, match="storage_options: for an s3:// .* are local, so leave them out"):
+            datapipe.build(tmp_path / "src", tmp_path / "out", storage_options={"anon": True},
+                           cluster=datapipe.Cluster(scheduler="sync"))
+        assert not (tmp_path / "out").exists()
 
 
 def test_a_source_in_s3_builds_the_same_cache_as_the_local_source(s3, source, built, tmp_path, imaging):

@@ -361,6 +361,24 @@ def test_remote_arguments_are_checked(s3, built, tmp_path):
         open_remote(s3, url + "-missing", tmp_path / "a")
 
 
+def test_open_reads_a_cache_in_object_storage_through_a_node_local_folder(s3, built, tmp_path):
+    """datapipe.open takes the URLs StreamingDataset takes (a URL without local_cache, or object-storage
+    arguments for a folder, are one ArgumentError each), and reads the samples the local cache holds."""
+    url = upload(s3, built["indexed"])
+    local = datapipe.open(built["indexed"])
+    remote = datapipe.open(url, local_cache=tmp_path / "lc", storage_options=s3.storage_options)
+    assert remote.classes == local.classes and len(remote) == len(local) and remote.encoding == local.encoding
+    for i in (0, len(local) // 2, len(local) - 1):
+        assert np.array_equal(remote[i][0], local[i][0]) and remote[i][1] == local[i][1]
+        assert remote.path(i) == local.path(i)
+    with pytest.raises(ArgumentError, match="pass local_cache="):
+        datapipe.open(url, storage_options=s3.storage_options)
+    with pytest.raises(ArgumentError, match="storage_options, timeout: for a cache in object storage"):
+        datapipe.open(built["indexed"], storage_options={}, timeout=5)
+    with pytest.raises(ArgumentError, match="a datapipe.Cache is already open"):
+        datapipe.StreamingDataset(local, local_cache=tmp_path / "lc")
+
+
 @pytest.mark.parametrize(("text", "value"), [("200GB", 200 * 10**9), ("1.5 GiB", 3 * 2**29), ("500mb", 500 * 10**6),
                                              ("1024", 1024), (4096, 4096), ("0", 0)])
 def test_sizes_parse(text, value):
