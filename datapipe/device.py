@@ -194,9 +194,10 @@ class DeviceLoader:
         self._results: dict[tuple[int, int], _Result | _Failure] = {}
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
-        # Bumped when an iteration begins or ends: jobs and results of any other iteration are dropped.
+        # Bumped when an iteration begins or ends, and by close(): jobs and results of any other
+        # iteration are dropped.
         self._generation = 0
-        self._inflight = 0
+        self._busy = 0  # jobs reader threads are handling now (counted by the readers themselves)
         self._closed = False
         self._started = False
         self._pool = _OutputPool(self._num_slots() + 2)
@@ -256,15 +257,16 @@ class DeviceLoader:
         return self.meter.stats()
 
     def close(self) -> None:
-        """Stop the reader threads (also done when the loader is garbage-collected)."""
+        """Stop the reader threads (also done when the loader is garbage-collected). An iteration
+        running meanwhile (this thread's loop, or another's) raises at its next batch that the loader
+        was closed."""
         if self._closed:
             return
-        self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
-        self._threads.clear()
+        with self._cond:
+            self._closed = True
+            self._generation += 1  # a loop waiting for a batch wakes up and says the loader was closed
+            self._cond.notify_all()
+        self._stop_threads()
         for slot in self._slots:  # a GPU decode still running must not lose its decoder's memory
             if slot.decoded is not None:
                 slot.decoded.synchronize()
@@ -326,7 +328,8 @@ class DeviceLoader:
                 self.meter.record(started, waited, int(batch[1].shape[0]))
                 yield batch
             self.meter.finish()  # the loop asked for a batch after the last: its last step is over
-            self._check_current(gen, iteration)
+            if not self._closed:  # every batch was delivered: a close() after the last one ends nothing
+                self._check_current(gen, iteration)
         finally:
             ds.end_iteration(iteration)
             with self._cond:
@@ -337,7 +340,11 @@ class DeviceLoader:
                     self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
 
     def _check_current(self, gen: int, iteration: int) -> None:
-        """Raise when a newer iteration began since this one did (only the newest runs)."""
+        """Raise when the loader was closed or a newer iteration began since this one did (only the
+        newest runs)."""
+        if self._closed:
+            raise RuntimeError("datapipe: this DeviceLoader was closed (close()) while an iteration ran; "
+                               "create a new one to read on")
         if self._generation != gen:
             raise IterationSupersededError(
                 "datapipe: this DeviceLoader was iterated again (iter(loader)) while this iteration ran, and only the "
@@ -359,21 +366,10 @@ class DeviceLoader:
         return max(1, min(self.dataset.batch_size, len(self.dataset.cache)))
 
     def _start_threads(self) -> None:
+        """Make the host buffers and start the reader threads, once. Interrupted part-way (Ctrl-C), it
+        leaves nothing behind: the threads started are stopped, and the next iteration starts afresh."""
         if self._started:
             return
-        self._started = True
-        # decoded on the GPU, the samples never pass through the host buffers: only labels and indices do
-        b, shape = self._slot_rows(), (0, 0, 3) if self._gpu is not None else self._buffer_shape()
-        pin = self.cuda
-        _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
-        for _ in range(self._num_slots()):
-            slot = _Slot(
-                images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
-                labels=torch.empty(b, dtype=torch.int64, pin_memory=pin),
-                index=torch.empty(b, dtype=torch.int64, pin_memory=pin),
-            )
-            self._slots.append(slot)
-        self._free = list(self._slots)
         # On the CPU each reader runs torch with one intra-op thread (readers must not fight over the cores).
         # torch.set_num_threads also sets the process's default, which every thread that has not used torch's
         # pool yet (the training loop's, often) would take: the caller's count is put back once each reader
@@ -381,14 +377,45 @@ class DeviceLoader:
         single = not self.cuda and self.num_workers > 0
         before = torch.get_num_threads()  # this thread's count, fixed now
         ready = threading.Barrier(self.num_workers + 1) if single else None
-        for i in range(self.num_workers):
-            t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, ready),
-                                 name=f"datapipe-reader-{i}", daemon=True)
-            t.start()
-            self._threads.append(t)
-        if ready is not None:
-            ready.wait()
-            torch.set_num_threads(before)  # also when this thread still has it: the default is what changed
+        try:
+            # decoded on the GPU, the samples never pass through the host buffers: only labels and indices do
+            b, shape = self._slot_rows(), (0, 0, 3) if self._gpu is not None else self._buffer_shape()
+            pin = self.cuda
+            _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
+            for _ in range(self._num_slots()):
+                self._slots.append(_Slot(
+                    images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
+                    labels=torch.empty(b, dtype=torch.int64, pin_memory=pin),
+                    index=torch.empty(b, dtype=torch.int64, pin_memory=pin),
+                ))
+            self._free = list(self._slots)
+            for i in range(self.num_workers):
+                t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, ready),
+                                     name=f"datapipe-reader-{i}", daemon=True)
+                self._threads.append(t)  # before it starts: an interrupt between the two must not lose it
+                t.start()
+            if ready is not None:
+                ready.wait()
+        except BaseException:
+            if ready is not None:
+                ready.abort()  # readers waiting at it go on to their job loop, where they are stopped
+            self._stop_threads()
+            self._slots.clear()
+            self._free = []
+            raise
+        finally:
+            if ready is not None:
+                torch.set_num_threads(before)  # also when this thread still has it: the default is what changed
+        self._started = True
+
+    def _stop_threads(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            if t.ident is not None and t is not threading.current_thread():  # started; not the caller (__del__)
+                t.join(timeout=5)
+        self._threads.clear()
+        self._jobs = queue.SimpleQueue()  # a thread that never started leaves its stop in the old one
 
     def _buffer_shape(self) -> tuple[int, int, int]:
         """The shape of a sample's row in the host buffers: the samples' own, or for samples of varying
@@ -446,8 +473,6 @@ class DeviceLoader:
         return stream
 
     def _submit(self, gen: int, j: int, indices: np.ndarray, slot: _Slot, seed: int) -> None:
-        with self._cond:
-            self._inflight += 1
         if self.num_workers:
             self._jobs.put((gen, j, indices, slot, seed))
         else:  # no reader threads: read it here, now (the loop asked for it)
@@ -477,10 +502,11 @@ class DeviceLoader:
         return result, waited
 
     def _drain(self) -> None:
-        """Wait for jobs of an abandoned iteration, then take back all buffers."""
+        """Wait for the readers to finish the jobs of an abandoned iteration they began, then take back
+        all buffers (its jobs still queued are skipped: their generation is gone)."""
         deadline = time.perf_counter() + self.timeout
         with self._cond:
-            while self._inflight:
+            while self._busy:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     raise TimeoutError("datapipe: reader threads did not finish the previous iteration")
@@ -491,11 +517,14 @@ class DeviceLoader:
     def _handle(self, job: tuple[int, int, np.ndarray, _Slot, int]) -> None:
         """Read (and on the CPU, augment) one batch in a reader thread."""
         gen, j, indices, slot, seed = job
-        if gen != self._generation:
-            with self._cond:
-                self._inflight -= 1
-                self._cond.notify_all()
-            return
+        # A reader counts the job it handles (the loop's own thread, num_workers=0, need not): never
+        # the loop, which a Ctrl-C may stop between any two of its steps.
+        counted = self.num_workers > 0
+        with self._cond:
+            if gen != self._generation:  # of an abandoned iteration: its buffer is another's now
+                return
+            if counted:
+                self._busy += 1
         try:
             if slot.event is not None:
                 slot.event.synchronize()  # the GPU has finished copying this buffer out
@@ -536,7 +565,8 @@ class DeviceLoader:
         except BaseException as exc:  # noqa: BLE001 - delivered to the training loop
             result = _Failure(exc)
         with self._cond:
-            self._inflight -= 1
+            if counted:
+                self._busy -= 1
             if gen == self._generation:
                 self._results[(gen, j)] = result
             self._cond.notify_all()
@@ -595,7 +625,8 @@ def _reader_loop(ref: weakref.ref[DeviceLoader], jobs: queue.SimpleQueue, ready:
     if ready is not None:
         torch.get_num_threads()  # torch sets up this thread's count at its first use: before ours, not after
         torch.set_num_threads(1)
-        ready.wait()
+        with contextlib.suppress(threading.BrokenBarrierError):  # the start was interrupted: stopped below
+            ready.wait()
     while True:
         job = jobs.get()
         if job is None:

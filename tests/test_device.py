@@ -649,6 +649,125 @@ def test_a_stuck_reader_raises_instead_of_hanging(index_cache, monkeypatch):
         loader.close()
 
 
+def readers_alive() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("datapipe-reader-")]
+
+
+INTERRUPT_POINTS = ["first-thread-started", "last-thread-started", "waiting-for-readers", "submitting-a-batch"]
+
+
+@pytest.mark.parametrize("where", INTERRUPT_POINTS)
+def test_ctrl_c_while_a_loader_starts_leaves_nothing_behind_and_the_loop_runs_again(index_cache, where, monkeypatch):
+    """Ctrl-C can land between any two steps of the loop's thread (a notebook cell stopped as it begins):
+    at each step of starting the readers and of handing them a batch, the loader stops what it started,
+    keeps the caller's torch thread count, and the loop run again reads the whole epoch (it waited out
+    its timeout and said a reader was stuck, and left reader threads behind)."""
+    expected, _ = run_loader(index_cache, workers=3)
+    before_threads, before_count = set(readers_alive()), torch.get_num_threads()
+    ds = dataset(index_cache)
+    loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=3, timeout=20)
+    main = threading.current_thread()
+    start, wait, calls = threading.Thread.start, threading.Barrier.wait, []
+
+    def interrupted_start(self):
+        start(self)
+        if self.name.startswith("datapipe-reader-"):
+            calls.append(self.name)
+            if (where == "first-thread-started" and len(calls) == 1) or \
+                    (where == "last-thread-started" and len(calls) == 3):
+                raise KeyboardInterrupt
+
+    def interrupted_wait(self, *args):
+        if threading.current_thread() is main:
+            raise KeyboardInterrupt
+        return wait(self, *args)
+
+    if where == "submitting-a-batch":
+        class Jobs:  # the loop is stopped just before a job reaches the readers
+            def __init__(self, jobs):
+                self.jobs = jobs
+
+            def put(self, job):
+                if job is not None and not calls:
+                    calls.append(job)
+                    raise KeyboardInterrupt
+                self.jobs.put(job)
+
+        iter(loader)  # readers started; the next iteration hands out its batches through the wrapper
+        loader._jobs = Jobs(loader._jobs)
+    else:
+        monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+        monkeypatch.setattr(threading.Barrier, "wait", interrupted_wait if where == "waiting-for-readers" else wait)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in loader:
+                pass
+        monkeypatch.undo()
+        assert torch.get_num_threads() == before_count
+        if where != "submitting-a-batch":  # nothing half-started stays
+            for t in set(readers_alive()) - before_threads:
+                t.join(10)
+            assert set(readers_alive()) == before_threads
+        started = time.perf_counter()
+        got = [tuple(t.clone() for t in batch) for batch in loader]
+        assert time.perf_counter() - started < 10  # no wait for the timeout
+        assert same_stream(got, expected)
+    finally:
+        loader.close()
+    for t in set(readers_alive()) - before_threads:
+        t.join(10)
+    assert set(readers_alive()) == before_threads
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_close_during_an_iteration_ends_it_at_once_with_one_clear_error(index_cache, workers):
+    """close() while a loop iterates (the loop's own thread, or another while the loop waits for a batch):
+    the next batch says the loader was closed, at once (it waited out the timeout and said a reader was
+    stuck); a close() after the last batch ends the loop as usual."""
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers, timeout=60)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"DeviceLoader was closed \(close\(\)\) while an iteration ran"):
+        next(it)
+    assert time.perf_counter() - started < 5
+    with pytest.raises(RuntimeError, match="was closed"):
+        iter(loader)
+
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers, timeout=60)
+    batches = list(loader)
+    it = iter(loader)
+    for _ in batches:
+        next(it)
+    loader.close()  # after the last batch
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_close_from_another_thread_wakes_a_loop_waiting_for_a_batch(index_cache, monkeypatch):
+    crop, release = augment.TrainAugment._crop_normalize_uint8, threading.Event()
+
+    def slow(self, *args):
+        release.wait(30)  # a read that takes long (a slow network mount)
+        return crop(self, *args)
+
+    monkeypatch.setattr(augment.TrainAugment, "_crop_normalize_uint8", slow)
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=1, augment=augment.train(24),
+                                   timeout=60)
+    closer = threading.Timer(0.3, loader.close)  # a watchdog or shutdown handler
+    started = time.perf_counter()
+    try:
+        closer.start()
+        with pytest.raises(RuntimeError, match="DeviceLoader was closed"):
+            next(iter(loader))
+        assert time.perf_counter() - started < 10
+    finally:
+        release.set()
+        closer.join()
+        loader.close()
+
+
 def test_generic_module_is_deterministic_across_reader_threads(index_cache):
     one, _ = run_loader(index_cache, workers=1, augment=RandomFlip(delay=0.002))
     three, _ = run_loader(index_cache, workers=3, augment=RandomFlip(delay=0.002))
