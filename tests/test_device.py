@@ -629,16 +629,22 @@ def test_close_and_garbage_collection_stop_the_reader_threads(index_cache):
     assert not any(t.is_alive() for t in threads)
 
 
-def test_a_stuck_reader_raises_instead_of_hanging(index_cache, monkeypatch):
+def held_reader_loader(info, monkeypatch, timeout: float) -> tuple[datapipe.DeviceLoader, threading.Event]:
+    """A one-reader loader whose reads wait until the event is set (a hung or slow network mount)."""
     crop, release = augment.TrainAugment._crop_normalize_uint8, threading.Event()
 
-    def stuck(self, *args):
-        release.wait(30)  # a read that never returns (a hung network mount)
+    def held(self, *args):
+        release.wait(30)
         return crop(self, *args)
 
-    monkeypatch.setattr(augment.TrainAugment, "_crop_normalize_uint8", stuck)
-    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=1, augment=augment.train(24),
-                                   timeout=0.5)
+    monkeypatch.setattr(augment.TrainAugment, "_crop_normalize_uint8", held)
+    loader = datapipe.DeviceLoader(dataset(info), device="cpu", num_workers=1, augment=augment.train(24),
+                                   timeout=timeout)
+    return loader, release
+
+
+def test_a_stuck_reader_raises_instead_of_hanging(index_cache, monkeypatch):
+    loader, release = held_reader_loader(index_cache, monkeypatch, timeout=0.5)
     started = time.perf_counter()
     try:
         with pytest.raises(TimeoutError, match=r"batch 0 .* within 0.5 s; a reader thread is stuck"):
@@ -746,15 +752,7 @@ def test_close_during_an_iteration_ends_it_at_once_with_one_clear_error(index_ca
 
 
 def test_close_from_another_thread_wakes_a_loop_waiting_for_a_batch(index_cache, monkeypatch):
-    crop, release = augment.TrainAugment._crop_normalize_uint8, threading.Event()
-
-    def slow(self, *args):
-        release.wait(30)  # a read that takes long (a slow network mount)
-        return crop(self, *args)
-
-    monkeypatch.setattr(augment.TrainAugment, "_crop_normalize_uint8", slow)
-    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=1, augment=augment.train(24),
-                                   timeout=60)
+    loader, release = held_reader_loader(index_cache, monkeypatch, timeout=60)
     closer = threading.Timer(0.3, loader.close)  # a watchdog or shutdown handler
     started = time.perf_counter()
     try:
