@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -252,17 +252,62 @@ def test_a_missing_also_cache_is_one_line_before_anything_runs(formats, tmp_path
     assert "nope" in line and "does not exist" in line
 
 
+OWN_PASS = """
+import os, time
+from datapipe.bench.timing import cpu_seconds
+assert len(os.listdir("/proc/self/task")) == 1, "another thread would share the process's CPU clock"
+before = cpu_seconds()  # the first reading imports psutil
+start = time.process_time()
+while time.process_time() - start < 0.002:
+    pass
+for _ in range(20):
+    cpu_seconds()
+print(cpu_seconds() - before)
+"""
+
+
 def test_cpu_seconds_counts_a_pass_shorter_than_a_clock_tick():
     """A fast loader's short pass takes a few ms of CPU: counted in /proc's ticks of 10 ms it read 0.0
-    (or 0.01), and cpu_s_per_image with it."""
+    (or 0.01), and cpu_s_per_image with it. Measuring is not charged to the pass: finding the live
+    children walks all of /proc (and imports psutil the first time), milliseconds a walk, more on a host
+    of many processes; the first reading's import and twenty extra readings inside the pass would add
+    tens of ms if it were. A fresh interpreter of one thread (numpy's BLAS threads spin a while after
+    import, on the same clock) and no children measures its own pass."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", OWN_PASS], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    used = float(done.stdout)
+    assert 0.002 <= used < 0.009, used
+
+
+CHILD_SPIN = """
+import sys, time
+start = time.process_time()
+while time.process_time() - start < 0.3:
+    pass
+print("spun", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_cpu_seconds_counts_live_and_reaped_children():
+    """A worker process's CPU counts while it lives (from /proc) and after it is reaped (from the
+    kernel's tally of waited-for children), once either way."""
     from datapipe.bench.timing import cpu_seconds
 
     before = cpu_seconds()
-    start = time.process_time()
-    while time.process_time() - start < 0.002:
-        pass
-    used = cpu_seconds() - before
-    assert 0.002 <= used < 0.009, used
+    child = subprocess.Popen([sys.executable, "-c", CHILD_SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"
+        live = cpu_seconds() - before  # the child spun 0.3 s of CPU and waits, alive
+    finally:
+        child.communicate(timeout=60)
+    reaped = cpu_seconds() - before
+    # /proc's ticks round down by at most 10 ms; the child's start-up (an interpreter) adds a little.
+    assert 0.29 <= live < 1.5, live
+    assert 0.29 <= reaped < 1.5, reaped
+    assert abs(reaped - live) < 0.2, (live, reaped)  # not counted twice once reaped
 
 
 # ----------------------------------------------------------------------------- result files, checked first

@@ -188,9 +188,19 @@ def test_datasets_of_one_process_share_the_transfer_threads(local_cache_dir, tmp
         ds = datapipe.StreamingDataset(url, local_cache=tmp_path / f"lc{k}", batch_size=16, prefetch=4)
         assert sum(len(batch[1]) for batch in ds) == 120
         ds.cache.remote.close()
-    threads = [t for t in threading.enumerate() if t.name.startswith("datapipe-fetch")]
+    pool = fetch._transfers()
+
+    def counts() -> tuple[int, int]:
+        """(live transfer threads, threads the pool counts), read together under the pool's lock. A thread
+        that ends for want of work (after 10 s idle) is uncounted before it has exited: poll past that."""
+        with pool._lock:
+            return sum(t.name.startswith("datapipe-fetch") for t in threading.enumerate()), pool.threads
+
+    deadline = time.monotonic() + 5
+    while (seen := counts())[0] != seen[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
     # one dataset's transfers at once (its prefetch threads and its reader), not threads left by each dataset
-    assert len(threads) == fetch._transfers().threads <= 8
+    assert seen[0] == seen[1] <= 8, seen
 
 
 def test_the_download_log_stays_bounded_while_every_epoch_downloads_again(local_cache_dir, tmp_path, monkeypatch):

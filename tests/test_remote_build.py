@@ -656,31 +656,69 @@ def test_sigkill_of_the_client_on_a_local_cluster_resumes_uploading_only_unfinis
     assert shard_files(got) == shard_files(imaging.tree_bytes(local))  # a Dask build into s3 = a serial local build
 
 
+def _spawned(process) -> bool:
+    """Whether ``process`` was started by multiprocessing's spawn (a nanny's worker process)."""
+    try:
+        cmdline = process.cmdline()
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return False
+    return any("spawn_main" in part or part == "--multiprocessing-fork" for part in cmdline)
+
+
 @pytest.mark.distributed
 def test_sigkill_of_a_dask_worker_mid_upload_is_retried_and_the_cache_is_whole(s3, big_source, tmp_path):
     psutil = pytest.importorskip("psutil")
+    from distributed import Client
+
     port = free_port()
     env = {**os.environ, **s3.env}
     scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                   "--port", str(port), "--dashboard-address", ":0"], env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     workers = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", f"tcp://127.0.0.1:{port}",
-                                 "--nthreads", "1", "--no-dashboard"], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
+                                 "--nthreads", "1", "--no-dashboard", "--name", f"worker{i}"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+               for i in range(2)]
     url = s3.bucket() + "/cache"
+    build_proc: subprocess.Popen | None = None
     try:
-        build_proc = subprocess.Popen(
-            [sys.executable, "-m", "datapipe.cli", "build", str(big_source), url, "--size", "32", "--shard-size", "1",
-             "--scheduler", f"tcp://127.0.0.1:{port}", "--quiet", "--storage-option", f"endpoint_url={s3.endpoint_url}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _wait_for(lambda: len(_finished(s3.objects(url))) >= 2, "two finished shards")
-        # the worker process (the nanny's child) of the first worker, killed while it builds and uploads shards
-        victim = psutil.Process(workers[0].pid).children(recursive=True)
-        assert victim, "the dask worker has no worker process"
-        victim[0].kill()
+        with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+            def addresses() -> dict[str, str]:
+                return {w.get("name"): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+            # both workers take part from the first shard on (one slow to start would leave the other all the work)
+            _wait_for(lambda: {"worker0", "worker1"} <= set(addresses()), "both workers")
+            addr = addresses()["worker0"]
+            # The nanny's children are the worker process and multiprocessing's resource tracker: the worker is
+            # the one multiprocessing spawned, the process the scheduler knows.
+            victim = next((child for child in psutil.Process(workers[0].pid).children(recursive=True)
+                           if _spawned(child)), None)
+            assert victim is not None, "the dask worker has no worker process"
+            assert client.run(os.getpid, workers=[addr])[addr] == victim.pid
+            build_proc = subprocess.Popen(
+                [sys.executable, "-m", "datapipe.cli", "build", str(big_source), url, "--size", "32", "--shard-size",
+                 "1", "--scheduler", f"tcp://127.0.0.1:{port}", "--quiet", "--storage-option",
+                 f"endpoint_url={s3.endpoint_url}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            _wait_for(lambda: len(_finished(s3.objects(url))) >= 2, "two finished shards")
+            assert "cache/manifest.json" not in s3.objects(url), "the build ended before the kill"
+            # The store freezes: no shard finishes from here to the kill, so the build is still running then and
+            # the worker's task is still uploading (the store's timeout, a minute, is far off).
+            s3.pause()
+            try:  # the worker to kill must hold shard tasks
+                _wait_for(lambda: bool(client.processing(workers=[addr]).get(addr)),
+                          "the worker to be running a shard task", 30)
+                assert build_proc.poll() is None, "the build ended before the kill"
+                victim.kill()
+                victim.wait(30)
+                assert not victim.is_running(), "the worker process outlived its SIGKILL"
+            finally:
+                s3.resume()
         out, err = build_proc.communicate(timeout=240)
         assert build_proc.returncode == 0, err
     finally:
+        if build_proc is not None and build_proc.poll() is None:
+            build_proc.kill()
+            build_proc.communicate()
         for p in [*workers, scheduler]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)

@@ -240,16 +240,30 @@ def test_a_file_swapped_for_a_fifo_after_the_scan_is_not_waited_on(tmp_path):
     assert read_file(str(tmp_path / "big.jpg"), 5000) == b"\xff" * 5000
 
 
-def test_a_file_that_takes_too_long_ends_a_serial_build_with_one_line(tmp_path, imaging):
+def test_a_file_that_takes_too_long_ends_a_serial_build_with_one_line(tmp_path, imaging, monkeypatch):
     src = tmp_path / "src"
-    (src / "a").mkdir(parents=True)
-    (src / "a" / "slow.png").write_bytes(imaging.encode(imaging.gradient(60, 80).repeat(50, 0).repeat(50, 1), "PNG"))
+    imaging.write_source(src, {"a": 4}, variety=False)  # shard 0, finished before the slow file
+    (src / "b").mkdir()
+    (src / "b" / "slow.png").write_bytes(imaging.encode(imaging.gradient(40, 52), "PNG"))
     out = tmp_path / "out"
-    proc = cli("build", str(src), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
-               env={"DATAPIPE_FILE_TIMEOUT": "0.1"})  # a 3000x4000 PNG takes about a second to decode
+    # Reading b/slow.png waits on a FIFO nobody ever writes: it never finishes, however fast the machine.
+    monkeypatch.setenv("DATAPIPE_FILE_TIMEOUT", "0.1")
+    proc = gated_build(src, out, tmp_path / "gate", "b/slow.png")
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(15)
     assert proc.returncode == 2
-    line = one_line(proc.stderr)
-    assert "a/slow.png" in line and "DATAPIPE_FILE_TIMEOUT" in line
+    line = one_line(stderr)
+    assert "b/slow.png" in line and "did not finish within 0.1 s" in line and "DATAPIPE_FILE_TIMEOUT" in line
+    assert not (out / "manifest.json").exists()  # the build ended there
+    assert (out / "shards" / "000000.zarr").is_dir()  # and kept the shard it had finished
+    # Once the file reads again, the rerun resumes and finishes.
+    rerun = cli("build", str(src), str(out), "--size", str(SIZE), "--shard-size", "4", "--scheduler", "sync", "--quiet")
+    assert rerun.returncode == 0, rerun.stderr
+    assert len(datapipe.open(out)) == 5
 
 
 # ----------------------------------------------------------------------------- user files never deleted
