@@ -15,7 +15,7 @@ _LAZY = {
     "BuildReport": ("datapipe.builder", "BuildReport"),
     "BuildSpec": ("datapipe.builder", "BuildSpec"),
     "Cluster": ("datapipe.builder", "Cluster"),
-    "open": ("datapipe.cache", "open"),
+    "open": ("datapipe.fetch", "open_cache"),
     "Cache": ("datapipe.cache", "Cache"),
     "StreamingDataset": ("datapipe.dataset", "StreamingDataset"),
     "DeviceLoader": ("datapipe.device", "DeviceLoader"),
@@ -31,10 +31,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from . import augment, bench
     from .bench.sample import make_sample_dataset
     from .builder import BuildReport, BuildSpec, Cluster, build
-    from .cache import Cache, open
+    from .cache import Cache
     from .dataset import StreamingDataset
     from .device import DeviceLoader
     from .errors import DatapipeError
+    from .fetch import open_cache as open
 
 
 def __getattr__(name: str) -> Any:

@@ -24,9 +24,8 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .cache import open as open_cache
 from .errors import ArgumentError, DatapipeError, RankMismatchError, StateError
-from .fetch import is_url
+from .fetch import is_url, open_cache
 from .remote import local_path
 from .text import show
 from .world import World, detect_ranks, detect_worker, distributed_ranks, first_published, forget

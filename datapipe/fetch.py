@@ -105,6 +105,43 @@ def is_url(location: object) -> bool:
     return url(location)
 
 
+def open_cache(path: str | Path, *, local_cache: str | os.PathLike | None = None,
+               cache_limit: int | str | None = None, storage_options: dict | None = None,
+               prefetch: int | str | None = None, timeout: float | None = None) -> Cache:
+    """Open a finished cache for random access (see :class:`Cache`); ``datapipe.open``.
+
+    Args:
+        path: the cache's folder (or ``file://`` URL), or a cache in object storage (an fsspec URL such
+            as ``s3://bucket/cache``), whose shards are downloaded into ``local_cache`` when first read.
+        local_cache: for a cache in object storage: the node-local folder its shards are downloaded
+            into (see :mod:`datapipe.fetch`); required for a URL.
+        cache_limit, storage_options, prefetch, timeout: for a cache in object storage only (see
+            :class:`datapipe.StreamingDataset`); None means the default.
+
+    Raises:
+        ArgumentError: a URL without ``local_cache``, or these arguments for a cache read in place.
+        CacheError: no finished cache there (a build still writing it is named).
+    """
+    from .remote import local_path
+
+    named = {"local_cache": local_cache, "cache_limit": cache_limit, "storage_options": storage_options,
+             "prefetch": prefetch, "timeout": timeout}
+    given: dict[str, Any] = {name: value for name, value in named.items() if value is not None}
+    if local_cache is None:  # a file:// URL is the folder it names, read in place (with local_cache: streamed)
+        path = local_path(path)
+    if is_url(path):
+        if local_cache is None:
+            raise ArgumentError(f"{path} is in object storage: pass local_cache= (a node-local folder its shards "
+                                "are downloaded into)")
+        given.pop("local_cache")
+        return ShardFetcher(str(path), local_cache, **given).open()
+    if given:
+        raise ArgumentError(f"{', '.join(given)}: for a cache in object storage (a URL such as s3://bucket/cache) "
+                            f"only; {show(str(path))} is read in place, so leave "
+                            f"{'it' if len(given) == 1 else 'them'} out")
+    return Cache(path)
+
+
 def parse_size(value: object, what: str) -> int:
     """Bytes from an int or a size such as ``"200GB"``, ``"1.5 TiB"``, ``"500MB"`` (decimal and binary units)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0:
