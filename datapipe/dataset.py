@@ -210,8 +210,8 @@ class StreamingDataset(IterableDataset):
             order = part.default_order(is_remote=True)
         self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size)
         # object-storage arguments are passed on as given (ShardFetcher's defaults for those left out)
-        streaming: dict[str, Any] = {"local_cache": local_cache, "cache_limit": cache_limit, "storage_options": storage_options,
-                     "prefetch": prefetch, "timeout": timeout}
+        streaming: dict[str, Any] = {"local_cache": local_cache, "cache_limit": cache_limit,
+                                     "storage_options": storage_options, "prefetch": prefetch, "timeout": timeout}
         if not isinstance(cache, Cache):
             self.cache = open_cache(cache, **streaming)
         elif any(value is not None for value in streaming.values()):
