@@ -47,6 +47,7 @@ from .errors import (
     OutputError,
     OutputWriteError,
     RemoteStoreError,
+    SourceError,
     TooManyBadFilesError,
     describe_quarantine,
     quarantine_counts,
@@ -684,6 +685,8 @@ def build(
         if not isinstance(value, (str, os.PathLike)):
             raise ArgumentError(f"{name} must be a path or a URL, got {value!r}")
     source, output = remote.local_path(source), remote.local_path(output)  # file:// URLs: the folders they name
+    _check_utf8_path("source", source, SourceError)
+    _check_utf8_path("output", output, OutputError)
     t0 = time.perf_counter()
     remote_source = remote.is_url(os.fspath(source))
     remote_output = remote.is_url(os.fspath(output))
@@ -715,6 +718,17 @@ def build(
         raise
     finally:
         target.lock.release()
+
+
+def _check_utf8_path(name: str, path: str | os.PathLike, error: type[DatapipeError]) -> None:
+    """A path the build records (in build.json, the manifest and the report: UTF-8 text) must be UTF-8 itself."""
+    text = os.fspath(path)
+    where = text if remote.is_url(text) else os.path.abspath(os.path.expanduser(text))
+    try:
+        where.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{name} {shown(where)}: the path is not valid UTF-8; rename it (or link to it from a "
+                          "path that is) and rerun") from None
 
 
 def _check_not_reimported() -> None:

@@ -305,7 +305,7 @@ def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
             if data is None:
                 raise no_cache from None
         try:
-            text = data.decode("utf-8")
+            text = data.decode("utf-8-sig")  # a byte-order mark (Notepad, Excel) is not part of the first name
         except UnicodeDecodeError as exc:
             raise ArgumentError(f"--classes-from {where}: neither a cache nor a UTF-8 text object of class names "
                                 f"({exc})") from None
@@ -316,7 +316,7 @@ def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
 
             return read_manifest(path).classes
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8-sig")
         except (OSError, UnicodeDecodeError) as exc:
             raise ArgumentError(f"--classes-from {where}: cannot be read as a cache folder or a UTF-8 text file of "
                                 f"class names ({getattr(exc, 'strerror', None) or exc})") from None

@@ -296,7 +296,13 @@ def _read_only(out: Path, config: dict, chash: str, source: dict[str, str], forc
     previous = records.read_build_record(out) if _entries(out) else None
     if previous is None or not previous.build_id:
         raise error
-    if not resumes(previous, config, chash, source, force=force, where=str(out), place="folder"):
+    try:
+        same = resumes(previous, config, chash, source, force=force, where=str(out), place="folder")
+    except ConfigMismatchError:
+        if isinstance(error, OutputBusyError):  # another build at work: the first thing to know, whatever it builds
+            raise error from None
+        raise
+    if not same:
         raise error  # a rebuild (--force) writes
     if not holds(out / records.BUILD_LOCK, _build_json(config, chash, previous.build_id, source).encode()):
         raise error

@@ -54,7 +54,7 @@ _HINTS = {
     # the build cannot tell a damaged manifest from a user's file, and never overwrites one: it must go first
     MANIFEST: "move it away and rerun the same `datapipe build` to rewrite it (finished shards are kept)",
     BUILD_LOCK: "rerun `datapipe build` with --force to rebuild this output, or choose another output folder",
-    REPORT: "rerun the same `datapipe build` to rewrite it (the cache itself is not affected)",
+    REPORT: "move it away and rerun the same `datapipe build` to rewrite it (the cache itself is not affected)",
 }
 
 
@@ -71,8 +71,8 @@ def read_json(path: Path, *, hint: str | None = None) -> Any:
     limit = MAX_JSON_BYTES.get(path.name, 256 << 20)
     try:
         data = read_regular(path, limit)
-    except FileNotFoundError:
-        raise CacheError(f"{path} is missing; {hint}") from None
+    except FileNotFoundError:  # nothing to move away
+        raise CacheError(f"{path} is missing; {hint.removeprefix('move it away and ')}") from None
     except NotRegularFile:
         raise CacheError(f"{path} is not a regular file; {hint}") from None
     except FileTooLarge as exc:

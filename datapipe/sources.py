@@ -101,16 +101,19 @@ def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None)
     """
     src = Path(source).expanduser()
     if not src.exists():
-        raise SourceError(f"source {src} does not exist; pass a folder of class folders or a CSV of path,label")
+        raise SourceError(f"source {shown(str(src))} does not exist; pass a folder of class folders or a CSV of path,label")
     if src.is_file():
         listing = _scan_csv(src)
     elif src.is_dir():
+        if exclude is not None and _identity(src) == _identity(exclude):
+            raise SourceError(f"source {src} is the output folder itself; write the cache to another folder "
+                              "(a folder inside the source is fine: it is never scanned)")
         listing = _scan_folder(src, exclude)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
     listing.source = src.resolve()
     if not listing.paths and not listing.dropped:
-        hint = (f" ({len(listing.ignored)} files skipped for their extension, e.g. {listing.ignored[:3]})"
+        hint = (f" ({len(listing.ignored)} entries skipped (not an image extension, hidden), e.g. {listing.ignored[:3]})"
                 if listing.ignored else "")
         if listing.outside_classes:
             hint = (f" in class folders ({len(listing.outside_classes)} at its top, e.g. "
@@ -202,9 +205,10 @@ class _Walker:
             except OSError as exc:
                 raise unreadable_folder(self.root, rel_folder, exc) from None
             for entry in entries:
-                if entry.name.startswith("."):
-                    continue
                 rel = f"{rel_folder}/{entry.name}"
+                if entry.name.startswith("."):
+                    self.ignored.append(hidden(entry, rel))
+                    continue
                 self.visit(entry, rel, label, stack)
 
     def visit(self, entry: os.DirEntry, rel: str, label: int, stack: list) -> None:
@@ -225,6 +229,16 @@ class _Walker:
             self.dropped.append({"path": rel, **not_regular(mode)})
         else:
             self.records.append((rel, label))
+
+
+def hidden(entry: os.DirEntry, rel: str) -> str:
+    """The ignored-list entry of a hidden file or folder (a name starting with a dot: .DS_Store, ._photo.jpg,
+    .ipynb_checkpoints/): skipped, as file browsers hide them (macOS's ._ files are not images of their class)."""
+    try:
+        folder = entry.is_dir()
+    except OSError:
+        folder = False
+    return shown(rel) + ("/" if folder else "") + " (hidden)"
 
 
 def unreadable_folder(root: Path | str, rel: str, exc: OSError) -> SourceError:
@@ -253,6 +267,7 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
     class_dirs: list[os.DirEntry] = []
     for entry in entries:
         if entry.name.startswith("."):
+            walker.ignored.append(hidden(entry, entry.name))
             continue
         try:
             is_dir = entry.is_dir()
@@ -321,6 +336,13 @@ def _is_header(row: list[str], exists: Callable[[str], bool]) -> bool:
     return cell.casefold() in HEADER_NAMES and not exists(cell)
 
 
+def _is_comment(row: list[str], exists: Callable[[str], bool]) -> bool:
+    """The documented comment rule: a row whose first cell starts with '#' is a comment, unless that cell names a
+    file beside the CSV (an image named '#1.jpg' is data)."""
+    cell = row[0].strip()
+    return cell.startswith("#") and not exists(cell) and not exists(row[0])  # (a name may begin with spaces)
+
+
 def _relative(cell: str, csv_path: Path, lineno: int) -> str:
     """A CSV path cell as a normalised '/'-separated path inside the CSV's folder, or SourceError. Spaces
     around the cell are dropped (``a.jpg , cat``), unless the file's own name has them."""
@@ -356,11 +378,15 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
     reader = csv.reader(io.StringIO(text, newline=""))
     first_row = True
     try:
+        start = 1  # the line the row begins on (a quoted cell may span lines)
         for row in reader:
-            lineno = reader.line_num
-            if not row or not "".join(row).strip() or row[0].lstrip().startswith("#"):
+            lineno, start, begins = reader.line_num, reader.line_num + 1, start
+            if not row or not "".join(row).strip() or _is_comment(row, exists):
                 continue
             if len(row) < 2:
+                if any("\n" in cell or "\r" in cell for cell in row):  # csv read on to the end for its closing quote
+                    raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is never closed; "
+                                      "close it (a quote inside a cell is written twice: \"\")")
                 raise SourceError(f"{csv_path}:{lineno}: expected 'path,label', got {_clip(row)}")
             if any(cell.strip() for cell in row[2:]):  # refused, not silently dropped
                 raise SourceError(

@@ -513,6 +513,9 @@ def test_a_build_of_a_cache_another_build_holds_is_up_to_date_without_waiting_an
         (small / "b" / "img001.jpg").write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=99)))  # a changed input
         with pytest.raises(OutputBusyError, match=f"being written by another datapipe build \\(pid {os.getpid()}"):
             build(small, out)
+        for force in (False, True):  # another configuration: the holder is still the first thing to know
+            with pytest.raises(OutputBusyError, match=f"being written by another datapipe build \\(pid {os.getpid()}"):
+                build(small, out, size=SIZE + 8, force=force)
     finally:
         holder.release()
     assert files_of(out) == before
@@ -757,3 +760,118 @@ def test_a_signal_to_the_whole_group_while_a_worker_starts_is_one_line(small, tm
     preload.write_text(GROUP_SIGNAL)
     env = {**os.environ, "SIGNAL": signame, "DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps([str(preload)])}
     interrupted_build(["-m", "datapipe.cli", "build", str(small), str(tmp_path / "out")], signame, env)
+
+
+# ----------------------------------------------------------------------------- names and places a build records
+
+
+@pytest.mark.parametrize("which", ["source", "output"])
+def test_a_source_or_output_path_that_is_not_utf8_is_one_line_and_writes_nothing(small, tmp_path, which):
+    """build.json, the manifest and the report are UTF-8 text: a folder named in another encoding (a
+    name from an old archive) ended in a UnicodeEncodeError after a shard, and every rerun repeated it."""
+    odd = tmp_path / os.fsdecode(b"folder\xff")
+    if which == "source":
+        shutil.copytree(small, odd)
+        source, out = odd, tmp_path / "out"
+    else:
+        source, out = small, odd
+    result = cli("build", str(source), str(out), "--size", str(SIZE), "--scheduler", "sync")
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (f"datapipe build: error: {which} {tmp_path}/folder\\xff: the path is not valid "
+                                       "UTF-8; rename it (or link to it from a path that is) and rerun")
+    assert not out.exists()
+    with pytest.raises(SourceError if which == "source" else OutputError, match="not valid UTF-8"):
+        build(source, out)
+
+
+@pytest.mark.parametrize("spelling", ["same", "trailing-slash", "link"])
+def test_a_cache_is_never_its_own_source(small, tmp_path, spelling):
+    """A cache holding the user's images (copied into it later), built from itself with --force: its own
+    shards/ folder was scanned as an empty class and every image got label 0 of the wrong list."""
+    cache = tmp_path / "cache"
+    build(small, cache)
+    shutil.copytree(small, cache / "imgs")
+    before = files_of(cache)
+    output = {"same": str(cache), "trailing-slash": f"{cache}/", "link": str(tmp_path / "link")}[spelling]
+    if spelling == "link":
+        (tmp_path / "link").symlink_to(cache)
+    for force in (False, True):
+        with pytest.raises(SourceError, match=f"source {cache} is the output folder itself; write the cache to another"):
+            build(cache, output, force=force)
+    assert files_of(cache) == before
+    inside = build(cache / "imgs", tmp_path / "elsewhere")  # the images themselves build
+    assert inside.num_samples == 10
+
+
+def test_a_csv_row_starting_with_a_hash_is_a_comment_only_when_no_such_file_exists(tmp_path, imaging):
+    """A file really named '#1.jpg' was read as a comment: its row vanished, with its class, from the cache and
+    the report, and every later class moved down one label."""
+    arr = imaging.gradient(40, 52)
+    for name in ("a.jpg", "#1.jpg", " #2.jpg"):
+        (tmp_path / name).write_bytes(imaging.jpeg(arr))
+    (tmp_path / "list.csv").write_text("# a comment, kept out\na.jpg,cat\n#1.jpg,dog\n #2.jpg,eel\n#gone.jpg,fox\n")
+    report = build(tmp_path / "list.csv", tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["cat", "dog", "eel"] and report.num_samples == 3 and report.quarantined == []
+    assert {cache.path(i): cache.classes[cache[i][1]] for i in range(3)} == {"a.jpg": "cat", "#1.jpg": "dog",
+                                                                           " #2.jpg": "eel"}
+
+
+@pytest.mark.parametrize("text,line", [('a.jpg,cat\n"b.jpg,dog\nc.jpg,eel\n', 2), ('"a.jpg,cat\n', 1)])
+def test_an_unclosed_quote_in_a_csv_names_the_line_it_opens_on(tmp_path, text, line):
+    (tmp_path / "list.csv").write_text(text)
+    with pytest.raises(SourceError, match=rf"list.csv:{line}: a quote opened on this line is never closed"):
+        build(tmp_path / "list.csv", tmp_path / "out")
+
+
+def test_hidden_files_and_folders_are_counted_as_ignored(small, tmp_path, imaging):
+    """The guarantee: every source file is a sample, in the report, or counted as ignored; hidden ones
+    (.DS_Store, macOS's ._ copies, notebook checkpoints) were skipped without a count."""
+    plain = build(small, tmp_path / "plain")
+    jpeg = imaging.jpeg(imaging.gradient(40, 52))
+    (small / ".DS_Store").write_bytes(b"\0")
+    (small / "a" / "._img000.jpg").write_bytes(b"\0\5\26\7")
+    (small / "a" / ".ipynb_checkpoints").mkdir()
+    (small / "a" / ".ipynb_checkpoints" / "img-checkpoint.jpg").write_bytes(jpeg)
+    (small / ".trash").mkdir()
+    (small / ".trash" / "x.jpg").write_bytes(jpeg)
+    report = build(small, tmp_path / "out")
+    assert report.num_samples == plain.num_samples
+    assert report.ignored == plain.ignored + 4
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["ignored"] == plain.ignored + 4
+
+
+def test_a_class_list_file_with_a_byte_order_mark(small, tmp_path):
+    """A class list saved by Notepad or Excel starts with a byte-order mark, which stuck to the first name."""
+    (tmp_path / "classes.txt").write_bytes("\ufeffa\nb\n".encode())
+    assert cli_main(["build", str(small), str(tmp_path / "out"), "--size", str(SIZE), "--scheduler", "sync",
+                     "--classes-from", str(tmp_path / "classes.txt"), "--quiet"]) == 0
+    assert datapipe.open(tmp_path / "out").classes == ["a", "b"]
+
+
+@pytest.mark.parametrize("name", ["report.json", "manifest.json", "build.json", "labels.npy", "paths.json",
+                                  "shards/bench.json", "shards/000000.zarr/zarr.json"])
+def test_bench_never_writes_over_a_file_of_a_cache(small, tmp_path, capsys, name):
+    """`datapipe bench CACHE --json CACHE/report.json` wrote over the build's report; the rerun the reader was
+    then told to make refused to replace a file it had not written."""
+    cache = tmp_path / "cache"
+    build(small, cache)
+    before = files_of(cache)
+    assert cli_main(["bench", str(cache), "--json", str(cache / name), "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {cache / name}: is one of the datapipe cache {cache}'s own files" in err
+    assert files_of(cache) == before
+
+
+def test_a_report_written_over_is_refused_by_the_build_and_the_advice_works(small, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    build(small, cache)
+    (cache / "report.json").write_text('{"x": 1}')
+    assert cli_main(["info", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert "field 'status' is missing; move it away and rerun the same `datapipe build`" in err
+    with pytest.raises(OutputError, match="report.json was not written by the build"):
+        build(small, cache)
+    (cache / "report.json").rename(tmp_path / "report.json")  # as the message says
+    assert build(small, cache).shards_built == 0
+    assert cli_main(["info", str(cache)]) == 0

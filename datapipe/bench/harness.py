@@ -854,7 +854,26 @@ def check_output_file(flag: str, path: str | os.PathLike[str]) -> Path:
         raise OutputError(f"{flag} {p}: cannot be written (permission denied); choose a writable path")
     if p.exists() and not p.is_file():
         raise OutputError(f"{flag} {p}: is not a regular file; choose another path")
+    cache = _owning_cache(p)
+    if cache is not None:
+        raise OutputError(f"{flag} {p}: is one of the datapipe cache {cache}'s own files (or in its shards folder), "
+                          "which datapipe never overwrites with anything else; choose another path")
     return p
+
+
+def _owning_cache(path: Path) -> Path | None:
+    """The datapipe cache whose own file (manifest, report, labels... or anything in its shards folder)
+    ``path`` would be, or None."""
+    from ..records import BUILD_LOCK, LABELS, MANIFEST, PATHS, REPORT, is_datapipe_output
+    from ..shards import SHARDS_DIR
+
+    folder = path.absolute().parent
+    if path.name in (MANIFEST, REPORT, BUILD_LOCK, LABELS, PATHS) and is_datapipe_output(folder):
+        return folder
+    for above in (folder, *folder.parents):
+        if above.name == SHARDS_DIR and is_datapipe_output(above.parent):
+            return above.parent
+    return None
 
 
 def plot(result: BenchResult, path: str | os.PathLike[str]) -> Path:
