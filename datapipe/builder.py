@@ -695,7 +695,8 @@ def build(
                             "are local, so leave them out")
     store_timeout = remote.store_timeout() if remote_source or remote_output else remote.STORE_TIMEOUT
     if remote_source:
-        listing = remote.scan(os.fspath(source), storage_options, store_timeout)
+        listing = remote.scan(os.fspath(source), storage_options, store_timeout,
+                              exclude=os.fspath(output) if remote_output else None)
     else:  # the output is never a class, even when it lies inside the source
         listing = scan(source, exclude=None if remote_output else Path(output).expanduser())
     if spec.classes is not None:

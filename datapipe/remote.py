@@ -1141,30 +1141,41 @@ def _check_object(loc: Location, objects: dict[str, int], key: str, size: int | 
 # ----------------------------------------------------------------------------- a source in object storage
 
 
-def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float = STORE_TIMEOUT) -> Any:
+def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float = STORE_TIMEOUT, *,
+         exclude: str | None = None) -> Any:
     """List a source in object storage: a prefix of class folders (one listing), or a CSV object of
     ``path,label`` rows (a URL ending in .csv: read once, and its folder listed once). A
     :class:`datapipe.sources.Listing` whose ``root`` is the path of the folder its paths are relative
-    to and ``url`` that folder's URL; workers read each object directly. ``timeout``: each request's deadline."""
+    to and ``url`` that folder's URL; workers read each object directly. ``timeout``: each request's deadline.
+    ``exclude``: the build's output URL, never listed as part of the source (as a local build's output)."""
     from .sources import IMAGE_EXTENSIONS, Listing, note_string_order
 
     loc = open_location(url, storage_options, timeout=timeout)
     if loc.root.lower().endswith(".csv"):
         with store_errors(loc, "read the source", SourceError):
             return _scan_csv(loc)
+    output = _inside(loc, exclude)
+    if output == "":
+        raise SourceError(f"source {url} is the output itself; write the cache to another prefix "
+                          "(one inside the source is fine: it is never listed)")
     with store_errors(loc, "list the source", SourceError):
         objects = listing(loc, markers=True)
+        caches = {key.split("/", 1)[0] for key in objects if key.count("/") == 1 and key.split("/")[1] in
+                  (BUILD_LOCK, MANIFEST) and _marker_doc(loc, key) is not None}  # other datapipe caches: never classes
     if not objects:
         raise SourceError(f"source {url} holds no objects; pass a prefix of class folders (PREFIX/<class>/<image>)")
     # As a local folder source: a class for each top-level folder (a folder marker alone, as a console's
     # "Create folder" makes, is an empty class), images at the top level named as outside any class.
     records: list[tuple[str, str]] = []
-    ignored: list[str] = []
+    ignored: list[str] = [f"{name}/ (a datapipe cache)" for name in sorted(caches)]
     outside: list[str] = []
     folders: set[str] = set()
     for key in sorted(objects):
         parts = PurePosixPath(key).parts
-        if not parts or any(p.startswith(".") for p in parts):
+        if not parts or parts[0] in caches or (output is not None and f"{key}/".startswith(f"{output}/")):
+            continue
+        if any(p.startswith(".") for p in parts):
+            ignored.append(f"{key} (hidden)")
             continue
         if len(parts) > 1 or key.endswith("/"):
             folders.add(parts[0])  # a class, also with no image in it (as a local folder)
@@ -1186,6 +1197,16 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
                        ignored=ignored, outside_classes=outside)
     listing_.url = loc.url
     return listing_
+
+
+def _inside(loc: Location, url: str | None) -> str | None:
+    """The key of ``url``'s prefix under ``loc`` ('' for the same prefix), or None when it is elsewhere (or None)."""
+    if url is None or not is_url(url) or url.split("://", 1)[0].lower() != loc.url.split("://", 1)[0].lower():
+        return None
+    root, other = loc.root.strip("/"), str(loc.fs._strip_protocol(url)).strip("/")
+    if other == root:
+        return ""
+    return other[len(root) + 1:] if other.startswith(f"{root}/") else None
 
 
 def _scan_csv(loc: Location) -> Any:

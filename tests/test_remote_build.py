@@ -405,6 +405,29 @@ def test_a_source_in_s3_names_its_classes_and_unused_images_as_a_local_folder_do
     assert np.array_equal(s3_labels, datapipe.open(tmp_path / "from-disk").labels)
 
 
+def test_an_output_or_another_cache_inside_a_source_in_s3_is_never_a_class(s3, source, built, tmp_path):
+    """As for a local source: the build's own output inside the source prefix was listed as a class on the
+    rerun (every label moved by one, the cache rebuilt), and so was any other datapipe cache in it."""
+    src = s3.bucket() + "/images"
+    fs = s3.filesystem()
+    for path in sorted(source[0].rglob("*")):
+        if path.is_file():
+            fs.put_file(str(path), src.removeprefix("s3://") + "/" + path.relative_to(source[0]).as_posix())
+    want = datapipe.open(built[0])
+    for out in (f"{src}/cache", f"{src}/{want.classes[0]}/cache", f"{src}/zz-old"):
+        first = build(src, out, storage_options=s3.storage_options)
+        again = build(src, out, storage_options=s3.storage_options)
+        assert (first.num_samples, again.num_samples, again.shards_built) == (len(want), len(want), 0), out
+        assert first.empty_classes == [] == again.empty_classes, out
+        got = datapipe.open(out, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+        assert got.classes == want.classes and np.array_equal(got.labels, want.labels), out
+    # zz-old stays in the source: a datapipe cache there is never a class of another build either
+    elsewhere = build(src, tmp_path / "local", storage_options=s3.storage_options)
+    assert datapipe.open(tmp_path / "local").classes == want.classes and elsewhere.num_samples == len(want)
+    with pytest.raises(datapipe.errors.SourceError, match="is the output itself"):
+        build(src, src + "/", storage_options=s3.storage_options)
+
+
 def test_a_shard_larger_than_a_part_is_streamed_in_parts_and_equals_the_local_build(s3, big_source, tmp_path, imaging,
                                                                                    monkeypatch):
     monkeypatch.setattr(remote, "PART_BYTES", remote.MIN_PART_BYTES)
