@@ -895,6 +895,12 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
             _log_plan(listing, plans, spec)
             done = _finished_remote(target, plans, chash, verify=verify,
                                     retry=_retries(force, verify, finished=mf.MANIFEST in target.objects))
+            if target.read_only is not None:  # checked, never written (see _check_up_to_date)
+                if len(done) < len(plans):
+                    raise target.cannot_write()
+                return _finish(target, listing, plans, [done[p["shard"]] for p in plans], config, chash,
+                               max_bad_fraction, seconds={"scan": time.perf_counter() - t0, "shards": 0.0, "cluster": 0.0},
+                               workers=0, dashboard=None, t0=t0, build_id=target.build_id, read_only=target)
             if len(done) < len(plans) and mf.MANIFEST in target.objects:
                 remote.delete(loc, [mf.MANIFEST])  # a half-rebuilt cache must not read as finished
             kwargs = {"root": listing.location, "output": loc.url, "spec": asdict(spec.decode), "config_hash": chash,
@@ -939,14 +945,27 @@ def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, re
 
 
 def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict,
-                    chash: str, *, build_id: str) -> None:
-    """Remove this build's shards no longer planned, then upload labels.npy and paths.json, then the manifest."""
+                    chash: str, *, build_id: str) -> bool:
+    """Remove this build's shards no longer planned, then upload labels.npy and paths.json, then the manifest,
+    unless they already are what it would upload (a rerun with nothing to do writes nothing); whether it uploaded."""
     loc = target.loc
     remote.remove_shards(loc, remote.listing(loc, SHARDS_DIR), build_id, keep={shard_name(p["shard"]) for p in plans})
+    documents = _index_documents(listing, records, config, chash, build_id=build_id)
+    if _index_current(target, documents):
+        return False
     with tempfile.TemporaryDirectory(prefix="datapipe-index-") as tmp:
-        _write_index(Path(tmp), listing, plans, records, config, chash, build_id=build_id)
-        for name in (mf.LABELS, mf.PATHS, mf.MANIFEST):
+        for name, data in documents.items():  # the manifest last
+            Path(tmp, name).write_bytes(data)
             remote.put_file(loc, os.path.join(tmp, name), name)
+    return True
+
+
+def _index_current(out: Path | remote.RemoteOutput, documents: dict[str, bytes]) -> bool:
+    """Whether labels.npy, paths.json and, last, the manifest already hold ``documents``: a build that changes any
+    of them removes the manifest first, so its bytes, unchanged after the rest was found as it should be, vouch
+    for all of it."""
+    holds_ = out.holds if isinstance(out, remote.RemoteOutput) else lambda name, data: holds(out / name, data)
+    return all(holds_(name, documents[name]) for name in (mf.LABELS, mf.PATHS, mf.MANIFEST))
 
 
 def _describe(spec: BuildSpec) -> str:
@@ -1294,10 +1313,11 @@ def _dashboard(client: Client) -> str | None:
 
 def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str,
             max_bad_fraction: float, *, seconds: dict[str, float], workers: int, dashboard: str | None, t0: float,
-            build_id: str, read_only: Output | None = None) -> BuildReport:
+            build_id: str, read_only: Output | remote.RemoteOutput | None = None) -> BuildReport:
     """Check the quarantine budget, then write what changed of the cache's index files, manifest (last)
-    and report. With ``read_only`` (a local folder this build may not write), nothing is written: the
-    report when everything already is as it would be written, else ``read_only.cannot_write()``."""
+    and report. With ``read_only`` (a local folder this build may not write, or an output another build
+    holds), nothing is written: the report when everything already is as it would be written, else
+    ``read_only.cannot_write()``."""
     quarantined = list(listing.dropped)
     for rec in records:
         quarantined.extend(rec.get("quarantined", []))
@@ -1332,19 +1352,15 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
             "that changed or could not be read, timed out or crashed its decoder, so fixing the files or "
             "raising the budget and rerunning resumes the build.")
     t_fin = time.perf_counter()
-    if isinstance(out, remote.RemoteOutput):
-        _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
-        changed = True
-    elif read_only is not None:
-        documents = _index_documents(listing, records, config, chash, build_id=build_id)
+    if read_only is not None:
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
-        # the manifest last: a build that changes anything removes it first, so its bytes, unchanged after
-        # everything else was found as it should be, vouch for all of it
-        if not (holds(out / mf.LABELS, documents[mf.LABELS]) and holds(out / mf.PATHS, documents[mf.PATHS])
-                and _report_current(out, report) and holds(out / mf.MANIFEST, documents[mf.MANIFEST])):
+        if not (_report_current(out, report)
+                and _index_current(out, _index_documents(listing, records, config, chash, build_id=build_id))):
             raise read_only.cannot_write()
         log.info(f"datapipe build: {report.summary()} (up to date; nothing written: {read_only.why_read_only()})")
         return report
+    if isinstance(out, remote.RemoteOutput):
+        changed = _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
     else:
         # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
         # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
@@ -1422,10 +1438,8 @@ _RUN_FIELDS = frozenset({"output", "shards_built", "shards_skipped", "workers", 
 
 def _report_current(out: Path | remote.RemoteOutput, report: BuildReport) -> bool:
     """Whether the output's report.json is a finished build's report saying of the cache what ``report`` does."""
-    if isinstance(out, remote.RemoteOutput):
-        return False
     try:
-        doc = read_json(out / mf.REPORT)
+        doc = remote.read_doc(out.loc, mf.REPORT) if isinstance(out, remote.RemoteOutput) else read_json(out / mf.REPORT)
     except CacheError:
         return False
     want = json.loads(json.dumps(asdict(report), ensure_ascii=False))  # as it would read back

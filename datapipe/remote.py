@@ -32,6 +32,7 @@ from .errors import (
     FULL_DISK,
     ArgumentError,
     CacheError,
+    ConfigMismatchError,
     DatapipeError,
     MissingExtraError,
     OutputBusyError,
@@ -959,6 +960,20 @@ class RemoteOutput:
     lock: RemoteLock
     objects: dict[str, int]
     created_marker: bool = False
+    read_only: OutputError | None = None  # another build holds the prefix: this one may only check it is up to date
+
+    def why_read_only(self) -> str:
+        """Why a read-only output was not written, for the build's last line."""
+        return "another build holds the prefix"
+
+    def cannot_write(self) -> OutputError:
+        """The error of a build with something to write into a prefix another build holds."""
+        assert self.read_only is not None
+        return self.read_only
+
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether the object at ``key`` holds ``data`` (its listed size first: no GET when that differs)."""
+        return self.objects.get(key) == len(data) and read_bytes(self.loc, key, len(data)) == data
 
     def end(self, *, failed: bool) -> None:
         """The build ended: after a failure before any shard was written, remove the build.json this run wrote;
@@ -1007,8 +1022,15 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
         raise OutputError(f"output {loc.url} holds {len(others)} objects (e.g. {others[0]}) and is not a datapipe cache; "
                           "choose an empty or new prefix (datapipe never deletes objects it did not write)")
     lock = RemoteLock(loc)
-    with store_errors(loc, "write the lock object"):
-        lock.acquire()
+    try:
+        with store_errors(loc, "write the lock object"):
+            lock.acquire()
+    except OutputBusyError as busy:
+        if marker is None:
+            raise
+        # The ranks of a job each calling build() on the same cache: it may hold this very build, up to date,
+        # checked without the lock (see output._read_only).
+        return _read_only(loc, objects, marker, config, chash, source, force, busy)
     try:
         build_id = new_build_id()
         created = marker is None
@@ -1020,13 +1042,36 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
         elif others:
             raise OutputError(f"{loc.url} holds a datapipe manifest but no build.json of datapipe's, so its objects "
                               "cannot be told from yours; build into a new prefix")
-        with store_errors(loc, "write build.json"):
-            write_doc(loc, BUILD_LOCK, BuildRecord(config=config, config_hash=chash, build_id=build_id,
-                                                   source=source).to_json())
+        record = BuildRecord(config=config, config_hash=chash, build_id=build_id, source=source).to_json()
+        if not _same_doc(marker, record):  # an unchanged one is left as it is: a rerun with nothing to do writes nothing
+            with store_errors(loc, "write build.json"):
+                write_doc(loc, BUILD_LOCK, record)
     except BaseException:
         lock.release()
         raise
     return RemoteOutput(loc, build_id, lock, objects, created_marker=created)
+
+
+def _same_doc(doc: dict[str, Any] | None, record: dict[str, Any]) -> bool:
+    return doc is not None and doc == json.loads(json.dumps(record))
+
+
+def _read_only(loc: Location, objects: dict[str, int], marker: dict[str, Any], config: dict, chash: str,
+               source: dict[str, str], force: bool, busy: OutputBusyError) -> RemoteOutput:
+    """The output of a build into a prefix another build holds: only when it holds this very build, whose
+    build.json needs no change, as a RemoteOutput the builder may only check (``read_only``); else ``busy``."""
+    from .output import resumes
+
+    previous = parse_build_record(marker, Path(loc.url_of(BUILD_LOCK)))
+    try:
+        same = bool(previous.build_id) and resumes(previous, config, chash, source, force=force, where=loc.url,
+                                                   place="prefix")
+    except ConfigMismatchError:
+        raise busy from None  # another build at work: the first thing to know, whatever it builds
+    record = BuildRecord(config=config, config_hash=chash, build_id=previous.build_id, source=source).to_json()
+    if not same or not _same_doc(marker, record):
+        raise busy
+    return RemoteOutput(loc, previous.build_id, RemoteLock(loc), objects, read_only=busy)
 
 
 def _claim(loc: Location, objects: dict[str, int], previous: BuildRecord, config: dict, chash: str,
