@@ -49,6 +49,7 @@ from .errors import (
     RemoteStoreError,
     SourceError,
     TooManyBadFilesError,
+    TooManyOpenFilesError,
     describe_quarantine,
     quarantine_counts,
     unreadable,
@@ -597,7 +598,7 @@ def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: 
         return decode_fitted(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
-    except RemoteStoreError:
+    except (RemoteStoreError, TooManyOpenFilesError):  # no fault of the file: the task ends, the rerun resumes
         raise
     except OSError as exc:
         entry = unreadable(exc)
@@ -1219,13 +1220,20 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
 def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
     """One build_shard task per plan; their records in plan order. A task that kills its worker is
     handled by :class:`_Isolation`."""
+    import dask
     from dask.distributed import as_completed
 
     out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
     keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
     records: dict[int, dict] = {}
     with _progress_bar(len(plans), progress) as bar:
-        futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
+        # The plans hold each file's path and stat (about 20 bytes a file and its name): a million files make a
+        # graph past distributed's 10 MB warning, whose advice (load the data with Dask) does not apply. Data in
+        # the graph would still be warned of: the threshold grows by 256 bytes a file only.
+        configured = dask.utils.parse_bytes(dask.config.get("distributed.admin.large-graph-warning-threshold", "10MB"))
+        threshold = max(configured, 256 * sum(len(p["paths"]) for p in plans))
+        with dask.config.set({"distributed.admin.large-graph-warning-threshold": threshold}):
+            futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         isolation = _Isolation(client, kwargs, dict(zip(keys, plans, strict=True)))
         pending = as_completed(futures)
         for future in pending:

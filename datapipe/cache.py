@@ -30,10 +30,12 @@ from __future__ import annotations
 import bisect
 import functools
 import io
+import itertools
 import operator
 import os
 import stat
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,7 +46,7 @@ import numpy as np
 
 from . import manifest as mf
 from . import native
-from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError
+from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError, open_for_reading
 from .files import FileTooLarge, NotRegularFile, file_crc32c, read_regular
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
@@ -74,7 +76,8 @@ def _identity(st: os.stat_result) -> Identity:
 
 
 def _fd_limit() -> int:
-    """Shard files held open at once: a quarter of the soft descriptor limit, between 16 and 1024."""
+    """Shard files held open at once by all caches of the process together: a quarter of the soft descriptor
+    limit, between 16 and 1024."""
     try:
         import resource
 
@@ -90,10 +93,11 @@ class _Shard:
     """An open shard data file: its descriptor, its memory map (None on the positioned-read path,
     or where mapping failed) and the map as a torch [count, H, W, 3] tensor, made on first use."""
 
-    __slots__ = ("fd", "users", "mapping", "tensor", "hold")
+    __slots__ = ("fd", "users", "mapping", "tensor", "hold", "used")
 
     def __init__(self, fd: int, mapping: native.Mapping | None, hold: Any = None) -> None:
         self.fd, self.users, self.mapping = fd, 1, mapping
+        self.used = 0  # when it was last acquired (a tick of _ShardFiles' process-wide clock)
         self.tensor: Any = None  # torch.Tensor, once made (torch is imported only when views are asked for)
         self.hold = hold  # a remote cache's hold on the local shard file (fetch.Hold): released when closed
 
@@ -104,17 +108,27 @@ class _Shard:
 
 
 class _ShardFiles:
-    """Shard data files, opened (and mapped) on first use, least recently used closed beyond ``limit``.
+    """Shard data files, opened (and mapped) on first use, least recently used closed beyond ``limit`` and
+    beyond the process's budget (:func:`_fd_limit`), which every cache open in the process shares: train,
+    validation and test sets read in one process hold no more descriptors together than one does.
 
     A descriptor in use by a reader thread is never closed under it (a closed number could be
     reused by another open and read the wrong file): eviction skips shards with users. An evicted
     map is unmapped once the last view of it is gone (the views hold it).
     """
 
+    # One for every instance, since eviction may close another cache's files; reentrant, since a cache collected
+    # while it is held (a garbage collection run by an allocation under it) closes its own files (Cache.__del__).
+    _lock = threading.RLock()
+    _live: weakref.WeakSet[_ShardFiles] = weakref.WeakSet()
+    _clock = itertools.count(1)
+    budget: int | None = None  # the process's budget; None: _fd_limit(), read on first use
+
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._open: OrderedDict[int, _Shard] = OrderedDict()
-        self._lock = threading.Lock()
+        with _ShardFiles._lock:
+            _ShardFiles._live.add(self)
 
     def acquire(self, shard: int, opener: Callable[[], _Shard]) -> _Shard:
         """The open shard (its user count raised; pair with :meth:`release`); ``opener()`` makes one."""
@@ -123,6 +137,7 @@ class _ShardFiles:
             if entry is not None:
                 self._open.move_to_end(shard)
                 entry.users += 1
+                entry.used = next(self._clock)
                 return entry
         fresh = opener()  # outside the lock: opening may block on slow storage
         with self._lock:
@@ -130,7 +145,9 @@ class _ShardFiles:
             if entry is not None:  # another thread opened it meanwhile
                 fresh.close()
                 entry.users += 1
+                entry.used = next(self._clock)
                 return entry
+            fresh.used = next(self._clock)
             self._open[shard] = fresh
             self._evict()
             return fresh
@@ -143,10 +160,19 @@ class _ShardFiles:
                 self._evict()
 
     def _evict(self) -> None:
-        if len(self._open) <= self.limit:
-            return
-        for shard in [s for s, e in self._open.items() if not e.users][: len(self._open) - self.limit]:
-            self._open.pop(shard).close()
+        """Close this cache's least recently used idle files beyond its limit, then the process's beyond its
+        budget, whichever cache holds them (called under the lock)."""
+        if len(self._open) > self.limit:
+            for shard in [s for s, e in self._open.items() if not e.users][: len(self._open) - self.limit]:
+                self._open.pop(shard).close()
+        if _ShardFiles.budget is None:
+            _ShardFiles.budget = _fd_limit()
+        live = list(self._live)
+        over = sum(len(files._open) for files in live) - _ShardFiles.budget
+        if over > 0:
+            idle = sorted((e.used, id(files), s, files) for files in live for s, e in files._open.items() if not e.users)
+            for _, _, shard, files in idle[:over]:
+                files._open.pop(shard).close()
 
     def close(self) -> None:
         with self._lock:
@@ -156,6 +182,13 @@ class _ShardFiles:
 
     def __len__(self) -> int:
         return len(self._open)
+
+
+def _after_fork_in_child() -> None:
+    _ShardFiles._lock = threading.RLock()  # a reader thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class EncodedSample(NamedTuple):
@@ -384,7 +417,7 @@ class Cache:
         rec = self.manifest.files[key]
         path = self.root / rec.name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = open_for_reading(path)
         except OSError as exc:
             raise CorruptShardError(f"{path} cannot be opened ({exc.strerror or exc}); rerun the same "
                                     "`datapipe build` to rewrite it") from None
@@ -935,7 +968,7 @@ class Cache:
     def _open_local(self, shard: int) -> _Shard:
         path = self._shard_path(shard)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = open_for_reading(path)
         except (FileNotFoundError, NotADirectoryError):  # gone, or a file where its folder was (another layout)
             raise CorruptShardError(self._shard_changed(shard, "is gone")) from None
         except OSError as exc:
@@ -1145,7 +1178,7 @@ def _pread_full(fd: int, buf: memoryview, offset: int) -> int:
 
 def _read_regular(path: Path, limit: int) -> bytes:
     """Up to ``limit`` bytes of a regular file (a FIFO or device in its place is an OSError, never waited on)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_for_reading(path)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(0, "not a regular file", str(path))

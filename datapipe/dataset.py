@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -98,13 +98,33 @@ def _check_shm(batch_bytes: int, worker_info: WorkerInfo | None, path: str = "/d
     except OSError:
         return
     free = st.f_bavail * st.f_frsize
-    in_flight = batch_bytes * max(2, 2 * (worker_info.num_workers if worker_info else 1))
+    # each worker's prefetched batches (the DataLoader's default prefetch_factor, 2), and the two the loop holds
+    in_flight = batch_bytes * (2 * (worker_info.num_workers if worker_info else 1) + 2)
     if free < in_flight:
-        raise DatapipeError(
-            f"{path} has {free / 2**20:,.0f} MB free, but DataLoader workers need about {in_flight / 2**20:,.0f} MB "
-            f"of shared memory for the batches in flight ({batch_bytes / 2**20:,.0f} MB each). Start the container "
-            "with a larger --shm-size (e.g. docker run --shm-size=8g), use datapipe.DeviceLoader (threads, no shared "
-            "memory), or use fewer workers or a smaller batch.")
+        raise _shm_error(f"{path} has {free / 2**20:,.0f} MB free, but DataLoader workers need about "
+                         f"{in_flight / 2**20:,.0f} MB of shared memory for the batches in flight "
+                         f"({batch_bytes / 2**20:,.0f} MB each)")
+
+
+def _shm_error(what: str) -> DatapipeError:
+    return DatapipeError(
+        f"{what}. Start the container with a larger --shm-size (e.g. docker run --shm-size=8g), use "
+        "datapipe.DeviceLoader (threads, no shared memory), or use fewer workers, a smaller prefetch_factor or a "
+        "smaller batch.")
+
+
+def _share(tensors: Iterable[torch.Tensor], batch_bytes: int, path: str = "/dev/shm") -> None:
+    """Move a worker's batch into shared memory (the DataLoader then sends handles, not copies); running out
+    there (more batches in flight than the check at the start foresaw: a larger prefetch_factor, other
+    processes' use) is the --shm-size error, not torch's."""
+    try:
+        for t in tensors:
+            t.share_memory_()
+    except RuntimeError as exc:
+        if "shared memory" not in str(exc) and "No space left" not in str(exc):
+            raise
+        raise _shm_error(f"{path} ran out of shared memory for the batches in flight ({batch_bytes / 2**20:,.0f} MB "
+                         f"each): {exc}") from None
 
 
 def check_order(order: str | None, window: object, nodes: object, world_size: int) -> tuple[str, int, int]:
@@ -465,14 +485,13 @@ class StreamingDataset(IterableDataset):
             index = torch.empty(n, dtype=torch.int64)
             samples = [torch.from_numpy(x) for x in self.cache.read_samples(indices, labels.numpy(), index.numpy())]
             if shared:
-                for x in samples:
-                    x.share_memory_()
+                _share([*samples, labels, index], sum(x.numel() for x in samples))
             return (samples, labels, index) if self.return_index else (samples, labels)
         images = torch.empty((n, *self.cache.shape), dtype=torch.uint8)
-        if shared and n:
-            images.share_memory_()  # filled in place: the DataLoader sends a handle, not a copy
         labels = torch.empty(n, dtype=torch.int64)
         index = torch.empty(n, dtype=torch.int64)
+        if shared and n:
+            _share([images, labels, index], images.numel())  # filled in place: the DataLoader sends handles, not copies
         self.cache.read_batch(indices, images.numpy(), labels.numpy(), index.numpy())
         return (images, labels, index) if self.return_index else (images, labels)
 

@@ -136,6 +136,42 @@ class RemoteStoreError(DatapipeError, OSError):
     names the object and says what to check)."""
 
 
+class TooManyOpenFilesError(DatapipeError, RuntimeError):
+    """The process (or the system) reached its limit of open files: nothing is wrong with the file named."""
+
+
+def too_many_open_files(exc: OSError, path: str | os.PathLike) -> TooManyOpenFilesError | None:
+    """The error for an ``exc`` of opening ``path`` that says the descriptor limit was reached (EMFILE, ENFILE),
+    or None: reported as that, never as a damaged or missing file (whose advice would be to rebuild)."""
+    if exc.errno == errno.ENFILE:
+        return TooManyOpenFilesError(f"{path} cannot be opened: the system's limit of open files is reached "
+                                     "(fs.file-max); nothing is wrong with the file. Close programs that hold many "
+                                     "files, or raise the limit, and retry")
+    if exc.errno != errno.EMFILE:
+        return None
+    try:
+        import resource
+
+        limit = f" ({resource.getrlimit(resource.RLIMIT_NOFILE)[0]:,}, `ulimit -n`)"
+    except (ImportError, OSError, ValueError):
+        limit = ""
+    return TooManyOpenFilesError(f"{path} cannot be opened: this process has reached its limit of open files{limit}; "
+                                 "nothing is wrong with the file. Raise the limit (`ulimit -n 65536` before starting, "
+                                 "or resource.setrlimit) or let go of what holds files open (datasets no longer used)")
+
+
+def open_for_reading(path: str | os.PathLike) -> int:
+    """A descriptor of ``path`` opened read-only and non-blocking (a FIFO in a file's place is never waited on);
+    OSError as os.open gives it, but TooManyOpenFilesError when the descriptor limit is reached."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        error = too_many_open_files(exc, path)
+        if error is not None:
+            raise error from None
+        raise
+
+
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or a quota reached
 LOCAL_ONLY = FULL_DISK | {errno.EROFS}  # no object store's client raises these (s3fs gives OSErrors no errno)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CacheError
+from .errors import CacheError, open_for_reading
 
 TMP_PREFIX = ".tmp-"  # every temporary file or folder datapipe writes starts with this
 
@@ -65,7 +65,7 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
         FileTooLarge: more than ``limit`` bytes.
         OSError: it cannot be opened or read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_for_reading(path)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -98,7 +98,7 @@ def file_crc32c(path: Path, chunk: int = 1 << 20) -> str:
     """The crc32c of a regular file (opened non-blocking: a FIFO in its place is refused, not waited on),
     read through one reused buffer (a new block per read made every page of it fault in: a third of
     the time of a 5 MB shard's check)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_for_reading(path)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -132,6 +132,27 @@ def test_local_cluster_equals_serial(dist_source, serial, tmp_path, imaging):
 
 
 @pytest.mark.timeout(180)
+def test_a_graph_of_many_paths_is_not_warned_of_as_a_large_graph(tmp_path, imaging):
+    """A million files' paths made a 19 MB graph, and distributed's "Sending large graph ... Consider loading the
+    data with Dask directly" on every large build. The threshold grows with the files (256 bytes each): here
+    1,200 files against a threshold of 4 KB, which their paths alone pass."""
+    import dask
+    import distributed  # noqa: F401 - its config defaults loaded first: leaving the set() below must not drop them
+
+    first = tmp_path / "one.png"
+    first.write_bytes(imaging.encode(imaging.gradient(12, 10), "PNG"))
+    for k in range(1200):
+        (tmp_path / "src" / f"class_{k % 3}").mkdir(parents=True, exist_ok=True)
+        os.link(first, tmp_path / "src" / f"class_{k % 3}" / f"an_image_with_a_long_name_{k:05d}.png")
+    with warnings.catch_warnings(record=True) as caught, \
+            dask.config.set({"distributed.admin.large-graph-warning-threshold": "4kB"}):
+        warnings.simplefilter("always")
+        report = datapipe.build(tmp_path / "src", tmp_path / "out", **quiet(workers=1, size=8, shard_size=400))
+    assert report.status == "ok" and report.num_samples == 1200 and report.workers == 1
+    assert not [w for w in caught if "large graph" in str(w.message).lower()], [str(w.message) for w in caught]
+
+
+@pytest.mark.timeout(180)
 def test_local_cluster_workers_keep_their_buffers(tmp_path, imaging):
     """The allocator settings reach the worker processes before they start: a worker reuses its
     per-image buffers instead of faulting fresh pages in for every image (Dask's default

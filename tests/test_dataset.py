@@ -7,6 +7,7 @@ deterministic order, resume) and 15 (damaged shards named); DataLoader workers c
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -408,6 +409,34 @@ def test_small_shared_memory_fails_fast_naming_the_fix(tmp_path):
     with pytest.raises(DatapipeError, match="--shm-size"):
         _check_shm(2**62, SimpleNamespace(num_workers=2), str(small))  # more than any disk holds
     _check_shm(1024, SimpleNamespace(num_workers=2), str(small))  # a small batch fits
+    free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+    with pytest.raises(DatapipeError, match="--shm-size"):  # 2 workers' two batches each, and the loop's two
+        _check_shm(free // 5, SimpleNamespace(num_workers=2), str(small))
+
+
+def test_shared_memory_running_out_after_the_check_is_the_same_clear_error(index_cache, monkeypatch):
+    """More batches in flight than the check foresees (prefetch_factor=8, another process's use): /dev/shm ran
+    out in the middle of the epoch with torch's RuntimeError and a traceback; it is the --shm-size error."""
+    import torch
+
+    from datapipe.errors import DatapipeError
+
+    real = torch.Tensor.share_memory_
+    count = {"n": 0}
+
+    def share_memory_(self):  # torch's own failure, as a full /dev/shm gives it, from the fourth batch on
+        count["n"] += 1
+        if count["n"] > 9:
+            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2>: No space left on device (28)")
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", share_memory_)  # inherited by the forked worker
+    loader = DataLoader(dataset(index_cache), batch_size=None, num_workers=1, multiprocessing_context="fork",
+                        prefetch_factor=8)
+    with pytest.raises(DatapipeError, match=r"/dev/shm ran out of shared memory for the batches in flight "
+                                            r"\(0 MB each\): unable to allocate.*--shm-size"):
+        for _ in loader:
+            pass
 
 
 def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monkeypatch):

@@ -610,3 +610,64 @@ def test_a_pickled_cache_checks_the_files_it_was_opened_with(cache_dir):
     with pytest.raises(CorruptShardError, match="000002.zarr"):
         copy.read_batch(np.array([15]), out, labels)
     assert isinstance(CorruptShardError("x"), DatapipeError)
+
+
+# ----------------------------------------------------------------------------- the process's descriptors
+
+
+def test_caches_open_in_one_process_share_one_budget_of_open_shard_files(built, tmp_path, ids, monkeypatch):
+    """Each cache kept up to a quarter of the descriptor limit open: train, validation and test sets of many
+    shards read in one process (ulimit -n 1024) ran out of descriptors at the fourth. All caches together
+    now stay within one budget, and every read is still right."""
+    from datapipe.cache import _ShardFiles
+
+    monkeypatch.setattr(_ShardFiles, "budget", 4)
+    caches = [datapipe.open(shutil.copytree(built, tmp_path / f"c{k}")) for k in range(3)]
+    base = len(os.listdir("/proc/self/fd"))
+    for _ in range(2):
+        for cache in caches:
+            for i in range(0, N, 3):  # every shard of each, in turn
+                image, label = cache[i]
+                assert index_of(image[None])[0] == ids[i]
+                assert sum(len(c._files) for c in caches) <= 4
+                assert len(os.listdir("/proc/self/fd")) <= base + 4
+    assert sum(len(c._files) for c in caches) == 4
+
+
+EMFILE_SCRIPT = r"""
+import os, resource, sys
+import datapipe
+from datapipe.errors import DatapipeError
+
+cache_dir, when = sys.argv[1], sys.argv[2]
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+cache = datapipe.open(cache_dir)  # (also imports what opening needs: an import needs descriptors too)
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    if when == "open":
+        datapipe.open(cache_dir)
+    elif when == "labels":
+        cache.labels
+    else:
+        cache[int(when)]
+except DatapipeError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("when", ["open", "labels", "0", "39"])
+def test_running_out_of_descriptors_is_said_so_never_blamed_on_the_cache(built, tmp_path, when):
+    """EMFILE was a CorruptShardError or CacheError with the advice to rebuild the cache or move its manifest
+    away (which makes a whole cache unfinished): it names the limit, and says the file is fine."""
+    script = tmp_path / "emfile.py"
+    script.write_text(EMFILE_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(built), when], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip()
+    assert out.startswith("TooManyOpenFilesError ") and "reached its limit of open files (64, `ulimit -n`)" in out, out
+    assert "nothing is wrong with the file" in out and "rerun" not in out and "move it away" not in out, out
