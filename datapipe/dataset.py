@@ -127,11 +127,21 @@ def _share(tensors: Iterable[torch.Tensor], batch_bytes: int, path: str = "/dev/
                          f"each): {exc}") from None
 
 
-def check_order(order: str | None, window: object, nodes: object, world_size: int) -> tuple[str, int, int]:
+def _launched_world(given: int | None, world_size: int) -> bool:
+    """Whether torchrun's LOCAL_WORLD_SIZE describes ``world_size``: unless it was given explicitly and differs
+    from the world the job was launched with (torch.distributed's, or WORLD_SIZE): an evaluation dataset on
+    rank 0 alone (``world_size=1``) is one node."""
+    ranks = distributed_ranks()
+    launched = ranks[1] if ranks is not None else os.environ.get("WORLD_SIZE", "").strip()
+    return given is None or launched in ("", world_size, str(world_size))
+
+
+def check_order(order: str | None, window: object, nodes: object, world_size: int, *,
+                ranks_per_node: bool = True) -> tuple[str, int, int]:
     """(order, window, nodes), checked; order None is the local-cache default, nodes None is detected.
 
-    Nodes come from torchrun's LOCAL_WORLD_SIZE (ranks per node); they matter to "shards" only,
-    so a global order ignores the environment.
+    Nodes come from torchrun's LOCAL_WORLD_SIZE (ranks per node) when ``ranks_per_node`` (the world size is the
+    launched one); they matter to "shards" only, so a global order ignores the environment.
     """
     order = part.default_order(is_remote=False) if order is None else order
     if order not in part.ORDERS:
@@ -139,7 +149,7 @@ def check_order(order: str | None, window: object, nodes: object, world_size: in
     window = check_int(window, "window", 1)
     if nodes is not None:
         nodes = check_int(nodes, "nodes", 1)
-    elif order == "shards" and os.environ.get("LOCAL_WORLD_SIZE"):
+    elif order == "shards" and ranks_per_node and os.environ.get("LOCAL_WORLD_SIZE"):
         local = os.environ["LOCAL_WORLD_SIZE"]
         if not local.strip().isdigit() or int(local) < 1:
             raise ArgumentError(f"LOCAL_WORLD_SIZE must be a positive integer, got {show(local)}; unset it or pass nodes=")
@@ -228,7 +238,8 @@ class StreamingDataset(IterableDataset):
             cache = local_path(cache)
         if order is None and is_url(cache):
             order = part.default_order(is_remote=True)
-        self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size)
+        self.order, self.window, self.nodes = check_order(order, window, nodes, self.world_size,
+                                                          ranks_per_node=_launched_world(world_size, self.world_size))
         # object-storage arguments are passed on as given (ShardFetcher's defaults for those left out)
         streaming: dict[str, Any] = {"local_cache": local_cache, "cache_limit": cache_limit,
                                      "storage_options": storage_options, "prefetch": prefetch, "timeout": timeout}
@@ -555,7 +566,9 @@ class StreamingDataset(IterableDataset):
         if first is None:
             return
         other = first.pop("rank", "?")
-        differ = [name for name in mine if first.get(name) != mine[name]]
+        # window and nodes belong to the "shards" order: where the orders differ, they are not compared
+        differ = [name for name in mine if first.get(name) != mine[name]
+                  and not (name in ("window", "nodes") and first.get("order") != mine.get("order"))]
         if not differ:
             return
         if "start" in mine:

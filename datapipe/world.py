@@ -38,6 +38,9 @@ def detect_ranks(rank: int | None = None, world_size: int | None = None) -> tupl
     if rank is not None and world_size is not None:
         return int(rank), int(world_size)
     detected = distributed_ranks()
+    if detected is None and rank is None and "RANK" not in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but RANK is not: every process would read rank "
+                         "0's part; set RANK in each process (torchrun does), or pass rank=")
     det_rank, det_world = detected or (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     return (det_rank if rank is None else int(rank)), (det_world if world_size is None else int(world_size))
 

@@ -16,7 +16,7 @@ from loader_fixtures import B, check_batches, concat, dataset, index_cache_info,
 from torch.utils.data import DataLoader
 
 import datapipe
-from datapipe.errors import CacheError, CorruptShardError, StateError
+from datapipe.errors import ArgumentError, CacheError, CorruptShardError, StateError
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers, 2 cores
 
@@ -106,6 +106,12 @@ def test_rank_and_world_size_from_environment(index_cache, monkeypatch):
     assert dataset(index_cache, rank=2).rank == 2  # one argument overrides, the other is detected
     with pytest.raises(ValueError, match="rank"):
         dataset(index_cache, rank=3)
+    monkeypatch.delenv("RANK")  # WORLD_SIZE alone: every process was rank 0, reading the same part
+    with pytest.raises(ArgumentError, match="WORLD_SIZE=3 is set but RANK is not: every process would read rank 0's"):
+        dataset(index_cache)
+    assert dataset(index_cache, rank=2).world_size == 3
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert (dataset(index_cache).rank, dataset(index_cache).world_size) == (0, 1)
 
 
 # ----------------------------------------------------------------------------- resume
@@ -453,7 +459,7 @@ def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monk
         seen.append(path)
         return SimpleNamespace(f_bavail=64 * 2**20 // 4096, f_frsize=4096)
 
-    monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs))  # inherited by forked workers
+    monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs, environ=os.environ))  # inherited by forked workers
     ds = dataset(index_cache, batch_size=8192)  # 24 MB per batch of 32x32 samples, ~128 images at 256x256
     with pytest.raises(DatapipeError, match=r"/dev/shm has 64 MB free.*--shm-size"):
         next(iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))

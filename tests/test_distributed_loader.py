@@ -255,6 +255,7 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
         "seed per rank": lambda: device_epoch(make(seed=rank)),
         "batch size": lambda: make(batch_size=2 * B if rank else B).set_epoch(0),
         "drop_last": lambda: len(DataLoader(make(drop_last=rank == 1), batch_size=None, num_workers=2)),
+        "order": lambda: make(order="shards" if rank else "global").set_epoch(0),
         "resumed on rank 0 only": lambda: device_epoch(make(), state if rank == 0 else None),
         "resumed on rank 0 only, after set_epoch": lambda: device_epoch(
             make(), state if rank == 0 else None, load_after_set_epoch=True),
@@ -280,6 +281,7 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
         "seed per rank": ("seed=", "seed=0", "seed=1", "a seed per rank"),
         "batch size": ("batch_size=", f"batch_size={B}", f"batch_size={2 * B}"),
         "drop_last": ("drop_last=", "drop_last=False", "drop_last=True"),
+        "order": ("order='shards'", "order='global'", "; create it"),
         "resumed on rank 0 only": ("epoch 0 starts", f"sample {2 * B * WORLD}", "sample 0", "load the same state"),
         "resumed on rank 0 only, after set_epoch": ("epoch 0 starts", f"sample {2 * B * WORLD}", "sample 0"),
     }
@@ -289,6 +291,7 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
         [message] = raised
         assert message.startswith("RankMismatchError: ") and "\n" not in message and len(message) < 400, message
         assert all(word in message for word in words), message
+        assert "None" not in message, message  # the global order has no window nor nodes to compare
     for name in ("resumed alike", "rank 0 only, unsplit", "alike with workers"):
         assert [r[name] for r in results] == [None] * WORLD, name
 

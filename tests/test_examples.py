@@ -167,6 +167,21 @@ def test_train_mistakes_are_one_line(example_cache, tmp_path, more, message):
     assert not (tmp_path / "c.pt").exists()
 
 
+@pytest.mark.parametrize("more, message", [(["--batch-size", 5], "it is not a multiple of 5"),
+                                           (["--batch-size", 8, "--seed", 5], "the saved state is for seed=0")])
+def test_a_resume_with_other_options_than_the_checkpoints_is_one_line(stopped_run, example_cache, tmp_path, more,
+                                                                       message):
+    """A checkpoint saved at sample 16 resumed with a batch size that does not divide it, or another seed: the
+    loader's StateError was a traceback (on every rank under torchrun)."""
+    _, checkpoint = stopped_run
+    proc = run_failing([sys.executable, *train_args(example_cache, tmp_path / "c.pt", "--epochs", 1,
+                                                    "--resume", checkpoint, *more)], timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"train.py: error: --resume {checkpoint}: ") and message in line, proc.stderr
+    assert not (tmp_path / "c.pt").exists()
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_train_saves_a_checkpoint_when_stopped_and_resumes_exactly(example_cache, tmp_path, sig, code):
     """SIGTERM (a preempted job) or Ctrl-C mid-epoch: the step in progress ends, a checkpoint counts

@@ -220,6 +220,19 @@ def test_nodes_come_from_torchruns_environment(index_cache, monkeypatch):
     assert dataset(index_cache, order="shards", nodes=1).nodes == 1  # an explicit value wins
 
 
+def test_an_evaluation_dataset_on_one_rank_of_a_launched_job_is_one_node(index_cache, monkeypatch):
+    """Under `torchrun --nproc_per_node 2` (WORLD_SIZE=2, LOCAL_WORLD_SIZE=2), an evaluation set read on rank 0
+    alone (rank=0, world_size=1) was refused as "world_size=1 is not a multiple of LOCAL_WORLD_SIZE=2" in the
+    shards order (the default for a cache in object storage). The launched world keeps its nodes."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert dataset(index_cache, order="shards", rank=0, world_size=1).nodes == 1
+    assert dataset(index_cache, order="shards").nodes == 2  # the launched world: 2 nodes of 2 ranks
+    assert dataset(index_cache, order="shards", rank=3, world_size=4).nodes == 2
+    assert dataset(index_cache, order="shards", rank=0, world_size=3).nodes == 1  # not the launched world: 1 node
+
+
 def test_every_sample_once_over_simulated_nodes_and_ranks(index_cache):
     """2 nodes × 2 ranks (node-major), read through the dataset: exactly once, each rank in its node's part."""
     n, world = index_cache.n, 4
