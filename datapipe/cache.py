@@ -867,7 +867,7 @@ class Cache:
         if self.remote is not None:
             return (f"remove the folder {self.root} (this node's copy of {self.remote.url}: it holds only copies of "
                     "the store's objects) and run again")
-        return "rerun the same `datapipe build` to rewrite the shard"
+        return "rerun the same `datapipe build` with --verify to rewrite the shard (a plain rerun checks sizes, not contents)"
 
     def _rebuilt(self) -> bool:
         """Whether the cache on disk is no longer the build this reader opened: its manifest is gone, cannot

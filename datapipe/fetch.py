@@ -904,7 +904,8 @@ class ShardFetcher:
                 progress.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-        then = self._rebuilt() or "the object was altered after the build: rerun the same `datapipe build` to rewrite it"
+        then = self._rebuilt() or ("the object was altered after the build: rerun the same `datapipe build` with --verify "
+                                   "to rewrite it (a plain rerun checks sizes, not contents)")
         raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; {then}")
 
     def _rebuilt(self) -> str:
@@ -993,8 +994,9 @@ class ShardFetcher:
                     return
             if not self._warned:
                 self._warned = True
-                log.warning("%s holds %s bytes in files open for reading; the cache_limit of %s is exceeded until "
-                            "they are closed", self.local_root, f"{usage:,}", f"{self.limit:,}")
+                coming = f", and {need:,} more are being downloaded" if need else ""
+                log.warning("%s holds %s bytes in files open for reading%s; the cache_limit of %s is exceeded until "
+                            "they are closed", self.local_root, f"{usage:,}", coming, f"{self.limit:,}")
 
     def _eviction_key(self, candidate: tuple[int, str, Path, str]) -> tuple[int, float, int]:
         """Which shard goes first: those finished in this epoch (oldest first), then those this process

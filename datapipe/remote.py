@@ -195,6 +195,14 @@ def check_storage_options(url: str, fs_class: type, options: dict[str, Any]) -> 
         except (TypeError, ValueError) as exc:
             raise ArgumentError(f"{where} 'config_kwargs' is refused by botocore's Config ({one_line(exc)}); "
                                 f"{CHECK_OPTIONS}") from None
+        # botocore's Config takes any value for these, which fail only at the first request (blamed on the store)
+        for name, value in options["config_kwargs"].items():
+            if name in ("connect_timeout", "read_timeout", "max_pool_connections") and (
+                    isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+                    or (name == "max_pool_connections" and not isinstance(value, int))):
+                what = "a whole number above 0" if name == "max_pool_connections" else "a number of seconds above 0"
+                raise ArgumentError(f"{where} 'config_kwargs.{name}' must be {what}, got {value!r} "
+                                    f"({type(value).__name__}); {CHECK_OPTIONS}")
 
 
 @functools.lru_cache(maxsize=4)

@@ -1049,6 +1049,9 @@ BAD_OPTIONS = [
                                 r"\(did you mean 'region_name'\?\)"),
     ("config_kwargs.retry=3", r"storage option 'config_kwargs' is refused by botocore's Config"),
     ("use_ssl=maybe", r"storage option 'use_ssl' must be true or false, got 'maybe' \(str\)"),
+    ("config_kwargs.connect_timeout=abc", r"storage option 'config_kwargs.connect_timeout' must be a number of "
+                                          r"seconds above 0, got 'abc' \(str\)"),
+    ("config_kwargs.read_timeout=-1", r"'config_kwargs.read_timeout' must be a number of seconds above 0, got -1"),
 ]
 
 

@@ -299,7 +299,8 @@ def test_a_shard_altered_in_the_store_is_an_error_naming_it_after_the_retries(s3
     data[100] ^= 0xFF  # same size, another checksum
     fs.pipe_file(f"{url.removeprefix('s3://')}/{rel}", bytes(data))
     ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
-    with pytest.raises(CorruptShardError, match=r"shard 000002\.zarr.*3 downloads"):
+    with pytest.raises(CorruptShardError, match=r"shard 000002\.zarr.*3 downloads in a row; the object was altered "
+                                                r"after the build: rerun the same `datapipe build` with --verify"):
         read_epoch(ds)
     folder = ds.cache.remote.folder
     assert not (folder / rel).exists()
@@ -513,6 +514,24 @@ def test_a_folder_over_its_limit_is_brought_back_under_it_when_an_iteration_star
     next(it)
     assert shard_bytes() <= limit  # evicted down to the limit, though no download asked for room
     assert sorted(i for batch in it for i in batch[2].tolist()) == list(range(SHARD, N))
+
+
+def test_a_cache_limit_below_one_shard_reads_every_sample_and_its_warning_adds_up(s3, built, tmp_path, caplog):
+    """The warning said "holds 8,625 bytes ...; the cache_limit of 160,000 is exceeded": it left out the shard
+    being downloaded, which is what exceeds the limit."""
+    import re
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False)
+    limit = min(s.nbytes for s in ds.cache.manifest.shards if s.count) // 2
+    ds = open_remote(s3, url, tmp_path / "lc2", shuffle=False, cache_limit=limit, prefetch=0)
+    with caplog.at_level("WARNING", logger="datapipe"):
+        assert sorted(read_epoch(ds)) == list(range(N))
+    [line] = [r.getMessage() for r in caplog.records if "cache_limit" in r.getMessage()]
+    held, coming, told = (int((x or "0").replace(",", "")) for x in re.search(
+        r"holds ([\d,]+) bytes in files open for reading(?:, and ([\d,]+) more are being downloaded)?; the "
+        r"cache_limit of ([\d,]+) is exceeded", line).groups())
+    assert told == limit and held + coming > limit, line
 
 
 def test_datasets_of_a_process_share_one_client_per_store_and_options(s3, built, tmp_path):

@@ -671,3 +671,26 @@ def test_running_out_of_descriptors_is_said_so_never_blamed_on_the_cache(built, 
     out = result.stdout.strip()
     assert out.startswith("TooManyOpenFilesError ") and "reached its limit of open files (64, `ulimit -n`)" in out, out
     assert "nothing is wrong with the file" in out and "rerun" not in out and "move it away" not in out, out
+
+
+def test_the_advice_for_a_shard_altered_after_the_build_repairs_it(built, tmp_path):
+    """A sample index altered in place (same size): the reader's advice was a plain rerun of the build, which
+    checks sizes only and said "nothing to do"; the advice is --verify, and following it repairs the cache."""
+    from datapipe.shards import index_path
+
+    source, out = built.parent / "source", tmp_path / "jpeg"
+    kwargs = {"size": 32, "shard_size": SHARD, "encoding": "jpeg", "progress": False,
+              "cluster": datapipe.Cluster(scheduler="sync")}
+    datapipe.build(source, out, **kwargs)
+    index = index_path(out / "shards" / "000001.zarr")
+    data = bytearray(index.read_bytes())
+    data[8] ^= 1  # the first sample's byte count, one off
+    index.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match="altered after the build.*rerun the same `datapipe build` with --verify"):
+        datapipe.open(out)[SHARD]
+    assert datapipe.build(source, out, **kwargs).shards_built == 0  # a plain rerun: sizes match, nothing to do
+    with pytest.raises(CorruptShardError):
+        datapipe.open(out)[SHARD]
+    assert datapipe.build(source, out, verify=True, **kwargs).shards_built == 1  # as the message says
+    cache = datapipe.open(out)
+    assert cache[SHARD][0].shape == (32, 32, 3) and cache.verify() == []
