@@ -663,7 +663,7 @@ class ShardFetcher:
         rec = self.manifest.shards[shard]
         rels = self._shard_rels(shard)
         what = f"shard {rec.name}"
-        since, pause = time.monotonic(), 0.001
+        since, pause, other_state = time.monotonic(), 0.001, None
         while True:
             fd = self._lock_fd(rec.name)
             try:  # the common case first: no other process holds the lock
@@ -680,7 +680,18 @@ class ShardFetcher:
                 if self._present(shard, fd):
                     yield -1
                     return
+                if other_state is None:  # a copy of another state of the shard, which readers hold: whose is stale?
+                    record = _read_record(fd)
+                    other_state = all(self._ours(fd, rel, record) for rel in rels)
+                    rebuilt = self._rebuilt() if other_state else ""
+                    if rebuilt:  # this reader's: the cache was rebuilt in place since it was opened
+                        raise CorruptShardError(f"{what}: {rebuilt}")
             if time.monotonic() - since > self.timeout:
+                if other_state:  # the readers' copy is stale: they opened the cache before it was rebuilt in place
+                    raise RemoteStoreError(
+                        f"{what}: this node's copy is of the cache before it was rebuilt in place, and another process "
+                        f"still reads it (it holds {self._lock_path(rec.name)}), so it cannot be replaced; restart the "
+                        "jobs that opened the cache before the rebuild, or give this one another local_cache")
                 raise RemoteStoreError(f"{what}: its lock {self._lock_path(rec.name)} was never free to download it "
                                        f"in {self.timeout:g} s; raise timeout=")
             time.sleep(pause)

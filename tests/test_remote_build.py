@@ -1115,3 +1115,40 @@ def test_a_local_os_error_is_never_blamed_on_the_store(error, local):
     message = str(caught.value)
     assert ("check the URL, the credentials" not in message) == local, message
     assert ("not the store" in message or "(a local path)" in message) == local, message
+
+
+def test_readers_of_a_node_cache_across_an_in_place_rebuild(s3, source, tmp_path, imaging):
+    """A rerun with changed inputs rewrites a shard under the same build id, so a node's local_cache holds one
+    copy of it for readers of both states. A reader opened before the rebuild that meets the new copy waited
+    for a lock twice its timeout and blamed the lock: it says at once that the cache changed since it was
+    opened. One opened after it, meeting the old copy that an older reader still holds, says so at its timeout."""
+    from datapipe.errors import CorruptShardError, RemoteStoreError
+
+    src = tmp_path / "src"
+    shutil.copytree(source[0], src)
+    url = s3.bucket() + "/cache"
+    build(src, url, storage_options=s3.storage_options)
+    node = tmp_path / "node"
+
+    def reader(timeout: float = 30) -> datapipe.StreamingDataset:
+        return datapipe.StreamingDataset(url, local_cache=node, storage_options=s3.storage_options, batch_size=4,
+                                         timeout=timeout)
+
+    old = reader()
+    held_old = old.cache.remote.hold(0)  # the first shard's old copy, held open as a reader does
+    first = sorted(p for p in src.rglob("*.jpg"))[0]
+    first.write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=7)))
+    assert build(src, url, storage_options=s3.storage_options).shards_built == 1  # the same build id, shard 0 anew
+    new = reader(timeout=1)
+    started = time.monotonic()
+    with pytest.raises(RemoteStoreError, match="this node's copy is of the cache before it was rebuilt in place, and "
+                                               "another process still reads it"):
+        new.cache.remote.hold(0)
+    assert time.monotonic() - started < 10
+    held_old.release()
+    held_new = new.cache.remote.hold(0)  # the old copy free: replaced by the new one
+    started = time.monotonic()
+    with pytest.raises(CorruptShardError, match=r"shard 000000\.zarr: the cache changed since it was opened"):
+        old.cache.remote.hold(0)
+    assert time.monotonic() - started < 5  # at once, not after waiting for the lock
+    held_new.release()
