@@ -730,7 +730,7 @@ def _check_utf8_path(name: str, path: str | os.PathLike, error: type[DatapipeErr
         where.encode("utf-8")
     except UnicodeEncodeError:
         raise error(f"{name} {shown(where)}: the path is not valid UTF-8; rename it (or link to it from a "
-                          "path that is) and rerun") from None
+                    "path that is) and rerun") from None
 
 
 def _check_not_reimported() -> None:
