@@ -52,7 +52,7 @@ def test_counts_and_labels(built, source):
     assert report.quarantined == []
     assert report.shards_total == report.shards_built == math.ceil(n / SHARD)
     assert report.shards_skipped == 0
-    assert report.ignored == 2  # dog/notes.txt and README.md
+    assert report.ignored == 4  # dog/notes.txt, README.md, and the hidden zebra/.hidden.jpg and .git/
     cache = datapipe.open(out)
     assert len(cache) == n
     assert cache.classes == sorted(COUNTS) == ["café", "dog", "zebra"]
