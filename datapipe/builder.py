@@ -58,7 +58,7 @@ from .files import atomic_write_text, crc32c, file_crc32c, fsync_dir, holds
 from .output import Output, prepare, remove_shards, shard_build_id
 from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
 from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
-from .sources import Listing, plan_shards, scan, shown, with_classes
+from .sources import Listing, plan_shards, scan, shown, valid_utf8, with_classes
 from .text import plural, show
 from .writer import ShardWriter
 
@@ -726,11 +726,9 @@ def _check_utf8_path(name: str, path: str | os.PathLike, error: type[DatapipeErr
     """A path the build records (in build.json, the manifest and the report: UTF-8 text) must be UTF-8 itself."""
     text = os.fspath(path)
     where = text if remote.is_url(text) else os.path.abspath(os.path.expanduser(text))
-    try:
-        where.encode("utf-8")
-    except UnicodeEncodeError:
+    if not valid_utf8(where):
         raise error(f"{name} {shown(where)}: the path is not valid UTF-8; rename it (or link to it from a "
-                    "path that is) and rerun") from None
+                    "path that is) and rerun")
 
 
 def _check_not_reimported() -> None:

@@ -46,8 +46,8 @@ import numpy as np
 
 from . import manifest as mf
 from . import native
-from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError, open_for_reading
-from .files import FileTooLarge, NotRegularFile, file_crc32c, read_regular
+from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError
+from .files import FileTooLarge, NotRegularFile, file_crc32c, open_for_reading, read_regular
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg

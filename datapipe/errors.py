@@ -160,18 +160,6 @@ def too_many_open_files(exc: OSError, path: str | os.PathLike) -> TooManyOpenFil
                                  "or resource.setrlimit) or let go of what holds files open (datasets no longer used)")
 
 
-def open_for_reading(path: str | os.PathLike) -> int:
-    """A descriptor of ``path`` opened read-only and non-blocking (a FIFO in a file's place is never waited on);
-    OSError as os.open gives it, but TooManyOpenFilesError when the descriptor limit is reached."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        error = too_many_open_files(exc, path)
-        if error is not None:
-            raise error from None
-        raise
-
-
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or a quota reached
 LOCAL_ONLY = FULL_DISK | {errno.EROFS}  # no object store's client raises these (s3fs gives OSErrors no errno)
 

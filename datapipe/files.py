@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CacheError, open_for_reading
+from .errors import CacheError, too_many_open_files
 
 TMP_PREFIX = ".tmp-"  # every temporary file or folder datapipe writes starts with this
 
@@ -52,6 +52,18 @@ class FileTooLarge(Exception):
     def __init__(self, size: int, limit: int, *, grew: bool = False) -> None:
         super().__init__(f"{size:,} bytes, over the {limit:,}-byte limit")
         self.size, self.limit, self.grew = size, limit, grew
+
+
+def open_for_reading(path: str | os.PathLike) -> int:
+    """A descriptor of ``path`` opened read-only and non-blocking (a FIFO in a file's place is never waited on);
+    OSError as os.open gives it, but TooManyOpenFilesError when the descriptor limit is reached."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        error = too_many_open_files(exc, path)
+        if error is not None:
+            raise error from None
+        raise
 
 
 def read_regular(path: str | os.PathLike, limit: int) -> bytes:

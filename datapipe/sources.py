@@ -147,7 +147,7 @@ def shown(name: str) -> str:
     return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
-def _valid_utf8(name: str) -> bool:
+def valid_utf8(name: str) -> bool:
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
@@ -223,7 +223,7 @@ class _Walker:
             return
         if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
             self.ignored.append(shown(rel))
-        elif not _valid_utf8(rel):
+        elif not valid_utf8(rel):
             self.dropped.append(bad_name(rel))
         elif mode is not None and not stat.S_ISREG(mode):
             self.dropped.append({"path": rel, **not_regular(mode)})
@@ -280,11 +280,11 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
             walker.ignored.append(shown(entry.name) + "/ (the build's output folder)")
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)
-    classes = [e.name for e in class_dirs if _valid_utf8(e.name)]  # others: their files are quarantined
+    classes = [e.name for e in class_dirs if valid_utf8(e.name)]  # others: their files are quarantined
     note_string_order(classes)
     # Real class folders are read before linked ones, so a class linked to another is the one left empty.
     for entry in sorted(class_dirs, key=lambda e: (e.is_symlink(), e.name)):
-        label = classes.index(entry.name) if _valid_utf8(entry.name) else -1
+        label = classes.index(entry.name) if valid_utf8(entry.name) else -1
         if walker.enter(entry.path, entry.name, is_link=False):
             walker.walk(entry.path, entry.name, label)
     bad_class = [r for r in walker.records if r[1] < 0]
