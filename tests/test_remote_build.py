@@ -1139,7 +1139,8 @@ def test_readers_of_a_node_cache_across_an_in_place_rebuild(s3, source, tmp_path
     first = sorted(p for p in src.rglob("*.jpg"))[0]
     first.write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=7)))
     assert build(src, url, storage_options=s3.storage_options).shards_built == 1  # the same build id, shard 0 anew
-    new = reader(timeout=1)
+    new = reader()  # opened under the default timeout: a loaded store may take over a second to answer
+    new.cache.remote.timeout = 1.0  # the wait for the old copy's lock ends after 1 s
     started = time.monotonic()
     with pytest.raises(RemoteStoreError, match="this node's copy is of the cache before it was rebuilt in place, and "
                                                "another process still reads it"):
