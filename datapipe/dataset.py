@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import os
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
@@ -24,7 +25,7 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .errors import ArgumentError, DatapipeError, RankMismatchError, StateError
+from .errors import ArgumentError, DatapipeError, RankMismatchError, RepeatedEpochWarning, StateError
 from .fetch import is_url, open_cache
 from .remote import local_path
 from .text import show
@@ -251,10 +252,12 @@ class StreamingDataset(IterableDataset):
         else:
             self.cache = cache
         self._identity = cache_identity(self.cache)
-        # [epoch, start, read by workers]: shared with DataLoader workers (also persistent ones)
-        # through shared memory. The third is set by a worker that reads this epoch: then only the
-        # caller knows how many batches the loop received (state_dict(batches_consumed=k)).
-        self._shared = torch.zeros(3, dtype=torch.int64).share_memory_()
+        # [epoch, start, read by workers, set_epoch/load_state_dict calls, epoch + 1 read to its end, the
+        # calls then, warned]: shared with DataLoader workers (also persistent ones) through shared memory.
+        # The third is set by a worker that reads this epoch: then only the caller knows how many batches
+        # the loop received (state_dict(batches_consumed=k)). The next three tell an epoch read whole and
+        # begun again without set_epoch (the same shuffled order again: warned once, see _check_repeat).
+        self._shared = torch.zeros(7, dtype=torch.int64).share_memory_()
         self._consumed = 0  # batches the loop received of the current iteration (main process)
         self._iter_base = 0  # where the current iteration began in the epoch's order
         # Bumped by every iteration begun in this process and by every change of epoch or position:
@@ -293,6 +296,7 @@ class StreamingDataset(IterableDataset):
         """
         epoch = check_int(epoch, "epoch", 0, ORDER_LIMIT - 1)
         self._check_ranks()
+        self._shared[3] += 1
         if epoch != self.epoch:
             self._shared[1] = 0
             self._shared[2] = 0
@@ -345,6 +349,8 @@ class StreamingDataset(IterableDataset):
         """
         if iteration == self._iteration:
             self._consumed = batches
+            if batches == self._len():
+                self._read_whole()
         else:
             self._overlapped = True
 
@@ -392,6 +398,7 @@ class StreamingDataset(IterableDataset):
         """
         self._check_ranks()
         self._agree("iteration")
+        self._check_repeat(stacklevel=4)
         order, bounds = self.plan()
         self._restart(self.start)
         self._running = True
@@ -466,6 +473,8 @@ class StreamingDataset(IterableDataset):
         mine = part.worker_batches(len(bounds), worker=worker, num_workers=num_workers)
         if in_worker:  # batches go back through shared memory: is there room for them?
             self._shared[2] = 1
+            if worker == 0:
+                self._check_repeat(stacklevel=3)
             self._follow(order, bounds, mine)
             _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
         remote = self.cache.remote
@@ -480,9 +489,31 @@ class StreamingDataset(IterableDataset):
                 if not in_worker:
                     self.note_received(iteration, int(j) + 1)
                 yield batch
+            if in_worker and worker == 0:  # its share read to the end: the loop has (about) the whole epoch
+                self._read_whole()
         finally:
             if not in_worker:
                 self.end_iteration(iteration)
+
+    def _read_whole(self) -> None:
+        """The current epoch was read to its end (the loop received its last batch, or DataLoader worker 0
+        read its share), with no set_epoch or load_state_dict since."""
+        self._shared[4] = self.epoch + 1
+        self._shared[5] = self._shared[3]
+
+    def _check_repeat(self, stacklevel: int) -> None:
+        """A shuffled epoch read to its end and begun again without set_epoch repeats its order: a loop
+        that never calls set_epoch trains on epoch 0's order every time. Warned once per dataset (its
+        DataLoader workers included); set_epoch(e), even to the same epoch, says the repeat is meant."""
+        shared = self._shared
+        if (not self.shuffle or int(shared[6]) or int(shared[4]) != self.epoch + 1
+                or int(shared[5]) != int(shared[3])):
+            return
+        shared[6] = 1
+        warnings.warn(RepeatedEpochWarning(
+            f"datapipe: epoch {self.epoch} was read to its end and begins again in the same shuffled order; "
+            "call set_epoch(epoch) at the start of each epoch for a new order (a loop that never calls it "
+            "reads epoch 0's order every time)"), stacklevel=stacklevel)
 
     def _sample_bytes(self) -> int:
         """Decoded bytes of the largest sample (all of them when they share one shape)."""
@@ -664,6 +695,7 @@ class StreamingDataset(IterableDataset):
         """
         self._check_ranks()
         epoch, position = self.check_state(state)
+        self._shared[3] += 1
         self._shared[0] = epoch
         self._shared[1] = position
         self._shared[2] = 0

@@ -87,6 +87,11 @@ class IterationSupersededError(DatapipeError, RuntimeError):
     set_epoch/load_state_dict changed the position it reads): only the newest iteration runs."""
 
 
+class RepeatedEpochWarning(UserWarning):
+    """A shuffled epoch that the loop received whole began again without ``set_epoch``: the same order
+    as before (every epoch of a loop that never calls ``set_epoch`` is epoch 0)."""
+
+
 class ArgumentError(DatapipeError, ValueError):
     """A loader or bench argument has the wrong type or is out of range (the message names it)."""
 

@@ -75,6 +75,53 @@ def test_epochs_differ_and_repeat(index_cache, reference):
     assert same_stream(take(ds, 0), reference)
 
 
+REPEAT = "epoch 0 was read to its end and begins again in the same shuffled order; call set_epoch"
+
+# Training loops over a dataset ``ds`` (shuffled unless the case says "no shuffle"), each through
+# ``loader`` (the dataset itself, a DeviceLoader or a DataLoader with two workers): what they must warn of.
+LOOPS = {
+    "no set_epoch": ("for e in range(3):\n    assert sum(1 for _ in loader) == full\n", 1),
+    "set_epoch each epoch": ("for e in range(3):\n    ds.set_epoch(e)\n    assert sum(1 for _ in loader) == full\n", 0),
+    "set_epoch(0) each epoch": ("for e in range(2):\n    ds.set_epoch(0)\n    assert sum(1 for _ in loader) == full\n", 0),
+    "no shuffle": ("for e in range(2):\n    assert sum(1 for _ in loader) == full\n", 0),
+    # epochs cut short (steps per epoch) are not read to their end
+    "a break": ("for e in range(3):\n    assert len(list(itertools.islice(iter(loader), 2))) == 2\n", 0),
+    "a peek": ("next(iter(ds))\nfor e in range(2):\n    ds.set_epoch(e)\n    assert sum(1 for _ in loader) == full\n", 0),
+    "a resume": ("saved = ds.state_dict(batches_consumed=0)\nassert sum(1 for _ in loader) == full\n"
+                 "ds.load_state_dict(saved)\nassert sum(1 for _ in loader) == full\n", 0),
+}
+
+
+def loop_script(path, how: str, case: str) -> str:
+    make = {"dataset": "ds",
+            "device": "datapipe.DeviceLoader(ds, device='cpu', num_workers=1, output='uint8')",
+            "workers": "torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)",
+            "workers-persistent": "torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)"}
+    return ("import itertools, datapipe, torch\n"
+            f"ds = datapipe.StreamingDataset({str(path)!r}, batch_size={B}, seed=3, shuffle={case != 'no shuffle'})\n"
+            f"loader = {make[how]}\nfull = len(ds)\n" + LOOPS[case][0])
+
+
+@pytest.mark.parametrize("how", ["dataset", "device", "workers", "workers-persistent"])
+@pytest.mark.parametrize("case", list(LOOPS))
+def test_a_shuffled_epoch_begun_again_without_set_epoch_is_warned_once(index_cache, how, case):
+    """A loop that never calls set_epoch trains on epoch 0's order every time (LitData and MosaicML
+    Streaming move to the next epoch by themselves; a DistributedSampler user forgets it): one
+    RepeatedEpochWarning says so, from the main process or from DataLoader worker 0. A repeat asked for
+    (set_epoch to the same epoch, a resume), an unshuffled set, epochs cut short and a peek are not warned of.
+    Each loop runs as a script of its own, where nothing records warnings (pytest's recorder, copied into a
+    forked worker, would keep a worker's warning there)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", loop_script(index_cache.path, how, case)], capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    seen = [line for line in run.stderr.splitlines() if "RepeatedEpochWarning" in line]
+    assert len(seen) == LOOPS[case][1], run.stderr
+    assert all(REPEAT in line for line in seen), seen
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_simulated_ranks_split_exactly(index_cache, drop_last):
     ranks, n = 3, index_cache.n  # 101 = 4·24 + 5

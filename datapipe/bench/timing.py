@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from ..dataset import StreamingDataset
+
 
 class Pass(NamedTuple):
     """One timed pass over a loader."""
@@ -27,13 +29,18 @@ def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = N
     the loader is one epoch), or, where ``batches`` is None, to its end: one epoch.
 
     ``step_s`` sleeps after each batch, as a model step would; ``sync`` (e.g.
-    ``torch.cuda.synchronize``) is called before the clock stops so queued device work counts.
+    ``torch.cuda.synchronize``) is called before the clock stops so queued device work counts. A
+    datapipe loader (a StreamingDataset, or a DeviceLoader or DataLoader over one) moves to its next
+    epoch before each pass, as a training loop does with ``set_epoch``.
     """
+    dataset = _streaming_dataset(loader)
     images, done, empty = 0, 0, 0
     cpu0 = cpu_seconds()
     t0 = time.perf_counter()
     while empty < 2:  # two empty epochs in a row: the loader yields nothing (more)
         before = done
+        if dataset is not None:
+            dataset.set_epoch((dataset.epoch + 1) % (1 << 32))
         for batch in loader:
             images += int(batch[0].shape[0])
             done += 1
@@ -48,6 +55,16 @@ def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = N
         sync()
     seconds = time.perf_counter() - t0
     return Pass(images, seconds, cpu_seconds() - cpu0)
+
+
+def _streaming_dataset(loader: object) -> StreamingDataset | None:
+    """The datapipe StreamingDataset that ``loader`` iterates (itself or its ``dataset``), or None."""
+    from ..dataset import StreamingDataset
+
+    for candidate in (loader, getattr(loader, "dataset", None)):
+        if isinstance(candidate, StreamingDataset):
+            return candidate
+    return None
 
 
 def timeit(fn: Callable[[], object], *, min_time: float = 0.3, max_reps: int = 50) -> float:
