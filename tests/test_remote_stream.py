@@ -332,7 +332,8 @@ def test_an_s3_download_is_checked_as_it_is_written_and_never_read_back(s3, buil
 @pytest.mark.parametrize("fault", ["stop", "pause"])
 def test_a_store_that_stops_answering_mid_epoch_is_an_error_not_a_hang(s3, built, tmp_path, fault):
     url = upload(s3, built["fixed"])
-    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, timeout=2)
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)  # a loaded store may take over 2 s to open
+    ds.cache.remote.timeout = 2.0  # a download that receives nothing for 2 s ends
     batches = iter(ds)
     next(batches)  # the first shard is local
     (s3.stop if fault == "stop" else s3.pause)()
@@ -637,7 +638,7 @@ def test_a_full_local_disk_is_a_local_error_naming_the_folder_not_the_store(s3, 
     import errno
 
     url = upload(s3, built["fixed"])
-    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, timeout=2)
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
 
     async def full(fs, rpath, lpath, progress):
         with open(lpath, "wb") as f:
