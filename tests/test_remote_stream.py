@@ -333,9 +333,9 @@ def test_an_s3_download_is_checked_as_it_is_written_and_never_read_back(s3, buil
 def test_a_store_that_stops_answering_mid_epoch_is_an_error_not_a_hang(s3, built, tmp_path, fault):
     url = upload(s3, built["fixed"])
     ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)  # a loaded store may take over 2 s to open
-    ds.cache.remote.timeout = 2.0  # a download that receives nothing for 2 s ends
     batches = iter(ds)
-    next(batches)  # the first shard is local
+    next(batches)  # the first shard is downloaded and read under the default deadline
+    ds.cache.remote.timeout = 2.0  # then a download that receives nothing for 2 s ends
     (s3.stop if fault == "stop" else s3.pause)()
     try:
         with pytest.raises(RemoteStoreError, match=r"shard 0000\d\d\.zarr"):
