@@ -75,7 +75,7 @@ from .errors import (
 )
 from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, free_mib, make_dirs
 from .records import INDEX_ROW_BYTES, MANIFEST, Manifest, parse_json, parse_manifest
-from .remote import is_s3fs
+from .remote import connect, is_s3fs
 from .shards import SHARDS_DIR, images_path, index_path
 from .text import show
 
@@ -346,8 +346,9 @@ class ShardFetcher:
     def filesystem(self) -> tuple[Any, str]:
         """(fsspec filesystem, root path inside it), made once per process (never shared across a fork)."""
         if self._fs is None or self._fs_pid != os.getpid():
-            self._fs, self._root = _open_filesystem(self.url, self.storage_options, self.timeout)
-            self._fs_pid = os.getpid()
+            fs, root = _open_filesystem(self.url, self.storage_options, self.timeout)
+            connect(fs, self.timeout, self.url)  # under a deadline of its own, not the first download's
+            self._fs, self._root, self._fs_pid = fs, root, os.getpid()
         return self._fs, self._root
 
     # ----------------------------------------------------------------- opening

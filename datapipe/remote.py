@@ -69,6 +69,7 @@ MIN_PART_BYTES = 5 << 20  # S3's smallest part (all but the last)
 LIST_PAGE = 1000  # keys per page of a listing (S3's most)
 GATHER = 128  # documents counted as one request in the deadline of a concurrent read of many (fsspec's cat)
 STORE_TIMEOUT = 60.0  # seconds the store may take per request, per 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
+CONNECT_SECONDS = 60.0  # the least time given to making an S3 client (see connect), apart from any request's deadline
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
 SHARD_OBJECTS = frozenset({
     GROUP_META, "images/zarr.json", "labels/zarr.json", "index/zarr.json",
@@ -293,6 +294,8 @@ class Location:
             return getattr(fs, method)(*args, **kwargs)
         from fsspec.asyn import sync
 
+        if is_s3fs(fs):
+            connect(fs, self.timeout, what or self.url)
         if deadline is None:
             deadline = self.timeout * max(1.0, nbytes / PART_BYTES)
         try:
@@ -687,6 +690,36 @@ def is_s3fs(fs: Any) -> bool:
     return callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
 
 
+def connect(fs: Any, timeout: float, what: str) -> None:
+    """Make an s3fs filesystem's client, when it has none (or its connections were closed), under a deadline of
+    its own: ``timeout`` or CONNECT_SECONDS, the longer. s3fs would make it inside the first request, whose
+    deadline would then also cover the lookup of the credentials (a ``credential_process``, SSO, the instance
+    metadata service: seconds) and the loading of the service's model (0.2 s of CPU, over 1.5 s on a busy
+    host), and a short ``timeout`` would fail a store that answers at once. Other filesystems: nothing to do.
+
+    Raises:
+        RemoteStoreError: the client was not made within the deadline, or its configuration was refused (the
+            message names ``what`` and the client's reason).
+    """
+    if not is_s3fs(fs) or getattr(fs, "loop", None) is None or not callable(getattr(fs, "set_session", None)):
+        return
+    from fsspec.asyn import sync
+
+    seconds = max(timeout, CONNECT_SECONDS)
+    try:
+        sync(fs.loop, fs.set_session, timeout=seconds)
+    except TimeoutError:
+        raise RemoteStoreError(f"{what}: the S3 client was not made within {seconds:g} s (making it looks up the "
+                               "credentials: a credential_process, SSO or the instance metadata service did not "
+                               "answer); check the AWS configuration (AWS_PROFILE, ~/.aws/config) or pass the "
+                               "credentials in storage_options") from None
+    except Exception as exc:
+        if not store_failure(exc):
+            raise
+        raise RemoteStoreError(f"{what}: the S3 client cannot be made: {one_line(exc)}; check the AWS "
+                               "configuration (AWS_PROFILE, ~/.aws/config) or the storage options") from None
+
+
 class _S3Parts:
     """One object sent as an S3 multipart upload, a part per :meth:`send`, each request under the location's
     deadline (see :meth:`Location.call`); an object that is one part is sent by a single PUT. The requests
@@ -711,8 +744,7 @@ class _S3Parts:
         ``when_supported``: a CRC32 in Python on the event loop, about 0.9 ms per MB here, against
         0.08 ms for a CRC32C). A client configured ``when_required`` (for stores that refuse checksums)
         gets none, as before."""
-        if self.loc.fs._s3 is None:
-            self.loc.call("connect", what=self.url, read=True)  # the client is made on the first request
+        connect(self.loc.fs, self.loc.timeout, self.url)
         # botocore before 1.36 has no such setting (and computes no checksum by default)
         return getattr(self.loc.fs._s3.meta.config, "request_checksum_calculation", None) == "when_supported"
 

@@ -922,6 +922,68 @@ def test_a_command_on_a_frozen_store_ends_at_the_deadline_with_one_line(s3, sour
     assert not (tmp_path / "out").exists()
 
 
+def profile_env(tmp_path: Path, s3, process: str) -> dict[str, str]:
+    """An environment whose only credentials come from an AWS profile's ``credential_process`` (the shell
+    ``process``, which prints them), with the server's endpoint and no other AWS setting."""
+    script = tmp_path / "credentials.sh"
+    script.write_text(f"#!/bin/sh\n{process}\n")
+    script.chmod(0o755)
+    (tmp_path / "config").write_text(f"[default]\ncredential_process = {script}\nregion = us-east-1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_CONFIG_FILE=str(tmp_path / "config"), AWS_EC2_METADATA_DISABLED="true",
+               AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_ENDPOINT_URL=s3.endpoint_url)
+    return env
+
+
+SLOW_CREDENTIALS = 'sleep 2; echo \'{"Version": 1, "AccessKeyId": "testing", "SecretAccessKey": "testing"}\''
+STREAM = """
+import sys, torch, datapipe
+ds = datapipe.StreamingDataset(sys.argv[1], batch_size=4, local_cache=sys.argv[2], timeout=1)
+loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=int(sys.argv[3]))
+print(sum(len(labels) for _, labels in loader), len(ds.cache))
+"""
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "build-into", "build-from", "stream", "stream-workers"])
+def test_a_slow_credential_lookup_counts_against_no_request_deadline(s3, source, tmp_path, command):
+    """The S3 client is made (its credentials looked up: here a credential_process that takes 2 s, as SSO or an
+    instance's metadata service can) under a deadline of its own, not the first request's: with a 1 s deadline
+    per request, every command and the loader (in its DataLoader worker too, which makes a client of its own)
+    still works."""
+    url = s3.bucket() + "/cache"
+    assert cli("build", str(source[0]), url, "--size", "16", "--scheduler", "sync", env=s3.env).returncode == 0
+    images = s3.bucket() + "/images"
+    s3.filesystem().put(str(source[0]) + "/", images.removeprefix("s3://"), recursive=True)
+    env = {**profile_env(tmp_path, s3, SLOW_CREDENTIALS), "DATAPIPE_STORE_TIMEOUT": "1"}
+    args = {"info": ["info", url], "verify": ["verify", url],
+            "build-into": ["build", str(source[0]), s3.bucket() + "/again", "--size", "16", "--scheduler", "sync"],
+            "build-from": ["build", images, str(tmp_path / "out"), "--size", "16", "--scheduler", "sync"]}
+    if command in args:
+        argv = [sys.executable, "-m", "datapipe.cli", *args[command]]
+    else:
+        argv = [sys.executable, "-c", STREAM, url, str(tmp_path / "node"), "1" if command == "stream-workers" else "0"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if command.startswith("stream"):
+        assert proc.stdout.split() == [str(len(source[1]))] * 2, proc.stdout
+    elif command == "build-from":
+        assert len(datapipe.open(tmp_path / "out")) == len(source[1])
+
+
+@pytest.mark.parametrize("command", ["info", "build-into"])
+def test_credentials_that_cannot_be_had_are_one_line_naming_the_url(s3, source, tmp_path, command):
+    """A credential_process that fails: one line naming the URL and the client's reason, no traceback."""
+    url = s3.bucket() + "/cache"
+    env = profile_env(tmp_path, s3, "echo 'the token expired: log in again' >&2; exit 3")
+    args = {"info": ["info", url], "build-into": ["build", str(source[0]), url, "--size", "16", "--scheduler", "sync"]}
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", *args[command]], capture_output=True, text=True,
+                          env=env, timeout=240)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"datapipe {args[command][0]}: error: {url}"), lines[0]
+    assert "the token expired" in lines[0] and "credential" in lines[0].lower(), lines[0]
+
+
 def test_a_listing_of_more_than_a_page_and_documents_of_more_than_a_range_read_whole(s3, monkeypatch):
     """listing() on S3 goes page by page (1,000 keys; 10 here) and read_bytes() in 8 MiB ranges: both give it all."""
     monkeypatch.setattr(remote, "LIST_PAGE", 10)
