@@ -594,7 +594,7 @@ def test_the_stall_meter_tells_a_slow_loader_from_a_slow_model(index_cache, slow
     elif slow == "module":
         aug = RandomFlip(delay=0.03)
     else:
-        step = 0.03
+        step = 0.06  # twice the readers' delay above: a loaded machine's reader thread still keeps ahead
     loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=1, augment=aug)
     try:
         for _ in loader:

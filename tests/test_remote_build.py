@@ -935,10 +935,10 @@ def profile_env(tmp_path: Path, s3, process: str) -> dict[str, str]:
     return env
 
 
-SLOW_CREDENTIALS = 'sleep 2; echo \'{"Version": 1, "AccessKeyId": "testing", "SecretAccessKey": "testing"}\''
+SLOW_CREDENTIALS = 'sleep 6; echo \'{"Version": 1, "AccessKeyId": "testing", "SecretAccessKey": "testing"}\''
 STREAM = """
 import sys, torch, datapipe
-ds = datapipe.StreamingDataset(sys.argv[1], batch_size=4, local_cache=sys.argv[2], timeout=1)
+ds = datapipe.StreamingDataset(sys.argv[1], batch_size=4, local_cache=sys.argv[2], timeout=4)
 loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=int(sys.argv[3]))
 print(sum(len(labels) for _, labels in loader), len(ds.cache))
 """
@@ -946,15 +946,15 @@ print(sum(len(labels) for _, labels in loader), len(ds.cache))
 
 @pytest.mark.parametrize("command", ["info", "verify", "build-into", "build-from", "stream", "stream-workers"])
 def test_a_slow_credential_lookup_counts_against_no_request_deadline(s3, source, tmp_path, command):
-    """The S3 client is made (its credentials looked up: here a credential_process that takes 2 s, as SSO or an
-    instance's metadata service can) under a deadline of its own, not the first request's: with a 1 s deadline
-    per request, every command and the loader (in its DataLoader worker too, which makes a client of its own)
-    still works."""
+    """The S3 client is made (its credentials looked up: here a credential_process that takes 6 s, as SSO or an
+    instance's metadata service can) under a deadline of its own, not the first request's: with a 4 s deadline
+    per request (room for a loaded store), every command and the loader (in its DataLoader worker too, which
+    makes a client of its own) still works."""
     url = s3.bucket() + "/cache"
     assert cli("build", str(source[0]), url, "--size", "16", "--scheduler", "sync", env=s3.env).returncode == 0
     images = s3.bucket() + "/images"
     s3.filesystem().put(str(source[0]) + "/", images.removeprefix("s3://"), recursive=True)
-    env = {**profile_env(tmp_path, s3, SLOW_CREDENTIALS), "DATAPIPE_STORE_TIMEOUT": "1"}
+    env = {**profile_env(tmp_path, s3, SLOW_CREDENTIALS), "DATAPIPE_STORE_TIMEOUT": "4"}
     args = {"info": ["info", url], "verify": ["verify", url],
             "build-into": ["build", str(source[0]), s3.bucket() + "/again", "--size", "16", "--scheduler", "sync"],
             "build-from": ["build", images, str(tmp_path / "out"), "--size", "16", "--scheduler", "sync"]}
@@ -1017,7 +1017,7 @@ def test_a_store_frozen_mid_upload_ends_the_build_with_one_line_and_the_rerun_re
     bucket = url.removeprefix("s3://").split("/")[0]
     args = ["build", str(big_source), url, "--size", "384", "--shard-size", "24", "--workers", "1", "--quiet",
             "--storage-option", f"endpoint_url={s3.endpoint_url}"]
-    env = {**os.environ, **s3.env, "DATAPIPE_STORE_TIMEOUT": "2"}
+    env = {**os.environ, **s3.env, "DATAPIPE_STORE_TIMEOUT": "5"}  # room for a loaded store before the freeze
     proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     client = s3.client()
