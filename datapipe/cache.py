@@ -93,10 +93,11 @@ class _Shard:
     """An open shard data file: its descriptor, its memory map (None on the positioned-read path,
     or where mapping failed) and the map as a torch [count, H, W, 3] tensor, made on first use."""
 
-    __slots__ = ("fd", "users", "mapping", "tensor", "hold", "used")
+    __slots__ = ("fd", "users", "mapping", "tensor", "hold", "used", "closing")
 
     def __init__(self, fd: int, mapping: native.Mapping | None, hold: Any = None) -> None:
         self.fd, self.users, self.mapping = fd, 1, mapping
+        self.closing = False  # closed when its last user releases it (see _ShardFiles.close)
         self.used = 0  # when it was last acquired (a tick of _ShardFiles' process-wide clock)
         self.tensor: Any = None  # torch.Tensor, once made (torch is imported only when views are asked for)
         self.hold = hold  # a remote cache's hold on the local shard file (fetch.Hold): released when closed
@@ -138,6 +139,7 @@ class _ShardFiles:
                 self._open.move_to_end(shard)
                 entry.users += 1
                 entry.used = next(self._clock)
+                entry.closing = False  # read again after a close: it stays open
                 return entry
         fresh = opener()  # outside the lock: opening may block on slow storage
         with self._lock:
@@ -157,6 +159,8 @@ class _ShardFiles:
             entry = self._open.get(shard)
             if entry is not None:
                 entry.users -= 1
+                if entry.closing and not entry.users:
+                    self._open.pop(shard).close()
                 self._evict()
 
     def _evict(self) -> None:
@@ -175,10 +179,13 @@ class _ShardFiles:
                 files._open.pop(shard).close()
 
     def close(self) -> None:
+        """Close every file; one a reader thread is using now is closed when it releases it."""
         with self._lock:
-            for entry in self._open.values():
-                entry.close()
-            self._open.clear()
+            for shard, entry in list(self._open.items()):
+                if entry.users:
+                    entry.closing = True
+                else:
+                    self._open.pop(shard).close()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -314,6 +321,24 @@ class Cache:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_readers()
+
+    def close(self) -> None:
+        """Close the shard files this cache has open in this process; for a cache in object storage, also
+        release its hold on the node's copies (eviction, and another job's download of a rebuilt shard, may
+        then take them) and stop its prefetching. The cache stays usable: a later read opens what it needs
+        again. A file a reader thread is reading now is closed when that read ends. Garbage collection does
+        the same, and ``with datapipe.open(path) as cache:`` closes the cache at the end of the block."""
+        files = self.__dict__.get("_files")
+        if files is not None:
+            files.close()
+        if self.__dict__.get("remote") is not None:
+            self.remote.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __del__(self) -> None:
         files = self.__dict__.get("_files")

@@ -762,6 +762,19 @@ class StreamingDataset(IterableDataset):
                                  f"(cache {self.cache.root}); resume with the same order, window and nodes "
                                  "(nodes: WORLD_SIZE // LOCAL_WORLD_SIZE)")
 
+    def close(self) -> None:
+        """Close the cache's shard files in this process (and, for a cache in object storage, release its hold
+        on the node's copies): see :meth:`Cache.close`. The dataset stays usable (a later epoch opens what it
+        reads again); DataLoader workers hold files of their own, closed when they exit.
+        ``with StreamingDataset(...) as ds:`` closes it at the end of the block."""
+        self.cache.close()
+
+    def __enter__(self) -> StreamingDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return (f"StreamingDataset({str(self.cache.root)!r}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}/{self.world_size}, "

@@ -692,7 +692,8 @@ class ShardFetcher:
                     raise RemoteStoreError(
                         f"{what}: this node's copy is of the cache before it was rebuilt in place, and another process "
                         f"still reads it (it holds {self._lock_path(rec.name)}), so it cannot be replaced; restart the "
-                        "jobs that opened the cache before the rebuild, or give this one another local_cache")
+                        "jobs that opened the cache before the rebuild (or close() their datasets), or give this one "
+                        "another local_cache")
                 raise RemoteStoreError(f"{what}: its lock {self._lock_path(rec.name)} was never free to download it "
                                        f"in {self.timeout:g} s; raise timeout=")
             time.sleep(pause)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from build_fixtures import SIZE, build
 from PIL import Image
 from s3_server import MISSING, REASON, free_port
@@ -1226,3 +1227,35 @@ def test_readers_of_a_node_cache_across_an_in_place_rebuild(s3, source, tmp_path
         old.cache.remote.hold(0)
     assert time.monotonic() - started < 5  # at once, not after waiting for the lock
     held_new.release()
+
+
+def test_a_closed_reader_lets_a_rebuilt_shard_replace_its_copy_at_once(s3, source, tmp_path, imaging):
+    """A reader that read its epoch holds the node's copies of its shards; after close() (or its with block)
+    it holds none, so a reader of the cache rebuilt in place downloads the new copy at once instead of
+    waiting for the older reader until its timeout."""
+    src = tmp_path / "src"
+    shutil.copytree(source[0], src)
+    url = s3.bucket() + "/cache"
+    build(src, url, storage_options=s3.storage_options)
+    node = tmp_path / "node"
+
+    def reader() -> datapipe.StreamingDataset:
+        return datapipe.StreamingDataset(url, local_cache=node, storage_options=s3.storage_options, batch_size=4,
+                                         shuffle=False)
+
+    with reader() as old:
+        before = [labels for _, labels in old]
+        assert old.cache.remote.open_shards()  # the copies it read stay held while it is open
+    assert not old.cache.remote.open_shards()
+    first = sorted(p for p in src.rglob("*.jpg"))[0]
+    first.write_bytes(imaging.jpeg(imaging.gradient(40, 52, seed=7)))
+    assert build(src, url, storage_options=s3.storage_options).shards_built == 1  # the same build id, shard 0 anew
+    new = reader()
+    new.cache.remote.timeout = 5.0  # a wait for a holder would end in an error after 5 s
+    started = time.monotonic()
+    try:
+        after = [labels for _, labels in new]
+    finally:
+        new.close()
+    assert time.monotonic() - started < 5
+    assert torch.equal(torch.cat(before), torch.cat(after))  # the labels stay; shard 0's first image is new

@@ -9,6 +9,7 @@ shard, never SIGBUS, and never pairs one build's images with another's labels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import datapipe
 from datapipe import cli
@@ -694,3 +696,64 @@ def test_the_advice_for_a_shard_altered_after_the_build_repairs_it(built, tmp_pa
     assert datapipe.build(source, out, verify=True, **kwargs).shards_built == 1  # as the message says
     cache = datapipe.open(out)
     assert cache[SHARD][0].shape == (32, 32, 3) and cache.verify() == []
+
+
+# ----------------------------------------------------------------------------- closing
+
+
+def open_shard_files(root: Path) -> list[str]:
+    """The files under ``root`` this process holds open (its descriptors' targets)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(root.resolve()) + os.sep):
+                found.append(target)
+    return found
+
+
+def read_all(cache) -> np.ndarray:
+    return np.stack([cache[i][0] for i in range(len(cache))])
+
+
+@pytest.mark.parametrize("how", ["cache", "dataset", "with-cache", "with-dataset"])
+def test_close_closes_the_shard_files_and_the_cache_stays_usable(cache_dir, how):
+    """close() (or the end of a with block) closes every shard file the cache opened; reading afterwards
+    opens them again and reads the same samples."""
+    if how.endswith("dataset"):
+        ds = datapipe.StreamingDataset(cache_dir, batch_size=8, shuffle=False)
+        cache = ds.cache
+        first = torch.cat([images for images, _ in ds])
+    else:
+        cache = ds = datapipe.open(cache_dir)
+        first = torch.from_numpy(read_all(cache))
+    assert len(open_shard_files(cache_dir)) == len(cache.counts)  # every shard read, every one open
+    if how.startswith("with"):
+        with ds as entered:
+            assert entered is ds
+    else:
+        ds.close()
+    assert open_shard_files(cache_dir) == []
+    again = torch.cat([images for images, _ in ds]) if how.endswith("dataset") else torch.from_numpy(read_all(cache))
+    assert len(open_shard_files(cache_dir)) == len(cache.counts)
+    assert len(first) == N and torch.equal(first, again)
+    ds.close()
+
+
+def test_a_file_in_use_is_closed_when_its_reader_releases_it(cache_dir):
+    """close() never closes a descriptor under a reader thread (its number could be reused by another open and
+    read the wrong file): a shard in use is closed when it is released, and one read again stays open."""
+    cache = datapipe.open(cache_dir)
+    read_all(cache)
+    files = cache._files
+    entry = files.acquire(0, lambda: pytest.fail("shard 0 is open already"))
+    cache.close()
+    assert len(open_shard_files(cache_dir)) == 1 and os.fstat(entry.fd)  # the one in use
+    files.release(0)
+    assert open_shard_files(cache_dir) == []
+    files.acquire(0, lambda: cache._open_shard(0))
+    cache.close()
+    files.acquire(0, lambda: pytest.fail("shard 0 is open still"))  # read again while the close waited
+    files.release(0)
+    files.release(0)
+    assert len(open_shard_files(cache_dir)) == 1  # in use again after the close: kept open, as any read leaves it
