@@ -272,6 +272,13 @@ class DeviceLoader:
                 slot.decoded.synchronize()
                 slot.decoded = slot.keep = None
 
+    def __enter__(self) -> DeviceLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """The end of ``with DeviceLoader(...) as loader:``: :meth:`close` (the dataset stays open)."""
+        self.close()
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()

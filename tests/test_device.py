@@ -618,6 +618,13 @@ def test_close_and_garbage_collection_stop_the_reader_threads(index_cache):
     assert len(threads) == 2 and all(t.is_alive() for t in threads)
     loader.close()
     assert not any(t.is_alive() for t in threads)
+    with datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=2) as loader:
+        next(iter(loader))
+        threads = list(loader._threads)
+        assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    assert not any(t.is_alive() for t in threads)  # the with block's end closed it
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
     loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=2)
     it = iter(loader)
     next(it)
