@@ -294,8 +294,7 @@ class Location:
             return getattr(fs, method)(*args, **kwargs)
         from fsspec.asyn import sync
 
-        if is_s3fs(fs):
-            connect(fs, self.timeout, what or self.url)
+        connect(fs, self.timeout, what or self.url)  # s3fs's client, made outside the request's deadline
         if deadline is None:
             deadline = self.timeout * max(1.0, nbytes / PART_BYTES)
         try:
