@@ -341,9 +341,7 @@ class Cache:
         self.close()
 
     def __del__(self) -> None:
-        files = self.__dict__.get("_files")
-        if files is not None:
-            files.close()
+        self.close()
 
     def __len__(self) -> int:
         return self.num_samples

@@ -1184,9 +1184,14 @@ class _Follower:
         return float(max(int(self.first[k]), self.position))
 
     def stop(self) -> None:
-        with self.cond:
-            self.done = True
-            self.cond.notify_all()
+        # Never blocks, so garbage collection may call it (Cache.__del__) while this thread holds the
+        # condition: a thread that is not woken here sees ``done`` within its 0.5 s wait.
+        self.done = True
+        if self.cond.acquire(blocking=False):
+            try:
+                self.cond.notify_all()
+            finally:
+                self.cond.release()
 
     # ----------------------------------------------------------------- the prefetch threads
     def _pick(self) -> tuple[int, Future] | None:

@@ -280,7 +280,7 @@ def test_reader_exception_reaches_the_loop(index_cache, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_abandoned_iterator_does_not_break_a_newer_one(index_cache):
-    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", timeout=3)
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", timeout=20)
     try:
         first = iter(loader)
         next(first)
@@ -369,14 +369,14 @@ def test_iterating_again_inside_the_loop_ends_the_outer_iteration_at_once(index_
     """next(iter(loader)) inside the loop: the outer iterator's next batch raises one clear line at
     once (not after the timeout, and never blaming a reader thread); the loader goes on working."""
     loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers,
-                                   augment=augment.train(24), timeout=5)
+                                   augment=augment.train(24), timeout=30)
     started = time.perf_counter()
     try:
         with pytest.raises(IterationSupersededError, match=r"iterated again .* only the newest iteration runs") as excinfo:
             for step, _ in enumerate(loader):
                 if step == 2:
                     peek = next(iter(loader))
-        assert time.perf_counter() - started < 4
+        assert time.perf_counter() - started < 15
         message = str(excinfo.value)
         assert "\n" not in message and "reader thread" not in message
         assert isinstance(excinfo.value, RuntimeError) and isinstance(excinfo.value, datapipe.errors.DatapipeError)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -420,6 +421,32 @@ def test_prefetch_runs_ahead_of_the_reader_after_the_first_batch_and_no_further_
     rest = [i for batch in it for i in batch[2].tolist()]
     assert rest == list(range(SHARD, N))
     assert sorted(shard_downloads(folder).values()) == [1] * len(names)
+
+
+def prefetch_threads(besides: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("datapipe-prefetch") and t not in besides]
+
+
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_a_reader_closed_or_collected_mid_epoch_leaves_no_prefetch_thread_behind(s3, built, tmp_path, how):
+    url = upload(s3, built["fixed"])
+    earlier = frozenset(prefetch_threads())  # another test's reader, not collected yet
+    ds = open_remote(s3, url, tmp_path / "lc", order="shards", window=1, shuffle=False, batch_size=SHARD, prefetch=2)
+    it = iter(ds)
+    next(it)
+    end = time.monotonic() + 30
+    while not prefetch_threads(earlier) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert prefetch_threads(earlier), "the plan's prefetch threads wait for the reader to move on"
+    if how == "close":
+        ds.close()
+    else:
+        del it, ds
+        gc.collect()
+    end = time.monotonic() + 10
+    while prefetch_threads(earlier) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not prefetch_threads(earlier)
 
 
 def test_the_temporary_files_killed_downloads_left_are_removed_by_the_next_download(s3, built, tmp_path):
