@@ -847,6 +847,9 @@ def convert(*, dtype: torch.dtype = torch.float32, normalize: bool = True, mean:
 
 def _not_a_batch(size: object, name: str) -> None:
     """The preset functions called as if they were the preset (on a batch): say how to make the preset."""
+    if isinstance(size, (list, tuple)) and size and all(isinstance(v, int) and not isinstance(v, bool) for v in size):
+        raise ArgumentError(f"datapipe.augment.{name}(size) makes square outputs and takes one int (224), got "
+                            f"{show(size)}: a (height, width) pair is not supported")
     if isinstance(size, (torch.Tensor, list, tuple)):
         raise ArgumentError(f"datapipe.augment.{name}(size) makes the preset and takes its output size: pass "
                             f"augment={name}(224) to the loader, not augment={name}")

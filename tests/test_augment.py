@@ -239,6 +239,15 @@ def test_a_preset_function_given_for_the_preset_says_to_call_it(tmp_path, name):
             fn(torch.zeros(2, 8, 8, 3, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("name", ["train", "eval"])
+@pytest.mark.parametrize("size", [(20, 30), [224, 224], (224,)])
+def test_a_height_and_width_pair_is_refused_as_such(name, size):
+    """torchvision's presets take (h, w); datapipe's make squares and say so, not "you passed a batch"."""
+    with pytest.raises(ArgumentError, match=r"makes square outputs and takes one int \(224\)") as excinfo:
+        getattr(augment, name)(size)
+    assert "\n" not in str(excinfo.value) and "not augment=" not in str(excinfo.value)
+
+
 def smooth_batch(n: int = 6, size: int = 40) -> torch.Tensor:
     y, x = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
                           indexing="ij")
