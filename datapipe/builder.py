@@ -54,10 +54,20 @@ from .errors import (
     quarantine_counts,
     unreadable,
 )
-from .files import atomic_write_text, crc32c, file_crc32c, fsync_dir, holds
+from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, holds, read_regular
 from .output import Output, prepare, remove_shards, shard_build_id
-from .records import FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
-from .shards import GROUP_META, SHARDS_DIR, images_path, index_path, read_shard_record, shard_layout, shard_name
+from .records import INDEX_ROW_BYTES, FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
+from .shards import (
+    GROUP_META,
+    SHARDS_DIR,
+    document_problems,
+    images_path,
+    index_path,
+    read_shard_record,
+    shard_labels_path,
+    shard_layout,
+    shard_name,
+)
 from .sources import Listing, plan_shards, scan, shown, valid_utf8, with_classes
 from .text import plural, show
 from .writer import ShardWriter
@@ -460,7 +470,7 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
     existing = finished_shard(plan, output=output, config_hash=config_hash, build_id=build_id)
-    if existing and (not verify or _checksums_match(final, existing)):
+    if existing and (not verify or _checksums_match(final, existing, plan, DecodeSpec(**spec).max_side)):
         return {**existing, "skipped": True, "seconds": 0.0}
     if os.path.lexists(final):  # a shard of this build from other inputs, or a damaged one: replace it
         if shard_build_id(final) != build_id or final.is_symlink():
@@ -574,15 +584,33 @@ def _probe(file: str, spec: dict, source_options: dict | None = None, store_time
             "reason": f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
-def _checksums_match(shard_dir: Path, record: dict) -> bool:
-    """Whether a finished shard's data file (and an indexed shard's sample index) still has the
-    checksum its record gives (reads the whole shard)."""
-    if record["count"] == 0:
-        return True
-    layout = shard_layout(record)
-    if file_crc32c(images_path(shard_dir, layout)) != record["crc32c"]:
+def _checksums_match(shard_dir: Path, record: dict, plan: dict, side: int) -> bool:
+    """Whether a finished shard still holds what its build wrote, checked as ``datapipe verify`` checks it
+    (reads the whole shard): its data file's checksum (and an indexed shard's sample index's), its paths
+    and labels chunk against the plan's (less the files it quarantined), and its Zarr documents (``side``:
+    the samples' side in a fixed-layout shard)."""
+    count = record["count"]
+    quarantined = {entry.get("path") for entry in record.get("quarantined") or [] if isinstance(entry, dict)}
+    kept = [(path, label) for path, label in zip(plan["paths"], plan["labels"], strict=True) if path not in quarantined]
+    if len(kept) != count or record.get("paths") != [path for path, _ in kept]:
         return False
-    return layout == "fixed" or file_crc32c(index_path(shard_dir)) == record["index_crc32c"]
+    layout = shard_layout(record)
+    size = side if layout == "fixed" else 0
+    if count:
+        try:
+            if file_crc32c(images_path(shard_dir, layout)) != record["crc32c"]:
+                return False
+            labels = read_regular(shard_labels_path(shard_dir), 8 * count + 1)
+            if labels != np.asarray([label for _, label in kept], "<i8").tobytes():
+                return False
+            if layout == "indexed":
+                raw = read_regular(index_path(shard_dir), count * INDEX_ROW_BYTES)
+                if f"{crc32c(raw):08x}" != record["index_crc32c"]:
+                    return False
+                size = samples.SampleIndex.of(np.frombuffer(raw, "<i8")).data_size
+        except (OSError, NotRegularFile, FileTooLarge):
+            return False
+    return not document_problems(shard_dir, count, size, indexed=layout == "indexed")
 
 
 def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray,
@@ -807,7 +835,7 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     if target.read_only is not None:
         _log_plan(listing, plans, spec)
         return _check_up_to_date(target, listing, plans, config, chash, verify=verify, retry=retry,
-                                 max_bad_fraction=max_bad_fraction, t0=t0)
+                                 max_bad_fraction=max_bad_fraction, t0=t0, side=spec.decode.max_side)
     _retire_stale_manifest(out, plans, chash, target.build_id, retry=retry)
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
@@ -815,7 +843,8 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
               "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality, **options}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
-    done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False, retry=retry)
+    done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False, retry=retry,
+                                             side=spec.decode.max_side)
     return _build_todo(out, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
                        max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
 
@@ -829,23 +858,23 @@ def _retries(force: bool, verify: bool, *, finished: bool) -> bool:
 
 
 def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, verify: bool,
-                    retry: bool) -> dict[int, dict]:
+                    retry: bool, side: int) -> dict[int, dict]:
     """The plans' shards already finished in ``out`` (see finished_shard; with ``verify``, also their checksums)."""
     done: dict[int, dict] = {}
     for plan in plans:
         rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=build_id, retry=retry)
-        if rec is not None and (not verify or _checksums_match(out / SHARDS_DIR / shard_name(plan["shard"]), rec)):
+        if rec is not None and (not verify or _checksums_match(out / SHARDS_DIR / shard_name(plan["shard"]), rec, plan, side)):
             done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
     return done
 
 
 def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], config: dict, chash: str, *,
-                      verify: bool, retry: bool, max_bad_fraction: float, t0: float) -> BuildReport:
+                      verify: bool, retry: bool, max_bad_fraction: float, t0: float, side: int) -> BuildReport:
     """A build into a folder it may not write (a shared cache): its report when the cache is finished and a
     build would write nothing (every shard finished, and labels, paths, report and manifest what it would
     write), else ``target.cannot_write()``. No lock is taken; the verdict holds all the same: any build that
     changes a shard first removes the manifest, and the manifest is compared last."""
-    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify, retry=retry)
+    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify, retry=retry, side=side)
     if len(done) < len(plans):
         raise target.cannot_write()
     records = [done[p["shard"]] for p in plans]

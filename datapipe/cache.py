@@ -51,7 +51,7 @@ from .files import FileTooLarge, NotRegularFile, file_crc32c, open_for_reading, 
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
-from .shards import SHARDS_DIR, images_path, index_path, read_shard_metadata, shard_labels_path
+from .shards import SHARDS_DIR, document_problems, images_path, index_path, read_shard_metadata, shard_labels_path
 from .text import show
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -1145,30 +1145,36 @@ class Cache:
                     "`datapipe build SOURCE OUTPUT --verify` rewrites it"
                     for key, want in keys if meta.get(key) != want]
         if paths is not None and meta.get("paths") != paths[rec.first : rec.first + rec.count]:
-            problems.append(f"{name}: the paths in {shard_dir / 'zarr.json'} differ from paths.json")
+            problems.append(f"{name}: the paths in {shard_dir / 'zarr.json'} differ from paths.json; "
+                            "`datapipe build SOURCE OUTPUT --verify` rewrites it")
+        size: int | None = 0 if self.indexed else self.max_side  # as the writer gave it; None: unknown
         if rec.count:
             problems.extend(self._verify_shard_labels(s, labels))
             if self.indexed:
                 try:
-                    self._load_index(s)  # its checksum, every row, and the data size it implies
+                    size = self._load_index(s).data_size  # its checksum, every row, and the data size it implies
                 except CacheError as exc:
                     problems.append(str(exc))
+                    size = None
             problems.extend(self._verify_data(s, read_fix="",
                                               crc_fix="`datapipe build SOURCE OUTPUT --verify` rewrites it"))
+        if size is not None:
+            problems.extend(f"{name}: {problem}; `datapipe build SOURCE OUTPUT --verify` rewrites it"
+                            for problem in document_problems(shard_dir, rec.count, size, indexed=self.indexed))
         return problems
 
     def _verify_shard_labels(self, s: int, labels: np.ndarray | None) -> list[str]:
         rec = self.manifest.shards[s]
         path = shard_labels_path(self.root / SHARDS_DIR / rec.name)
+        fix = "`datapipe build SOURCE OUTPUT --verify` rewrites it"
         try:
             data = _read_regular(path, 8 * rec.count + 1)
         except OSError as exc:
-            return [f"shard {rec.name}: labels chunk {path} cannot be read ({exc.strerror or exc})"]
+            return [f"shard {rec.name}: labels chunk {path} cannot be read ({exc.strerror or exc}); {fix}"]
         if len(data) != 8 * rec.count:
-            return [f"shard {rec.name}: labels chunk {path} holds {len(data)} bytes, expected {8 * rec.count}"]
+            return [f"shard {rec.name}: labels chunk {path} holds {len(data)} bytes, expected {8 * rec.count}; {fix}"]
         if labels is not None and not np.array_equal(np.frombuffer(data, "<i8"), labels[rec.first : rec.first + rec.count]):
-            return [f"shard {rec.name}: labels chunk {path} differs from {mf.LABELS}; rerun the same `datapipe build` "
-                    "with --verify to rewrite it"]
+            return [f"shard {rec.name}: labels chunk {path} differs from {mf.LABELS}; {fix}"]
         return []
 
 

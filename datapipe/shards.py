@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CacheError
-from .files import atomic_write_text, crc32c
+from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, read_regular
 from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
 SHARDS_DIR = "shards"
@@ -184,6 +184,39 @@ def write_metadata(folder: Path, size: int, labels: np.ndarray, record: dict[str
         atomic_write_text(folder / GROUP_META, text)
     else:
         (folder / GROUP_META).write_text(text)
+
+
+def document_problems(shard_dir: Path, count: int, size: int, *, indexed: bool) -> list[str]:
+    """What differs between a shard's Zarr documents and those its build writes (:func:`write_metadata`):
+    its arrays' ``zarr.json`` byte for byte, its group's apart from the datapipe record. One line per
+    file, naming it; ``size`` as for :func:`_zarr_metadata`. zarr-python reads the shard through these."""
+    problems = []
+    for key, want in _zarr_metadata("indexed" if indexed else "fixed", count, size).items():
+        path = shard_dir / key
+        if key == GROUP_META:
+            try:
+                got = read_json(path)
+            except CacheError as exc:
+                problems.append(str(exc))
+                continue
+            if isinstance(got, dict):
+                got = {k: v for k, v in got.items() if k != "attributes"}
+            expected = {k: v for k, v in json.loads(want).items() if k != "attributes"}
+            same = got == expected
+        else:
+            try:
+                same = read_regular(path, len(want)) == want
+            except FileTooLarge:
+                same = False
+            except NotRegularFile as exc:
+                problems.append(f"{path} is not a regular file ({exc})")
+                continue
+            except OSError as exc:
+                problems.append(f"{path} cannot be read ({exc.strerror or exc})")
+                continue
+        if not same:
+            problems.append(f"{path} is not the Zarr document the build writes for this shard")
+    return problems
 
 
 # ----------------------------------------------------------------------------- reading them back

@@ -291,6 +291,53 @@ def test_verify_rebuilds_a_shard_whose_index_was_damaged(source, tmp_path, imagi
     assert imaging.tree_bytes(out) == before
 
 
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+
+
+def _set_shape(doc: dict) -> None:
+    doc["shape"][0] += 1
+
+
+# What `datapipe verify` checks in a shard beyond its data file and sample index: each damage keeps every
+# file's size (or the record's own checks), so a plain rerun sees nothing; only --verify finds it.
+SHARD_DAMAGE = {
+    "labels chunk values": lambda d: (d / "labels/c/0").write_bytes(
+        np.full(SHARD, 7, "<i8").tobytes()),
+    "labels chunk cut short": lambda d: (d / "labels/c/0").write_bytes((d / "labels/c/0").read_bytes()[:-8]),
+    "labels array document": lambda d: _edit_json(d / "labels/zarr.json", lambda doc: doc.update(fill_value=3)),
+    "images array document": lambda d: _edit_json(d / "images/zarr.json", _set_shape),
+    "group document": lambda d: _edit_json(d / "zarr.json", lambda doc: doc.update(node_type="array")),
+    "paths in the record": lambda d: _edit_json(
+        d / "zarr.json", lambda doc: doc["attributes"]["datapipe"]["paths"].reverse()),
+}
+
+
+@pytest.mark.parametrize(("encoding", "fit"), [("raw", "crop"), ("jpeg", "short")])
+@pytest.mark.parametrize("damage", sorted(SHARD_DAMAGE))
+def test_build_verify_rewrites_every_shard_that_verify_finds_damaged(source, tmp_path, imaging, encoding, fit, damage):
+    """`datapipe verify` says "`datapipe build ... --verify` rewrites it" of every problem in a shard; that
+    build finds each of them too (not only a checksum of the data file or sample index) and rewrites the
+    shard as it was, byte for byte, with zarr-python reading its labels again."""
+    import zarr
+
+    out = tmp_path / "cache"
+    options = {"size": SIZE, "shard_size": SHARD, "fit": fit, "encoding": encoding}
+    build(source, out, **options)
+    before = imaging.tree_bytes(out)
+    shard = out / "shards" / "000001.zarr"
+    SHARD_DAMAGE[damage](shard)
+    problems = datapipe.open(out).verify()
+    assert problems and all("000001.zarr" in p for p in problems) and any("--verify" in p for p in problems), problems
+    assert build(source, out, **options, verify=True).shards_built == 1
+    assert imaging.tree_bytes(out) == before
+    assert datapipe.open(out).verify() == []
+    cache = datapipe.open(out)
+    assert zarr.open_group(shard, mode="r")["labels"][:].tolist() == cache.labels[SHARD : 2 * SHARD].tolist()
+
+
 @pytest.mark.parametrize("change", [{"encoding": "raw"}, {"quality": 80}, {"fit": "crop"}, {"max_aspect": 3.0}])
 def test_another_encoding_or_quality_is_another_configuration(source, tmp_path, change):
     out = tmp_path / "cache"
