@@ -401,16 +401,21 @@ def _target(shape: tuple[int, int, int], out: np.ndarray | None) -> np.ndarray:
     return np.empty(shape, np.uint8)
 
 
-def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None) -> np.ndarray:
+def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None, *,
+              source: tuple[int, int] | None = None) -> np.ndarray:
     """Resize an oriented H×W×3 uint8 array into the sample ``spec`` describes (see :func:`fit_shape`):
     crop/pad/stretch to ``size`` × ``size``, or ``short`` with the shorter side at ``size``.
 
-    ``out`` is written when it has the sample's shape, or is a flat uint8 buffer of at least the
-    sample's bytes (a view of its start is returned); otherwise a new array is returned.
+    ``source``: the (height, width) of the image ``img`` was decoded from when it is smaller (a JPEG
+    downscaled in the DCT): the sample's shape, and the picture's inside a padded one, are those of the
+    image itself, whatever the decoder's scale. ``out`` is written when it has the sample's shape, or is
+    a flat uint8 buffer of at least the sample's bytes (a view of its start is returned); otherwise a new
+    array is returned.
     """
     h, w = img.shape[:2]
     size = spec.size
-    shape = fit_shape(h, w, spec)
+    full_h, full_w = source or (h, w)
+    shape = fit_shape(full_h, full_w, spec)
     out = _target((shape.height, shape.width, 3), out)
     if spec.fit == "crop":
         side = min(h, w)
@@ -420,8 +425,8 @@ def fit_image(img: np.ndarray, spec: DecodeSpec, out: np.ndarray | None = None) 
         return _resize(img, size, size, out)
     if spec.fit == "short":
         return _resize(_short_crop(img, shape), shape.height, shape.width, out)
-    scale = size / max(h, w)
-    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
+    scale = size / max(full_h, full_w)
+    nh, nw = max(1, round(full_h * scale)), max(1, round(full_w * scale))
     out[...] = BACKGROUND
     y0, x0 = (size - nh) // 2, (size - nw) // 2
     out[y0 : y0 + nh, x0 : x0 + nw] = _resize(img, nh, nw)
@@ -685,8 +690,10 @@ def _jpeg_pixels(sj: ModuleType, data: bytes, what: str = "JPEG", **kwargs: obje
         raise DecodeError(f"corrupt {what}: {first}") from None
 
 
-def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, reuse: bool = False) -> np.ndarray | None:
-    """Decode with libjpeg-turbo; None when the JPEG needs Pillow (CMYK/YCCK, or a file only Pillow reads).
+def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec,
+                       reuse: bool = False) -> tuple[np.ndarray, tuple[int, int]] | None:
+    """Decode with libjpeg-turbo: the oriented pixels (DCT-downscaled as :func:`dct_factor` allows) and the
+    oriented image's full size; None when the JPEG needs Pillow (CMYK/YCCK, or a file only Pillow reads).
 
     With ``reuse`` the pixels land in this thread's scratch buffer (valid until its next decode).
     """
@@ -711,7 +718,13 @@ def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, reuse: boo
             data, min_height=min_h, min_width=min_w, strict=False)[:2]
         buffer = _buffer(out_h * out_w * 3)
     img = _jpeg_pixels(sj, data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=buffer)
-    return apply_orientation(img, jpeg_orientation(source))
+    orientation = jpeg_orientation(source)
+    return apply_orientation(img, orientation), _oriented_size(height, width, orientation)
+
+
+def _oriented_size(height: int, width: int, orientation: int) -> tuple[int, int]:
+    """The (height, width) of a ``height`` x ``width`` image once its EXIF ``orientation`` is undone."""
+    return (width, height) if orientation in (5, 6, 7, 8) else (height, width)
 
 
 def _pillow_reads(data: bytes, spec: DecodeSpec) -> bool:
@@ -789,8 +802,9 @@ def _install_pillow_limit() -> None:
         _limit_installed = True
 
 
-def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None = None) -> np.ndarray:
-    """Decode with Pillow: the first frame, fully (truncated data is refused: LOAD_TRUNCATED_IMAGES
+def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+    """Decode with Pillow (the pixels, and the oriented image's full size: a JPEG's are DCT-downscaled as
+    :func:`dct_factor` allows): the first frame, fully (truncated data is refused: LOAD_TRUNCATED_IMAGES
     stays off; so is data that fails its own checksum, see :func:`_checksum_error`), then orientation
     as ``ImageOps.exif_transpose`` would apply it (a JPEG's read from ``source``, the file's bytes
     before :func:`_clean_jpeg_header`, when given). ``spec.max_pixels`` alone decides what is too
@@ -805,6 +819,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
             img = Image.open(io.BytesIO(data), formats=[_PILLOW_FORMATS[fmt]])
             _check_pixels(img.width, img.height, spec)
+            full = (img.height, img.width)
             damage = _checksum_error(img, data, fmt)
             if damage:
                 raise DecodeError(damage)
@@ -828,7 +843,10 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
     except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError, KeyError, TypeError,
             ZeroDivisionError, OverflowError, MemoryError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
-    return apply_orientation(rgb, orientation)
+    oriented = apply_orientation(rgb, orientation)
+    if fmt != "jpeg":  # decoded at full size (no draft)
+        return oriented, (oriented.shape[0], oriented.shape[1])
+    return oriented, _oriented_size(*full, orientation)
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -938,6 +956,11 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = Fa
     source size. Raises DecodeError with the quarantine reason for anything that is not a readable
     image.
     """
+    return _decode(data, spec, reuse=_reuse)[0]
+
+
+def _decode(data: bytes, spec: DecodeSpec | None = None, *, reuse: bool = False) -> tuple[np.ndarray, tuple[int, int]]:
+    """:func:`decode_rgb`, and the oriented image's full size (its pixels may be DCT-downscaled)."""
     spec = spec or DecodeSpec(size=8192)  # no spec: full resolution, no DCT downscaling
     if not data:
         raise DecodeError("empty file (0 bytes)", "empty")
@@ -947,9 +970,9 @@ def decode_rgb(data: bytes, spec: DecodeSpec | None = None, *, _reuse: bool = Fa
     if fmt == "jpeg":
         sj = _simplejpeg()
         if sj is not None:
-            img = _decode_simplejpeg(sj, data, spec, reuse=_reuse)
-            if img is not None:
-                return img
+            decoded = _decode_simplejpeg(sj, data, spec, reuse=reuse)
+            if decoded is not None:
+                return decoded
             return _decode_pillow(_clean_jpeg_header(data), fmt, spec, source=data)
     return _decode_pillow(data, fmt, spec)
 
@@ -962,7 +985,7 @@ def decode_sample(data: bytes, spec: DecodeSpec, out: np.ndarray | None = None) 
 
 def decode_fitted(data: bytes, spec: DecodeSpec, out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """:func:`decode_sample`, and whether the image's longer side was cut by ``max_aspect``."""
-    img = decode_rgb(data, spec, _reuse=True)
+    img, full = _decode(data, spec, reuse=True)
     if img.ndim != 3 or img.shape[2] != 3:
         raise DecodeError(f"decoder returned shape {img.shape}, expected H×W×3")
-    return fit_image(img, spec, out), fit_shape(img.shape[0], img.shape[1], spec).capped
+    return fit_image(img, spec, out, source=full), fit_shape(*full, spec).capped

@@ -846,3 +846,35 @@ def test_quarantine_reasons_say_what_is_wrong_with_the_file():
         reason = str(info.value)
         assert "KeyError" not in reason and "BytesIO" not in reason and "0x" not in reason, reason
         assert info.value.kind == "corrupt"
+
+
+def _padded_extent(sample: np.ndarray) -> tuple[int, int]:
+    """Rows and columns of a padded sample that are not all background."""
+    inside = (sample != codecs.BACKGROUND).any(axis=2)
+    return int(inside.any(axis=1).sum()), int(inside.any(axis=0).sum())
+
+
+@pytest.mark.parametrize("fit", ["short", "pad", "crop", "stretch"])
+@pytest.mark.parametrize(("height", "width", "orientation"), [(1003, 600, 1), (600, 1003, 1), (1003, 600, 6),
+                                                               (409, 811, 8), (1999, 517, 1)])
+@pytest.mark.parametrize("mode", ["RGB", "CMYK"])  # libjpeg-turbo's DCT scaling; Pillow's draft (CMYK)
+def test_a_jpeg_downscaled_in_the_dct_gets_the_shape_of_its_full_size(fit, height, width, orientation, mode):
+    """The sample's shape (and a padded sample's picture) is worked out from the image's own size, not
+    from the DCT-downscaled decode: a JPEG and a PNG of the same picture give the same shape."""
+    rng = np.random.default_rng(height + width + orientation)
+    pixels = rng.integers(30, 220, (height, width, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(buf, "JPEG", quality=95, exif=exif.tobytes())
+    shown = apply_orientation(pixels, orientation)
+    png = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(shown)).save(png, "PNG")
+    for size in (64, 100):
+        spec = DecodeSpec(size=size, fit=fit, max_aspect=4.0)
+        from_jpeg, from_png = decode_sample(buf.getvalue(), spec), decode_sample(png.getvalue(), spec)
+        assert codecs.dct_factor(*shown.shape[:2], spec) > 1  # the case: a downscaled decode
+        expected = codecs.fit_shape(*shown.shape[:2], spec)
+        assert from_jpeg.shape == from_png.shape == (expected.height, expected.width, 3)
+        if fit == "pad":
+            assert _padded_extent(from_jpeg) == _padded_extent(from_png)
