@@ -61,9 +61,11 @@ from .shards import (
     GROUP_META,
     SHARDS_DIR,
     document_problems,
+    foreign_entries,
     images_path,
     index_path,
     read_shard_record,
+    remove_shard,
     shard_labels_path,
     shard_layout,
     shard_name,
@@ -473,12 +475,21 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
     if existing and (not verify or _checksums_match(final, existing, plan, DecodeSpec(**spec).max_side)):
         return {**existing, "skipped": True, "seconds": 0.0}
     if os.path.lexists(final):  # a shard of this build from other inputs, or a damaged one: replace it
-        if shard_build_id(final) != build_id or final.is_symlink():
+        foreign = [] if final.is_symlink() or not final.is_dir() else foreign_entries(final)
+        if foreign:
+            more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+            raise BuildError(f"{foreign[0]}{more} is in shard folder {final}, which this build writes, and no datapipe "
+                             "build wrote it; datapipe does not delete what it did not write: move it out and rerun "
+                             "(finished shards are kept)")
+        if not final.is_symlink() and final.is_dir() and not any(f for _, _, f in os.walk(final)):
+            remove_shard(final)  # empty folders only (a shard removed but for a file since moved out of it)
+        elif shard_build_id(final) != build_id or final.is_symlink():
             raise BuildError(f"{final} is in the way and was not written by this build; datapipe does not delete "
                              "what it did not write: move it away and rerun")
-        stale = final.with_name(f".tmp-stale-{final.name}-{os.getpid()}")
-        os.rename(final, stale)
-        shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale = final.with_name(f".tmp-stale-{final.name}-{os.getpid()}")
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
     _warm_up()  # before the watchdog: waits for imports another thread of this worker may be running
     decode_spec = DecodeSpec(**spec)
     layout = "indexed" if decode_spec.fit == "short" or encoding != "raw" else "fixed"

@@ -25,7 +25,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import stat
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
-from .shards import GROUP_META, SHARDS_DIR
+from .shards import GROUP_META, SHARDS_DIR, remove_shard
 from .text import plural
 
 LOCK_FILE = ".datapipe.lock"
@@ -414,4 +413,8 @@ def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:
     for entry in shards.iterdir():
         if (entry.name.endswith(".zarr") and entry.name not in keep and not entry.name.startswith(TMP_PREFIX)
                 and not entry.is_symlink() and entry.is_dir() and shard_build_id(entry) == build_id):
-            shutil.rmtree(entry, ignore_errors=True)
+            left = remove_shard(entry)
+            if left:
+                logging.getLogger("datapipe.build").warning(
+                    "kept %s (no datapipe build wrote it) and so its folder %s; the shard's own files were removed",
+                    left[0] if len(left) == 1 else f"{len(left)} entries such as {left[0]}", entry)

@@ -57,7 +57,7 @@ from .records import (
     parse_json,
     parse_manifest,
 )
-from .shards import GROUP_META, IMAGES_FILE, INDEX_FILE, INDEXED_IMAGES_FILE, LABELS_FILE, SHARDS_DIR, shard_layout
+from .shards import GROUP_META, IMAGES_FILE, INDEX_FILE, INDEXED_IMAGES_FILE, SHARD_FILES, SHARDS_DIR, shard_layout
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 INSTALL = 'pip install ".[remote]"'
@@ -71,10 +71,7 @@ GATHER = 128  # documents counted as one request in the deadline of a concurrent
 STORE_TIMEOUT = 60.0  # seconds the store may take per request, per 8 MiB a write sends (DATAPIPE_STORE_TIMEOUT)
 CONNECT_SECONDS = 60.0  # the least time given to making an S3 client (see connect), apart from any request's deadline
 # The object names of a shard (relative to its folder) that datapipe writes, and so may replace or delete.
-SHARD_OBJECTS = frozenset({
-    GROUP_META, "images/zarr.json", "labels/zarr.json", "index/zarr.json",
-    "/".join(IMAGES_FILE), "/".join(INDEXED_IMAGES_FILE), "/".join(INDEX_FILE), "/".join(LABELS_FILE),
-})
+SHARD_OBJECTS = SHARD_FILES  # the objects of a shard, named as its files
 SHARD_NAME = re.compile(r"\d{6}\.zarr")
 
 

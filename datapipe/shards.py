@@ -30,6 +30,7 @@ the build read them with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -49,6 +50,12 @@ INDEXED_IMAGES_FILE = ("images", "c", "0")  # the indexed layout's data file
 INDEX_FILE = ("index", "c", "0", "0")  # the indexed layout's sample index
 LABELS_FILE = ("labels", "c", "0")
 GROUP_META = "zarr.json"
+# Every file a shard of either layout holds, relative to its folder: all a build writes there (and all it deletes).
+SHARD_FILES = frozenset({
+    GROUP_META, "images/zarr.json", "labels/zarr.json", "index/zarr.json",
+    "/".join(IMAGES_FILE), "/".join(INDEXED_IMAGES_FILE), "/".join(INDEX_FILE), "/".join(LABELS_FILE),
+})
+_SHARD_FOLDERS = frozenset("/".join(name.split("/")[:k]) for name in SHARD_FILES for k in range(1, name.count("/") + 1))
 _REWRITE = "rerun the same `datapipe build` to rewrite the shard"
 
 # ----------------------------------------------------------------------------- names and paths
@@ -72,6 +79,46 @@ def index_path(shard_dir: Path) -> Path:
 def shard_labels_path(shard_dir: Path) -> Path:
     """The shard's labels chunk (int64 little endian)."""
     return shard_dir.joinpath(*LABELS_FILE)
+
+
+def foreign_entries(shard_dir: Path) -> list[Path]:
+    """What a shard folder holds that no build writes (a file someone put there), sorted; a folder that
+    holds none of a shard's files is named itself, not what is in it."""
+    found: list[Path] = []
+
+    def walk(folder: Path, rel: str) -> None:
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            name = f"{rel}{entry.name}"
+            if entry.is_dir(follow_symlinks=False) and name in _SHARD_FOLDERS:
+                walk(Path(entry.path), f"{name}/")
+            elif name not in SHARD_FILES or not entry.is_file(follow_symlinks=False):
+                found.append(Path(entry.path))
+
+    walk(shard_dir, "")
+    return found
+
+
+def remove_shard(shard_dir: Path) -> list[Path]:
+    """Delete a shard's files (its group's ``zarr.json`` first, so it is never whole-looking while half
+    deleted), then its folders once empty; what no build writes stays (returned: see :func:`foreign_entries`),
+    and with it the folder."""
+    for name in sorted(SHARD_FILES, key=lambda n: n != GROUP_META):
+        path = shard_dir / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+    for name in sorted(_SHARD_FOLDERS, key=lambda n: -n.count("/")):
+        with contextlib.suppress(OSError):
+            (shard_dir / name).rmdir()
+    left = foreign_entries(shard_dir)
+    if not left:
+        with contextlib.suppress(OSError):
+            shard_dir.rmdir()
+    return left
 
 
 # ----------------------------------------------------------------------------- writing the documents

@@ -301,6 +301,58 @@ def test_force_removes_only_the_files_of_the_earlier_build(small, tmp_path):
         assert json.loads((shard / "zarr.json").read_text())["attributes"]["datapipe"]["build_id"] == second.build_id
 
 
+# Where in a shard folder a user's own file may lie: beside the shard's files, inside its layout's folders,
+# in a folder of its own, or a link.
+USER_FILES = {
+    "beside": lambda shard: (shard / "NOTES.txt").write_text("mine"),
+    "inside": lambda shard: (shard / "labels" / "c" / "notes.txt").write_text("mine"),
+    "folder": lambda shard: ((shard / "mine").mkdir(), (shard / "mine" / "a.txt").write_text("mine")),
+    "link": lambda shard: (shard / "link").symlink_to(shard.parent.parent / "labels.npy"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(USER_FILES))
+@pytest.mark.parametrize("how", ["force", "changed input", "fewer shards"])
+def test_a_users_file_inside_a_shard_folder_survives_every_rebuild(small, tmp_path, imaging, where, how):
+    """A shard folder rewritten (--force, an input changed) or removed (the source shrank) with a file in it
+    that no build wrote: the build deletes only its own files; a rewrite stops at once naming the file (the
+    shards finished are kept) and, once the file is moved out, the rerun finishes."""
+    out = tmp_path / "out"
+    build(small, out)
+    shard = out / "shards" / "000001.zarr"
+    USER_FILES[where](shard)
+    before = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p) if p.is_symlink() else None)
+              for p in shard.rglob("*") if "mine" in p.parts or p.name in ("NOTES.txt", "notes.txt", "link")}
+    options = {}
+    if how == "force":
+        options = {"size": SIZE + 8, "force": True}
+    elif how == "changed input":
+        victim = sorted(small.rglob("*.*"))[5]  # the shard's second sample
+        os.utime(victim, (1_000_000_000, 1_000_000_000))
+    else:
+        for victim in sorted(small.rglob("*.*"))[3:]:
+            victim.unlink()
+    if how == "fewer shards":  # shard 1 is no longer planned: its own files go, the user's stay
+        report = build(small, out, **options)
+        assert report.shards_total == 1 and datapipe.open(out).verify() == []
+    else:
+        with pytest.raises(datapipe.errors.BuildError, match=r"is in shard folder .*000001\.zarr, which this build "
+                           r"writes, and no datapipe build wrote it; .* move it out and rerun") as excinfo:
+            build(small, out, **options)
+        assert str(excinfo.value).startswith(str(shard / next(iter(before)).relative_to(shard).parts[0]))
+    after = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p) if p.is_symlink() else None)
+             for p in before}
+    assert after == before
+    if how != "fewer shards":
+        holding = tmp_path / "moved"
+        holding.mkdir()
+        for path in sorted(before, key=lambda p: len(p.parts)):
+            if path.exists() or path.is_symlink():
+                path.rename(holding / path.name)
+        build(small, out, **options)
+        assert datapipe.open(out).verify() == [] and len(datapipe.open(out)) == 10
+
+
 def test_another_source_into_a_cache_is_refused_naming_both(small, tmp_path, imaging):
     other = tmp_path / "other"
     imaging.write_source(other, {"a": 5, "b": 5}, variety=False, seed=9)
