@@ -718,6 +718,8 @@ def build(
     _check_not_reimported()
     if not cluster.scheduler and _unguarded_script_call():
         raise ArgumentError(_GUARD_HINT)
+    if not cluster.scheduler:
+        local_workers(cluster.workers)  # a count the machine cannot run is refused before the scan
     if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float)) \
             or not 0.0 <= max_bad_fraction <= 1.0:
         raise ArgumentError(f"max_bad_fraction must be a number in [0, 1], got {max_bad_fraction!r}")
@@ -1126,7 +1128,7 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
     if cluster.scheduler:
         client = _connect(cluster.scheduler)
     else:
-        own, client = _start_local(cluster.workers or os.cpu_count() or 1, pending)
+        own, client = _start_local(local_workers(cluster.workers), pending)
     try:
         for signum in pending:  # delivered now, so that the cluster is closed below
             signal.raise_signal(signum)
@@ -1140,6 +1142,35 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         raise
     finally:
         _close(client, own)
+
+
+WORKER_MEMORY = 256 << 20  # what one LocalCluster worker needs, its nanny and a large image's decode included
+WORKERS_PER_CORE = 4  # beyond this many processes a core, decoding only waits for the CPU
+
+
+def local_workers(asked: int | None) -> int:
+    """The LocalCluster's worker count: ``asked``, or one per core this process may use (its CPU affinity and
+    a container's CPU quota counted, as Dask counts them).
+
+    Raises:
+        ArgumentError: more workers than WORKERS_PER_CORE a core, or than the available memory holds at
+            WORKER_MEMORY each (a thousand workers would end in the kernel's OOM killer, after minutes).
+    """
+    import psutil
+    from dask.system import CPU_COUNT
+
+    cores = max(1, CPU_COUNT)
+    if asked is None:
+        return cores
+    available = psutil.virtual_memory().available
+    limit = max(1, min(WORKERS_PER_CORE * cores, available // WORKER_MEMORY))
+    if asked > limit:
+        raise ArgumentError(
+            f"--workers {asked} is more than this machine can run: {plural(cores, 'core')} and "
+            f"{available / 2**30:.1f} GiB of memory available allow at most {limit} LocalCluster workers "
+            f"({WORKERS_PER_CORE} a core, {WORKER_MEMORY >> 20} MiB each); leave --workers out for one per core, or "
+            "build on a larger Dask cluster with --scheduler tcp://HOST:8786")
+    return asked
 
 
 def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Client]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 import datapipe
 from datapipe import cli
-from datapipe.errors import DatapipeError, OutputWriteError
+from datapipe.errors import ArgumentError, DatapipeError, OutputWriteError
 from datapipe.text import plural
 
 
@@ -79,6 +80,44 @@ def test_a_bad_build_value_is_one_line_naming_the_flag(tmp_path, capsys, option,
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("datapipe build: error: ") and flag in line
     assert "max_bad_fraction" not in line and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["build", "demo"])
+@pytest.mark.parametrize("workers", ["over the cores", "1000", "1000000000"])
+def test_more_workers_than_the_machine_can_run_is_refused_before_anything_starts(tmp_path, capsys, command, workers):
+    """A LocalCluster of a thousand workers ran the machine out of memory for minutes and ended in the OOM
+    killer: any count over 4 a core (or the available memory at 256 MiB a worker) is one line, nothing made."""
+    from dask.system import CPU_COUNT
+
+    count = str(4 * CPU_COUNT + 1) if workers == "over the cores" else workers
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    args = ["build", str(tmp_path / "src"), str(tmp_path / "o")] if command == "build" else ["demo", "--dir", str(tmp_path / "o")]
+    assert cli.main([*args, "--workers", count, "--quiet"] if command == "build" else [*args, "--workers", count]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"datapipe {command}: error: --workers {count} is more than this machine can run: "), line
+    assert f"at most {4 * CPU_COUNT} LocalCluster workers" in line or "GiB of memory" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_memory_a_worker_needs_bounds_the_workers_too(monkeypatch):
+    import psutil
+
+    import datapipe.builder as builder
+
+    monkeypatch.setattr(builder, "WORKER_MEMORY", int(psutil.virtual_memory().available / 1.5))  # room for one
+    with pytest.raises(ArgumentError, match=r"--workers 2 is more than .* allow at most 1 LocalCluster workers"):
+        builder.local_workers(2)
+    assert builder.local_workers(1) == 1
+    with pytest.raises(ArgumentError, match="--workers 2"):
+        datapipe.build("nowhere", "nothing", cluster=datapipe.Cluster(workers=2))
+
+
+def test_the_default_is_one_worker_per_core_this_process_may_use():
+    from dask.system import CPU_COUNT
+
+    import datapipe.builder as builder
+
+    assert builder.local_workers(None) == CPU_COUNT <= len(os.sched_getaffinity(0))  # a CPU quota may lower it
 
 
 @pytest.mark.parametrize(("command", "option", "flag"), [

@@ -32,6 +32,9 @@ def check_demo_args(*, images: object, workers: object) -> None:
                             f"get an image), got {show(images)}; raise --images")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ArgumentError(f"--workers must be a whole number >= 1, got {show(workers)}")
+    from ..builder import local_workers
+
+    local_workers(workers)  # a count this machine cannot run
 
 
 def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000, workers: int | None = None,
