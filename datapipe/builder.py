@@ -595,14 +595,19 @@ def _probe(file: str, spec: dict, source_options: dict | None = None, store_time
             "reason": f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
+def _kept(plan: dict, record: dict) -> list[tuple[str, int]]:
+    """The (path, label) of the plan's files that its shard holds: all but those its record quarantined."""
+    quarantined = {entry.get("path") for entry in record.get("quarantined") or [] if isinstance(entry, dict)}
+    return [(path, label) for path, label in zip(plan["paths"], plan["labels"], strict=True) if path not in quarantined]
+
+
 def _checksums_match(shard_dir: Path, record: dict, plan: dict, side: int) -> bool:
     """Whether a finished shard still holds what its build wrote, checked as ``datapipe verify`` checks it
     (reads the whole shard): its data file's checksum (and an indexed shard's sample index's), its paths
     and labels chunk against the plan's (less the files it quarantined), and its Zarr documents (``side``:
     the samples' side in a fixed-layout shard)."""
     count = record["count"]
-    quarantined = {entry.get("path") for entry in record.get("quarantined") or [] if isinstance(entry, dict)}
-    kept = [(path, label) for path, label in zip(plan["paths"], plan["labels"], strict=True) if path not in quarantined]
+    kept = _kept(plan, record)
     if len(kept) != count or record.get("paths") != [path for path, _ in kept]:
         return False
     layout = shard_layout(record)
@@ -934,7 +939,7 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
         with remote.store_errors(loc, "write the cache", OutputWriteError):
             plans = plan_shards(listing, spec.samples_per_shard)
             _log_plan(listing, plans, spec)
-            done = _finished_remote(target, plans, chash, verify=verify,
+            done = _finished_remote(target, plans, chash, verify=verify, side=spec.decode.max_side,
                                     retry=_retries(force, verify, finished=mf.MANIFEST in target.objects))
             if target.read_only is not None:  # checked, never written (see _check_up_to_date)
                 if len(done) < len(plans):
@@ -958,7 +963,7 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
 
 
 def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool,
-                     retry: bool) -> dict[int, dict]:
+                     retry: bool, side: int) -> dict[int, dict]:
     """The plans' shards already whole in the store, from the listing and their zarr.json records (with
     ``verify``, also their data's crc32c, streamed), but for those with a quarantined file to read again."""
     names = {shard_name(p["shard"]): p for p in plans}
@@ -970,19 +975,25 @@ def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str,
         if not _same_build(rec, plan, chash, target.build_id) or (retry and _reads_again(rec)) \
                 or not remote.whole(rec, objects):
             continue
-        if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec):
+        if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec, plan, side):
             continue
         done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
     return done
 
 
-def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, rec: dict) -> bool:
+def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, rec: dict, plan: dict, side: int) -> bool:
+    """Whether a finished remote shard differs from what its build wrote, checked as ``datapipe verify`` checks it:
+    its data's and sample index's crc32c (streamed), its paths and labels chunk against the plan's, its Zarr documents."""
     layout = shard_layout(rec)
     base = f"{SHARDS_DIR}/{name}/"
     data = base + images_path(Path(), layout).as_posix()
     if remote.stream_crc32c(loc, data)[1] != rec["crc32c"]:
         return True
-    return layout == "indexed" and remote.stream_crc32c(loc, base + index_path(Path()).as_posix())[1] != rec["index_crc32c"]
+    if layout == "indexed" and remote.stream_crc32c(loc, base + index_path(Path()).as_posix())[1] != rec["index_crc32c"]:
+        return True
+    kept = _kept(plan, rec)
+    return len(kept) != rec["count"] or bool(remote.shard_content_problems(
+        loc, name, rec, [label for _, label in kept], [path for path, _ in kept], side))
 
 
 def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict,

@@ -57,7 +57,7 @@ from .records import (
     parse_json,
     parse_manifest,
 )
-from .shards import GROUP_META, IMAGES_FILE, INDEX_FILE, INDEXED_IMAGES_FILE, SHARD_FILES, SHARDS_DIR, shard_layout
+from .shards import GROUP_META, IMAGES_FILE, INDEX_FILE, INDEXED_IMAGES_FILE, LABELS_FILE, SHARD_FILES, SHARDS_DIR, shard_layout
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 INSTALL = 'pip install ".[remote]"'
@@ -1179,6 +1179,8 @@ def verify(loc: Location, manifest: Manifest | None = None) -> list[str]:
     problems: list[str] = []
     with store_errors(loc, "list the cache", CacheError):
         objects = listing(loc)
+    with store_errors(loc, "read the index files", CacheError):
+        labels, paths = _index_files(loc, manifest)
     for rec in manifest.files.values():
         problems += _check_object(loc, objects, rec.name, None, rec.crc32c)
     with store_errors(loc, "read the shards' records", CacheError):
@@ -1201,6 +1203,63 @@ def verify(loc: Location, manifest: Manifest | None = None) -> list[str]:
         if indexed:
             problems += _check_object(loc, objects, f"{base}/{'/'.join(INDEX_FILE)}", shard.count * INDEX_ROW_BYTES,
                                       shard.index_crc32c, f"shard {shard.name}: ")
+        if labels is not None and paths is not None:
+            fix = f"`datapipe build SOURCE {loc.url} --verify` rewrites it"
+            problems += [f"shard {shard.name}: {p}; {fix}" for p in shard_content_problems(
+                loc, shard.name, record, labels[shard.first : shard.first + shard.count],
+                paths[shard.first : shard.first + shard.count], manifest.max_side)]
+    return problems
+
+
+def _index_files(loc: Location, manifest: Manifest) -> tuple[Any, list[str] | None]:
+    """labels.npy and paths.json of a remote cache, or None for one that cannot be read as such (whose
+    checksum check names it)."""
+    import io
+
+    import numpy as np
+
+    labels: Any = None
+    paths: list[str] | None = None
+    with contextlib.suppress(ValueError, TypeError, OSError, EOFError, CacheError):
+        data = read_bytes(loc, manifest.files["labels"].name, limit=16 * manifest.num_samples + 65536)
+        array = np.load(io.BytesIO(data or b""), allow_pickle=False)
+        if array.shape == (manifest.num_samples,) and array.dtype.kind == "i":
+            labels = array.astype(np.int64)
+    with contextlib.suppress(ValueError, TypeError, OSError, CacheError):
+        doc = json.loads(read_bytes(loc, manifest.files["paths"].name) or b"")
+        if isinstance(doc, list) and len(doc) == manifest.num_samples:
+            paths = doc
+    return labels, paths
+
+
+def shard_content_problems(loc: Location, name: str, record: dict[str, Any], labels: Any, paths: list[str],
+                           side: int) -> list[str]:
+    """What a remote shard holds beyond its data and sample index, against what its build wrote: the paths in
+    its record against ``paths``, its labels chunk against ``labels``, its Zarr documents against those the
+    build writes (``side``: a fixed-layout sample's side). One problem a line, naming the URL."""
+    import numpy as np
+
+    from .samples import SampleIndex
+    from .shards import documents_differ
+
+    base = f"{SHARDS_DIR}/{name}"
+    count = record["count"]
+    problems = []
+    if record.get("paths") != list(paths):
+        problems.append(f"the paths in {loc.url_of(base, GROUP_META)} differ from the cache's paths.json")
+    indexed = shard_layout(record) == "indexed"
+    labels_key, index_key = "/".join(LABELS_FILE), "/".join(INDEX_FILE)
+    keys = sorted(k for k in SHARD_FILES if k.endswith(GROUP_META)) + ([labels_key] if count else []) + \
+        ([index_key] if count and indexed else [])
+    got = {k[len(base) + 1:]: v for k, v in read_docs(loc, [f"{base}/{k}" for k in keys]).items()}
+    if count and got.get(labels_key) != np.asarray(labels, "<i8").tobytes():
+        problems.append(f"labels chunk {loc.url_of(base, labels_key)} differs from the cache's labels.npy")
+    size: int | None = side if not indexed else 0
+    if indexed and count:
+        raw = got.get(index_key)
+        size = SampleIndex.of(np.frombuffer(raw, "<i8")).data_size if raw and len(raw) == count * INDEX_ROW_BYTES else None
+    if size is not None:  # else the sample index's own check names it
+        problems += documents_differ(got.get, count, size, indexed=indexed, name=lambda key: loc.url_of(base, key))
     return problems
 
 

@@ -35,6 +35,7 @@ import json
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -237,32 +238,48 @@ def document_problems(shard_dir: Path, count: int, size: int, *, indexed: bool) 
     """What differs between a shard's Zarr documents and those its build writes (:func:`write_metadata`):
     its arrays' ``zarr.json`` byte for byte, its group's apart from the datapipe record. One line per
     file, naming it; ``size`` as for :func:`_zarr_metadata`. zarr-python reads the shard through these."""
+    def read(key: str) -> bytes | str | None:
+        try:
+            return read_regular(shard_dir / key, MAX_DOCUMENT_BYTES)
+        except FileNotFoundError:
+            return None
+        except FileTooLarge:
+            return b""  # not the document (none is this long)
+        except NotRegularFile as exc:
+            return f"is not a regular file ({exc})"
+        except OSError as exc:
+            return f"cannot be read ({exc.strerror or exc})"
+
+    return documents_differ(read, count, size, indexed=indexed, name=lambda key: str(shard_dir / key))
+
+
+MAX_DOCUMENT_BYTES = 256 << 20  # a group's zarr.json carries the shard's paths
+
+
+def documents_differ(read: Callable[[str], bytes | str | None], count: int, size: int, *, indexed: bool,
+                     name: Callable[[str], str]) -> list[str]:
+    """:func:`document_problems` for a shard whose files ``read`` gives (key -> its bytes, None when it is
+    missing, or the text of why it cannot be read); ``name`` names a key in a problem."""
     problems = []
     for key, want in _zarr_metadata("indexed" if indexed else "fixed", count, size).items():
-        path = shard_dir / key
+        got = read(key)
+        if isinstance(got, str):
+            problems.append(f"{name(key)} {got}")
+            continue
+        if got is None:
+            problems.append(f"{name(key)} is missing")
+            continue
         if key == GROUP_META:
             try:
-                got = read_json(path)
-            except CacheError as exc:
-                problems.append(str(exc))
-                continue
-            if isinstance(got, dict):
-                got = {k: v for k, v in got.items() if k != "attributes"}
-            expected = {k: v for k, v in json.loads(want).items() if k != "attributes"}
-            same = got == expected
+                doc = json.loads(got)
+            except ValueError:
+                doc = None
+            same = isinstance(doc, dict) and {k: v for k, v in doc.items() if k != "attributes"} == \
+                {k: v for k, v in json.loads(want).items() if k != "attributes"}
         else:
-            try:
-                same = read_regular(path, len(want)) == want
-            except FileTooLarge:
-                same = False
-            except NotRegularFile as exc:
-                problems.append(f"{path} is not a regular file ({exc})")
-                continue
-            except OSError as exc:
-                problems.append(f"{path} cannot be read ({exc.strerror or exc})")
-                continue
+            same = got == want
         if not same:
-            problems.append(f"{path} is not the Zarr document the build writes for this shard")
+            problems.append(f"{name(key)} is not the Zarr document the build writes for this shard")
     return problems
 
 

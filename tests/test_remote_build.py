@@ -255,6 +255,40 @@ def test_remote_cache_verify_info_and_a_shard_corrupted_in_the_store(s3, source,
     assert report.shards_built == 1 and remote.verify(loc) == []
 
 
+def _edit_doc(fs, key: str, edit) -> None:
+    doc = json.loads(fs.cat_file(key))
+    edit(doc)
+    fs.pipe_file(key, json.dumps(doc, indent=1).encode())
+
+
+# What verify checks of a remote shard beyond its data and index checksums (each damage keeps the sizes).
+REMOTE_DAMAGE = {
+    "labels chunk": lambda fs, shard: fs.pipe_file(f"{shard}/labels/c/0", bytes(len(fs.cat_file(f"{shard}/labels/c/0")))),
+    "labels document": lambda fs, shard: _edit_doc(fs, f"{shard}/labels/zarr.json", lambda d: d.update(fill_value=3)),
+    "images document": lambda fs, shard: _edit_doc(fs, f"{shard}/images/zarr.json", lambda d: d["shape"].__setitem__(0, 1)),
+    "group document": lambda fs, shard: _edit_doc(fs, f"{shard}/zarr.json", lambda d: d.update(zarr_format=2)),
+    "paths": lambda fs, shard: _edit_doc(fs, f"{shard}/zarr.json",
+                                         lambda d: d["attributes"]["datapipe"]["paths"].reverse()),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(REMOTE_DAMAGE))
+def test_build_verify_rewrites_every_remote_shard_that_verify_finds_damaged(s3, source, damage):
+    """verify of a cache in a store checks each shard's labels chunk, paths and Zarr documents (what
+    zarr-python reads) as it does a local cache's; build --verify finds each and rewrites that shard."""
+    url = s3.bucket() + "/c"
+    build(source[0], url, storage_options=s3.storage_options)
+    loc = remote.open_location(url, s3.storage_options)
+    fs = s3.filesystem()
+    shard = url.removeprefix("s3://") + "/shards/000001.zarr"
+    REMOTE_DAMAGE[damage](fs, shard)
+    problems = remote.verify(loc)
+    assert problems and all("000001.zarr" in p and "--verify" in p for p in problems), problems
+    assert build(source[0], url, storage_options=s3.storage_options).shards_built == 0  # a plain rerun sees nothing
+    assert build(source[0], url, storage_options=s3.storage_options, verify=True).shards_built == 1
+    assert remote.verify(loc) == []
+
+
 def test_a_different_configuration_is_refused_and_force_keeps_foreign_objects(s3, source):
     url = s3.bucket() + "/cache"
     build(source[0], url, storage_options=s3.storage_options)
