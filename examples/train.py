@@ -7,8 +7,8 @@
 
 A checkpoint (model, optimizer and loader position) is written at the end of every epoch, when
 --max-steps stops the run, and when SIGTERM or Ctrl-C (SIGINT) stops it: the step in progress is
-finished, the checkpoint saved, and each process exits with 143 (130 for Ctrl-C; torchrun itself reports a
-failed child and exits 1). --resume continues
+finished, the checkpoint saved, and each process exits with 143 (130 for Ctrl-C; torchrun exits 1, reporting
+a failed child, or its own SignalException when the signal reached it too). --resume continues
 mid-epoch with exactly the batches not yet trained on, so a preempted job loses at most one step.
 Build a cache first: `python examples/build_dataset.py` or `datapipe build SOURCE CACHE`.
 """
@@ -157,7 +157,8 @@ def main(argv=None) -> int:
             optimizer.load_state_dict(ckpt["optimizer"])
             loader.load_state_dict(ckpt["loader"])  # seeks to the first batch the saved run had not trained on
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # datapipe's StateError is a ValueError
-            loader.close()  # another --batch-size, --seed or cache than the saved run's: the loader's one line says
+            loader.close()  # another --seed or cache than the saved run's, or a --batch-size whose global batches do
+            # not divide the saved position: the loader's one line says
             return fail(f"--resume {args.resume}: {exc}")
         step = ckpt["step"]
         start_epoch = ckpt["epoch"] + 1 if ckpt["epoch_done"] else ckpt["epoch"]
