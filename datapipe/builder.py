@@ -325,7 +325,8 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     loc = remote.open_location(output, output_options, timeout=store_timeout or remote.STORE_TIMEOUT)
     name = shard_name(plan["shard"])
     staging, held = _staging_folder()
-    upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}", before=lambda: _clear_remote_shard(loc, name, build_id))
+    upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}",
+                                before=lambda: _claim_remote_shard(loc, name, build_id, plan["shard"]))
     try:
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
                               build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
@@ -444,21 +445,28 @@ def _outside_the_pool(serial: bool) -> Iterator[None]:
         _WAITING_FOR_THE_STORE.release()
 
 
-def _clear_remote_shard(loc: remote.Location, name: str, build_id: str) -> None:
-    """Before a shard is uploaded: remove the zarr.json of an earlier attempt of this build (so the shard
-    never looks whole while its data objects are replaced); refuse one that is not this build's."""
+def _claim_remote_shard(loc: remote.Location, name: str, build_id: str, shard: int) -> None:
+    """Before a shard is uploaded: mark its folder as this build's (:func:`datapipe.remote.uploading_document`, in
+    place of an earlier attempt's zarr.json, so the shard never looks whole while its objects are replaced);
+    refuse a folder that holds objects of another build, or objects of a shard's names and no zarr.json (no
+    datapipe build's)."""
     key = f"{SHARDS_DIR}/{name}/{GROUP_META}"
     try:
         doc = remote.read_doc(loc, key)
     except CacheError:
         doc = {}
     if doc is None:
-        return
-    record = remote.shard_record(doc)
-    if record is None or record.get("build_id") != build_id:
+        prefix = f"{SHARDS_DIR}/{name}/"
+        present = sorted(k for k in remote.listing(loc, prefix) if k[len(prefix):] in remote.SHARD_OBJECTS)
+        if present:  # objects an upload would overwrite (others beside them stay, untouched)
+            more = f" (and {len(present) - 1} more)" if len(present) > 1 else ""
+            raise BuildError(f"{loc.url_of(present[0])}{more} is in shard folder {loc.url_of(SHARDS_DIR, name)}, which "
+                             "this build writes, and no datapipe build wrote it; datapipe does not overwrite what it did "
+                             "not write: move it away and rerun (finished shards are kept)")
+    elif remote.shard_owner(doc) != build_id:
         raise BuildError(f"{loc.url_of(key)} is in the way and was not written by this build; datapipe does not "
                          "delete what it did not write: move it away and rerun")
-    remote.delete(loc, [key])
+    remote.write_bytes(loc, key, remote.uploading_document(build_id, shard))
 
 
 def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str, verify: bool = False,

@@ -577,13 +577,14 @@ class ShardUpload:
     A thread of the task follows the shard's local data file as it grows and streams it into the store
     (``fs.open(path, "wb")``: parts of ``part_bytes`` leave as soon as they are written; the object
     appears only when the upload is completed, after the shard's last byte), so the upload overlaps the
-    decoding of the shard's images instead of following it. ``before`` (the removal of an earlier
-    attempt's zarr.json) runs first in that thread. :meth:`finish` then uploads the rest and the
-    group's zarr.json last, the proof that the shard is whole; :meth:`abort` abandons an unfinished
-    upload (an S3 multipart upload is aborted: it never becomes an object). A process killed mid-upload
-    leaves at most an unfinished multipart upload, which no reader sees (a bucket lifecycle rule
-    ``AbortIncompleteMultipartUpload`` reclaims its parts). Filesystems without buffered writes
-    (``file://``) get the data object whole at the end, as put_file writes it.
+    decoding of the shard's images instead of following it. ``before`` (the claim of the shard's folder,
+    see :func:`datapipe.builder._claim_remote_shard`) runs first in that thread: nothing is written if it
+    fails. :meth:`finish` then uploads the rest and the group's zarr.json last, the proof that the shard is
+    whole; :meth:`abort` abandons an unfinished upload (an S3 multipart upload is aborted: it never becomes
+    an object). A process killed mid-upload leaves its claim and at most an unfinished multipart upload,
+    which no reader sees (a bucket lifecycle rule ``AbortIncompleteMultipartUpload`` reclaims its parts).
+    Filesystems without buffered writes (``file://``) get the data object whole at the end, as put_file
+    writes it.
     """
 
     def __init__(self, loc: Location, key: str, *, before: Any = None, part_bytes: int | None = None) -> None:
@@ -596,6 +597,7 @@ class ShardUpload:
         self._opened = threading.Event()
         self._written = threading.Event()
         self._cancel = threading.Event()
+        self._before_done = threading.Event()  # ``before`` ran (or failed: see _error)
         self._error: BaseException | None = None
         self.sent = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="datapipe-shard-upload")
@@ -610,8 +612,11 @@ class ShardUpload:
     def _run(self) -> None:
         sink: _S3Parts | _BufferedObject | None = None
         try:
-            if self._before is not None:
-                self._before()
+            try:
+                if self._before is not None:
+                    self._before()
+            finally:
+                self._before_done.set()
             while not (self._opened.wait(POLL_SECONDS) or self._written.is_set() or self._cancel.is_set()):
                 pass
             if self._source is None:
@@ -654,6 +659,10 @@ class ShardUpload:
         """The shard is written (renamed to ``folder``): upload the rest of its data and, meanwhile, its other
         files, then its zarr.json; returns the keys written. Raises what the upload raised."""
         self._written.set()  # the upload thread sends the data's last part
+        self._before_done.wait()
+        if self._error is not None:  # nothing more is written where ``before`` refused to write
+            self._thread.join()
+            raise self._error
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         data = self._source[1] if self._source is not None else None
         rest = {f"{self.key}/{p.relative_to(folder).as_posix()}": p.read_bytes() for p in files
@@ -890,15 +899,40 @@ def shard_records(loc: Location, objects: dict[str, int], names: Iterable[str]) 
     return out
 
 
+def shard_owner(doc: Any) -> str | None:
+    """The build id a shard group's zarr.json carries (a whole shard's record, or the mark a shard's upload
+    begins with: see :func:`uploading_document`); None when it carries none."""
+    record = doc.get("attributes") if isinstance(doc, dict) else None
+    record = record.get("datapipe") if isinstance(record, dict) else None
+    owner = record.get("build_id") if isinstance(record, dict) else None
+    return owner if isinstance(owner, str) else None
+
+
+def uploading_document(build_id: str, shard: int) -> bytes:
+    """The zarr.json a shard's upload writes first, in place of any earlier one (one PUT, so the shard never
+    looks whole meanwhile): it marks every object the upload then writes as this build's (a build killed
+    mid-upload leaves them marked, so its rerun replaces them), and carries no record (not whole)."""
+    return json.dumps({"zarr_format": 3, "node_type": "group",
+                       "attributes": {"datapipe": {"build_id": build_id, "shard": shard, "uploading": True}}}).encode()
+
+
 def remove_shards(loc: Location, objects: dict[str, int], build_id: str, keep: Iterable[str] = ()) -> int:
-    """Delete the layout objects of every shard whose zarr.json carries ``build_id`` and whose name is not in
-    ``keep``; the group's zarr.json first, so that a shard is never whole-looking while half deleted."""
+    """Delete the layout objects of every shard whose zarr.json carries ``build_id`` (whole, or marked by an
+    unfinished upload) and whose name is not in ``keep``; the group's zarr.json first, so that a shard is
+    never whole-looking while half deleted."""
     keep = set(keep)
     names = sorted({k.split("/")[1] for k in objects if k.startswith(f"{SHARDS_DIR}/") and k.count("/") >= 2} - keep)
-    records = shard_records(loc, objects, [n for n in names if SHARD_NAME.fullmatch(n)])
+    keys = [f"{SHARDS_DIR}/{n}/{GROUP_META}" for n in names if SHARD_NAME.fullmatch(n)
+            and f"{SHARDS_DIR}/{n}/{GROUP_META}" in objects]
+    owners = {}
+    for key, data in read_docs(loc, keys).items():
+        try:
+            owners[key.split("/")[1]] = shard_owner(json.loads(data))
+        except ValueError:
+            continue
     removed = 0
-    for name, record in records.items():
-        if record.get("build_id") != build_id:
+    for name, owner in owners.items():
+        if owner != build_id:
             continue
         delete(loc, [f"{SHARDS_DIR}/{name}/{GROUP_META}"])
         delete(loc, [f"{SHARDS_DIR}/{name}/{rel}" for rel in shard_objects(objects, name) if rel != GROUP_META])

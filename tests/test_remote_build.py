@@ -289,6 +289,40 @@ def test_build_verify_rewrites_every_remote_shard_that_verify_finds_damaged(s3, 
     assert remote.verify(loc) == []
 
 
+@pytest.mark.parametrize("theirs", ["data object", "labels chunk", "group document"])
+def test_a_build_never_overwrites_objects_of_a_shards_names_that_no_build_of_its_wrote(s3, source, theirs):
+    """Objects under shards/NNNNNN.zarr/ with a shard's names but no zarr.json of this build (a user's, another
+    tool's) are never overwritten: the shard's task refuses before it writes anything there, naming one;
+    finished shards are kept, and once they are moved away the rerun finishes."""
+    url = s3.bucket() + "/c"
+    build(source[0], url, storage_options=s3.storage_options, shard_size=10)
+    fs, root = s3.filesystem(), url.removeprefix("s3://")
+    folder = f"{root}/shards/000005.zarr"  # a shard that a build with --shard-size 4 writes, this one did not
+    key = {"data object": "images/c/0/0/0/0", "labels chunk": "labels/c/0", "group document": "zarr.json"}[theirs]
+    fs.pipe_file(f"{folder}/{key}", b'{"theirs": true}')
+    with pytest.raises(datapipe.errors.BuildError, match=r"shards/000005\.zarr.* no datapipe build wrote it|"
+                                                          r"shards/000005\.zarr/zarr\.json is in the way"):
+        build(source[0], url, storage_options=s3.storage_options, shard_size=4, force=True)
+    assert sorted(k.removeprefix(f"{root}/") for k in fs.find(folder)) == [f"shards/000005.zarr/{key}"]
+    assert fs.cat_file(f"{folder}/{key}") == b'{"theirs": true}'
+    fs.rm(f"{folder}/{key}")
+    assert build(source[0], url, storage_options=s3.storage_options, shard_size=4, force=True).status == "ok"
+    assert remote.verify(remote.open_location(url, s3.storage_options)) == []
+
+
+def test_a_shard_whose_upload_was_cut_short_is_this_builds_and_rewritten(s3, source):
+    """A build killed mid-upload leaves the shard's claim (a zarr.json without a record) and some of its objects:
+    the rerun knows them as its own, rewrites that shard, and a reader never took it for whole."""
+    url = s3.bucket() + "/c"
+    first = build(source[0], url, storage_options=s3.storage_options)
+    fs, root = s3.filesystem(), url.removeprefix("s3://")
+    fs.pipe_file(f"{root}/shards/000001.zarr/zarr.json", remote.uploading_document(first.build_id, 1))
+    loc = remote.open_location(url, s3.storage_options)
+    assert any("000001.zarr" in p for p in remote.verify(loc))
+    again = build(source[0], url, storage_options=s3.storage_options)
+    assert again.shards_built == 1 and remote.verify(loc) == []
+
+
 def test_a_different_configuration_is_refused_and_force_keeps_foreign_objects(s3, source):
     url = s3.bucket() + "/cache"
     build(source[0], url, storage_options=s3.storage_options)
@@ -705,8 +739,11 @@ def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def _finished(objects: dict) -> set[str]:
-    return {k.split("/")[-2] for k in objects if k.endswith(".zarr/zarr.json")}
+def _finished(s3, url: str) -> set[str]:
+    """The shards whose zarr.json is a whole shard's record (an upload begins by writing one that is not)."""
+    fs, bucket = s3.filesystem(), url.removeprefix("s3://").partition("/")[0]
+    keys = [k for k in s3.objects(url) if k.endswith(".zarr/zarr.json")]
+    return {k.split("/")[-2] for k in keys if remote.shard_record(json.loads(fs.cat_file(f"{bucket}/{k}")))}
 
 
 @pytest.mark.distributed
@@ -717,7 +754,7 @@ def test_sigkill_of_the_client_on_a_local_cluster_resumes_uploading_only_unfinis
     proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", *args], env={**os.environ, **s3.env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        _wait_for(lambda: len(_finished(s3.objects(url))) >= 3, "three finished shards")
+        _wait_for(lambda: len(_finished(s3, url)) >= 3, "three finished shards")
         # The store freezes first: no shard finishes between the look and the kill (the whole build of these
         # small shards can take well under a second, more than 20 shards may finish after one listing).
         s3.pause()
@@ -726,7 +763,7 @@ def test_sigkill_of_the_client_on_a_local_cluster_resumes_uploading_only_unfinis
         proc.wait()
         s3.resume()
     before = s3.objects(url)
-    done = _finished(before)
+    done = _finished(s3, url)
     assert "cache/manifest.json" not in before and 3 <= len(done) < 24
     rerun = cli(*args, env=s3.env)
     assert rerun.returncode == 0, rerun.stderr
@@ -786,7 +823,7 @@ def test_sigkill_of_a_dask_worker_mid_upload_is_retried_and_the_cache_is_whole(s
                 [sys.executable, "-m", "datapipe.cli", "build", str(big_source), url, "--size", "32", "--shard-size",
                  "1", "--scheduler", f"tcp://127.0.0.1:{port}", "--quiet", "--storage-option",
                  f"endpoint_url={s3.endpoint_url}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            _wait_for(lambda: len(_finished(s3.objects(url))) >= 2, "two finished shards")
+            _wait_for(lambda: len(_finished(s3, url)) >= 2, "two finished shards")
             assert "cache/manifest.json" not in s3.objects(url), "the build ended before the kill"
             # The store freezes: no shard finishes from here to the kill, so the build is still running then and
             # the worker's task is still uploading (the store's timeout, a minute, is far off).
