@@ -166,12 +166,16 @@ def too_many_open_files(exc: OSError, path: str | os.PathLike) -> TooManyOpenFil
 
 
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or a quota reached
-LOCAL_ONLY = FULL_DISK | {errno.EROFS}  # no object store's client raises these (s3fs gives OSErrors no errno)
+# no object store's client raises these (s3fs gives OSErrors no errno); EFBIG: a file past the process's size
+# limit (`ulimit -f`) or the largest its file system holds
+LOCAL_ONLY = FULL_DISK | {errno.EROFS, errno.EFBIG}
+TOO_LARGE_ADVICE = ("a file there would pass this process's file size limit (`ulimit -f`) or the largest file its "
+                    "file system holds: raise the limit (`ulimit -f unlimited`)")
 
 
 def local_os_error(exc: BaseException) -> bool:
     """Whether ``exc`` is this machine's failure to write a local file — a full disk or quota, a read-only
-    file system, or no permission on a local path — and not an object store's: no store client raises
+    file system, a file size limit, or no permission on a local path — and not an object store's: no store client raises
     these with their errno (s3fs's PermissionError for a store's AccessDenied carries none, and no local
     path), so such an error must never be reported as the store's."""
     if not isinstance(exc, OSError) or isinstance(exc, DatapipeError):

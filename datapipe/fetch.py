@@ -41,7 +41,9 @@ Why each rule holds:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -65,6 +67,7 @@ import numpy as np
 from .cache import LOCAL_CACHE_MARKER, Cache
 from .errors import (
     FULL_DISK,
+    TOO_LARGE_ADVICE,
     ArgumentError,
     CacheError,
     CorruptShardError,
@@ -89,6 +92,21 @@ EVICT_LOCK = ".datapipe-evict.lock"
 FILES_LOCK = "_files"  # the lock of the manifest's own files (labels, paths)
 PART = ".part-"
 PARTIAL = ".datapipe-partial"  # downloads in progress: <path with "/" as "%2F">.part-<pid>-<random>, renamed into place
+
+# The temporary files of this process's downloads in progress. A download in a prefetch (daemon) thread when the
+# interpreter exits never reaches its own clean-up; these are removed at exit instead (a thread still writing one
+# writes on into the unlinked file). A process killed outright leaves its own for the next open to remove.
+_parts: set[Path] = set()
+_parts_lock = threading.Lock()
+
+
+@atexit.register
+def _remove_parts_at_exit() -> None:
+    with _parts_lock:
+        left = list(_parts)
+    for path in left:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 # A lock file's mtime is its shard's access stamp; a shard every reader of this process has finished in
 # this epoch gets a stamp below this (1970, ordered by when it was finished): evicted before any other.
 FINISHED_BELOW_NS = 10**15
@@ -570,6 +588,9 @@ class ShardFetcher:
             if not local_os_error(exc):
                 raise
             reason = exc.strerror or one_line(exc)
+            if exc.errno == errno.EFBIG:
+                raise CacheError(f"local_cache {self.local_root}: {reason} while {what} was downloaded into it: "
+                                 f"{TOO_LARGE_ADVICE} or put local_cache on another file system, and run again") from None
             if exc.errno not in FULL_DISK:
                 raise ArgumentError(f"local_cache {self.local_root} cannot be used ({reason}); pass a writable "
                                     "local folder") from None
@@ -881,6 +902,8 @@ class ShardFetcher:
             attempt += 1
             make_dirs(self.folder / PARTIAL)
             tmp = self.folder / PARTIAL / f"{self._temp_name(rel)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with _parts_lock:
+                _parts.add(tmp)
             progress = _Progress(tmp)
             then, meanwhile = meanwhile, None
 
@@ -917,6 +940,8 @@ class ShardFetcher:
                 progress.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
+                with _parts_lock:
+                    _parts.discard(tmp)
         then = self._rebuilt() or ("the object was altered after the build: rerun the same `datapipe build` with --verify "
                                    "to rewrite it (a plain rerun checks sizes, not contents)")
         raise CorruptShardError(f"{what}: {url}: {mismatch}, {self.retries} downloads in a row; {then}")

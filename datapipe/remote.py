@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -30,6 +31,7 @@ from typing import Any
 
 from .errors import (
     FULL_DISK,
+    TOO_LARGE_ADVICE,
     ArgumentError,
     CacheError,
     ConfigMismatchError,
@@ -427,6 +429,9 @@ def local_disk_message(exc: OSError, head: str) -> str:
         folder = tempfile.gettempdir()
         place = (f"a local disk, not the store: while a build writes into a store, each shard is staged first in "
                  f"{os.path.join(folder, STAGING)} on the machine that builds it (its TMPDIR)")
+    if exc.errno == errno.EFBIG:
+        return f"{head}: {reason} on {place}: {TOO_LARGE_ADVICE} or point TMPDIR at another file system " \
+            "(on every Dask worker), and run the command again (a build resumes: finished shards are kept)"
     if exc.errno in FULL_DISK:
         free = f", {mib} free there now" if (mib := free_mib(folder)) else ""
         todo = ("free space there, or point TMPDIR at a folder on a larger disk (on every Dask worker), and run the "

@@ -1242,10 +1242,31 @@ def test_a_full_staging_disk_is_named_as_local_not_blamed_on_the_store(s3, sourc
     assert "credentials" not in message, message
 
 
+def test_a_file_size_limit_on_the_staging_disk_is_named_as_local_not_blamed_on_the_store(s3, source):
+    """A real RLIMIT_FSIZE (`ulimit -f`): the staged shard cannot be written (EFBIG); the one line says so, names
+    the limit, and neither blames the store nor asks about credentials."""
+    import resource
+
+    url = s3.bucket() + "/cache"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))
+
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(source[0]), url, "--size", "64",
+                           "--scheduler", "sync", "--quiet", "--storage-option", f"endpoint_url={s3.endpoint_url}"],
+                          capture_output=True, text=True, env={**os.environ, **s3.env}, timeout=240, preexec_fn=limit)
+    assert proc.returncode == 1, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"datapipe build: error: {url}: cannot write the cache: File too large on a local disk, "
+                           "not the store"), line
+    assert "`ulimit -f`" in line and "credentials" not in line and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(("error", "local"), [
     (OSError(28, "No space left on device"), True),
     (OSError(122, "Disk quota exceeded"), True),
     (OSError(30, "Read-only file system", "/tmp/x/datapipe-shard-1/a"), True),
+    (OSError(27, "File too large"), True),
     (PermissionError(13, "Permission denied", "/tmp/x/datapipe-shard-1/a"), True),
     (PermissionError("Access Denied", "bucket/key"), False),  # s3fs's for the store's AccessDenied
     (OSError(5, "Internal error", "bucket/key"), False),  # s3fs's for any other store error

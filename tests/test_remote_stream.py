@@ -497,6 +497,41 @@ def test_a_node_local_cache_folder_verifies_what_was_downloaded_and_names_its_ur
     assert "1 problem" in proc.stdout
 
 
+EXIT_MID_DOWNLOAD = textwrap.dedent("""
+    import json, sys, threading
+    import datapipe
+    from datapipe import fetch
+    url, local_cache, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    ds = datapipe.StreamingDataset(url, local_cache=local_cache, storage_options=options, batch_size=8, prefetch=0)
+    fetcher = ds.cache.remote
+    begun = threading.Event()
+
+    def stalled(rel, tmp, what, progress, meanwhile=None):  # the store sends part of the object, then nothing
+        with open(tmp, "wb") as f:
+            f.write(b"part of a shard")
+        begun.set()
+        threading.Event().wait()
+
+    fetcher._transfer = stalled
+    threading.Thread(target=fetcher.download, args=(3,), daemon=True).start()  # as a prefetch thread does
+    assert begun.wait(60)
+    print(len([p for p in (fetcher.folder / fetch.PARTIAL).iterdir() if fetch.PART in p.name]), flush=True)
+""")
+
+
+def test_a_process_ending_while_a_thread_downloads_leaves_no_temporary_file(s3, built, tmp_path):
+    """The script ends while a daemon thread's download is in flight (its clean-up never runs: the interpreter
+    stops such threads where they are): the temporary file is removed at exit all the same."""
+    url = upload(s3, built["fixed"])
+    script = tmp_path / "exit_mid_download.py"
+    script.write_text(EXIT_MID_DOWNLOAD)
+    proc = subprocess.run([sys.executable, str(script), url, str(tmp_path / "lc"), json.dumps(s3.storage_options)],
+                          env={**os.environ, **s3.env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["1"], proc.stdout + proc.stderr
+    [folder] = [p for p in (tmp_path / "lc").iterdir() if p.is_dir()]
+    assert not [p.name for p in (folder / fetch.PARTIAL).iterdir()]
+
+
 def test_opening_reclaims_the_temporary_files_of_killed_downloads_that_no_process_is_downloading(s3, built, tmp_path):
     import fcntl
 
@@ -678,6 +713,37 @@ def test_a_full_local_disk_is_a_local_error_naming_the_folder_not_the_store(s3, 
                                          r".*MiB free on its disk now; no cache_limit is set"):
         next(iter(ds))
     assert time.monotonic() - started < 2  # not retried until the timeout, as a store's failure is
+    assert not [p for p in (tmp_path / "lc").rglob("*") if fetch.PART in p.name]
+
+
+def test_a_file_size_limit_on_the_node_cache_is_a_local_error_at_once(s3, built, tmp_path):
+    """A real RLIMIT_FSIZE (`ulimit -f`) below a shard's size: the download fails with EFBIG, which is this machine's
+    limit, not the store's failure: one CacheError naming local_cache and the limit, with no retry until the timeout,
+    and no temporary file left."""
+    import resource
+
+    url = upload(s3, built["fixed"])
+    script = textwrap.dedent("""
+        import json, sys, time
+        import datapipe
+        ds = datapipe.StreamingDataset(sys.argv[1], local_cache=sys.argv[2], storage_options=json.loads(sys.argv[3]),
+                                       batch_size=8, timeout=30)
+        started = time.monotonic()
+        try:
+            next(iter(ds))
+        except datapipe.errors.CacheError as exc:
+            print(f"{time.monotonic() - started:.1f}", type(exc).__name__, exc)
+    """)
+    shard = max(s.nbytes for s in datapipe.open(built["fixed"]).manifest.shards)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (shard // 2, shard // 2))
+
+    proc = subprocess.run([sys.executable, "-c", script, url, str(tmp_path / "lc"), json.dumps(s3.storage_options)],
+                          capture_output=True, text=True, env={**os.environ, **s3.env}, timeout=120, preexec_fn=limit)
+    seconds, kind, message = proc.stdout.strip().split(" ", 2)
+    assert kind == "CacheError" and float(seconds) < 10, proc.stdout + proc.stderr
+    assert message.startswith(f"local_cache {tmp_path / 'lc'}: File too large while shard ") and "`ulimit -f`" in message
     assert not [p for p in (tmp_path / "lc").rglob("*") if fetch.PART in p.name]
 
 
