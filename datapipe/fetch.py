@@ -1189,16 +1189,26 @@ class _Follower:
                 self._wake()
 
     def wait_for(self, shard: int) -> None:
-        """Wait for this process's prefetch of ``shard`` when one is in flight (its errors are the caller's
-        own download's to report); claim it when not started, so the caller's download is the only one."""
+        """Wait for this process's prefetch of ``shard`` when one is in flight; claim it when not started, so
+        the caller's download is the only one.
+
+        Raises:
+            RemoteStoreError: the prefetch found the store silent for ``timeout`` seconds: the caller's own
+                download would wait as long again (the error came after twice the timeout). Its other errors
+                are the caller's own download's to report.
+        """
         with self.cond:
             future = self.started.get(shard)
             if future is None:
                 if shard in self.index:
                     self._claim(shard)  # the reader downloads it now
                 return
-        with contextlib.suppress(Exception):
+        try:
             future.result(timeout=4 * self.fetcher.timeout)  # the download's own timeouts end it before
+        except RemoteStoreError:
+            raise
+        except Exception:  # noqa: BLE001 - the caller downloads it itself and reports its own failure
+            pass
 
     def next_read(self, rel: str) -> float:
         """The batch position this process next reads the shard of data file ``rel``; inf when never again."""

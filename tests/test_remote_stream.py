@@ -449,6 +449,28 @@ def test_a_reader_closed_or_collected_mid_epoch_leaves_no_prefetch_thread_behind
     assert not prefetch_threads(earlier)
 
 
+def test_a_store_that_stops_answering_mid_epoch_is_one_error_after_the_timeout_not_two(s3, built, tmp_path):
+    """The reader met a shard whose prefetch was stalled by the silent store: it waited out that download's
+    timeout, then downloaded the shard itself for a second one; the prefetch's RemoteStoreError is the answer."""
+    url = upload(s3, built["fixed"])
+    timeout = 4.0
+    ds = open_remote(s3, url, tmp_path / "lc", order="shards", window=1, shuffle=False, batch_size=SHARD, prefetch=2,
+                     timeout=timeout)
+    it = iter(ds)
+    next(it)
+    s3.pause()
+    started = time.monotonic()
+    try:
+        with pytest.raises(datapipe.errors.RemoteStoreError, match=r"check that (the store|it) is up, or raise timeout="):
+            for _ in it:
+                pass
+        took = time.monotonic() - started
+    finally:
+        s3.resume()
+        ds.close()
+    assert took < 1.75 * timeout, took
+
+
 def test_the_temporary_files_killed_downloads_left_are_removed_by_the_next_download(s3, built, tmp_path):
     url = upload(s3, built["fixed"])
     ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
