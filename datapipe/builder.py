@@ -1167,6 +1167,18 @@ WORKER_MEMORY = 256 << 20  # what one LocalCluster worker needs, its nanny and a
 WORKERS_PER_CORE = 4  # beyond this many processes a core, decoding only waits for the CPU
 
 
+def available_memory() -> int:
+    """Bytes of memory available to new processes: the kernel's estimate (MemAvailable), or else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def local_workers(asked: int | None) -> int:
     """The LocalCluster's worker count: ``asked``, or one per core this process may use (its CPU affinity and
     a container's CPU quota counted, as Dask counts them).
@@ -1175,13 +1187,12 @@ def local_workers(asked: int | None) -> int:
         ArgumentError: more workers than WORKERS_PER_CORE a core, or than the available memory holds at
             WORKER_MEMORY each (a thousand workers would end in the kernel's OOM killer, after minutes).
     """
-    import psutil
     from dask.system import CPU_COUNT
 
     cores = max(1, CPU_COUNT)
     if asked is None:
         return cores
-    available = psutil.virtual_memory().available
+    available = available_memory()
     limit = max(1, min(WORKERS_PER_CORE * cores, available // WORKER_MEMORY))
     if asked > limit:
         raise ArgumentError(

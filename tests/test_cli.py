@@ -100,11 +100,9 @@ def test_more_workers_than_the_machine_can_run_is_refused_before_anything_starts
 
 
 def test_the_memory_a_worker_needs_bounds_the_workers_too(monkeypatch):
-    import psutil
-
     import datapipe.builder as builder
 
-    monkeypatch.setattr(builder, "WORKER_MEMORY", int(psutil.virtual_memory().available / 1.5))  # room for one
+    monkeypatch.setattr(builder, "WORKER_MEMORY", int(builder.available_memory() / 1.5))  # room for one
     with pytest.raises(ArgumentError, match=r"--workers 2 is more than .* allow at most 1 LocalCluster workers"):
         builder.local_workers(2)
     assert builder.local_workers(1) == 1
