@@ -106,6 +106,37 @@ def test_another_dataset_as_source_is_refused(built, tmp_path):
         peers.cache_samples(cache, other)
 
 
+@pytest.mark.parametrize("options", [{"encoding": "jpeg"}, {"encoding": "jpeg", "quality": 50},
+                                     {"fit": "short", "max_aspect": 1.1}, {"fit": "pad"}])
+def test_the_source_of_a_cache_built_any_way_is_its_source_and_another_is_refused(built, tmp_path, options):
+    """The spot check decodes source files with every field of the build's decoding configuration (max_aspect
+    included) and accepts a JPEG cache's samples within the encoding's loss; another dataset with the same file
+    names is refused all the same."""
+    out = tmp_path / "cache"
+    datapipe.build(built / "src", out, size=64, shard_size=10, cluster=datapipe.Cluster(scheduler="sync"),
+                   max_bad_fraction=0.2, progress=False, **options)
+    cache = datapipe.open(out)
+    listing = peers.cache_samples(cache, built / "src")
+    assert len(listing) == IMAGES
+    other = datapipe.make_sample_dataset(tmp_path / "other", images=IMAGES, classes=3, seed=7)  # the same names
+    with pytest.raises(SourceError, match="pixels differ"):
+        peers.cache_samples(cache, other)
+
+
+def test_a_cache_without_samples_is_one_line_not_a_measurement_of_nothing(tmp_path, imaging):
+    source = tmp_path / "src"
+    for rel, data in BAD.items():
+        (source / rel).parent.mkdir(parents=True, exist_ok=True)
+        (source / rel).write_bytes(data)
+    datapipe.build(source, tmp_path / "cache", size=64, cluster=datapipe.Cluster(scheduler="sync"),
+                   max_bad_fraction=1.0, progress=False)
+    assert len(datapipe.open(tmp_path / "cache")) == 0
+    proc = cli(str(tmp_path / "cache"), *FAST)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("datapipe bench: error: ") and "holds no samples" in line and "nothing to measure" in line
+
+
 def test_a_source_without_the_caches_files_is_refused(built, tmp_path):
     partial = shutil.copytree(built / "src", tmp_path / "partial")
     cache = datapipe.open(built / "cache")

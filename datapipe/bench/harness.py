@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from ..environment import environment
-from ..errors import ArgumentError
+from ..errors import ArgumentError, CacheError
 from ..text import one_line, show
 from .timing import settle, timed_pass, timeit
 
@@ -593,7 +593,8 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
 
     Raises:
         ArgumentError: ``spec`` is not a :class:`BenchSpec`, or an unknown peer is named.
-        CacheError: ``cache`` or a cache of ``also`` is not a readable cache (checked before anything is measured).
+        CacheError: ``cache`` or a cache of ``also`` is not a readable cache, or ``cache`` holds no samples
+            (checked before anything is measured).
         SourceError: ``source`` is missing, or does not hold the cache's samples (see
             :func:`datapipe.bench.peers.cache_samples`).
     """
@@ -604,6 +605,9 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
     if not isinstance(spec, BenchSpec):
         raise ArgumentError(f"spec must be a datapipe.bench.BenchSpec, got {show(spec)} ({type(spec).__name__})")
     opened = Cache(cache)
+    if not len(opened):
+        raise CacheError(f"{opened.root} holds no samples (its report.json says what its build quarantined), so there "
+                         "is nothing to measure; bench a cache with samples in it")
     others = [Cache(Path(path)) for path in ([also] if isinstance(also, (str, os.PathLike)) else also)]
     for other in others:
         _check_same_samples(opened, other)  # "same samples for all" must hold for every datapipe system too
