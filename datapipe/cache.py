@@ -686,8 +686,20 @@ class Cache:
 
     def _locate(self, indices: np.ndarray | Sequence[int], labels_out: np.ndarray,
                 index_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted, range-checked indices [n] and the shard of each; their labels (and the indices) written out."""
-        idx = np.sort(np.asarray(indices, np.int64).reshape(-1))  # [n]
+        """Sorted, range-checked indices [n] and the shard of each; their labels (and the indices) written out.
+        Integers only, as for ``cache[i]``: floats, bools (a mask is no list of indices) and strings are refused,
+        never rounded or converted."""
+        if isinstance(indices, np.ndarray) and indices.dtype == np.int64:  # the loader's batches
+            idx = np.sort(indices.reshape(-1))
+        else:
+            given = np.asarray(indices)
+            if given.size and given.dtype.kind not in "iu":
+                raise TypeError(f"sample indices must be integers (read_batch, read_samples), got {given.dtype} "
+                                f"values such as {show(given.reshape(-1)[:3].tolist())}")
+            if given.size and given.dtype.kind == "u" and int(given.max()) >= self.num_samples:
+                raise IndexError(f"sample index {int(given.max())} out of range for a cache of {self.num_samples} "
+                                 f"samples ({self.root})")
+            idx = np.sort(given.astype(np.int64).reshape(-1))  # [n]
         n = idx.shape[0]
         if n and (idx[0] < 0 or idx[-1] >= self.num_samples):
             bad = int(idx[0]) if idx[0] < 0 else int(idx[-1])

@@ -757,3 +757,31 @@ def test_a_file_in_use_is_closed_when_its_reader_releases_it(cache_dir):
     files.release(0)
     files.release(0)
     assert len(open_shard_files(cache_dir)) == 1  # in use again after the close: kept open, as any read leaves it
+
+
+@pytest.mark.parametrize("indices", [[1.7, 2.9], np.array([1.0, 2.0]), np.array([True, False, True]), ["5", "6"],
+                                     [[1, 2], [3.5, 4]]], ids=["floats", "whole floats", "mask", "strings", "nested"])
+def test_batch_reads_take_integer_indices_only(built, indices):
+    """read_batch and read_samples refuse what cache[i] refuses: a mask read as indices read samples 0, 1, 1 (one
+    twice, one never) and floats were truncated, with no error."""
+    cache = datapipe.open(built)
+    out, labels = np.empty((4, *cache.shape), np.uint8), np.empty(4, np.int64)
+    with pytest.raises(TypeError, match=r"sample indices must be integers \(read_batch, read_samples\), got "):
+        cache.read_batch(indices, out, labels)
+    with pytest.raises(TypeError, match="sample indices must be integers"):
+        cache.read_samples(indices, labels)
+
+
+@pytest.mark.parametrize("indices", [np.array([3, 1], np.int32), np.array([3, 1], np.uint8), [3, 1], torch.tensor([3, 1]),
+                                     (np.int64(3), 1)])
+def test_batch_reads_take_integers_of_any_kind(built, indices):
+    cache = datapipe.open(built)
+    out, labels, index = np.empty((2, *cache.shape), np.uint8), np.empty(2, np.int64), np.empty(2, np.int64)
+    assert cache.read_batch(indices, out, labels, index) == 2
+    assert index.tolist() == [1, 3] and np.array_equal(out[0], cache[1][0]) and labels.tolist() == [cache[1][1], cache[3][1]]
+
+
+def test_a_huge_unsigned_index_is_named_as_given(built):
+    cache = datapipe.open(built)
+    with pytest.raises(IndexError, match=f"sample index {2**63 + 5} out of range"):
+        cache.read_batch(np.array([2**63 + 5], np.uint64), np.empty((1, *cache.shape), np.uint8), np.empty(1, np.int64))
