@@ -925,11 +925,31 @@ def _build_todo(out: Path | remote.RemoteOutput, listing: Listing, plans: list[d
     n_workers, dashboard = 0, None
     if todo:
         built, n_workers, dashboard = _run(todo, kwargs, cluster=cluster, progress=progress, timing=timing)
+        if isinstance(out, Path):
+            _check_visible(out, built, cluster)
         done.update((rec["shard"], rec) for rec in built)
     timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
     records = [done[p["shard"]] for p in plans]
     return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,
                    workers=n_workers, dashboard=dashboard, t0=t0, build_id=build_id)
+
+
+def _check_visible(out: Path, built: list[dict], cluster: Cluster) -> None:
+    """Every shard the workers report written is in ``out`` as this process sees it, whole (its zarr.json and the
+    sizes it gives): a worker whose ``out`` is another folder (a path local to each machine, not a shared file
+    system) reports shards that are not here, and a manifest of them would be a cache that is not.
+
+    Raises:
+        BuildError: naming the first missing shard (the others stay where the workers wrote them).
+    """
+    missing = [rec["shard"] for rec in built if read_shard_record(out / SHARDS_DIR / shard_name(rec["shard"])) is None]
+    if missing:
+        where = f"the workers of {cluster.scheduler}" if cluster.scheduler else "the build's workers"
+        raise BuildError(
+            f"{len(missing)} of the {len(built)} shards {where} wrote are not in {out} as this machine sees it (first: "
+            f"{out / SHARDS_DIR / shard_name(missing[0])}): every worker must see the output folder at the same path "
+            "(a shared file system); finished shards that are here are kept, and a rerun once every worker sees "
+            "the folder resumes")
 
 
 # ----------------------------------------------------------------------------- an output in object storage

@@ -416,3 +416,49 @@ def test_a_busy_dashboard_port_is_taken_in_silence(tmp_path, imaging):
     assert "already in use" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
     line = next(x for x in done.stderr.splitlines() if "dashboard:" in x)
     assert ":8787" not in line, line
+
+
+def _private_mounts() -> bool:
+    """Whether this process may start one in a mount namespace of its own (unshare -m: root, or a user namespace)."""
+    unshare = shutil.which("unshare")
+    return bool(unshare) and subprocess.run([unshare, "-m", "--propagation", "private", "true"],
+                                            capture_output=True).returncode == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _private_mounts(), reason="needs `unshare -m` (a worker that sees another folder at the same path)")
+def test_a_worker_that_sees_another_output_folder_fails_the_build_not_the_cache(dist_source, tmp_path):
+    """The output is a path local to each machine: the worker writes its shards into its own folder of that name.
+    The build said "ok" and wrote a manifest of shards that are not there; it fails naming one, and the cache
+    is not called finished."""
+    from distributed import Client
+
+    hidden = tmp_path / "hidden"  # the worker sees an empty tmpfs here; this process, the real folder
+    hidden.mkdir()
+    scheduler_file = tmp_path / "scheduler.json"
+    procs = []
+    try:
+        procs.append(subprocess.Popen([*_dask_cli("scheduler"), "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                       "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "the scheduler", poll=0.05)
+        address = json.loads(scheduler_file.read_text())["address"]
+        worker = " ".join([*_dask_cli("worker"), address, "--nthreads", "1", "--no-nanny", "--memory-limit", "0",
+                           "--local-directory", str(tmp_path / "w")])
+        procs.append(subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                       f"mount -t tmpfs tmpfs {hidden} && exec {worker}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        with Client(address, timeout="30s") as client:
+            client.wait_for_workers(1, timeout=60)
+        out = hidden / "out"
+        with pytest.raises(datapipe.errors.BuildError, match=r"shards the workers of tcp://.* wrote are not in .*out as "
+                                                             r"this machine sees it .* every worker must see the output "
+                                                             r"folder at the same path"):
+            datapipe.build(dist_source, out, **quiet(scheduler=address))
+        assert not (out / "manifest.json").exists()
+        with pytest.raises(datapipe.errors.CacheError, match="not a finished datapipe cache|does not exist"):
+            datapipe.open(out)
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
