@@ -51,11 +51,12 @@ from .errors import (
     TooManyBadFilesError,
     TooManyOpenFilesError,
     describe_quarantine,
+    one_line,
     quarantine_counts,
     unreadable,
 )
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, holds, read_regular
-from .output import Output, prepare, remove_shards, shard_build_id
+from .output import LOCK_FILE, Output, prepare, remove_shards, shard_build_id, still_held
 from .records import INDEX_ROW_BYTES, FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
 from .shards import (
     GROUP_META,
@@ -300,7 +301,7 @@ SERIAL_TIMEOUT = ("datapipe build: error: reading and decoding {path} did not fi
 def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str = "",
                 verify: bool = False, isolate: bool = False, serial: bool = False, encoding: samples.Encoding = "raw",
                 quality: int = samples.DEFAULT_QUALITY, source_options: dict | None = None,
-                output_options: dict | None = None, store_timeout: float | None = None) -> dict:
+                output_options: dict | None = None, store_timeout: float | None = None, lock_token: str | None = None) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
     ``spec`` is the :class:`DecodeSpec`'s fields; ``encoding`` and ``quality`` say how samples are
@@ -321,7 +322,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
-                            source_options=source_options, store_timeout=store_timeout)
+                            source_options=source_options, store_timeout=store_timeout, lock_token=lock_token)
     loc = remote.open_location(output, output_options, timeout=store_timeout or remote.STORE_TIMEOUT)
     name = shard_name(plan["shard"])
     staging, held = _staging_folder()
@@ -471,7 +472,7 @@ def _claim_remote_shard(loc: remote.Location, name: str, build_id: str, shard: i
 
 def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str, verify: bool = False,
                  isolate: bool, serial: bool, encoding: samples.Encoding, quality: int, source_options: dict | None,
-                 store_timeout: float | None = None,
+                 store_timeout: float | None = None, lock_token: str | None = None,
                  opened: Callable[[Path, str], None] | None = None, durable: bool = True) -> dict:
     """build_shard into a local output folder; ``opened`` is told the data file's path (and its name inside
     the shard) as soon as the writer opens it (an upload follows it while it is written). ``durable=False``:
@@ -479,6 +480,8 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
     import resource
 
     final = Path(output) / SHARDS_DIR / shard_name(plan["shard"])
+    if lock_token:
+        _check_still_building(Path(output), final, lock_token)
     existing = finished_shard(plan, output=output, config_hash=config_hash, build_id=build_id)
     if existing and (not verify or _checksums_match(final, existing, plan, DecodeSpec(**spec).max_side)):
         return {**existing, "skipped": True, "seconds": 0.0}
@@ -538,6 +541,8 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
         }
         if decode_spec.fit == "short":
             attributes["aspect_capped"] = capped
+        if lock_token:  # the build that sent this task may have ended meanwhile (Ctrl-C, SIGTERM, a lost scheduler)
+            _check_still_building(Path(output), final, lock_token)
         record = writer.commit(attributes)
     record["paths"] = writer.paths
     record["skipped"] = False
@@ -601,6 +606,24 @@ def _probe(file: str, spec: dict, source_options: dict | None = None, store_time
         return {"error": "decoder-crash", "reason": f"the decoder crashed its process ({signal.Signals(-proc.returncode).name})"}
     return {"error": "decoder-crash",
             "reason": f"the decoder process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+
+
+def _check_still_building(out: Path, final: Path, token: str) -> None:
+    """A task of a build into a local folder writes only while that build holds the folder's lock: a task a
+    Dask cluster still runs after its build ended (the client stopped by Ctrl-C or SIGTERM, or it lost the
+    scheduler) writes nothing more there, and leaves nothing (its temporary folder is removed).
+
+    Raises:
+        BuildError: the build whose lock has ``token`` holds the lock of ``out`` no more (none does, or another).
+    """
+    if not still_held(out, token):
+        if os.path.lexists(out / LOCK_FILE):
+            why = f"the build that asked for it has ended (no build holds the lock of {out})"
+        else:
+            why = (f"{out} holds no build lock as this worker sees it: the build that asked for it has ended, or this "
+                   "worker sees another folder at that path (every worker must see the output folder at the same "
+                   "path, a shared file system)")
+        raise BuildError(f"{final} was not written: {why}; rerun the build to resume")
 
 
 def _kept(plan: dict, record: dict) -> list[tuple[str, int]]:
@@ -866,7 +889,8 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
     kwargs = {"root": listing.location, "output": str(out), "spec": asdict(spec.decode), "config_hash": chash,
-              "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality, **options}
+              "build_id": target.build_id, "verify": verify, "encoding": spec.encoding, "quality": spec.quality,
+              "lock_token": target.lock.token, **options}
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
     done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False, retry=retry,
@@ -1168,6 +1192,11 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         client = _connect(cluster.scheduler)
     else:
         own, client = _start_local(local_workers(cluster.workers), pending)
+    # The client logs each failed try to reach a scheduler that went away, with its traceback, before the task's
+    # future says so: the build's one line says it (see _SCHEDULER_LOST).
+    client_log = logging.getLogger("distributed.client")
+    level = client_log.level
+    client_log.setLevel(logging.CRITICAL + 1)
     try:
         for signum in pending:  # delivered now, so that the cluster is closed below
             signal.raise_signal(signum)
@@ -1180,7 +1209,10 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         _quiet_dask()  # stopping early: the cluster's shutdown has nothing to tell the user
         raise
     finally:
-        _close(client, own)
+        try:
+            _close(client, own)
+        finally:
+            client_log.setLevel(level)
 
 
 WORKER_MEMORY = 256 << 20  # what one LocalCluster worker needs, its nanny and a large image's decode included
@@ -1300,6 +1332,9 @@ def _connect(scheduler: str) -> Client:
     except ValueError as exc:  # refused before any connection is tried
         raise OutputError(f"--scheduler {scheduler} is not a Dask scheduler address ({exc}); give one such as "
                           "tcp://head:8786") from None
+    except TypeError as exc:  # tls:// without Dask's TLS configuration: distributed's own TypeError
+        raise OutputError(f"--scheduler {scheduler}: {one_line(exc)}; a tls:// scheduler needs the cluster's TLS "
+                          "settings in Dask's configuration (distributed.comm.tls.*)") from None
     except OSError as exc:
         raise OutputError(f"cannot reach the Dask scheduler at {scheduler} within {wait} s "
                           f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
@@ -1359,6 +1394,10 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
             try:
                 rec = future.result()
             except Exception as exc:
+                if type(exc).__name__ in _SCHEDULER_LOST:
+                    raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
+                                     f"{len(records)} of {len(plans)} shards were built and are kept: rerun once "
+                                     "the scheduler is up to resume") from None
                 if type(exc).__name__ != "KilledWorker":
                     raise
                 pending.add(isolation.retry(future.key))
@@ -1366,6 +1405,11 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
             records[rec["shard"]] = rec
             bar.update()
     return [records[p["shard"]] for p in plans]
+
+
+# What a task's future raises when the client's connection to the scheduler is gone (the scheduler stopped or
+# was killed): the build cannot go on, and nothing is wrong with its shards.
+_SCHEDULER_LOST = frozenset({"FutureCancelledError", "CancelledError", "CommClosedError", "StreamClosedError"})
 
 
 class _Isolation:

@@ -68,6 +68,7 @@ class BuildLock:
         self.path = out / LOCK_FILE
         self.fd: int | None = None
         self.created = False
+        self.token = uuid.uuid4().hex  # this hold of the lock, written in the file: see still_held
 
     def acquire(self) -> None:
         """Take the lock. Raises OutputBusyError naming the holder, OutputNotWritable where the lock file
@@ -88,7 +89,7 @@ class BuildLock:
             os.close(fd)  # the holder removed the file as we locked it: lock the current one
         self.fd = fd
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "token": self.token})
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode() + b"\n", 0)
 
@@ -133,6 +134,34 @@ def lock_holder(out: Path) -> str | None:
         except OSError:
             return _holder(fd)
         return None
+    finally:
+        os.close(fd)  # drops the shared lock
+
+
+def still_held(out: Path, token: str) -> bool:
+    """Whether the build whose :class:`BuildLock` has ``token`` holds the lock of ``out`` now (read only, as
+    :func:`lock_holder`). True when that cannot be told (the file cannot be opened here, or its file system
+    has no locks); False when no build holds it, or another build does."""
+    try:
+        fd = os.open(out / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # held: by this build?
+        except OSError:
+            return True
+        else:
+            return False  # no build holds it
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+        except (OSError, ValueError):
+            return True
+        return not isinstance(info, dict) or info.get("token") in (None, token)
     finally:
         os.close(fd)  # drops the shared lock
 

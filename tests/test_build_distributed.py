@@ -451,9 +451,9 @@ def test_a_worker_that_sees_another_output_folder_fails_the_build_not_the_cache(
         with Client(address, timeout="30s") as client:
             client.wait_for_workers(1, timeout=60)
         out = hidden / "out"
-        with pytest.raises(datapipe.errors.BuildError, match=r"shards the workers of tcp://.* wrote are not in .*out as "
-                                                             r"this machine sees it .* every worker must see the output "
-                                                             r"folder at the same path"):
+        # the worker finds no build lock in its folder (or, had it one, the client finds no shard in its own)
+        with pytest.raises(datapipe.errors.BuildError, match=r"(as this machine sees it|as this worker sees it).* every "
+                                                             r"worker must see the output folder at the same path"):
             datapipe.build(dist_source, out, **quiet(scheduler=address))
         assert not (out / "manifest.json").exists()
         with pytest.raises(datapipe.errors.CacheError, match="not a finished datapipe cache|does not exist"):
@@ -462,3 +462,88 @@ def test_a_worker_that_sees_another_output_folder_fails_the_build_not_the_cache(
         for proc in reversed(procs):
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_client_leaves_nothing_written_by_its_cluster_and_the_rerun_resumes(dist_source, serial, external_cluster,
+                                                                                      tmp_path, imaging, signum):
+    """An existing cluster runs a build's tasks on after its client is stopped: they wrote their shards into the
+    output after the lock was released (and into a folder the client had removed, made again, which the rerun then
+    refused as not a cache). A task writes nothing once no build holds the output's lock."""
+    address, workers = external_cluster
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(dist_source), str(out), "--scheduler",
+                             address, "--shard-size", "200", "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (out / "shards").is_dir() and bool(temps(out)), 120, "a shard being written")
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err
+    time.sleep(0.5)
+    from distributed import Client
+
+    with Client(address, timeout="30s") as client:  # the tasks the client left behind have ended
+        wait_for(lambda: not any(client.processing().values()), 120, "the cluster's tasks to end", poll=0.1)
+    assert not out.exists() or not (out / "shards").exists() or (not temps(out) and not list((out / "shards").glob("*.zarr")))
+    report = datapipe.build(dist_source, out, **quiet(scheduler=address))
+    assert report.status == "ok"
+    assert_same_cache(out, serial[1], imaging)
+
+
+def test_a_tls_address_without_tls_settings_is_one_line(tmp_path, imaging):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 2}, variety=False)
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(src), str(tmp_path / "out"), "--scheduler",
+                           "tls://127.0.0.1:9", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("datapipe build: error: --scheduler tls://127.0.0.1:9: ") and "distributed.comm.tls" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_scheduler_killed_mid_build_is_one_line_and_the_rerun_resumes(dist_source, serial, tmp_path, imaging):
+    scheduler_file = tmp_path / "scheduler.json"
+    procs: list[subprocess.Popen] = []
+
+    def cluster() -> str:
+        scheduler_file.unlink(missing_ok=True)
+        procs.append(subprocess.Popen([*_dask_cli("scheduler"), "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                       "--scheduler-file", str(scheduler_file)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
+        wait_for(lambda: scheduler_file.exists() and scheduler_file.stat().st_size > 0, 60, "the scheduler", poll=0.05)
+        address = json.loads(scheduler_file.read_text())["address"]
+        procs.append(subprocess.Popen([*_dask_cli("worker"), address, "--nthreads", "1", "--no-nanny", "--memory-limit",
+                                       "0", "--death-timeout", "30", "--local-directory", str(tmp_path / "w")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        return address
+
+    out = tmp_path / "out"
+    try:
+        address = cluster()
+        proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(dist_source), str(out), "--scheduler",
+                                 address, "--shard-size", "20", "--size", str(SIZE), "--max-bad-fraction", str(MAX_BAD),
+                                 "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        wait_for(lambda: (out / "shards").is_dir() and len(list((out / "shards").glob("*.zarr"))) >= 1, 120, "a shard")
+        procs[0].kill()  # the scheduler
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and "Traceback" not in err, err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("datapipe build: error: the build lost its Dask scheduler") and "are kept" in line, err
+        for p in procs:
+            p.kill()
+            p.wait(30)
+        procs.clear()
+        address = cluster()
+        report = datapipe.build(dist_source, out, **quiet(scheduler=address, shard_size=20))
+        assert report.status == "ok" and report.shards_skipped >= 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
