@@ -452,7 +452,7 @@ def test_a_worker_that_sees_another_output_folder_fails_the_build_not_the_cache(
             client.wait_for_workers(1, timeout=60)
         out = hidden / "out"
         # the worker finds no build lock in its folder (or, had it one, the client finds no shard in its own)
-        with pytest.raises(datapipe.errors.BuildError, match=r"(as this machine sees it|as this worker sees it).* every "
+        with pytest.raises(datapipe.errors.BuildError, match=r"(as this machine sees it|as this worker sees it).*every "
                                                              r"worker must see the output folder at the same path"):
             datapipe.build(dist_source, out, **quiet(scheduler=address))
         assert not (out / "manifest.json").exists()
