@@ -1327,8 +1327,27 @@ def _connect(scheduler: str) -> Client:
     from dask.distributed import Client
 
     wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
+    made: list[Client | BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(Client(scheduler, timeout=f"{float(wait):g}s"))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            made.append(exc)
+
+    # distributed bounds the connection by the timeout but not its handshake: something else that listens at the
+    # address (a web server, a socket that never answers) would be waited on for ever
+    thread = threading.Thread(target=make, name="datapipe-connect", daemon=True)
+    thread.start()
+    thread.join(float(wait) + 10)
+    if not made:
+        raise OutputError(f"the Dask scheduler at {scheduler} did not answer within {float(wait) + 10:g} s "
+                          "(DATAPIPE_SCHEDULER_TIMEOUT + 10): something that is not a Dask scheduler may listen "
+                          "there; check the address")
     try:
-        return Client(scheduler, timeout=f"{float(wait):g}s")
+        if isinstance(made[0], BaseException):
+            raise made[0]
+        return made[0]
     except ValueError as exc:  # refused before any connection is tried
         raise OutputError(f"--scheduler {scheduler} is not a Dask scheduler address ({exc}); give one such as "
                           "tcp://head:8786") from None

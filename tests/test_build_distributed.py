@@ -547,3 +547,27 @@ def test_a_scheduler_killed_mid_build_is_one_line_and_the_rerun_resumes(dist_sou
         for p in procs:
             p.kill()
             p.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_an_address_where_no_scheduler_answers_is_one_line_not_a_hang(tmp_path, imaging):
+    """Something listens there and never answers (a web server, a stuck process): distributed's handshake has no
+    deadline of its own; the build ends with one line after DATAPIPE_SCHEDULER_TIMEOUT (+10 s), nothing left."""
+    import socket
+
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 2}, variety=False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(src), str(tmp_path / "out"),
+                               "--scheduler", f"tcp://127.0.0.1:{port}", "--quiet"], capture_output=True, text=True,
+                              timeout=100, env={**os.environ, "DATAPIPE_SCHEDULER_TIMEOUT": "2"})
+        took = time.monotonic() - started
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"datapipe build: error: the Dask scheduler at tcp://127.0.0.1:{port} did not answer within "
+                           "12 s (DATAPIPE_SCHEDULER_TIMEOUT + 10)"), line
+    assert took < 60 and not (tmp_path / "out").exists()
