@@ -29,14 +29,14 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import records
 from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
-from .shards import GROUP_META, SHARDS_DIR, remove_shard
+from .shards import GROUP_META, SHARDS_DIR, remove_shard, shard_attributes
 from .text import plural
 
 LOCK_FILE = ".datapipe.lock"
@@ -117,53 +117,53 @@ def _lock_within(fd: int, seconds: float) -> bool:
         time.sleep(0.01)
 
 
-def lock_holder(out: Path) -> str | None:
-    """Who holds the build lock of ``out`` (``pid N on host H, since T``), or None when no build does.
-
-    Reads only: the lock file is opened read-only (never created) and a shared lock is taken and dropped
-    at once, which a build starting at that moment waits out (LOCK_PATIENCE_SECONDS)."""
-    try:
-        fd = os.open(out / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return _holder(fd)
-        return None
-    finally:
-        os.close(fd)  # drops the shared lock
-
-
-def still_held(out: Path, token: str) -> bool:
-    """Whether the build whose :class:`BuildLock` has ``token`` holds the lock of ``out`` now (read only, as
-    :func:`lock_holder`). True when that cannot be told (the file cannot be opened here, or its file system
-    has no locks); False when no build holds it, or another build does."""
+@contextlib.contextmanager
+def _lock_probe(out: Path) -> Iterator[tuple[str, int]]:
+    """The lock of ``out`` looked at without taking it: the lock file opened read-only (never created) and a
+    shared lock tried on it at once, dropped when the block ends (a build starting at that moment waits it out,
+    LOCK_PATIENCE_SECONDS). Yields the state and the descriptor (-1 without one): "missing", "unopenable" (it
+    cannot be opened here, or is no regular file), "free", "held", or "unlockable" (its file system has no locks)."""
     try:
         fd = os.open(out / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return False
+        yield "missing", -1
+        return
     except OSError:
-        return True
+        yield "unopenable", -1
+        return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # held: by this build?
-        except OSError:
-            return True
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            state = "unopenable"
         else:
-            return False  # no build holds it
-        try:
-            info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
-        except (OSError, ValueError):
-            return True
-        return not isinstance(info, dict) or info.get("token") in (None, token)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                state = "free"
+            except BlockingIOError:
+                state = "held"
+            except OSError:
+                state = "unlockable"
+        yield state, fd
     finally:
         os.close(fd)  # drops the shared lock
+
+
+def lock_holder(out: Path) -> str | None:
+    """Who holds the build lock of ``out`` (``pid N on host H, since T``), or None when no build does (reads only,
+    see :func:`_lock_probe`)."""
+    with _lock_probe(out) as (state, fd):
+        return _holder(fd) if state in ("held", "unlockable") else None
+
+
+def still_held(out: Path, token: str) -> bool:
+    """Whether the build whose :class:`BuildLock` has ``token`` holds the lock of ``out`` now (reads only, see
+    :func:`_lock_probe`). True when that cannot be told (the file cannot be opened here, or its file system
+    has no locks); False when no build holds it, or another build does."""
+    with _lock_probe(out) as (state, fd):
+        if state in ("missing", "free"):
+            return False
+        if state != "held":
+            return True
+        return _lock_info(fd).get("token") in (None, token)
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -174,11 +174,20 @@ def _same_file(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _holder(fd: int) -> str:
+def _lock_info(fd: int) -> dict:
+    """What the holder wrote in the lock file (host, pid, started, token); empty when it cannot be read."""
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode("utf-8", "replace") or "{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _holder(fd: int) -> str:
+    info = _lock_info(fd)
+    try:
         return f"pid {int(info['pid'])} on host {info['host']}, since {info.get('started', '?')}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return "holder unknown"
 
 
@@ -411,10 +420,10 @@ def _check_owned(out: Path, name: str, build_id: str) -> None:
 def shard_build_id(shard_dir: Path) -> str | None:
     """The build id in a shard's ``zarr.json`` attributes (whole or not); None if it carries none."""
     try:
-        doc = records.read_json(shard_dir / GROUP_META)
-        value = doc["attributes"]["datapipe"]["build_id"]
-    except (CacheError, KeyError, TypeError):
+        record = shard_attributes(records.read_json(shard_dir / GROUP_META))
+    except CacheError:
         return None
+    value = (record or {}).get("build_id")
     return value if isinstance(value, str) else None
 
 

@@ -59,7 +59,17 @@ from .records import (
     parse_json,
     parse_manifest,
 )
-from .shards import GROUP_META, IMAGES_FILE, INDEX_FILE, INDEXED_IMAGES_FILE, LABELS_FILE, SHARD_FILES, SHARDS_DIR, shard_layout
+from .shards import (
+    GROUP_META,
+    IMAGES_FILE,
+    INDEX_FILE,
+    INDEXED_IMAGES_FILE,
+    LABELS_FILE,
+    SHARD_FILES,
+    SHARDS_DIR,
+    shard_attributes,
+    shard_layout,
+)
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 INSTALL = 'pip install ".[remote]"'
@@ -869,9 +879,8 @@ def shard_objects(objects: dict[str, int], name: str) -> dict[str, int]:
 
 def shard_record(doc: Any) -> dict[str, Any] | None:
     """The datapipe record in a shard group's zarr.json document, or None when it carries none."""
-    record = doc.get("attributes") if isinstance(doc, dict) else None
-    record = record.get("datapipe") if isinstance(record, dict) else None
-    if not isinstance(record, dict):
+    record = shard_attributes(doc)
+    if record is None:
         return None
     for key, kind in (("count", int), ("nbytes", int), ("crc32c", str)):
         if isinstance(record.get(key), bool) or not isinstance(record.get(key), kind):
@@ -907,9 +916,7 @@ def shard_records(loc: Location, objects: dict[str, int], names: Iterable[str]) 
 def shard_owner(doc: Any) -> str | None:
     """The build id a shard group's zarr.json carries (a whole shard's record, or the mark a shard's upload
     begins with: see :func:`uploading_document`); None when it carries none."""
-    record = doc.get("attributes") if isinstance(doc, dict) else None
-    record = record.get("datapipe") if isinstance(record, dict) else None
-    owner = record.get("build_id") if isinstance(record, dict) else None
+    owner = (shard_attributes(doc) or {}).get("build_id")
     return owner if isinstance(owner, str) else None
 
 

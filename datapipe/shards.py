@@ -286,6 +286,13 @@ def documents_differ(read: Callable[[str], bytes | str | None], count: int, size
 # ----------------------------------------------------------------------------- reading them back
 
 
+def shard_attributes(doc: Any) -> dict[str, Any] | None:
+    """The ``attributes.datapipe`` object of a shard group's zarr.json document; None when it has none."""
+    record = doc.get("attributes") if isinstance(doc, dict) else None
+    record = record.get("datapipe") if isinstance(record, dict) else None
+    return record if isinstance(record, dict) else None
+
+
 def read_shard_metadata(shard_dir: Path) -> dict[str, Any]:
     """The datapipe attributes of a shard's ``zarr.json`` (count, nbytes, crc32c, paths, ...), checked
     to be an object whose count, nbytes and crc32c have the right types.
@@ -294,10 +301,8 @@ def read_shard_metadata(shard_dir: Path) -> dict[str, Any]:
         CacheError: the file is missing, not a regular file, not JSON, or lacks the record.
     """
     path = shard_dir / GROUP_META
-    meta = read_json(path, hint=_REWRITE)
-    record = meta.get("attributes") if isinstance(meta, dict) else None
-    record = record.get("datapipe") if isinstance(record, dict) else None
-    if not isinstance(record, dict):
+    record = shard_attributes(read_json(path, hint=_REWRITE))
+    if record is None:
         raise CacheError(f"{path} holds no datapipe shard record (attributes.datapipe); {_REWRITE}")
     for key, kind in (("count", int), ("nbytes", int), ("crc32c", str)):
         value = record.get(key)
