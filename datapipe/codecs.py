@@ -202,9 +202,19 @@ def jpeg_orientation(data: bytes) -> int:
 
 def _jpeg_app1(data: bytes) -> Iterator[bytes]:
     """The APP1 ``Exif`` and XMP segments of a JPEG's header (their payloads), found as Pillow's parser
-    walks the header: junk bytes, fill bytes and stuffed zeros are skipped; the walk stops at the start
-    of scan, and where Pillow would refuse the header (a marker it does not know, a segment cut short)."""
-    pos, n = 2, len(data)
+    walks the header (:func:`_jpeg_segments`)."""
+    for marker, start, end in _jpeg_segments(data):
+        if marker == 0xE1 and data.startswith((b"Exif\x00\x00", _XMP_ID), start, end):
+            yield data[start:end]
+
+
+def _jpeg_segments(data: bytes, pos: int = 2) -> Iterator[tuple[int, int, int]]:
+    """(marker, start, end) of each segment of a JPEG's header from ``pos``, its payload ``data[start:end]``,
+    found as Pillow's parser walks the header: junk bytes, fill bytes and stuffed zeros are skipped,
+    markers without a length yield an empty payload; the walk ends after the start of scan, and where
+    Pillow would refuse the header (a marker it does not know, a segment cut short). What lies inside a
+    segment (an EXIF thumbnail, which is a JPEG of its own) is never read as markers."""
+    n = len(data)
     while pos + 1 < n:
         if data[pos] != 0xFF:  # junk: Pillow reads on, byte by byte
             nxt = data.find(b"\xff", pos + 1)
@@ -223,17 +233,71 @@ def _jpeg_app1(data: bytes) -> Iterator[bytes]:
             return
         pos += 2
         if marker in _NO_LENGTH:
+            yield marker, pos, pos
             continue
         if pos + 2 > n:
             return
         size = max(0, struct.unpack(">H", data[pos : pos + 2])[0] - 2)
         if pos + 2 + size > n:
             return
+        yield marker, pos + 2, pos + 2 + size
         if marker == 0xDA:
             return
-        if marker == 0xE1 and data.startswith((b"Exif\x00\x00", _XMP_ID), pos + 2, pos + 2 + size):
-            yield data[pos + 2 : pos + 2 + size]
         pos += 2 + size
+
+
+@dataclass(frozen=True)
+class JpegFrame:
+    """A JPEG's frame header (its SOFn segment): the coding process and sample precision."""
+
+    marker: int  # 0xC0 baseline, 0xC1 extended, 0xC2 progressive, 0xC3 lossless, 0xC9-0xCB arithmetic, ...
+    precision: int  # bits per sample: 8 in nearly every JPEG; 12 or 16 (lossless) in medical and camera-raw files
+
+    @property
+    def lossless(self) -> bool:
+        """A lossless frame (SOF3, SOF7, SOF11, SOF15): no DCT, so no DCT-domain downscaling either."""
+        return self.marker & 0x03 == 0x03
+
+    @property
+    def hierarchical(self) -> bool:
+        """A hierarchical frame (SOF5-7, SOF13-15), which libjpeg-turbo and Pillow do not decode."""
+        return self.marker in (0xC5, 0xC6, 0xC7, 0xCD, 0xCE, 0xCF)
+
+
+def jpeg_frame(data: bytes) -> JpegFrame | None:
+    """The frame header of the JPEG in ``data`` (the main image's, never an EXIF thumbnail's); None when the
+    header holds none before its first scan, or it is cut short."""
+    for marker, start, end in _jpeg_segments(data):
+        if marker in _JPEG_SOF and end > start:
+            return JpegFrame(marker, data[start])
+    return None
+
+
+def _jpeg_end(data: bytes) -> tuple[int, int]:
+    """(where the last scan's coded data starts, where the end-of-image marker is) in a JPEG, walking its
+    segments and skipping each scan's coded data as a decoder does; (-1, -1) when it has no end marker."""
+    scan, pos, n = -1, 2, len(data)
+    while True:
+        last = None
+        for last, _, end in _jpeg_segments(data, pos):
+            if last == 0xD9:
+                return scan, end - 2
+            pos = end
+        if last != 0xDA:  # the walk ended without a scan to skip: cut short, or a marker no decoder reads
+            return -1, -1
+        scan = pos
+        while True:  # coded data runs to the next marker that is neither a stuffed zero nor a restart marker
+            ff = data.find(b"\xff", pos)
+            if ff < 0 or ff + 1 >= n:
+                return -1, -1
+            follower = data[ff + 1]
+            if follower == 0x00 or 0xD0 <= follower <= 0xD7:
+                pos = ff + 2
+            elif follower == 0xFF:
+                pos = ff + 1
+            else:
+                pos = ff
+                break
 
 
 def _exif_orientation(segment: bytes) -> int | str:
@@ -468,12 +532,27 @@ _ALPHA = ("RGBA", "LA", "PA")  # straight alpha: Pillow converts these to RGBA e
 _PREMULTIPLIED = {"RGBa": 3, "La": 1}  # colour already multiplied by alpha: composited as is
 
 
-def _to_rgb(img: Image.Image) -> np.ndarray:
+def _white_is_zero_16(img: Image.Image) -> bool:
+    """Whether ``img`` (opened, not loaded) is a 16-bit gray TIFF whose PhotometricInterpretation says 0 is
+    white (WhiteIsZero), which Pillow reads as stored: it inverts only the 1- to 8-bit ones (raw mode
+    ``L;I`` and the like)."""
+    tags, tiles = getattr(img, "tag_v2", None), getattr(img, "tile", None)
+    try:
+        if img.mode not in ("I;16", "I;16B", "I;16L", "I;16N") or tags is None or tags.get(262) != 0:
+            return False
+        rawmode = tiles[0].args[0] if tiles and tiles[0].args else None
+    except (AttributeError, IndexError, TypeError):
+        return False
+    return isinstance(rawmode, str) and not rawmode.endswith(";I")
+
+
+def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
     """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3.
 
     Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
-    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255); float is
-    clipped to 0..255 unless all of it lies in 0..1, then scaled; anything with alpha or a
+    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; inverted first
+    with ``white_is_zero``, see :func:`_white_is_zero_16`); float is clipped to 0..255 unless all of it
+    lies in 0..1, then scaled; anything with alpha or a
     ``transparency`` entry (palette, gray, RGB and 16-bit PNGs with tRNS, GIFs) is composited onto
     :data:`BACKGROUND`; every other mode (P, CMYK, YCbCr, LAB, HSV) takes Pillow's conversion to RGB.
     """
@@ -481,6 +560,8 @@ def _to_rgb(img: Image.Image) -> np.ndarray:
     transparency = img.info.get("transparency")
     if mode in _WIDE:
         arr = np.asarray(img)
+        if white_is_zero:
+            arr = 65535 - arr.astype(np.int64)
         gray = ((np.clip(arr.astype(np.int64), 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
         alpha = None
         if isinstance(transparency, int) and not isinstance(transparency, bool):
@@ -572,11 +653,11 @@ def _jpeg_verdict(message: str, data: bytes) -> str:
 
 
 def _zero_padded(data: bytes, count: int) -> bool:
-    """Whether the ``count`` bytes before the end-of-image marker are zeros (writer's padding). The
-    marker is the first FFD9 after the first scan starts: coded data cannot hold one."""
-    sos = data.find(b"\xff\xda")
-    eoi = data.find(b"\xff\xd9", sos) if sos >= 0 else -1
-    return 0 < count <= eoi - sos and not any(data[eoi - count : eoi])
+    """Whether the ``count`` bytes before the end-of-image marker are zeros (writer's padding) at the end of
+    the last scan's coded data: the main image's marker and scan, found by walking its segments
+    (:func:`_jpeg_end`), never those of an EXIF thumbnail, which is a JPEG inside the header."""
+    scan, eoi = _jpeg_end(data)
+    return scan >= 0 and 0 < count <= eoi - scan and not any(data[eoi - count : eoi])
 
 
 def _jpeg_error(verdict: str, message: str, what: str) -> DecodeError:
@@ -690,7 +771,7 @@ def _jpeg_pixels(sj: ModuleType, data: bytes, what: str = "JPEG", **kwargs: obje
         raise DecodeError(f"corrupt {what}: {first}") from None
 
 
-def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec,
+def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, frame: JpegFrame | None,
                        reuse: bool = False) -> tuple[np.ndarray, tuple[int, int]] | None:
     """Decode with libjpeg-turbo: the oriented pixels (DCT-downscaled as :func:`dct_factor` allows) and the
     oriented image's full size; None when the JPEG needs Pillow (CMYK/YCCK, or a file only Pillow reads).
@@ -701,7 +782,7 @@ def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec,
     try:
         data, (height, width, colorspace, _) = _jpeg_header(sj, data)
     except DecodeError:
-        if _pillow_reads(data, spec):  # a JPEG feature this libjpeg-turbo lacks, such as 12-bit samples
+        if _pillow_reads(data, spec):  # a JPEG this libjpeg-turbo refuses and Pillow reads
             return None
         raise
     _check_pixels(width, height, spec)
@@ -710,16 +791,37 @@ def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec,
         # data, so the file is first fully decoded here, under the same rules as any JPEG.
         _jpeg_pixels(sj, data, f"JPEG ({colorspace})", colorspace="CMYK")
         return None
-    factor = dct_factor(height, width, spec)
-    min_h, min_w = -(-height // factor), -(-width // factor)
-    buffer = None
-    if reuse:
-        out_h, out_w = (height, width) if factor == 1 else sj.decode_jpeg_header(
-            data, min_height=min_h, min_width=min_w, strict=False)[:2]
-        buffer = _buffer(out_h * out_w * 3)
-    img = _jpeg_pixels(sj, data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=buffer)
+    if frame is not None and frame.lossless:
+        # No DCT, so no DCT-domain scaling: libjpeg-turbo would decode the full size into a buffer sized for
+        # the scaled one. Nor does it turn lossless gray into RGB: it is decoded as gray and expanded.
+        gray = colorspace == "Gray"
+        img = _jpeg_pixels(sj, data, colorspace="GRAY" if gray else "RGB")
+        if gray:
+            img = np.repeat(img, 3, axis=2)
+    else:
+        factor = dct_factor(height, width, spec)
+        min_h, min_w = -(-height // factor), -(-width // factor)
+        buffer = None
+        if reuse:
+            out_h, out_w = (height, width) if factor == 1 else sj.decode_jpeg_header(
+                data, min_height=min_h, min_width=min_w, strict=False)[:2]
+            buffer = _buffer(out_h * out_w * 3)
+        img = _jpeg_pixels(sj, data, colorspace="RGB", min_height=min_h, min_width=min_w, buffer=buffer)
     orientation = jpeg_orientation(source)
     return apply_orientation(img, orientation), _oriented_size(height, width, orientation)
+
+
+def _check_frame(data: bytes) -> JpegFrame | None:
+    """The JPEG's frame (:func:`jpeg_frame`); DecodeError (``unsupported``) for a valid JPEG of a kind that
+    neither libjpeg-turbo's 8-bit decoder nor Pillow decodes, so that its reason does not call it damaged."""
+    frame = jpeg_frame(data)
+    if frame is not None and frame.hierarchical:
+        raise DecodeError(f"unsupported JPEG: a hierarchical frame (SOF{frame.marker - 0xC0}), which libjpeg-turbo "
+                          "and Pillow do not decode; convert the file to a baseline JPEG or a PNG", "unsupported")
+    if frame is not None and frame.precision != 8:
+        raise DecodeError(f"unsupported JPEG: {frame.precision}-bit samples (libjpeg-turbo's and Pillow's decoders "
+                          "read 8-bit JPEGs); convert the file to an 8-bit JPEG or a 16-bit PNG", "unsupported")
+    return frame
 
 
 def _oriented_size(height: int, width: int, orientation: int) -> tuple[int, int]:
@@ -802,7 +904,8 @@ def _install_pillow_limit() -> None:
         _limit_installed = True
 
 
-def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None = None) -> tuple[np.ndarray, tuple[int, int]]:
+def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None = None,
+                   frame: JpegFrame | None = None) -> tuple[np.ndarray, tuple[int, int]]:
     """Decode with Pillow (the pixels, and the oriented image's full size: a JPEG's are DCT-downscaled as
     :func:`dct_factor` allows): the first frame, fully (truncated data is refused: LOAD_TRUNCATED_IMAGES
     stays off; so is data that fails its own checksum, see :func:`_checksum_error`), then orientation
@@ -824,15 +927,16 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             if damage:
                 raise DecodeError(damage)
             if fmt == "jpeg":
-                factor = dct_factor(img.height, img.width, spec)
+                factor = 1 if frame is not None and frame.lossless else dct_factor(img.height, img.width, spec)
                 if factor > 1:  # Pillow picks the largest scale whose result is at least this size
                     img.draft(img.mode, (max(1, img.width // factor), max(1, img.height // factor)))
+            white_is_zero = fmt == "tiff" and _white_is_zero_16(img)
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
             orientation = jpeg_orientation(source or data) if fmt == "jpeg" else _pillow_orientation(img)
             if fmt == "png":
                 _scale_low_depth_gray_trns(img, data)
-            rgb = _to_rgb(img)
+            rgb = _to_rgb(img, white_is_zero=white_is_zero)
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:  # only where Pillow has no check for _pillow_limit to wrap
@@ -968,12 +1072,14 @@ def _decode(data: bytes, spec: DecodeSpec | None = None, *, reuse: bool = False)
     if fmt is None:
         raise DecodeError(f"not an image: unrecognised content (starts with {data[:8]!r})", "not-an-image")
     if fmt == "jpeg":
+        frame = _check_frame(data)
         sj = _simplejpeg()
         if sj is not None:
-            decoded = _decode_simplejpeg(sj, data, spec, reuse=reuse)
+            decoded = _decode_simplejpeg(sj, data, spec, frame, reuse=reuse)
             if decoded is not None:
                 return decoded
-            return _decode_pillow(_clean_jpeg_header(data), fmt, spec, source=data)
+            return _decode_pillow(_clean_jpeg_header(data), fmt, spec, source=data, frame=frame)
+        return _decode_pillow(data, fmt, spec, frame=frame)
     return _decode_pillow(data, fmt, spec)
 
 

@@ -56,6 +56,7 @@ QUARANTINE_KINDS = {
     "empty": "a 0-byte file",
     "not-an-image": "content that is no image format datapipe reads",
     "corrupt": "an image that does not decode fully (truncated or damaged data, a bad header)",
+    "unsupported": "a valid image of a kind no decoder here reads (a 12- or 16-bit or a hierarchical JPEG)",
     "too-large": "a header over max_pixels (a decompression bomb), checked before decoding",
     "unreadable": "the file cannot be opened or read (missing, permissions, I/O error)",
     "decoder-crash": "decoding it killed its process (found after it killed a build worker)",

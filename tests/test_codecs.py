@@ -188,10 +188,10 @@ def test_pillows_own_limit_still_holds_outside_datapipes_decode(imaging, monkeyp
     inside, release, result = threading.Event(), threading.Event(), {}
     to_rgb = codecs._to_rgb
 
-    def paused(img):  # holds the decode (and its limit) open while the main thread opens the image
+    def paused(img, **kwargs):  # holds the decode (and its limit) open while the main thread opens the image
         inside.set()
         release.wait(10)
-        return to_rgb(img)
+        return to_rgb(img, **kwargs)
 
     def decode():
         result["rgb"] = decode_rgb(data, DecodeSpec(size=32, max_pixels=10_000))

@@ -1,0 +1,284 @@
+"""Rare but valid images: JPEGs of the rarer frame kinds, EXIF thumbnails (JPEGs inside a JPEG's header),
+16-bit WhiteIsZero TIFFs.
+
+Lossless JPEGs (SOF3, ITU T.81 annex H: medical images, some camera raws) have no DCT, so libjpeg-turbo
+cannot downscale them in the DCT domain: asked to, it decoded the full image into a buffer sized for the
+scaled one (heap corruption, a killed build worker, or garbage samples in a build that said "ok").
+12- and 16-bit and hierarchical JPEGs are valid files that no decoder here reads: they are quarantined as
+``unsupported``, not called damaged. The zero padding some writers leave before the end marker is judged
+at the main image's end, never at an EXIF thumbnail's. A 16-bit TIFF whose stored 0 is white is inverted as
+Pillow inverts an 8-bit one.
+
+The lossless files are written by :func:`lossless_jpeg`, a small encoder of the standard's annex H.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import datapipe
+from datapipe.codecs import DecodeSpec, decode_rgb, decode_sample, fit_image, jpeg_frame
+from datapipe.errors import DecodeError
+
+# A Huffman table of the 17 difference categories: 0-6 with 4-bit codes, 7-16 with 5-bit codes (no code is
+# all ones). BITS[L-1] counts the codes of length L; the symbols follow in code order.
+_BITS = [0, 0, 0, 7, 10] + [0] * 11
+_SYMBOLS = list(range(17))
+
+
+def _codes() -> dict[int, tuple[int, int]]:
+    """symbol -> (code, length), the canonical codes of :data:`_BITS` (T.81 annex C)."""
+    codes, code, k = {}, 0, 0
+    for length, count in enumerate(_BITS, start=1):
+        for _ in range(count):
+            codes[_SYMBOLS[k]] = (code, length)
+            code, k = code + 1, k + 1
+        code <<= 1
+    return codes
+
+
+class _Bits:
+    def __init__(self) -> None:
+        self.out, self.acc, self.n = bytearray(), 0, 0
+
+    def put(self, value: int, length: int) -> None:
+        self.acc, self.n = (self.acc << length) | (value & ((1 << length) - 1)), self.n + length
+        while self.n >= 8:
+            self.n -= 8
+            byte = (self.acc >> self.n) & 0xFF
+            self.out.append(byte)
+            if byte == 0xFF:
+                self.out.append(0)  # byte stuffing
+        self.acc &= (1 << self.n) - 1
+
+    def flush(self) -> bytes:
+        if self.n:
+            self.put((1 << (8 - self.n)) - 1, 8 - self.n)  # pad with one bits
+        return bytes(self.out)
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return struct.pack(">BBH", 0xFF, marker, len(payload) + 2) + payload
+
+
+def lossless_jpeg(pixels: np.ndarray, precision: int = 8, ids: bytes = b"\x01\x02\x03\x04", adobe: bool = False) -> bytes:
+    """A lossless JPEG (SOF3, predictor 1, point transform 0) of ``pixels``: H×W (gray) or H×W×C."""
+    pixels = np.asarray(pixels, np.int64)
+    if pixels.ndim == 2:
+        pixels = pixels[..., None]
+    height, width, comps = pixels.shape
+    frame = struct.pack(">BHHB", precision, height, width, comps)
+    frame += b"".join(bytes([ids[c], 0x11, 0]) for c in range(comps))
+    table = bytes([0x00]) + bytes(_BITS) + bytes(_SYMBOLS)
+    scan = bytes([comps]) + b"".join(bytes([ids[c], 0x00]) for c in range(comps)) + bytes([1, 0, 0])
+    codes, bits = _codes(), _Bits()
+    for y in range(height):
+        for x in range(width):
+            for c in range(comps):
+                if x == 0 and y == 0:
+                    predicted = 1 << (precision - 1)
+                elif y == 0 or x > 0:
+                    predicted = int(pixels[y, x - 1, c]) if x > 0 else int(pixels[y - 1, x, c])
+                else:
+                    predicted = int(pixels[y - 1, x, c])
+                diff = (int(pixels[y, x, c]) - predicted) % 65536
+                diff = diff - 65536 if diff > 32768 else diff
+                category = 16 if diff == 32768 else abs(diff).bit_length()
+                bits.put(*codes[category])
+                if 0 < category < 16:
+                    bits.put(diff if diff > 0 else diff - 1, category)
+    header = b"\xff\xd8"
+    if adobe:
+        header += _segment(0xEE, b"Adobe" + struct.pack(">HHHB", 100, 0, 0, 0))
+    return (header + _segment(0xC3, frame) + _segment(0xC4, table) + _segment(0xDA, scan) + bits.flush()
+            + b"\xff\xd9")
+
+
+def _picture(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x * 3 + y * 5) % 256,
+                     (x + y) % 256], -1)[..., :channels]
+    return np.clip(base + rng.integers(-12, 13, base.shape), 0, 255).astype(np.uint8)
+
+
+def _pillow(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+@pytest.mark.parametrize("ids", [b"\x01\x02\x03", b"RGB"], ids=["ycbcr", "rgb"])
+@pytest.mark.parametrize(("size", "fit"), [(16, "crop"), (24, "short"), (16, "pad"), (20, "stretch"), (9, "crop")])
+def test_a_lossless_jpeg_is_decoded_whole_whatever_the_output_size(ids, size, fit):
+    """A lossless frame is never asked for DCT scaling: its sample is the full decode, fitted, exactly as
+    for the same file decoded by Pillow (the same libjpeg-turbo, unscaled)."""
+    data = lossless_jpeg(_picture(72, 96), ids=ids)
+    frame = jpeg_frame(data)
+    assert frame is not None and frame.lossless and frame.precision == 8
+    reference = _pillow(data)
+    spec = DecodeSpec(size=size, fit=fit)
+    np.testing.assert_array_equal(decode_rgb(data, DecodeSpec(size=8192)), reference)
+    np.testing.assert_array_equal(decode_rgb(data, spec), reference)  # not a scaled decode, not a scaled shape
+    np.testing.assert_array_equal(decode_sample(data, spec), fit_image(reference, spec))
+
+
+@pytest.mark.parametrize("size", [8, 37])
+def test_a_lossless_grayscale_jpeg_is_kept_and_expanded(size):
+    """libjpeg-turbo turns no lossless gray into RGB ("Unsupported color conversion request", which read as
+    damage): the file is decoded as gray and expanded, as Pillow's convert("RGB") expands it."""
+    data = lossless_jpeg(_picture(37, 53, channels=1))
+    reference = _pillow(data)
+    np.testing.assert_array_equal(decode_rgb(data), reference)
+    spec = DecodeSpec(size=size, fit="pad")
+    np.testing.assert_array_equal(decode_sample(data, spec), fit_image(reference, spec))
+
+
+@pytest.mark.parametrize("adobe", [False, True])
+@pytest.mark.parametrize("size", [12, 64])
+def test_a_lossless_cmyk_jpeg_is_kept_at_every_size(adobe, size):
+    """A 4-channel lossless JPEG goes to Pillow (CMYK conversion), which must not draft it down either: the
+    file was kept at full size and quarantined as "broken data stream" at a smaller --size."""
+    data = lossless_jpeg(_picture(64, 80, channels=4), adobe=adobe)
+    reference = _pillow(data)
+    spec = DecodeSpec(size=size, fit="crop")
+    np.testing.assert_array_equal(decode_rgb(data, spec), reference)
+    np.testing.assert_array_equal(decode_sample(data, spec), fit_image(reference, spec))
+
+
+@pytest.mark.parametrize("precision", [12, 16, 2])
+def test_a_jpeg_of_other_precision_is_unsupported_not_corrupt(precision):
+    data = lossless_jpeg(_picture(20, 24, channels=1).astype(np.int64) % (1 << precision), precision=precision)
+    for spec in (DecodeSpec(size=8192), DecodeSpec(size=8)):
+        with pytest.raises(DecodeError, match=f"unsupported JPEG: {precision}-bit samples") as info:
+            decode_rgb(data, spec)
+        assert info.value.kind == "unsupported"
+        assert "damaged" not in str(info.value)
+
+
+@pytest.mark.parametrize("marker", [0xC5, 0xC6, 0xC7, 0xCD, 0xCE, 0xCF])
+def test_a_hierarchical_jpeg_is_unsupported_not_corrupt(marker):
+    buf = io.BytesIO()
+    Image.fromarray(_picture(16, 16)).save(buf, "JPEG", quality=90)
+    data = bytearray(buf.getvalue())
+    sof = data.find(b"\xff\xc0")
+    data[sof + 1] = marker
+    with pytest.raises(DecodeError, match="hierarchical") as info:
+        decode_rgb(bytes(data))
+    assert info.value.kind == "unsupported"
+
+
+def _with_thumbnail(main: bytes, thumbnail: bytes) -> bytes:
+    """``main`` with an APP1 EXIF segment whose IFD1 carries ``thumbnail`` (as cameras write it)."""
+    ifd1_at = 8 + 2 + 4
+    thumb_at = ifd1_at + 2 + 24 + 4
+    ifd1 = (struct.pack("<H", 2) + struct.pack("<HHII", 0x201, 4, 1, thumb_at)
+            + struct.pack("<HHII", 0x202, 4, 1, len(thumbnail)) + struct.pack("<I", 0))
+    tiff = b"II*\x00" + struct.pack("<I", 8) + struct.pack("<H", 0) + struct.pack("<I", ifd1_at) + ifd1 + thumbnail
+    return main[:2] + _segment(0xE1, b"Exif\x00\x00" + tiff) + main[2:]
+
+
+def _jpeg(pixels: np.ndarray, quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _padded(data: bytes, zeros: int) -> bytes:
+    return data[:-2] + b"\x00" * zeros + data[-2:]
+
+
+@pytest.mark.parametrize("thumbnail_padding", [0, 256])
+def test_zero_padding_is_judged_at_the_main_images_end_not_the_thumbnails(thumbnail_padding):
+    """A camera JPEG (EXIF thumbnail) with zero padding before its end marker is kept, as the same file
+    without a thumbnail is; and the main image's damage is quarantined whatever padding the thumbnail has."""
+    pixels = _picture(96, 128, seed=5)
+    main = _jpeg(pixels)
+    thumbnail = _padded(_jpeg(pixels[:8, :8], 50), thumbnail_padding)
+    clean = decode_rgb(main)
+    padded = _with_thumbnail(_padded(main, 11), thumbnail)
+    np.testing.assert_array_equal(decode_rgb(padded), clean)
+    # one byte of the main scan changed so that libjpeg-turbo finishes early ("extraneous bytes before 0xd9")
+    shift = len(_with_thumbnail(main, thumbnail)) - len(main)
+    sos = main.find(b"\xff\xda")
+    rng = np.random.default_rng(3)
+    for _ in range(5000):
+        pos, value = int(rng.integers(sos + 20, len(main) - 2)), int(rng.integers(0, 255))
+        damaged = bytearray(main)
+        damaged[pos] = value
+        try:
+            decode_rgb(bytes(damaged))
+        except DecodeError as exc:
+            if "extraneous bytes before marker 0xd9" in str(exc):
+                break
+    else:
+        pytest.fail("no one-byte change gave the extraneous-bytes message")
+    with_thumbnail = bytearray(_with_thumbnail(main, thumbnail))
+    with_thumbnail[pos + shift] = value
+    with pytest.raises(DecodeError, match="damaged scan data"):
+        decode_rgb(bytes(with_thumbnail))
+
+
+def test_a_build_keeps_lossless_jpegs_and_quarantines_12_bit_ones_as_unsupported(tmp_path: Path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "b").mkdir()
+    rgb, gray = lossless_jpeg(_picture(80, 100)), lossless_jpeg(_picture(40, 60, channels=1))
+    (src / "a" / "rgb.jpg").write_bytes(rgb)
+    (src / "a" / "gray.jpg").write_bytes(gray)
+    (src / "b" / "deep.jpg").write_bytes(lossless_jpeg(_picture(10, 10, channels=1), precision=12))
+    (src / "b" / "plain.jpg").write_bytes(_jpeg(_picture(50, 50)))
+    out = tmp_path / "cache"
+    result = datapipe.build(src, out, size=16, cluster=datapipe.Cluster(scheduler="sync"), max_bad_fraction=0.5,
+                            progress=False)
+    assert result.num_samples == 3
+    report = json.loads((out / "report.json").read_text())
+    assert [(q["path"], q["error"]) for q in report["quarantined"]] == [("b/deep.jpg", "unsupported")]
+    cache = datapipe.open(out)
+    spec = DecodeSpec(size=16)
+    for i in range(len(cache)):
+        if cache.path(i) in ("a/rgb.jpg", "a/gray.jpg"):
+            data = rgb if cache.path(i) == "a/rgb.jpg" else gray
+            np.testing.assert_array_equal(cache[i][0], fit_image(_pillow(data), spec))
+
+
+def _gray_tiff(values: np.ndarray, *, bits: int, photometric: int, order: str = "<", deflate: bool = False) -> bytes:
+    """A one-strip gray TIFF of ``values`` written field by field (Pillow writes no 16-bit WhiteIsZero)."""
+    height, width = values.shape
+    dtype = np.dtype(f"{order}u{bits // 8}")
+    strip = values.astype(dtype).tobytes()
+    if deflate:
+        strip = zlib.compress(strip)
+    tags = [(256, 3, width), (257, 3, height), (258, 3, bits), (259, 3, 8 if deflate else 1), (262, 3, photometric),
+            (273, 4, 0), (277, 3, 1), (278, 3, height), (279, 4, len(strip))]
+    ifd_at = 8
+    data_at = ifd_at + 2 + 12 * len(tags) + 4
+    out = (b"II*\x00" if order == "<" else b"MM\x00*") + struct.pack(order + "I", ifd_at) + struct.pack(order + "H", len(tags))
+    for tag, kind, value in tags:
+        value = data_at if tag == 273 else value
+        packed = struct.pack(order + "H", value) + b"\x00\x00" if kind == 3 else struct.pack(order + "I", value)
+        out += struct.pack(order + "HHI", tag, kind, 1) + packed
+    return out + struct.pack(order + "I", 0) + strip
+
+
+@pytest.mark.parametrize("order", ["<"])  # Pillow opens no big-endian 16-bit WhiteIsZero TIFF: quarantined
+@pytest.mark.parametrize("deflate", [False, True], ids=["raw", "deflate"])
+def test_a_16_bit_white_is_zero_tiff_is_inverted_as_an_8_bit_one_is(order, deflate):
+    """PhotometricInterpretation 0 (WhiteIsZero): stored 0 is white, at every bit depth. Pillow inverts the
+    8-bit file and reads the 16-bit one as stored; the sample of either is the same picture (and a 16-bit
+    BlackIsZero file, big-endian too, is not inverted)."""
+    ramp = np.tile(np.arange(0, 256, 4, dtype=np.int64), (8, 1))
+    eight = decode_rgb(_gray_tiff(ramp, bits=8, photometric=0, order=order, deflate=deflate))
+    sixteen = decode_rgb(_gray_tiff(ramp * 257, bits=16, photometric=0, order=order, deflate=deflate))
+    np.testing.assert_array_equal(eight[..., 0], 255 - ramp)
+    np.testing.assert_array_equal(sixteen, eight)
+    for endian in "<>":
+        black_is_zero = decode_rgb(_gray_tiff(ramp * 257, bits=16, photometric=1, order=endian, deflate=deflate))
+        np.testing.assert_array_equal(black_is_zero[..., 0], ramp)
