@@ -1437,8 +1437,8 @@ def _scan_csv(loc: Location) -> Any:
     keys = [key for key, _, _ in rows]
     root = posixpath.commonpath([folder, *(posixpath.dirname(k) for k in keys)]) if keys else folder
     objects = beside if root == folder else listing(loc.under(root))
-    seen, dropped = csv_first_rows((key[len(root):].lstrip("/"), label) for key, label, _ in rows)
-    names, paths, labels = csv_labels(seen)
+    seen, dropped, named = csv_first_rows((key[len(root):].lstrip("/"), label) for key, label, _ in rows)
+    names, paths, labels = csv_labels(seen, named)
     if not paths:
         raise SourceError(f"source {loc.url} lists no images; write one 'path,label' row per image")
     out = Listing(root=Path(root), kind="csv", classes=names, paths=paths, labels=labels,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -181,11 +182,13 @@ class _Walker:
 
     def enter(self, path: str, rel: str, *, is_link: bool) -> bool:
         """Whether to read the directory at ``path``: once per real directory; a link only if it leads
-        outside the source root (everything inside the root is read through its real path)."""
-        key = _identity(path)
-        if key is None:
-            self.ignored.append(shown(rel) + "/")
-            return False
+        outside the source root (everything inside the root is read through its real path). A folder that
+        cannot be looked up ends the scan (:func:`unreadable_folder`)."""
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise unreadable_folder(self.root, rel, exc) from None
+        key = st.st_dev, st.st_ino
         if key == self.excluded:
             self.ignored.append(shown(rel) + "/ (the build's output folder)")
             return False
@@ -212,11 +215,17 @@ class _Walker:
                 self.visit(entry, rel, label, stack)
 
     def visit(self, entry: os.DirEntry, rel: str, label: int, stack: list) -> None:
+        is_link = False
         try:
             is_link = entry.is_symlink()
             mode = os.stat(entry.path).st_mode
-        except OSError:  # a dangling link or a permission problem: read time reports it
+        except OSError as exc:  # a dangling link, or a file gone since the listing: read time reports it
             mode = None
+            if not is_link and exc.errno in (errno.EACCES, errno.EPERM):
+                # listed but not looked up: its folder can be read but not entered (no execute permission)
+                raise unreadable_folder(self.root, posixpath.dirname(rel), exc) from None
+            if not is_link and _listed_as_folder(entry):  # a path too long, an I/O error: all its images lost
+                raise unreadable_folder(self.root, rel, exc) from None
         if mode is not None and stat.S_ISDIR(mode):
             if self.enter(entry.path, rel, is_link=is_link):
                 stack.append((entry.path, rel))
@@ -229,6 +238,14 @@ class _Walker:
             self.dropped.append({"path": rel, **not_regular(mode)})
         else:
             self.records.append((rel, label))
+
+
+def _listed_as_folder(entry: os.DirEntry) -> bool:
+    """Whether the listing says ``entry`` is a folder (its type as the listing gave it, nothing followed)."""
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def hidden(entry: os.DirEntry, rel: str) -> str:
@@ -422,19 +439,22 @@ def _scan_csv(csv_path: Path) -> Listing:
             return None
         return None if stat.S_ISREG(mode) else not_regular(mode)
 
-    seen, dropped = csv_first_rows(((rel, label) for rel, label, _ in _csv_rows(csv_path)), refused)
-    names, paths, labels = csv_labels(seen)
+    seen, dropped, named = csv_first_rows(((rel, label) for rel, label, _ in _csv_rows(csv_path)), refused)
+    names, paths, labels = csv_labels(seen, named)
     return Listing(root=root, kind="csv", classes=names, paths=paths, labels=labels,
                    stats=[_stat(root / p) for p in paths], dropped=dropped)
 
 
 def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dict | None] | None = None,
-                   ) -> tuple[dict[str, str], list[dict]]:
+                   ) -> tuple[dict[str, str], list[dict], set[str]]:
     """A CSV's (path, label) rows in file order as ``path -> label`` (the first row of a duplicated path
-    wins) and the rows dropped: duplicates, and paths ``refused`` returns a quarantine record for."""
+    wins), the rows dropped (duplicates, and paths ``refused`` returns a quarantine record for) and every
+    label the rows name, the dropped rows' too: the classes are the CSV's, whatever the files are."""
     seen: dict[str, str] = {}
     dropped: list[dict] = []
+    named: set[str] = set()
     for rel, label in rows:
+        named.add(label)
         if rel in seen:
             dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
             continue
@@ -443,7 +463,7 @@ def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dic
             dropped.append({"path": rel, **bad})
             continue
         seen[rel] = label
-    return seen, dropped
+    return seen, dropped, named
 
 
 def _is_number(name: str) -> bool:
@@ -463,10 +483,11 @@ def note_string_order(classes: list[str]) -> None:
                  "shares its labels with a cache from the other through --classes-from)", first, classes.index(first))
 
 
-def csv_labels(seen: dict[str, str]) -> tuple[list[str], list[str], list[int]]:
+def csv_labels(seen: dict[str, str], named: Iterable[str] = ()) -> tuple[list[str], list[str], list[int]]:
     """The classes (numbers in numeric order, then names), the sorted paths and their label indices of a
-    CSV's path -> label rows."""
-    names = sorted(set(seen.values()), key=lambda s: (0, int(s), s) if _is_number(s) else (1, 0, s))
+    CSV's path -> label rows; the classes are every label in ``seen`` or ``named`` (the labels of rows that
+    were dropped name classes too: a file missing from a class never renumbers the classes after it)."""
+    names = sorted(set(seen.values()) | set(named), key=lambda s: (0, int(s), s) if _is_number(s) else (1, 0, s))
     index = {name: i for i, name in enumerate(names)}
     records = sorted((rel, index[label]) for rel, label in seen.items())
     return names, [p for p, _ in records], [lab for _, lab in records]

@@ -138,6 +138,30 @@ def test_csv_duplicate_keeps_the_first_row(tmp_path, imaging):
     assert [cache.classes[cache[i][1]] for i in range(2)] == ["zebra", "zebra"]
 
 
+@pytest.mark.parametrize("b_is", ["missing", "a folder", "a fifo", "a duplicate row"])
+def test_a_csv_rows_class_stays_when_its_only_file_is_dropped(tmp_path, imaging, b_is):
+    """The classes are the CSV's labels, whatever becomes of the files: a class whose only row is refused at
+    scan (a folder or FIFO at its path, a path listed twice) is named as empty, and the classes after it keep
+    their labels; it used to vanish, and every later class took the label before it."""
+    import os
+
+    a, c = sorted(imaging.write_source(tmp_path, {"x": 2}, variety=False))
+    rows = [f"{a},cat", "b.jpg,dog", f"{c},zebra"]
+    if b_is == "a folder":
+        (tmp_path / "b.jpg").mkdir()
+    elif b_is == "a fifo":
+        os.mkfifo(tmp_path / "b.jpg")
+    elif b_is == "a duplicate row":
+        rows[1] = f"{a},dog"
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    report = build(tmp_path / "list.csv", tmp_path / "out", max_bad_fraction=0.5)
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["cat", "dog", "zebra"]
+    assert {cache.path(i): cache.classes[cache[i][1]] for i in range(len(cache))} == {a: "cat", c: "zebra"}
+    assert report.empty_classes == ["dog"]
+    assert len(report.quarantined) == 1
+
+
 def test_csv_rows_are_decoded_by_content_whatever_their_names(tmp_path, imaging):
     root = tmp_path / "src"
     root.mkdir()
@@ -221,6 +245,43 @@ def test_an_unreadable_folder_ends_the_build_naming_it(tmp_path, imaging, monkey
         build(src, tmp_path / "out", max_bad_fraction=0.5)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("fails", "code", "named"), [
+    ("b/sub/*", "EACCES", "b/sub"),  # listed, not entered: every entry's lookup is refused
+    ("b/sub/deeper", "ENAMETOOLONG", "b/sub/deeper"),  # a folder whose path is over PATH_MAX
+    ("b/sub/deeper", "EIO", "b/sub/deeper"),
+    ("b", "EACCES", "b"),  # a class folder
+])
+def test_a_folder_that_cannot_be_looked_up_ends_the_build_naming_it(tmp_path, imaging, monkeypatch, fails, code, named):
+    """A folder the scan lists but cannot look into (no execute permission) or look up (a path too long, an
+    I/O error) ends the build naming it; its sub-folders and their images used to be left out without a word."""
+    import errno
+    import os
+
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3}, variety=False)
+    (src / "b" / "sub" / "deeper").mkdir(parents=True)
+    (src / "b" / "sub" / "x.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 20)))
+    (src / "b" / "sub" / "deeper" / "y.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 20)))
+    real = os.stat
+
+    def refused(path) -> bool:
+        path = os.fspath(path)
+        if fails.endswith("/*"):
+            return os.path.dirname(path) == str(src / fails[:-2])
+        return path == str(src / fails)
+
+    def stat(path, *args, **kwargs):
+        if not isinstance(path, int) and refused(path):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(SourceError, match=f"folder {re.escape(str(src / named))} of the source cannot be read "
+                                          rf"\({re.escape(os.strerror(getattr(errno, code)))}\)") as info:
+        build(src, tmp_path / "out", max_bad_fraction=1.0)
+    assert "\n" not in str(info.value)
 
 
 def test_a_folder_without_read_permission_ends_the_build(tmp_path, imaging):
