@@ -252,9 +252,24 @@ class BuildReport:
 # Each can clear while the file keeps its size and mtime (chmod changes neither), which is all the inputs
 # hash sees; so a rerun reads such files again (see read_again).
 READ_AGAIN = frozenset({"unreadable", "timeout", "decoder-crash"})
-# ... but for a path that did not exist: the scan records size and mtime -1 for a path it cannot stat (a
-# dangling symlink), so one that appears changes the inputs hash and is read again anyway.
+# ... but for a path that did not exist when the scan looked: it records size and mtime -1 for a path it cannot
+# stat (a dangling symlink, a CSV row naming no file), so one that appears changes the inputs hash and is read
+# again anyway. A file the scan saw that was gone when its shard read it (moved away during the build) may come
+# back as it was, the same size and mtime: its reason says so (_GONE), and it is read again.
 _MISSING = tuple(f"unreadable: {name}:" for name in ("FileNotFoundError", "NotADirectoryError"))
+_GONE = "unreadable: gone since the scan"
+
+
+def _gone_since_scan(quarantined: list[dict], plan: dict) -> list[dict]:
+    """``quarantined`` with the reason of each file that was missing when read, though the scan saw it, saying
+    so (:data:`_GONE`): such a file is read again by a rerun (:func:`read_again`), as the scan's record of it
+    does not change when it comes back unchanged."""
+    absent = set(plan.get("absent") or ())
+    return [{**q, "reason": f"{_GONE} (moved or deleted while the build ran; a rerun reads it again): "
+                            f"{q['reason'][len('unreadable: '):]}"}
+            if q.get("error") == "unreadable" and str(q.get("reason", "")).startswith(_MISSING)
+            and q.get("path") not in absent else q
+            for q in quarantined]
 
 
 def read_again(entry: dict) -> bool:
@@ -537,7 +552,7 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
                 capped += loaded[1]
         attributes: dict[str, Any] = {
             "shard": plan["shard"], "inputs_hash": plan["inputs_hash"], "config_hash": config_hash,
-            "build_id": build_id, "quarantined": quarantined,
+            "build_id": build_id, "quarantined": _gone_since_scan(quarantined, plan),
         }
         if decode_spec.fit == "short":
             attributes["aspect_capped"] = capped

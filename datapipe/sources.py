@@ -529,5 +529,7 @@ def plan_shards(listing: Listing, shard_size: int) -> list[dict]:
             "paths": listing.paths[start:stop],
             "labels": listing.labels[start:stop],
             "inputs_hash": digest,
+            # the paths the scan found no file at (a dangling link, a missing CSV row): see builder.read_again
+            "absent": [listing.paths[i] for i in range(start, stop) if listing.stats[i][0] < 0],
         })
     return plans

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from build_fixtures import build_log
 
 import datapipe
 import datapipe.builder as builder
@@ -617,6 +618,56 @@ def test_a_file_that_failed_for_no_fault_of_its_bytes_is_read_again(small, tmp_p
     cache = datapipe.open(out)
     assert VICTIM in [cache.path(i) for i in range(len(cache))]
     assert build(small, out, max_bad_fraction=0).shards_built == 0
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_a_file_gone_while_the_build_ran_is_read_again_once_it_is_back(small, tmp_path, what):
+    """A file (or its folder) moved away after the scan and back before the rerun, with its size and mtime (mv,
+    rsync -a): the scan's record of it is unchanged, so the rerun must read it again for its reason, as for any
+    read that failed for no fault of the bytes. It stayed quarantined for ever, a whole class with the folder."""
+    out = tmp_path / "out"
+    moved = small / VICTIM if what == "file" else small / "b"
+    away = tmp_path / "away"
+
+    def move_away(record) -> None:
+        if "building serially" in record.getMessage():
+            os.rename(moved, away)
+
+    with build_log(move_away), pytest.raises(TooManyBadFilesError, match="a rerun reads again"):
+        build(small, out, max_bad_fraction=0)
+    gone = json.loads((out / "report.json").read_text())["quarantined"]
+    assert gone and all(q["path"].startswith("b/") and q["error"] == "unreadable"
+                        and q["reason"].startswith("unreadable: gone since the scan") for q in gone), gone
+    os.rename(away, moved)
+    again = build(small, out, max_bad_fraction=0)  # as the error line advises
+    assert again.quarantined == [] and again.num_samples == 10 and again.empty_classes == []
+    assert build(small, out, max_bad_fraction=0).shards_built == 0
+
+
+def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_when_asked(small, tmp_path):
+    """Within its budget the build finishes; a plain rerun is then a no-op, and --force reads the file again."""
+    out = tmp_path / "out"
+    away = tmp_path / "away.jpg"
+
+    def move_away(record) -> None:
+        if "building serially" in record.getMessage():
+            os.rename(small / VICTIM, away)
+
+    with build_log(move_away):
+        assert [q["path"] for q in build(small, out, max_bad_fraction=0.5).quarantined] == [VICTIM]
+    os.rename(away, small / VICTIM)
+    assert build(small, out, max_bad_fraction=0.5).shards_built == 0
+    again = build(small, out, max_bad_fraction=0.5, force=True)
+    assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
+
+
+def test_a_file_missing_at_the_scan_does_not_make_every_rerun_build_again(small, tmp_path):
+    """A path the scan finds no file at (a dangling link) is quarantined once; reruns stay no-ops."""
+    (small / "b" / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    out = tmp_path / "out"
+    first = build(small, out, max_bad_fraction=1.0)
+    assert [q["path"] for q in first.quarantined] == ["b/dangling.jpg"]
+    assert build(small, out, max_bad_fraction=1.0).shards_built == 0
 
 
 def test_a_finished_cache_reads_such_files_again_when_asked_and_only_then(small, tmp_path, monkeypatch):
