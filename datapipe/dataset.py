@@ -42,11 +42,11 @@ SHARD_STATE_KEYS = ("order", "window", "nodes")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
-# Each process numbers the datasets of each cache (build id) it splits over ranks in the order it creates
-# them: the n-th of a cache on every rank is one dataset, whose settings and positions the ranks compare
-# (see StreamingDataset._agree). Per cache, so that a dataset made on some ranks only (an evaluation set on
-# rank 0) never pairs the datasets of another cache made after it with the wrong ones.
-_SPLIT_DATASETS: dict[str, itertools.count] = {}
+# Each process numbers the datasets it splits over ranks in the order it creates them: the n-th on every rank
+# is one dataset, whose cache, settings and positions the ranks compare (see StreamingDataset._agree). Every
+# rank must create the same split datasets in the same order (one made on some ranks only, an evaluation of
+# rank 0's own, is read whole with rank=0, world_size=1, and not split).
+_SPLIT_DATASETS = itertools.count(1)
 # Position keys a dataset keeps in the process group's store; older ones are removed (two per epoch).
 _KEPT_KEYS = 8
 
@@ -267,9 +267,9 @@ class StreamingDataset(IterableDataset):
         self._running = False  # the current iteration (main process) has begun and not ended
         # Agreement between ranks (_agree): this dataset's number among those this process splits over
         # ranks (0: not split), whether its settings were compared, and the position keys published.
-        self._split = next(_SPLIT_DATASETS.setdefault(self._identity[0], itertools.count(1))) if self.world_size > 1 else 0
+        self._split = next(_SPLIT_DATASETS) if self.world_size > 1 else 0
         self._agreed = False
-        self._published: dict[tuple[int, str], int] = {}  # (epoch, kind): positions published
+        self._published: dict[tuple[int, str] | str, int] = {}  # (epoch, "iteration") or "set_epoch": positions published
         self._keys: deque[str] = deque()
 
     # ----------------------------------------------------------------- epoch, length, plan
@@ -564,27 +564,39 @@ class StreamingDataset(IterableDataset):
                 **order, "batch_size": self.batch_size, "drop_last": self.drop_last, "world_size": self.world_size}
 
     def _agree(self, kind: str | None = None) -> None:
-        """Under torch.distributed, compare this dataset's settings (once) and, for ``kind``, the position
-        the epoch is read from, with the first rank that published them. Never waits, no collective.
+        """Under torch.distributed, compare this dataset's cache and settings (once) and, for ``kind``, the
+        epoch and position it is read from, with the first rank that published them. Never waits, no
+        collective.
 
-        A position is published per (epoch, kind, n): the n-th ``set_epoch`` to that epoch ("epoch") or
-        the n-th iteration of it begun here ("iteration"). Ranks running the same code publish the same
-        keys whatever their timing; a rank that loaded a state the others did not differs in its start.
+        The epoch and position are published for the n-th ``set_epoch`` call ("epoch"), for the n-th
+        iteration of an epoch begun here ("iteration") and for the dataset's first iteration. Ranks running
+        the same code publish the same keys whatever their timing; a rank that loaded a state the others did
+        not, or an older one, or that selects another epoch, differs in its epoch or start.
         """
         if not self._split or torch.utils.data.get_worker_info() is not None or distributed_ranks() is None:
             return
-        prefix = f"datapipe/{self._identity[0]}/dataset-{self._split}"
+        prefix = f"datapipe/dataset-{self._split}"
         if not self._agreed:
             self._compare(f"{prefix}/settings", self._settings(), "settings")
             self._agreed = True
         if kind is None:
             return
         epoch = self.epoch
-        n = self._published.get((epoch, kind), 0)
-        self._published[(epoch, kind)] = n + 1
-        key = f"{prefix}/epoch-{epoch}/{kind}-{n}"
-        self._compare(key, {"start": self.start}, f"epoch {epoch} starts")
-        self._keys.append(key)
+        keys = []
+        if kind == "epoch":
+            n = self._published.get("set_epoch", 0)
+            self._published["set_epoch"] = n + 1
+            keys.append((f"{prefix}/set_epoch-{n}", f"set_epoch call #{n + 1}"))
+        else:
+            n = self._published.get((epoch, kind), 0)
+            self._published[(epoch, kind)] = n + 1
+            if not self._published.get("iteration"):
+                self._published["iteration"] = 1
+                keys.append((f"{prefix}/first-iteration", "first iteration"))
+            keys.append((f"{prefix}/epoch-{epoch}/iteration-{n}", f"iteration #{n + 1} of epoch {epoch}"))
+        for key, what in keys:
+            self._compare(key, {"epoch": epoch, "start": self.start}, what)
+            self._keys.append(key)
         while len(self._keys) > _KEPT_KEYS:  # every rank removes the same old keys: a few per dataset at most
             forget(self._keys.popleft())
 
@@ -604,9 +616,15 @@ class StreamingDataset(IterableDataset):
             return
         if "start" in mine:
             raise RankMismatchError(
-                f"the ranks disagree on {self._which()}: {what} at sample {mine['start']} here "
-                f"(rank {self.rank}) but at sample {show(first.get('start'))} on rank {other}; load the same state "
-                "on every rank (load_state_dict on each rank, not only on one) and call set_epoch alike")
+                f"the ranks disagree on {self._which()}: its {what} reads epoch {mine['epoch']} from sample "
+                f"{mine['start']} here (rank {self.rank}) but epoch {show(first.get('epoch'))} from sample "
+                f"{show(first.get('start'))} on rank {other}; load the same state on every rank (load_state_dict on "
+                "each rank, not only on one) and call set_epoch alike, with the same epochs")
+        if "build_id" in differ:
+            raise RankMismatchError(
+                f"the ranks disagree on {self._which()}: it reads the cache of build {show(mine['build_id'])} here "
+                f"(rank {self.rank}) but that of build {show(first.get('build_id'))} on rank {other}; every rank must "
+                "read the same cache and create the same StreamingDatasets in the same order")
         values = "; ".join(f"{name}={show(mine[name])} here (rank {self.rank}) but {name}={show(first.get(name))} "
                            f"on rank {other}" for name in differ)
         why = " (the ranks split one order: a seed per rank reads some samples twice and others never)" \

@@ -13,6 +13,7 @@ import functools
 import json
 import multiprocessing
 import os
+import shutil
 import socket
 import time
 import traceback
@@ -22,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from loader_fixtures import index_cache_info
+
+from datapipe.testing import build_index_cache
 
 B = 8
 WORLD = 2
@@ -250,8 +253,32 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
         ds.set_epoch(1)
         list(DataLoader(ds, batch_size=None, num_workers=2))
 
+    def iterate(ds, state=None, epochs=()) -> None:  # load_state_dict (if any), then set_epoch for each of epochs
+        loader = datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")
+        if state is not None:
+            loader.load_state_dict(state)
+        for epoch in epochs or [None]:
+            if epoch is not None:
+                loader.set_epoch(epoch)
+            for _batch in loader:
+                pass
+
+    def peek_on_rank_0() -> None:  # one batch on rank 0 before training (a sample grid): no false alarm
+        ds = make()
+        if rank == 0:
+            next(iter(datapipe.DeviceLoader(ds, device="cpu", num_workers=0, output="uint8")))
+        iterate(ds, epochs=[0, 1])
+
     state = {**make().state_dict(), "position": 2 * B * WORLD}
+    later = {**state, "epoch": 1}
+    rebuilt, copied = Path(out) / "rebuilt" / "cache", Path(out) / "copied"
     runs = {
+        "another cache on rank 1": lambda: make().set_epoch(0) if rank == 0 else datapipe.StreamingDataset(
+            rebuilt, batch_size=B, seed=5, return_index=True).set_epoch(0),
+        "resumed on rank 0 only, no set_epoch": lambda: iterate(make(), later if rank == 0 else None),
+        "an older state on rank 1": lambda: iterate(make(), later if rank == 0 else state,
+                                                    epochs=[1 if rank == 0 else 0]),
+        "set_epoch per rank": lambda: make().set_epoch(rank),
         "seed per rank": lambda: device_epoch(make(seed=rank)),
         "batch size": lambda: make(batch_size=2 * B if rank else B).set_epoch(0),
         "drop_last": lambda: len(DataLoader(make(drop_last=rank == 1), batch_size=None, num_workers=2)),
@@ -264,6 +291,9 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
         "resumed alike": lambda: device_epoch(make(), state, load_after_set_epoch=True, passes=2),
         "rank 0 only, unsplit": unsplit_on_rank_0,
         "alike with workers": with_workers,
+        "a copy of the cache on rank 1": lambda: datapipe.StreamingDataset(
+            cache if rank == 0 else copied, batch_size=B, seed=5, return_index=True).set_epoch(0),
+        "a peek on rank 0": peek_on_rank_0,
     }
     result = {}
     for name, run in runs.items():
@@ -273,17 +303,27 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
 
 
 def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index_cache, tmp_path):
-    """A seed per rank, another batch size or drop_last on one rank, a state loaded on one rank only:
-    one rank raises a one-line RankMismatchError naming the setting and both values (the other, first
-    to publish, reads on: nothing waits for anything), where it would read samples twice or hang DDP."""
+    """A seed per rank, another batch size or drop_last on one rank, a state loaded on one rank only (or an
+    older one, or another epoch), another cache on one rank: one rank raises a one-line RankMismatchError
+    naming the setting and both values (the other, first to publish, reads on: nothing waits for anything),
+    where it would read samples twice or hang DDP. A copy of the cache at another path, or one rank peeking at
+    a batch before training, is no disagreement."""
+    build_index_cache(tmp_path / "rebuilt", index_cache.n, shard_size=index_cache.shard_size, size=index_cache.size)
+    shutil.copytree(index_cache.path, tmp_path / "copied")  # the same build at another path (a node's copy)
     results = _run_ranks(index_cache.path, tmp_path, target=_disagreeing_main)
     expected = {
+        "another cache on rank 1": ("reads the cache of build", "every rank must read the same cache"),
+        "resumed on rank 0 only, no set_epoch": ("first iteration", f"epoch 1 from sample {2 * B * WORLD}",
+                                                 "epoch 0 from sample 0"),
+        "an older state on rank 1": ("set_epoch call #1", "epoch 1 from sample", "epoch 0 from sample",
+                                     "load the same state"),
+        "set_epoch per rank": ("set_epoch call #1", "epoch 1 from sample 0", "epoch 0 from sample 0"),
         "seed per rank": ("seed=", "seed=0", "seed=1", "a seed per rank"),
         "batch size": ("batch_size=", f"batch_size={B}", f"batch_size={2 * B}"),
         "drop_last": ("drop_last=", "drop_last=False", "drop_last=True"),
         "order": ("order='shards'", "order='global'", "; create it"),
-        "resumed on rank 0 only": ("epoch 0 starts", f"sample {2 * B * WORLD}", "sample 0", "load the same state"),
-        "resumed on rank 0 only, after set_epoch": ("epoch 0 starts", f"sample {2 * B * WORLD}", "sample 0"),
+        "resumed on rank 0 only": ("epoch 0 from sample", f"sample {2 * B * WORLD}", "sample 0", "load the same state"),
+        "resumed on rank 0 only, after set_epoch": ("epoch 0 from sample", f"sample {2 * B * WORLD}", "sample 0"),
     }
     for name, words in expected.items():
         raised = [r[name] for r in results if r[name] is not None]
@@ -292,7 +332,8 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
         assert message.startswith("RankMismatchError: ") and "\n" not in message and len(message) < 400, message
         assert all(word in message for word in words), message
         assert "None" not in message, message  # the global order has no window nor nodes to compare
-    for name in ("resumed alike", "rank 0 only, unsplit", "alike with workers"):
+    for name in ("resumed alike", "rank 0 only, unsplit", "alike with workers", "a copy of the cache on rank 1",
+                 "a peek on rank 0"):
         assert [r[name] for r in results] == [None] * WORLD, name
 
 
