@@ -50,7 +50,7 @@ def read_file(path: str, limit: int) -> bytes:
     try:
         return read_regular(path, limit)
     except NotRegularFile as exc:
-        raise DecodeError(exc.what, kind="unreadable") from None
+        raise DecodeError(f"not a regular file: {exc.what}", kind="unreadable") from None
     except FileTooLarge as exc:
         if exc.grew:
             raise DecodeError(f"file grew past the {limit:,}-byte limit while being read", kind="too-large") from None

@@ -1565,16 +1565,17 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
         log.info(f"datapipe build: {report.summary()} (up to date; nothing written: {read_only.why_read_only()})")
         return report
     if isinstance(out, remote.RemoteOutput):
-        changed = _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
+        _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
     else:
         # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
         # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
         remove_shards(out, build_id, keep={shard_name(p["shard"]) for p in plans})
-        changed = _write_index(out, listing, plans, records, config, chash, build_id=build_id)
+        _write_index(out, listing, plans, records, config, chash, build_id=build_id)
     seconds["finalize"] = time.perf_counter() - t_fin
     report.seconds = {**seconds, "total": time.perf_counter() - t0}
-    # A rerun with nothing to do writes nothing, and keeps the report of the build that did the work.
-    if changed or built or not _report_current(out, report):
+    # A rerun with nothing to do writes nothing, and keeps the report of the build that did the work; so does one
+    # that only wrote an index file again (a labels.npy deleted since): what the report says of the cache holds.
+    if built or not _report_current(out, report):
         _write_report(out, report)
     log.info("datapipe build: " + report.summary())
     return report

@@ -46,8 +46,8 @@ import numpy as np
 
 from . import manifest as mf
 from . import native
-from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError
-from .files import FileTooLarge, NotRegularFile, file_crc32c, open_for_reading, read_regular
+from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError, UnreadableFileError
+from .files import FileTooLarge, NotRegularFile, describe_mode, file_crc32c, open_for_reading, read_regular
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
@@ -1014,8 +1014,9 @@ class Cache:
             if not stat.S_ISREG(st.st_mode):
                 if self._rebuilt():  # a folder where the data file was: a rebuild into another layout
                     raise CorruptShardError(self._shard_changed(shard, "is not a file any more"))
-                raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) is not a regular file; "
-                                        f"{self._rewrite_hint}")
+                raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) is not a regular file but "
+                                        f"{describe_mode(st.st_mode)}; move it away and rerun the same `datapipe "
+                                        "build` to rewrite the shard (datapipe never deletes what it did not write)")
             with self._lock:
                 seen = self._identities.setdefault(shard, _identity(st))
             if seen != _identity(st):
@@ -1060,15 +1061,23 @@ class Cache:
             try:
                 st = os.stat(path)
                 actual = st.st_size if stat.S_ISREG(st.st_mode) else -2
-            except OSError:
+            except (FileNotFoundError, NotADirectoryError):
                 actual = -1
+            except OSError as exc:  # there, but not to be looked at (no permission, an I/O error): not damage
+                raise UnreadableFileError(f"shard {rec.name} ({path}) cannot be read ({exc.strerror or exc}); check "
+                                          "the permissions of the cache's files and folders") from None
             if actual == -1 and self.node_cache_of is not None:
                 raise CacheError(
                     f"shard {rec.name} ({path}) has not been downloaded: {self.root} is a node-local cache of "
                     f"{self.node_cache_of}, which downloads shards as they are read; open "
                     f"StreamingDataset({self.node_cache_of!r}, local_cache={str(self.root.parent)!r}) instead")
+            if actual == -2:  # never removed by a build (it did not write it): moved away by the user first
+                raise CorruptShardError(
+                    f"shard {rec.name} ({path}) is not a regular file but {describe_mode(st.st_mode)}; move it away "
+                    "and rerun the same `datapipe build` to rewrite the shard (datapipe never deletes what it did not "
+                    "write)")
             if actual != rec.nbytes:
-                what = {-1: "missing", -2: "not a regular file"}.get(actual, f"{actual:,} bytes, expected {rec.nbytes:,}")
+                what = "missing" if actual == -1 else f"{actual:,} bytes, expected {rec.nbytes:,}"
                 raise CorruptShardError(
                     f"shard {rec.name} ({path}) is {what}: truncated or altered after the build. "
                     "Rerun the same `datapipe build` to rewrite damaged shards.")

@@ -217,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
             return 141
+        except OSError as exc:  # the machine's state (a permission, a disk) where no message of ours says it: one line
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"datapipe {args.command}: error: {where}{exc.strerror or exc} ({type(exc).__name__}); check the "
+                  "path, its permissions and its disk, and rerun", file=sys.stderr)
+            return 1
 
 
 def _stdout_gone() -> bool:
@@ -323,6 +328,12 @@ def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise ArgumentError(f"--classes-from {where}: holds no class name; write one per line")
+    seen: set[str] = set()
+    for number, name in enumerate(names, start=1):
+        if name in seen:
+            raise ArgumentError(f"--classes-from {where}: names class {name!r} more than once (again as name "
+                                f"{number:,}); each class name must be given once")
+        seen.add(name)
     return tuple(names)
 
 

@@ -38,6 +38,11 @@ class CacheError(DatapipeError, ValueError):
     """A cache is missing, incomplete, of an unknown format version, or damaged."""
 
 
+class UnreadableFileError(CacheError):
+    """A file that is there but cannot be read (no permission, an I/O error): never taken for a missing,
+    damaged or foreign one."""
+
+
 class CorruptShardError(CacheError):
     """A shard's size or checksum does not match the manifest."""
 

@@ -9,9 +9,10 @@ then checked by :func:`datapipe.records.parse_manifest` into a typed :class:`Man
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from .errors import CacheError
+from .errors import CacheError, UnreadableFileError
 from .files import atomic_write_text
 from .records import (
     BUILD_LOCK,
@@ -48,11 +49,19 @@ def read_manifest(cache: str | Path) -> Manifest:
             this datapipe does not understand, or any field is malformed or inconsistent.
     """
     cache = Path(cache).expanduser()
-    if not cache.exists():
+    for path in (cache, cache / MANIFEST):
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            break
+        except OSError as exc:  # there, but not to be looked into: never called missing
+            raise UnreadableFileError(f"cache {cache} cannot be read ({exc.strerror or exc}); check the permissions "
+                                      "of the folder and those of the folders above it") from None
+    if not os.path.lexists(cache):
         raise CacheError(f"cache {cache} does not exist; build it with `datapipe build SOURCE {cache}`")
     if not cache.is_dir():
         raise CacheError(f"cache {cache} is not a folder; pass the folder `datapipe build` wrote")
-    if not (cache / MANIFEST).exists():
+    if not os.path.lexists(cache / MANIFEST):
         hint = (" — a build was started here but did not finish; run the same `datapipe build` "
                 "again to resume it" if (cache / BUILD_LOCK).exists() else "")
         raise CacheError(f"{cache} is not a finished datapipe cache (no {MANIFEST}){hint}")

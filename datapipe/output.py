@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import records
-from .errors import CacheError, ConfigMismatchError, OutputBusyError, OutputError
+from .errors import CacheError, ConfigMismatchError, DatapipeError, OutputBusyError, OutputError, UnreadableFileError
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
 from .shards import GROUP_META, SHARDS_DIR, remove_shard, shard_attributes
 from .text import plural
@@ -220,7 +220,10 @@ class Output:
     def discard_if_untouched(self) -> None:
         """After a failure before any shard was finished: remove exactly what this run created."""
         shards = self.path / SHARDS_DIR
-        if shards.is_dir() and any(e.name.endswith(".zarr") for e in shards.iterdir()):
+        try:
+            if shards.is_dir() and any(e.name.endswith(".zarr") for e in shards.iterdir()):
+                return
+        except OSError:  # what it holds cannot be seen: everything is kept
             return
         if self.path / records.BUILD_LOCK not in self.created:
             return  # an earlier build's output: keep its marker, so a rerun resumes it
@@ -240,6 +243,11 @@ class Output:
         if remove_dir:
             with contextlib.suppress(OSError):
                 self.path.rmdir()
+
+
+def _unreadable(path: Path, exc: OSError) -> OutputError:
+    return OutputError(f"output folder {path} cannot be read ({exc.strerror or exc}); check its permissions and "
+                       "those of the folders above it, and rerun")
 
 
 def _entries(out: Path) -> list[str]:
@@ -262,15 +270,20 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         ConfigMismatchError: it holds a build of another configuration or source (``force`` rebuilds).
         CacheError: its build.json carries the datapipe marker but is damaged.
     """
-    existed = out.exists()
-    if existed and not out.is_dir():
-        raise OutputError(f"output {out} is a file, not a folder; choose a folder")
-    if existed and _entries(out) and not records.is_datapipe_output(out):
-        holder = lock_holder(out)  # a build that has made the folder but not yet written its marker
-        if holder is not None:
-            raise busy(out, holder)
-        raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
-                          "or new folder (datapipe never deletes files it did not create)")
+    try:
+        existed = out.exists()
+        if existed and not out.is_dir():
+            raise OutputError(f"output {out} is a file, not a folder; choose a folder")
+        if existed and _entries(out) and not records.is_datapipe_output(out):
+            holder = lock_holder(out)  # a build that has made the folder but not yet written its marker
+            if holder is not None:
+                raise busy(out, holder)
+            raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
+                              "or new folder (datapipe never deletes files it did not create)")
+    except DatapipeError:
+        raise
+    except OSError as exc:  # it cannot be looked at: whether it is empty, or datapipe's, cannot be told
+        raise _unreadable(out, exc) from None
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -311,8 +324,12 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         output.discard_if_untouched()
         output.lock.release()
         raise
-    remove_stale_temps(out, OUTPUT_TEMPS)  # a write of the manifest, report... that a killed run left unfinished
-    removed = remove_stale_temps(out / SHARDS_DIR)
+    try:
+        remove_stale_temps(out, OUTPUT_TEMPS)  # a write of the manifest, report... that a killed run left unfinished
+        removed = remove_stale_temps(out / SHARDS_DIR)
+    except OSError as exc:
+        output.lock.release()
+        raise _unreadable(out / SHARDS_DIR if exc.filename and SHARDS_DIR in str(exc.filename) else out, exc) from None
     if removed:
         logging.getLogger("datapipe.build").info(
             f"datapipe build: removed {plural(removed, 'unfinished shard')} left by an interrupted build")
@@ -404,6 +421,8 @@ def _doc_build_id(path: Path) -> str | None:
     """The build id a JSON document of the output carries; None if it has none or cannot be read."""
     try:
         doc = records.read_json(path)
+    except UnreadableFileError:  # whose it is cannot be told: said, never taken for foreign
+        raise
     except CacheError:
         return None
     build_id = doc.get("build_id") if isinstance(doc, dict) else None
@@ -421,6 +440,8 @@ def shard_build_id(shard_dir: Path) -> str | None:
     """The build id in a shard's ``zarr.json`` attributes (whole or not); None if it carries none."""
     try:
         record = shard_attributes(records.read_json(shard_dir / GROUP_META))
+    except UnreadableFileError:  # whose it is cannot be told: said, never taken for foreign
+        raise
     except CacheError:
         return None
     value = (record or {}).get("build_id")

@@ -10,6 +10,7 @@ read from a document is ever joined to a path before it has been checked to be a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import CacheError
+from .errors import CacheError, UnreadableFileError
 from .files import FileTooLarge, NotRegularFile, read_regular
 from .text import one_line, show
 
@@ -78,7 +79,9 @@ def read_json(path: Path, *, hint: str | None = None) -> Any:
     except FileTooLarge as exc:
         raise CacheError(f"{path} is {exc.size:,} bytes, more than the {limit:,} this file may hold; {hint}") from None
     except OSError as exc:
-        raise CacheError(f"{path} cannot be read ({exc.strerror or exc}); {hint}") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            hint = "check its permissions and those of the folders above it, and rerun"
+        raise UnreadableFileError(f"{path} cannot be read ({exc.strerror or exc}); {hint}") from None
     return parse_json(data, path, hint=hint)
 
 
@@ -582,13 +585,16 @@ def read_report(folder: Path) -> ReportRecord | None:
 
 
 def _marker(path: Path) -> Any | None:
-    """The parsed document at ``path`` if it carries the datapipe marker, else None (never raises).
+    """The parsed document at ``path`` if it carries the datapipe marker, else None (raises only
+    UnreadableFileError, for a file there that cannot be read).
 
     The marker: a JSON object with format == "datapipe-cache", an integer version and, when present,
     a build_id of 32 lowercase hex digits.
     """
     try:
         doc = read_json(path)
+    except UnreadableFileError:  # whose it is cannot be told
+        raise
     except CacheError:
         return None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CacheError
+from .errors import CacheError, UnreadableFileError
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, read_regular
 from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
@@ -322,8 +322,11 @@ def _file_size(path: Path) -> int:
     """Bytes of the regular file at ``path``; 0 when there is none, -1 when it is not a regular file."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return 0
+    except OSError as exc:  # there, but not to be looked at: never taken for a shard to rebuild
+        raise UnreadableFileError(f"{path} cannot be read ({exc.strerror or exc}); check its permissions and those "
+                                  "of the folders above it, and rerun") from None
     return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
 
@@ -332,6 +335,8 @@ def read_shard_record(shard_dir: Path) -> dict[str, Any] | None:
     (its data file, and an indexed shard's sample index, not of the sizes the record gives)."""
     try:
         record = read_shard_metadata(shard_dir)
+    except UnreadableFileError:  # whether it is whole cannot be told: said, never rebuilt over
+        raise
     except CacheError:
         return None
     layout = shard_layout(record)

@@ -314,6 +314,19 @@ def test_altered_index_files_reported_by_verify(built_copy):
     assert len(problems) == 1 and "labels" in problems[0]
 
 
+@pytest.mark.parametrize("name", ["labels.npy", "paths.json", "manifest.json"])
+def test_a_rerun_that_rewrites_an_index_file_keeps_the_report_of_the_build_that_did_the_work(built_copy, source, name):
+    """It used to replace report.json with its own: 0 workers, 0 img/s, the build's figures lost."""
+    report = (built_copy / "report.json").read_bytes()
+    original = (built_copy / name).read_bytes()
+    (built_copy / name).unlink()
+    again = build(source[0], built_copy)
+    assert again.shards_built == 0
+    assert (built_copy / name).read_bytes() == original
+    assert (built_copy / "report.json").read_bytes() == report
+    assert json.loads(report)["workers"] >= 1
+
+
 def test_rerun_with_verify_repairs_a_flipped_byte(built_copy, source):
     """A plain rerun trusts finished shards by size (it must not read the whole cache); --verify
     checks every checksum and rewrites the damaged shard."""

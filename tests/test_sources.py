@@ -421,6 +421,9 @@ def test_classes_from_a_cache_or_a_text_file_on_the_command_line(tmp_path, imagi
         val = datapipe.open(out)
         assert list(val.classes) == ["0", "2", "5", "7"] and [int(val[i][1]) for i in range(2)] == [0, 3]
     (tmp_path / "empty.txt").write_text("\n")
-    for bad, message in ((tmp_path / "empty.txt", "holds no class name"), (tmp_path / "missing", "cannot be read")):
+    (tmp_path / "twice.txt").write_text("0\n2\n5\n2\n7\n")
+    for bad, message in ((tmp_path / "empty.txt", "holds no class name"), (tmp_path / "missing", "cannot be read"),
+                         (tmp_path / "twice.txt", f"--classes-from {tmp_path / 'twice.txt'}: names class '2' more than "
+                                                  "once (again as name 4)")):
         done = run(str(root / "val.csv"), str(tmp_path / "bad"), "--classes-from", str(bad))
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -33,8 +33,10 @@ import datapipe.writer as writer
 from datapipe.bounded import read_file
 from datapipe.cli import main as cli_main
 from datapipe.errors import (
+    BuildError,
     CacheError,
     ConfigMismatchError,
+    CorruptShardError,
     DecodeError,
     OutputBusyError,
     OutputError,
@@ -659,6 +661,37 @@ def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_whe
     assert build(small, out, max_bad_fraction=0.5).shards_built == 0
     again = build(small, out, max_bad_fraction=0.5, force=True)
     assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
+
+
+def test_a_file_that_became_a_fifo_after_the_scan_has_the_scans_reason(small, tmp_path):
+    """Read time says what the scan says of a FIFO under an image's name, and never opens it to wait."""
+    victim = small / VICTIM
+
+    def swap(record) -> None:
+        if "building serially" in record.getMessage():
+            victim.unlink()
+            os.mkfifo(victim)
+
+    with build_log(swap):
+        report = build(small, tmp_path / "out", max_bad_fraction=0.5)
+    assert [(q["path"], q["error"], q["reason"]) for q in report.quarantined] == [
+        (VICTIM, "unreadable", "not a regular file: a named pipe (FIFO)")]
+
+
+def test_a_shard_data_file_that_is_a_fifo_is_named_with_what_to_do(small, tmp_path):
+    """Builds never delete what they did not write: the message says to move it away first, and then the rerun
+    rewrites the shard (it used to advise the rerun alone, which refused the FIFO)."""
+    out = tmp_path / "out"
+    build(small, out)
+    data = images_path(out / "shards" / "000001.zarr", "fixed")
+    data.unlink()
+    os.mkfifo(data)
+    with pytest.raises(CorruptShardError, match=r"is not a regular file but a named pipe \(FIFO\); move it away"):
+        datapipe.open(out)
+    with pytest.raises(BuildError, match="no datapipe build wrote it"):
+        build(small, out)
+    data.rename(tmp_path / "fifo")
+    assert build(small, out).shards_built == 1 and datapipe.open(out).verify() == []
 
 
 def test_a_file_missing_at_the_scan_does_not_make_every_rerun_build_again(small, tmp_path):
