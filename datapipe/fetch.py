@@ -94,16 +94,37 @@ PART = ".part-"
 PARTIAL = ".datapipe-partial"  # downloads in progress: <path with "/" as "%2F">.part-<pid>-<random>, renamed into place
 
 # The temporary files of this process's downloads in progress. A download in a prefetch (daemon) thread when the
-# interpreter exits never reaches its own clean-up; these are removed at exit instead (a thread still writing one
-# writes on into the unlinked file). A process killed outright leaves its own for the next open to remove.
+# interpreter exits would never reach its own clean-up: at exit, _exiting stops every transfer at its next chunk
+# (and any not yet begun), each removes its file as it ends, and what is left after EXIT_WAIT_SECONDS is removed
+# (a thread still writing one writes on into the unlinked file), with any file of this process in the folders
+# its downloads used (one a transfer created at that very moment). A process killed outright leaves its own for
+# the next open to remove.
 _parts: set[Path] = set()
+_part_dirs: set[Path] = set()
 _parts_lock = threading.Lock()
+_exiting = threading.Event()
+EXIT_WAIT_SECONDS = 2.0
+
+
+class _Exiting(Exception):
+    """The interpreter is exiting: a download stops (its temporary file is removed)."""
 
 
 @atexit.register
 def _remove_parts_at_exit() -> None:
+    _exiting.set()
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        with _parts_lock:
+            if not _parts:
+                break
+        time.sleep(0.01)
     with _parts_lock:
-        left = list(_parts)
+        left, folders = list(_parts), list(_part_dirs)
+    mine = f"{PART}{os.getpid()}-"
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            left += [Path(entry.path) for entry in os.scandir(folder) if mine in entry.name]
     for path in left:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -219,10 +240,14 @@ class _Progress:
         pass
 
     def absolute_update(self, value: int) -> None:
+        if _exiting.is_set():
+            raise _Exiting()
         self.value = int(value)
         self._signal()
 
     def relative_update(self, inc: int = 1) -> None:
+        if _exiting.is_set():
+            raise _Exiting()
         self.value += int(inc)
         self._signal()
 
@@ -903,7 +928,10 @@ class ShardFetcher:
             make_dirs(self.folder / PARTIAL)
             tmp = self.folder / PARTIAL / f"{self._temp_name(rel)}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             with _parts_lock:
+                if _exiting.is_set():
+                    raise _Exiting()
                 _parts.add(tmp)
+                _part_dirs.add(tmp.parent)
             progress = _Progress(tmp)
             then, meanwhile = meanwhile, None
 
@@ -990,6 +1018,10 @@ class ShardFetcher:
                 raise
         seen, since = 0, time.monotonic()
         while not future.done():
+            if _exiting.is_set():
+                progress.cancelled = True
+                future.cancel()
+                raise _Exiting()
             progress.ready.wait(min(0.25, self.timeout))
             progress.ready.clear()
             progress.catch_up()
@@ -1005,7 +1037,7 @@ class ShardFetcher:
         except DatapipeError:
             raise
         except Exception as exc:
-            if local_os_error(exc):
+            if isinstance(exc, _Exiting) or local_os_error(exc):
                 raise  # this machine's disk (full, read-only): no retry mends it, and it is not the store's
             if isinstance(exc, FileNotFoundError) and exc.filename != str(tmp):
                 raise _Missing() from None
@@ -1379,6 +1411,8 @@ async def _s3_get(fs: Any, rpath: str, lpath: str, progress: _Progress) -> tuple
     body = response["Body"]
     crc = size = 0
     try:
+        if _exiting.is_set():
+            raise _Exiting()
         with open(lpath, "wb") as f:
             while chunk := await body.read(S3_CHUNK):
                 f.write(chunk)

@@ -63,9 +63,11 @@ class WatchedFS(InOrderFS):
     protocol = "dp-watched"
     root_marker = "/"
     seen: list[tuple[str, list[str]]] = []
+    before: set[int | None] = set()  # threads alive before the test (an earlier test's, winding down): not counted
 
     def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
-        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("datapipe-prefetch"))
+        alive = sorted(t.name for t in threading.enumerate()
+                       if t.name.startswith("datapipe-prefetch") and t.ident not in WatchedFS.before)
         WatchedFS.seen.append((rpath, alive))
         return super().get_file(rpath, lpath, callback=callback, outfile=outfile, **kwargs)
 
@@ -147,6 +149,7 @@ def test_the_reader_downloads_the_first_shard_itself_and_prefetching_starts_afte
     first batch is read; every shard is still downloaded once, ahead of the reader."""
     url = upload(WatchedFS, local_cache_dir)
     WatchedFS.seen.clear()
+    WatchedFS.before = {t.ident for t in threading.enumerate()}
     ds = datapipe.StreamingDataset(url, local_cache=tmp_path / "lc", batch_size=40, order="shards", window=1,
                                    shuffle=False, return_index=True, prefetch=2)
     got = [batch[2].tolist() for batch in ds]
@@ -273,3 +276,69 @@ def test_the_eviction_scan_reads_again_a_lock_rewritten_at_the_same_length_at_on
     assert fetch._scan(root)[0] == 1000
     lock.write_text(record(2000))  # same length, same inode, and (within a clock tick) the same times
     assert fetch._scan(root) == (0, [])  # the record no longer names the file in place
+
+
+_EXIT_SCRIPT = """
+import sys, time, uuid
+from pathlib import Path
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+import datapipe
+from datapipe import fetch
+
+class SlowFS(MemoryFileSystem):
+    protocol = "dp-slow"
+    root_marker = "/"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("dp-slow://"))
+
+    def get_file(self, rpath, lpath, callback=None, outfile=None, **kwargs):
+        data = self.cat_file(rpath)
+        with open(lpath, "wb") as f:
+            for start in range(0, len(data), 4096):
+                f.write(data[start:start + 4096])
+                f.flush()
+                if callback is not None:
+                    callback.relative_update(len(data[start:start + 4096]))
+                time.sleep(0.01)
+
+fsspec.register_implementation("dp-slow", SlowFS, clobber=True)
+root = f"/{uuid.uuid4().hex}/cache"
+SlowFS().put(sys.argv[1], root, recursive=True)
+ds = datapipe.StreamingDataset(f"dp-slow://{root.lstrip('/')}", local_cache=sys.argv[2], batch_size=40, prefetch=2,
+                               order="shards", window=1, shuffle=False)
+batches = iter(ds)
+next(batches)  # the prefetch threads now download the next shards, slowly
+time.sleep(0.1)
+fetch._remove_parts_at_exit()  # what the interpreter runs at exit, before other handlers (and its threads stop)
+# the other exit handlers: threads still run meanwhile (the reader below keeps the prefetch threads at work, as
+# a thread of the program might, to make any download that may still begin begin)
+seen = set()
+deadline = time.monotonic() + 1.2
+while time.monotonic() < deadline:
+    seen |= {p.name for p in Path(sys.argv[2]).rglob("*") if fetch.PART in p.name}
+    try:
+        next(batches)
+    except BaseException:
+        time.sleep(0.02)
+print(sorted(seen))
+sys.stdout.flush()
+import os
+os._exit(0)
+"""
+
+
+def test_no_download_outlives_the_exit_handler_to_leave_a_partial_file(tmp_path):
+    """At exit the prefetch threads stop downloading: a transfer under way stops at its next block and removes its
+    file, and none begins. The handler used to remove the files it knew of and return, while the threads, still
+    running through the other exit handlers, finished or began downloads and left their temporary files."""
+    import subprocess
+    import sys
+
+    cache = build_index_cache(tmp_path / "src", 480, size=32, shard_size=40)  # 12 shards, 0.3 s each to download
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(cache), str(tmp_path / "lc")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
