@@ -46,7 +46,16 @@ import numpy as np
 
 from . import manifest as mf
 from . import native
-from .errors import ArgumentError, CacheError, CorruptShardError, MappedReadError, UnreadableFileError
+from .errors import (
+    PERMISSION_ADVICE,
+    ArgumentError,
+    CacheError,
+    CorruptShardError,
+    MappedReadError,
+    UnreadableFileError,
+    refused,
+    refused_error,
+)
 from .files import FileTooLarge, NotRegularFile, describe_mode, file_crc32c, open_for_reading, read_regular
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
@@ -442,8 +451,8 @@ class Cache:
         try:
             fd = open_for_reading(path)
         except OSError as exc:
-            raise CorruptShardError(f"{path} cannot be opened ({exc.strerror or exc}); rerun the same "
-                                    "`datapipe build` to rewrite it") from None
+            raise refused_error(str(path), exc) or CorruptShardError(
+                f"{path} cannot be opened ({exc.strerror or exc}); rerun the same `datapipe build` to rewrite it") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -954,8 +963,9 @@ class Cache:
             raise CorruptShardError(f"{where}: the sample index is {exc.size:,} bytes, more than the {limit:,} of "
                                     f"{rec.count} samples; {self._rewrite_hint}") from None
         except OSError as exc:
-            raise CorruptShardError(f"{where}: the sample index cannot be read ({exc.strerror or exc}); check the "
-                                    "storage, then reopen the cache") from None
+            raise refused_error(f"{where}: the sample index", exc) or CorruptShardError(
+                f"{where}: the sample index cannot be read ({exc.strerror or exc}); check the storage, then reopen "
+                "the cache") from None
         want = rec.index_crc32c
         crc = _crc32c_hex(raw)
         if crc != want:
@@ -1007,8 +1017,9 @@ class Cache:
         except (FileNotFoundError, NotADirectoryError):  # gone, or a file where its folder was (another layout)
             raise CorruptShardError(self._shard_changed(shard, "is gone")) from None
         except OSError as exc:
-            raise CorruptShardError(f"shard {self.shard_names[shard]} ({path}) cannot be opened "
-                                    f"({exc.strerror or exc}); check the storage, then reopen the cache") from None
+            raise refused_error(f"shard {self.shard_names[shard]} ({path})", exc) or CorruptShardError(
+                f"shard {self.shard_names[shard]} ({path}) cannot be opened ({exc.strerror or exc}); check the "
+                "storage, then reopen the cache") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -1123,7 +1134,7 @@ class Cache:
             try:
                 self._load_index(s)
             except CacheError as exc:
-                problems.append(f"{exc}; {fix}")
+                problems.append(str(exc) if isinstance(exc, UnreadableFileError) else f"{exc}; {fix}")
         if os.path.lexists(self._shard_path(s)):
             found = True
             problems.extend(self._verify_data(s, read_fix=f"; {fix}", crc_fix=fix))
@@ -1138,7 +1149,8 @@ class Cache:
         try:
             crc = file_crc32c(path)
         except (CacheError, OSError) as exc:
-            return [f"shard {rec.name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc}){read_fix}"]
+            fix = f"; {PERMISSION_ADVICE}" if refused(exc) else read_fix
+            return [f"shard {rec.name}: {path} cannot be read ({getattr(exc, 'strerror', None) or exc}){fix}"]
         if crc != rec.crc32c:
             return [f"shard {rec.name}: checksum {crc} != manifest {rec.crc32c} ({path}); {crc_fix}"]
         return []
@@ -1191,7 +1203,8 @@ class Cache:
         try:
             data = _read_regular(path, 8 * rec.count + 1)
         except OSError as exc:
-            return [f"shard {rec.name}: labels chunk {path} cannot be read ({exc.strerror or exc}); {fix}"]
+            why = PERMISSION_ADVICE if refused(exc) else fix
+            return [f"shard {rec.name}: labels chunk {path} cannot be read ({exc.strerror or exc}); {why}"]
         if len(data) != 8 * rec.count:
             return [f"shard {rec.name}: labels chunk {path} holds {len(data)} bytes, expected {8 * rec.count}; {fix}"]
         if labels is not None and not np.array_equal(np.frombuffer(data, "<i8"), labels[rec.first : rec.first + rec.count]):

@@ -449,8 +449,14 @@ def _verdict(problems: list[str], where: str, shards: int, samples: int, *, outp
     """Print what ``datapipe verify`` found and return its exit status (1 when anything is wrong)."""
     for line in problems:
         print(line)
-    verdict = "OK" if not problems else (f"{plural(len(problems), 'problem')}; `datapipe build SOURCE {output} --verify` "
-                                         "rewrites damaged shards")
+    from .errors import PERMISSION_ADVICE
+
+    refused = sum(PERMISSION_ADVICE in line for line in problems)
+    fix = f"`datapipe build SOURCE {output} --verify` rewrites damaged shards"
+    if refused:  # a file that cannot be read is no damage: fixing its permissions is all it takes
+        fix = ("fix the permissions of the files named" if refused == len(problems) else
+               f"fix the permissions of the files named; {fix}")
+    verdict = "OK" if not problems else f"{plural(len(problems), 'problem')}; {fix}"
     print(f"{where}: {plural(shards, 'shard')}, {plural(samples, 'sample')}: {verdict}")
     return 0 if not problems else 1
 

@@ -43,6 +43,22 @@ class UnreadableFileError(CacheError):
     damaged or foreign one."""
 
 
+PERMISSION_ADVICE = "check its permissions and those of the folders above it, and rerun"
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a file system's refusal to let this user look (no permission), not damage."""
+    return isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM)
+
+
+def refused_error(what: str, exc: BaseException) -> UnreadableFileError | None:
+    """The UnreadableFileError of ``what`` (a path, or 'shard NAME (path)') when ``exc`` is a refusal to read it
+    (:func:`refused`), else None: the caller's own error follows."""
+    if not refused(exc):
+        return None
+    return UnreadableFileError(f"{what} cannot be read ({getattr(exc, 'strerror', None) or exc}); {PERMISSION_ADVICE}")
+
+
 class CorruptShardError(CacheError):
     """A shard's size or checksum does not match the manifest."""
 

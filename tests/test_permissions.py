@@ -145,3 +145,41 @@ def test_a_source_folder_that_can_be_listed_but_not_entered(built, tmp_path):
     finally:
         os.chmod(sub, 0o755)
     assert f"folder {sub} of the source cannot be read (Permission denied)" in line, line
+
+
+INSIDE = ["labels.npy", "paths.json", "shards/000000.zarr/images/c/0/0/0/0", "shards/000000.zarr/labels/c/0"]
+
+
+@pytest.mark.parametrize("name", INSIDE)
+def test_verify_says_which_file_cannot_be_read_and_not_to_rebuild(cache, name):
+    os.chmod(cache / name, 0)
+    proc = datapipe_cli("verify", str(cache))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    problem = next(line for line in lines if str(cache / name) in line)
+    assert "cannot be read (Permission denied)" in problem and "permissions" in problem, problem
+    assert not any(word in problem for word in ("rewrite", "rerun the same", "damaged")), problem
+    assert lines[-1].endswith("fix the permissions of the files named"), lines[-1]
+
+
+_READ = """
+import sys
+import datapipe
+from datapipe.errors import UnreadableFileError
+try:
+    for _ in datapipe.StreamingDataset(sys.argv[1], batch_size=4, shuffle=False):
+        pass
+    datapipe.open(sys.argv[1]).path(0)
+except UnreadableFileError as exc:
+    print("UnreadableFileError:", exc)
+"""
+
+
+@pytest.mark.parametrize("name", INSIDE[:3])
+def test_the_loader_says_which_file_cannot_be_read(cache, name):
+    os.chmod(cache / name, 0)
+    proc = subprocess.run([*_unprivileged(), sys.executable, "-c", _READ, str(cache)], capture_output=True, text=True,
+                          timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.stdout.startswith("UnreadableFileError: "), proc.stdout + proc.stderr
+    assert str(cache / name) in proc.stdout and "cannot be read (Permission denied)" in proc.stdout, proc.stdout
+    assert "rewrite" not in proc.stdout, proc.stdout
