@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .errors import DecodeError
+from .errors import DecodeError, env_seconds
 from .files import FileTooLarge, NotRegularFile, read_regular
 
 DEFAULT_FILE_TIMEOUT = 300.0  # seconds one file may take to read and decode (DATAPIPE_FILE_TIMEOUT)
@@ -32,12 +32,7 @@ def max_file_bytes(max_pixels: int) -> int:
 
 def file_timeout() -> float:
     """Seconds one file may take to read and decode: ``DATAPIPE_FILE_TIMEOUT`` (default 300)."""
-    text = os.environ.get("DATAPIPE_FILE_TIMEOUT", "")
-    try:
-        value = float(text) if text else DEFAULT_FILE_TIMEOUT
-    except ValueError:
-        value = DEFAULT_FILE_TIMEOUT
-    return value if value > 0 else DEFAULT_FILE_TIMEOUT
+    return env_seconds("DATAPIPE_FILE_TIMEOUT", DEFAULT_FILE_TIMEOUT)
 
 
 def read_file(path: str, limit: int) -> bytes:

@@ -36,7 +36,7 @@ import numpy as np
 from . import manifest as mf
 from . import remote, samples
 from ._threads import torch_threads
-from .bounded import Watchdog, max_file_bytes, read_file, warm_up
+from .bounded import Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DecodeSpec, Fit, decode_fitted
 from .errors import (
     ArgumentError,
@@ -51,6 +51,7 @@ from .errors import (
     TooManyBadFilesError,
     TooManyOpenFilesError,
     describe_quarantine,
+    env_seconds,
     one_line,
     quarantine_counts,
     unreadable,
@@ -606,7 +607,7 @@ def _probe(file: str, spec: dict, source_options: dict | None = None, store_time
             tmp.flush()
             return _probe(tmp.name, spec)
 
-    timeout = float(os.environ.get("DATAPIPE_PROBE_TIMEOUT", "120"))
+    timeout = env_seconds("DATAPIPE_PROBE_TIMEOUT", PROBE_TIMEOUT)
     try:
         proc = subprocess.run([sys.executable, "-m", "datapipe.probe", str(file), json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
@@ -787,6 +788,7 @@ def build(
         raise ArgumentError(f"storage_options: for an s3:// (gs://, az://) source or output only; {source} and {output} "
                             "are local, so leave them out")
     store_timeout = remote.store_timeout() if remote_source or remote_output else remote.STORE_TIMEOUT
+    _check_timeouts()
     if remote_source:
         listing = remote.scan(os.fspath(source), storage_options, store_timeout,
                               exclude=os.fspath(output) if remote_output else None)
@@ -949,7 +951,9 @@ def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], confi
 
 
 def _log_plan(listing: Listing, plans: list[dict], spec: BuildSpec) -> None:
-    log.info(f"datapipe build: {plural(len(listing), 'file')} in {plural(len(listing.classes), 'class', 'classes')} "
+    refused = f" (and {len(listing.dropped)} refused at the scan)" if listing.dropped else ""  # counted in `scanned` too
+    log.info(f"datapipe build: {plural(len(listing), 'file')}{refused} in "
+             f"{plural(len(listing.classes), 'class', 'classes')} "
              f"from {listing.url or listing.root} -> {plural(len(plans), 'shard')} of up to "
              f"{plural(spec.samples_per_shard, 'sample')} at {_describe(spec)}")
 
@@ -1338,10 +1342,23 @@ def _signals_deferred(pending: list[int]) -> Iterator[None]:
                 signal.signal(sig, previous[sig])
 
 
+PROBE_TIMEOUT = 120.0  # seconds a file decoded in a process of its own may take (DATAPIPE_PROBE_TIMEOUT)
+SCHEDULER_TIMEOUT = 20.0  # seconds to reach an existing Dask scheduler (DATAPIPE_SCHEDULER_TIMEOUT)
+
+
+def _check_timeouts() -> None:
+    """Every DATAPIPE_*_TIMEOUT a build reads is valid, checked before anything starts (a worker reading a bad one
+    would fail its shard instead of the build failing with one line)."""
+    file_timeout()
+    env_seconds("DATAPIPE_PROBE_TIMEOUT", PROBE_TIMEOUT)
+    env_seconds("DATAPIPE_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)
+    env_seconds("DATAPIPE_REMOTE_LOCK_TTL", remote.LOCK_TTL)
+
+
 def _connect(scheduler: str) -> Client:
     from dask.distributed import Client
 
-    wait = os.environ.get("DATAPIPE_SCHEDULER_TIMEOUT", "20")
+    wait = env_seconds("DATAPIPE_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)
     made: list[Client | BaseException] = []
 
     def make() -> None:

@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op), or an s3:// (gs://, az://) URL")
     _storage_option_flag(b)
     b.add_argument("--size", type=_positive_int, default=256,
-                   help="side of the square samples, or the shorter side with --fit short (default 256)")
+                   help="side of the square samples, or the shorter side with --fit short, 8 to 8192 (default 256)")
     b.add_argument("--fit", choices=("crop", "pad", "stretch", "short"), default="crop",
                    help="crop: shorter side to SIZE then center crop (default); pad: letterbox on white; stretch; "
                         "short: shorter side to SIZE keeping the aspect, the longer cut to --max-aspect x SIZE")
@@ -359,7 +359,8 @@ def _info(args: argparse.Namespace) -> int:
         shape = f"{cache.fixed_shape}"
     else:
         lo, hi = cache.shape_range
-        shape = f"HxW from {lo[0]}x{lo[1]} to {hi[0]}x{hi[1]} (shorter side {cache.size}, aspect kept)"
+        shape = (f"height {lo[0]} to {hi[0]}, width {lo[1]} to {hi[1]} (shorter side {cache.size}, aspect kept)"
+                 if (lo[0], lo[1]) != (hi[0], hi[1]) else f"{lo[0]}x{lo[1]} (shorter side {cache.size}, aspect kept)")
     _print_summary(m, str(cache.root), shape=shape, shards=len(cache.counts), report=report,
                    report_at=str(cache.root / "report.json"), where="on disk", stored=(shapes, stored))
     return 0

@@ -43,6 +43,25 @@ class UnreadableFileError(CacheError):
     damaged or foreign one."""
 
 
+def env_seconds(name: str, default: float) -> float:
+    """The seconds environment variable ``name`` gives, ``default`` when it is unset or empty.
+
+    Raises:
+        ArgumentError: it is set to anything but a positive, finite number (one line naming it).
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ArgumentError(f"{name} must be a positive number of seconds, got {text!r}; unset it for the default "
+                            f"({default:g} s)")
+    return value
+
+
 PERMISSION_ADVICE = "check its permissions and those of the folders above it, and rerun"
 
 

@@ -41,6 +41,7 @@ from .errors import (
     OutputError,
     RemoteStoreError,
     SourceError,
+    env_seconds,
     local_os_error,
     one_line,
 )
@@ -343,14 +344,7 @@ def briefly(cleanup: Any, seconds: float) -> None:
 
 def store_timeout() -> float:
     """Seconds the store may take per request, per 8 MiB a write sends: ``DATAPIPE_STORE_TIMEOUT`` (default 60)."""
-    text = os.environ.get("DATAPIPE_STORE_TIMEOUT", "")
-    try:
-        value = float(text) if text else STORE_TIMEOUT
-    except ValueError:
-        raise ArgumentError(f"DATAPIPE_STORE_TIMEOUT must be a number of seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise ArgumentError(f"DATAPIPE_STORE_TIMEOUT must be a positive number of seconds, got {text!r}")
-    return value
+    return env_seconds("DATAPIPE_STORE_TIMEOUT", STORE_TIMEOUT)
 
 
 def _fsspec() -> Any:
@@ -966,7 +960,7 @@ class RemoteLock:
         self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.ttl = float(os.environ.get("DATAPIPE_REMOTE_LOCK_TTL", LOCK_TTL))
+        self.ttl = env_seconds("DATAPIPE_REMOTE_LOCK_TTL", LOCK_TTL)
 
     def _doc(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "refreshed": time.time(),

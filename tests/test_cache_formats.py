@@ -234,7 +234,8 @@ def test_verify_and_info_of_an_indexed_cache(builds, capsys):
         assert ("quality 90" in out) == (encoding == "jpeg") == ("a restart marker after every MCU" in out)
         assert f"layout     {cache.layout}" in out
         if fit == "short":
-            assert f"{SIZE}x{SIZE} to" in out and "aspect kept" in out
+            (lo_h, lo_w), (hi_h, hi_w) = cache.shape_range
+            assert f"height {lo_h} to {hi_h}, width {lo_w} to {hi_w}" in out and "aspect kept" in out
         else:
             assert f"of shape ({SIZE}, {SIZE}, 3)" in out
         mean = cache.sample_nbytes.mean()

@@ -694,6 +694,21 @@ def test_a_shard_data_file_that_is_a_fifo_is_named_with_what_to_do(small, tmp_pa
     assert build(small, out).shards_built == 1 and datapipe.open(out).verify() == []
 
 
+@pytest.mark.parametrize("name", ["DATAPIPE_FILE_TIMEOUT", "DATAPIPE_PROBE_TIMEOUT", "DATAPIPE_SCHEDULER_TIMEOUT",
+                                  "DATAPIPE_REMOTE_LOCK_TTL"])
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])
+def test_a_bad_timeout_variable_is_one_line_before_anything_starts(small, tmp_path, name, value):
+    """Each was read its own way: a traceback, a silent fallback to the default, or (a worker's) a failed shard."""
+    out = tmp_path / "out"
+    proc = cli("build", str(small), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet", env={name: value})
+    assert proc.returncode == 2
+    default = {"DATAPIPE_FILE_TIMEOUT": 300, "DATAPIPE_PROBE_TIMEOUT": 120, "DATAPIPE_SCHEDULER_TIMEOUT": 20,
+               "DATAPIPE_REMOTE_LOCK_TTL": 120}[name]
+    assert one_line(proc.stderr) == (f"datapipe build: error: {name} must be a positive number of seconds, got "
+                                     f"{value!r}; unset it for the default ({default} s)")
+    assert not out.exists()
+
+
 def test_a_file_missing_at_the_scan_does_not_make_every_rerun_build_again(small, tmp_path):
     """A path the scan finds no file at (a dangling link) is quarantined once; reruns stay no-ops."""
     (small / "b" / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
