@@ -198,6 +198,22 @@ def _channel_triple(values: Iterable[float], what: str, *, nonzero: bool = False
     return triple
 
 
+def _check_float32(mean: tuple[float, float, float], std: tuple[float, float, float]) -> None:
+    """The normalisation is applied in float32 (as a scale and a shift, see :func:`datapipe.native.scale_shift`):
+    a ``mean`` or ``std`` that is finite in Python but not there (1e-300 is 0, 1e300 infinite) would turn every
+    output into inf or NaN."""
+    f32 = torch.finfo(torch.float32)
+    for name, values in (("mean", mean), ("std", std)):
+        for v in values:
+            if abs(v) > f32.max or (name == "std" and abs(v) < f32.tiny):
+                held = f"{f32.tiny:.3g} to {f32.max:.3g}" if name == "std" else f"at most {f32.max:.3g}"
+                raise ArgumentError(f"{name} must be numbers float32 holds ({held} in size), got {show(values)}")
+    scale, shift = native.scale_shift(mean, std)
+    if not all(math.isfinite(v) and abs(v) <= f32.max for v in (*scale, *shift)):
+        raise ArgumentError(f"mean {show(mean)} and std {show(std)} give a normalisation (x / 255 - mean) / std that "
+                            "float32 cannot hold; use values of ordinary size (ImageNet's are about 0.45 and 0.22)")
+
+
 def _normalize_float(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     m, s = _channels(tuple(mean), x.device, x.dtype), _channels(tuple(std), x.device, x.dtype)
     return (x - m) / s
@@ -228,6 +244,8 @@ def sample_resized_crops(batch: int, height: int | torch.Tensor, width: int | to
         return torch.empty((0, 4), dtype=torch.int64)
     per_sample = isinstance(height, torch.Tensor) or isinstance(width, torch.Tensor)
     hs, ws = _sizes(height, batch, "height"), _sizes(width, batch, "width")  # int64 [B]
+    if int(hs.min()) < 1 or int(ws.min()) < 1:
+        raise ArgumentError(f"image sizes must be at least 1 pixel, got height {show(height)}, width {show(width)}")
     tries = 10
     # the ints stay Python ints: a scalar times the draws, exactly as before per-sample sizes
     area = (hs * ws)[:, None] if per_sample else int(height) * int(width)
@@ -371,9 +389,13 @@ class BatchAugment(nn.Module):
             raise ArgumentError(f"path must be 'auto', 'uint8' or 'device', got {show(path)}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ArgumentError(f"dtype must be a floating torch dtype (torch.float32, bfloat16, float16), got {show(dtype)}")
-        # 0: each sample's own size (a plain conversion)
+        # 0: each sample's own size (a plain conversion, the one transform made without a size)
+        if size is None and not isinstance(self, Convert):
+            raise ArgumentError(f"size must be an integer of at least 1 (the side of the square output), got None for "
+                                f"{type(self).__name__}")
         self.size = 0 if size is None else check_int(size, "size", 1)
         self.mean, self.std = _channel_triple(mean, "mean"), _channel_triple(std, "std", nonzero=True)
+        _check_float32(self.mean, self.std)
         self.dtype, self.channels_last, self.path = dtype, check_bool(channels_last, "channels_last"), path
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:

@@ -147,6 +147,13 @@ def test_per_sample_sizes_of_the_wrong_shape_or_type_are_refused(bad):
         crops_of(4, bad, 8)
 
 
+@pytest.mark.parametrize(("height", "width"), [(0, 10), (-5, 10), (10, 0), (torch.tensor([4, 0]), 8)])
+def test_image_sizes_below_one_pixel_are_refused_not_cropped(height, width):
+    """They gave boxes of no pixels or outside the image ([0, 5, 0, 0], [-9, 0, 13, 10])."""
+    with pytest.raises(ArgumentError, match="at least 1 pixel"):
+        crops_of(2, height, width)
+
+
 def test_convert_is_the_plain_conversion():
     """augment.convert: the cache's own size, normalised or in [0, 1], in its dtype and layout."""
     images = smooth_batch(3, 20)
@@ -186,6 +193,9 @@ def test_convert_seeds_a_generic_module_and_leaves_the_global_generator_alone():
 @pytest.mark.parametrize("kwargs", [
     {"dtype": torch.int8}, {"dtype": "float32"}, {"mean": (0.5, 0.5)}, {"mean": "abc"}, {"std": (0.2, 0.0, 0.2)},
     {"std": (0.2, float("nan"), 0.2)}, {"channels_last": "yes"}, {"channels_last": 1},
+    # finite in Python, not in float32, where the normalisation runs: every output would be inf or NaN
+    {"std": (1e-300, 1.0, 1.0)}, {"std": (1e-40, 1.0, 1.0)}, {"mean": (1e300, 0.0, 0.0)}, {"mean": (-1e39, 0.0, 0.0)},
+    {"mean": (1e30, 0.0, 0.0), "std": (1e-9, 1.0, 1.0)},
 ])
 @pytest.mark.parametrize("make", [augment.convert, augment.train, augment.eval])
 def test_the_output_form_is_checked_by_every_transform(make, kwargs):
@@ -196,7 +206,8 @@ def test_the_output_form_is_checked_by_every_transform(make, kwargs):
 
 @pytest.mark.parametrize(("make", "kwargs"), [
     (augment.convert, {"normalize": "no"}), (augment.convert, {"module": "flip"}), (augment.train, {"size": 0}),
-    (augment.eval, {"size": 2.5}), (augment.train, {"path": "gpu"}),
+    (augment.eval, {"size": 2.5}), (augment.train, {"path": "gpu"}), (augment.train, {"size": None}),
+    (augment.eval, {"size": None}), (augment.TrainAugment, {"size": None}), (augment.EvalAugment, {"size": None}),
 ])
 def test_transform_arguments_are_checked(make, kwargs):
     with pytest.raises(ArgumentError, match=next(iter(kwargs))):
