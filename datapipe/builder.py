@@ -1353,6 +1353,7 @@ def _check_timeouts() -> None:
     env_seconds("DATAPIPE_PROBE_TIMEOUT", PROBE_TIMEOUT)
     env_seconds("DATAPIPE_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)
     env_seconds("DATAPIPE_REMOTE_LOCK_TTL", remote.LOCK_TTL)
+    env_seconds("DATAPIPE_REMOTE_LOCK_SETTLE", remote.LOCK_SETTLE)
 
 
 def _connect(scheduler: str) -> Client:

@@ -75,6 +75,7 @@ from .shards import (
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 INSTALL = 'pip install ".[remote]"'
 LOCK_OBJECT = ".datapipe.lock"
+LOCK_SETTLE = 1.0  # seconds between writing the lock object and reading it back (DATAPIPE_REMOTE_LOCK_SETTLE)
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)
 MAX_DOC_BYTES = 256 << 20
 PART_BYTES = 8 << 20  # a shard's data object is uploaded in parts of this size while the shard is written
@@ -950,10 +951,13 @@ def remove_shards(loc: Location, objects: dict[str, int], build_id: str, keep: I
 
 
 class RemoteLock:
-    """A best-effort lock object (an object store has no flock): host, pid and a heartbeat the holder
-    refreshes. A second build refuses a lock refreshed within LOCK_TTL seconds, unless it was left by a
-    process of this host that is gone (a SIGKILLed build); two builds starting within the same second on
-    two hosts can both believe they hold it."""
+    """A lock object (an object store has no flock): host, pid, a token and a heartbeat the holder refreshes.
+    A second build refuses a lock refreshed within LOCK_TTL seconds, unless it was left by a process of this
+    host that is gone (a SIGKILLed build). Builds that find the lock free at the same time (the ranks of a job
+    each calling build()) all write it: each reads it back LOCK_SETTLE seconds later, and only the one whose
+    token it then holds goes on (the last writer); the others are refused as busy. Stores are read-after-write
+    consistent (S3 since 2020, GCS, Azure), so this fails only where a build takes longer than that between
+    reading the lock and writing it."""
 
     def __init__(self, loc: Location) -> None:
         self.loc = loc
@@ -977,6 +981,16 @@ class RemoteLock:
                 f"{held.get('host')}, refreshed {time.time() - float(held.get('refreshed', 0)):.0f} s ago); wait for it "
                 f"to finish or stop it, or build into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
         write_doc(self.loc, LOCK_OBJECT, self._doc())
+        time.sleep(env_seconds("DATAPIPE_REMOTE_LOCK_SETTLE", LOCK_SETTLE))
+        try:
+            now = read_doc(self.loc, LOCK_OBJECT)
+        except CacheError:
+            now = None
+        if not (isinstance(now, dict) and now.get("token") == self.token):
+            holder = f"pid {now.get('pid')} on host {now.get('host')}" if isinstance(now, dict) else "holder unknown"
+            raise OutputBusyError(
+                f"output {self.loc.url} is being written by another datapipe build ({holder}), which took its lock as "
+                "this build did; wait for it to finish, or build into another prefix")
         self._thread = threading.Thread(target=self._beat, daemon=True, name="datapipe-remote-lock")
         self._thread.start()
 
@@ -1001,6 +1015,9 @@ class RemoteLock:
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl / 4):
             with contextlib.suppress(Exception):
+                held = read_doc(self.loc, LOCK_OBJECT)
+                if isinstance(held, dict) and held.get("token") not in (None, self.token):
+                    return  # another build took the lock over (this one's refreshes failed for LOCK_TTL): never undone
                 write_doc(self.loc, LOCK_OBJECT, self._doc())
 
     def release(self) -> None:
@@ -1108,6 +1125,15 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
         # checked without the lock (see output._read_only).
         return _read_only(loc, objects, marker, config, chash, source, force, busy)
     try:
+        # What the prefix holds now, under the lock: another build may have written it since the listing above
+        # (one that held the lock then, and finished).
+        with store_errors(loc, "list the output"):
+            objects = listing(loc)
+        others = [k for k in objects if k != LOCK_OBJECT]
+        marker = _marker_doc(loc, BUILD_LOCK) if BUILD_LOCK in objects else None
+        if others and marker is None and _marker_doc(loc, MANIFEST) is None:
+            raise OutputError(f"output {loc.url} holds {len(others)} objects (e.g. {others[0]}) and is not a datapipe "
+                              "cache; choose an empty or new prefix (datapipe never deletes objects it did not write)")
         build_id = new_build_id()
         created = marker is None
         if marker is not None:

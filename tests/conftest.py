@@ -22,6 +22,11 @@ from s3_server import s3, s3_server  # noqa: F401 - fixtures: a moto S3 server o
 
 import datapipe
 
+# A build into object storage reads its lock back this long after writing it (one second by default, to see another
+# build that wrote it at the same moment): the tests' builds run one at a time, but for the test of builds started
+# together, which sets its own.
+os.environ.setdefault("DATAPIPE_REMOTE_LOCK_SETTLE", "0.2")
+
 # ----------------------------------------------------------------------------- pixels and bytes
 
 

@@ -365,6 +365,36 @@ def test_a_fresh_lock_of_another_build_is_refused_and_a_dead_one_taken_over(s3, 
     assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
 
 
+def test_builds_started_together_leave_one_consistent_cache(s3, source):
+    """Three builds of one prefix started at once (the ranks of a job each calling `datapipe build`): they all found
+    the lock free and wrote it, and often two went on, leaving build.json of one build and the manifest or a shard of
+    another, which no rerun, nor --force, could write over. Now one builds, the others are refused as busy (or find
+    it up to date), and the cache is one build's."""
+    for attempt in range(3):
+        url = s3.bucket() + f"/cache{attempt}"
+        args = ["build", str(source[0]), url, "--size", str(SIZE), "--scheduler", "sync", "--quiet"]
+        env = {**os.environ, **s3.env, "DATAPIPE_REMOTE_LOCK_SETTLE": "1"}
+        procs = [subprocess.Popen([sys.executable, "-m", "datapipe.cli", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+        results = [(p.wait(timeout=240), p.stderr.read()) for p in procs]
+        for proc in procs:
+            proc.stdout.close()
+            proc.stderr.close()
+        assert sum(rc == 0 for rc, _ in results) >= 1, results
+        for rc, err in results:
+            assert rc == 0 or "is being written by another datapipe build" in err, err
+        fs = s3.filesystem()
+        key = url.removeprefix("s3://")
+        ids = {json.loads(fs.cat_file(f"{key}/{name}"))["build_id"] for name in ("build.json", "manifest.json",
+                                                                                  "report.json")}
+        ids |= {json.loads(fs.cat_file(path))["attributes"]["datapipe"]["build_id"]
+                for path in fs.glob(f"{key}/shards/*/zarr.json")}
+        assert len(ids) == 1, f"attempt {attempt}: objects of {len(ids)} builds"
+        assert remote.verify(remote.open_location(url, s3.storage_options)) == []
+        again = cli(*args, "--force", env=s3.env)
+        assert again.returncode == 0, again.stderr
+
+
 def test_a_build_of_a_cache_in_the_store_another_build_holds_is_up_to_date_without_waiting_and_only_then(
         s3, source, tmp_path, imaging):
     """Every rank of a job calling build() on the same cache in the store (the README's pattern under torchrun):
