@@ -278,8 +278,10 @@ class Location:
         return "/".join([self.url.rstrip("/"), *[k.strip("/") for k in keys if k]])
 
     def key_of(self, path: str) -> str:
-        """The key of a filesystem path under the root."""
-        return path[len(self.root):].lstrip("/")
+        """The key of a filesystem path under the root: what follows the root and its one separating slash (a
+        key is literal: ``root//x`` is the key ``/x``, another object than ``root/x``)."""
+        rel = path[len(self.root):]
+        return rel[1:] if rel.startswith("/") else rel
 
     def under(self, root: str) -> Location:
         """The same store and options at another root path."""
@@ -1376,9 +1378,17 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
     ignored: list[str] = [f"{name}/ (a datapipe cache)" for name in sorted(caches)]
     outside: list[str] = []
     folders: set[str] = set()
+    dropped: list[dict[str, str]] = []
     for key in sorted(objects):
         parts = PurePosixPath(key).parts
         if not parts or parts[0] in caches or (output is not None and f"{key}/".startswith(f"{output}/")):
+            continue
+        if key.startswith("/") or "//" in key.rstrip("/"):  # a path of folders would name another object
+            if os.path.splitext(key)[1].lower() in IMAGE_EXTENSIONS:
+                dropped.append({"path": key, "error": "unreadable", "reason": "its key has an empty folder name "
+                                "('//'), which a path of class folders cannot name; rename the object"})
+            elif not key.endswith("/"):
+                ignored.append(f"{key} (an empty folder name in its key)")
             continue
         if any(p.startswith(".") for p in parts):
             ignored.append(f"{key} (hidden)")
@@ -1400,7 +1410,7 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
     index = {c: i for i, c in enumerate(classes)}
     listing_ = Listing(root=Path(loc.root), kind="folder", classes=classes, paths=[k for k, _ in records],
                        labels=[index[c] for _, c in records], stats=[(objects[k], 0) for k, _ in records],
-                       ignored=ignored, outside_classes=outside)
+                       ignored=ignored, outside_classes=outside, dropped=dropped)
     listing_.url = loc.url
     return listing_
 

@@ -365,6 +365,31 @@ def test_a_fresh_lock_of_another_build_is_refused_and_a_dead_one_taken_over(s3, 
     assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
 
 
+def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_spelled_is_not_a_class(s3, imaging,
+                                                                                                      tmp_path):
+    """S3 keys are literal: src//cat/c.png is another object than src/cat/c.png. The listing took both for one
+    (one image vanished, none quarantined) or read the other object ("gone since the scan"); an output
+    s3://b/src//cache inside the source became a class "cache" on the rerun, renumbering every label."""
+    url = s3.bucket()
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://")
+    jpeg = imaging.jpeg(imaging.gradient(40, 52))
+    for name in ("src/cat/a.jpg", "src/cat/c.jpg", "src//cat/c.jpg", "src//dog/d.jpg", "src/dog/e.jpg"):
+        fs.pipe_file(f"{key}/{name}", jpeg)
+    out = f"{url}/src//cache"
+    first = build(f"{url}/src", out, storage_options=s3.storage_options, max_bad_fraction=0.5)
+    assert first.scanned == 5 and first.num_samples == 3
+    assert sorted((q["path"], q["error"]) for q in first.quarantined) == [("/cat/c.jpg", "unreadable"),
+                                                                          ("/dog/d.jpg", "unreadable")]
+    assert all("empty folder name" in q["reason"] for q in first.quarantined)
+    cache = datapipe.open(out, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+    assert cache.classes == ["cat", "dog"]
+    again = build(f"{url}/src", out, storage_options=s3.storage_options, max_bad_fraction=0.5)
+    assert again.shards_built == 0 and again.empty_classes == []
+    assert datapipe.open(out, local_cache=tmp_path / "node2", storage_options=s3.storage_options).classes == [
+        "cat", "dog"]
+
+
 def test_builds_started_together_leave_one_consistent_cache(s3, source):
     """Three builds of one prefix started at once (the ranks of a job each calling `datapipe build`): they all found
     the lock free and wrote it, and often two went on, leaving build.json of one build and the manifest or a shard of
