@@ -396,7 +396,6 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
 
 def _remote_info(args: argparse.Namespace) -> int:
     """``datapipe info URL``: what the manifest and report of a cache in object storage say (no shard is read)."""
-    from pathlib import Path
 
     from . import remote
     from .records import parse_report
@@ -405,7 +404,7 @@ def _remote_info(args: argparse.Namespace) -> int:
     m = remote.read_manifest(loc)
     with remote.store_errors(loc, "read report.json"):
         doc = remote.read_doc(loc, "report.json")
-    report = parse_report(doc, Path(loc.url_of("report.json"))) if doc is not None else None
+    report = parse_report(doc, loc.url_of("report.json")) if doc is not None else None
     shape = f"{m.fixed_shape}" if m.fixed_shape is not None else f"shorter side {m.size}, aspect kept"
     _print_summary(m, loc.url, shape=shape, shards=len(m.shards), report=report,
                    report_at=loc.url_of("report.json"), where="in store")

@@ -399,7 +399,7 @@ class ShardFetcher:
         """Download the manifest and its files (labels, paths) into ``local_cache/<build id>/`` and open
         the local folder as a :class:`Cache` that downloads shards through this fetcher."""
         raw = self._read_small(MANIFEST)
-        where = Path(f"{self.url}/{MANIFEST}")
+        where = f"{self.url}/{MANIFEST}"  # a URL, never a Path (s3:// -> s3:/)
         manifest = parse_manifest(parse_json(raw, where), where)
         build = manifest.build_id or "m-" + hashlib.sha256(raw).hexdigest()[:32]
         self.manifest = manifest
@@ -457,7 +457,14 @@ class ShardFetcher:
         rpath = f"{root}/{name}"
 
         def read() -> bytes:
-            return fs.cat_file(rpath, start=0, end=MANIFEST_LIMIT)
+            try:
+                return fs.cat_file(rpath, start=0, end=MANIFEST_LIMIT)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:  # S3 answers a range of an empty object with 416 InvalidRange: it holds no byte
+                if "not satisfiable" in str(exc) or "InvalidRange" in str(exc):
+                    return b""
+                raise
 
         future = _transfers().submit(read)
         try:

@@ -89,7 +89,7 @@ def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_json(data: bytes, path: Path, *, hint: str | None = None) -> Any:
+def parse_json(data: bytes, path: Path | str, *, hint: str | None = None) -> Any:
     """Decode ``data`` (the bytes of ``path``) as strict JSON: UTF-8, no NaN/Infinity, bounded nesting."""
     hint = hint or _HINTS.get(Path(path).name, _REBUILD)
     try:
@@ -105,7 +105,7 @@ def parse_json(data: bytes, path: Path, *, hint: str | None = None) -> Any:
 class _Fields:
     """Typed access to one JSON object of a document; every failure is one CacheError line."""
 
-    def __init__(self, doc: Any, path: Path, where: str = "", *, hint: str | None = None) -> None:
+    def __init__(self, doc: Any, path: Path | str, where: str = "", *, hint: str | None = None) -> None:
         self.path = path
         self.where = where
         self.hint = hint or _HINTS.get(Path(path).name, _REBUILD)
@@ -179,7 +179,7 @@ def _check_marker(f: _Fields) -> None:
     """The format name and version, checked before anything else in the document."""
     fmt = f.get("format")
     if fmt != FORMAT:
-        raise CacheError(f"{f.path} is not a datapipe {f.path.name} (format={show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
+        raise CacheError(f"{f.path} is not a datapipe {Path(f.path).name} (format={show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
                          f"{f.hint}")
     version = f.get("version")
     if isinstance(version, bool) or version not in VERSIONS:
@@ -417,7 +417,7 @@ def indexed_file_size(total: int) -> int:
     return chunks * CHUNK_BYTES + 16 * chunks + 4 if total else 0
 
 
-def parse_manifest(doc: Any, path: Path) -> Manifest:
+def parse_manifest(doc: Any, path: Path | str) -> Manifest:
     """Check every field of a manifest document and cross-check counts, offsets, sizes and names."""
     f = _Fields(doc, path)
     _check_marker(f)
@@ -541,7 +541,7 @@ def _shards(f: _Fields, layout: str, config: dict) -> tuple[ShardRecord, ...]:
     return tuple(out)
 
 
-def parse_build_record(doc: Any, path: Path) -> BuildRecord:
+def parse_build_record(doc: Any, path: Path | str) -> BuildRecord:
     """Check a ``build.json`` document (format, version, config, config_hash; build_id and source if present)."""
     f = _Fields(doc, path)
     _check_marker(f)
@@ -553,7 +553,7 @@ def parse_build_record(doc: Any, path: Path) -> BuildRecord:
     return BuildRecord(config=config, config_hash=chash, build_id=_build_id(f), source=source)
 
 
-def parse_report(doc: Any, path: Path) -> ReportRecord:
+def parse_report(doc: Any, path: Path | str) -> ReportRecord:
     """Check the fields of ``report.json`` that ``datapipe info`` reads."""
     f = _Fields(doc, path)
     status = f.text("status")

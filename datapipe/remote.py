@@ -369,7 +369,9 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None, timeo
     fsspec = _fsspec()
     options = dict(storage_options or {})
     scheme = url.split("://", 1)[0].lower()
-    if "::" not in scheme:  # a chained URL (simplecache::s3://...) is left to fsspec
+    chained = "::" in scheme  # simplecache::s3://... is left to fsspec
+    if not chained:
+        url = scheme + url[len(scheme):]  # S3://bucket is s3://bucket
         try:
             fs_class = fsspec.get_filesystem_class(scheme)
         except ImportError as exc:
@@ -379,7 +381,11 @@ def open_location(url: str, storage_options: dict[str, Any] | None = None, timeo
             raise ArgumentError(f"{url}: {exc}; check the URL's scheme (s3://, gs://, az://, file://)") from None
         check_storage_options(url, fs_class, options)
     try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
+        if chained or "::" not in url:
+            fs, root = fsspec.core.url_to_fs(url, **options)
+        else:  # "::" in a key is part of the key, never the chaining fsspec.core.url_to_fs would take it for
+            fs = fsspec.filesystem(scheme, **{**fs_class._get_kwargs_from_urls(url), **options})
+            root = fs_class._strip_protocol(url)
     except ImportError as exc:
         raise MissingExtraError(f"{url}: the {scheme}:// filesystem needs a package that is not installed ({exc}); "
                                 f"{INSTALL} (s3fs), or gcsfs / adlfs for gs:// and az://") from None
@@ -533,7 +539,7 @@ def _read_range(loc: Location, key: str, start: int, end: int) -> bytes:
 def read_doc(loc: Location, key: str) -> Any | None:
     """The JSON document at ``key`` (None when there is none); CacheError naming the URL when it is not JSON."""
     data = read_bytes(loc, key)
-    return None if data is None else parse_json(data, Path(loc.url_of(key)))
+    return None if data is None else parse_json(data, loc.url_of(key))  # a URL, never a Path (s3:// -> s3:/)
 
 
 def read_docs(loc: Location, keys: list[str]) -> dict[str, bytes]:
@@ -1139,7 +1145,7 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
         build_id = new_build_id()
         created = marker is None
         if marker is not None:
-            build_id = _claim(loc, objects, parse_build_record(marker, Path(loc.url_of(BUILD_LOCK))), config, chash,
+            build_id = _claim(loc, objects, parse_build_record(marker, loc.url_of(BUILD_LOCK)), config, chash,
                               source, force)
             if force and build_id != marker.get("build_id"):
                 objects = listing(loc)
@@ -1166,7 +1172,7 @@ def _read_only(loc: Location, objects: dict[str, int], marker: dict[str, Any], c
     build.json needs no change, as a RemoteOutput the builder may only check (``read_only``); else ``busy``."""
     from .output import resumes
 
-    previous = parse_build_record(marker, Path(loc.url_of(BUILD_LOCK)))
+    previous = parse_build_record(marker, loc.url_of(BUILD_LOCK))
     try:
         same = bool(previous.build_id) and resumes(previous, config, chash, source, force=force, where=loc.url,
                                                    place="prefix")
@@ -1215,7 +1221,7 @@ def read_manifest(loc: Location) -> Manifest:
         doc = read_doc(loc, MANIFEST)
     if doc is None:
         raise no_manifest(loc)
-    return parse_manifest(doc, Path(loc.url_of(MANIFEST)))
+    return parse_manifest(doc, loc.url_of(MANIFEST))
 
 
 def no_manifest(loc: Location) -> CacheError:

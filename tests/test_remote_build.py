@@ -390,6 +390,41 @@ def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_sp
         "cat", "dog"]
 
 
+def test_keys_and_prefixes_with_a_double_colon_and_an_upper_case_scheme(s3, imaging, tmp_path):
+    """fsspec reads "::" in a URL as a chain of filesystems: an image under such a key was quarantined as a
+    decoder-error (AioSession got target_options), an output or cache there was a 44-line traceback; S3:// was
+    "the s3:// filesystem refuses the storage options (Protocol not known: S3)"."""
+    url = s3.bucket()
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://")
+    jpeg = imaging.jpeg(imaging.gradient(40, 52))
+    for name in ("src/cat/a::b.jpg", "src/cat/c.jpg", "src/dog/d.jpg"):
+        fs.pipe_file(f"{key}/{name}", jpeg)
+    out = f"{url}/out::put"
+    report = build(f"{url}/src", out, storage_options=s3.storage_options, max_bad_fraction=0)
+    assert report.num_samples == 3 and report.quarantined == []
+    for command in ("info", "verify"):
+        done = cli(command, out, env=s3.env)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    upper = "S3://" + out.removeprefix("s3://")
+    cache = datapipe.open(upper, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+    assert len(cache) == 3 and cache.path(0) == "cat/a::b.jpg"
+    assert build("S3://" + key + "/src", upper, storage_options=s3.storage_options).shards_built == 0
+
+
+def test_an_empty_manifest_in_the_store_is_a_cache_error_not_the_stores(s3, source, tmp_path):
+    """A zero-byte manifest.json gave RemoteStoreError "The requested range is not satisfiable ... check that the
+    store is up"; it is a damaged cache, named with its URL (s3://, not s3:/)."""
+    url = s3.bucket() + "/cache"
+    build(source[0], url, storage_options=s3.storage_options)
+    s3.filesystem().pipe_file(url.removeprefix("s3://") + "/manifest.json", b"")
+    with pytest.raises(datapipe.errors.CacheError, match=rf"^{re.escape(url)}/manifest.json is not valid JSON") as info:
+        datapipe.open(url, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+    assert not isinstance(info.value, datapipe.errors.RemoteStoreError)
+    done = cli("verify", url, env=s3.env)
+    assert f"{url}/manifest.json" in done.stderr + done.stdout, done.stderr + done.stdout
+
+
 def test_builds_started_together_leave_one_consistent_cache(s3, source):
     """Three builds of one prefix started at once (the ranks of a job each calling `datapipe build`): they all found
     the lock free and wrote it, and often two went on, leaving build.json of one build and the manifest or a shard of
