@@ -693,6 +693,8 @@ def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: 
         raise
     except OSError as exc:
         entry = unreadable(exc)
+    except MemoryError as exc:  # memory pressure, not the file: read again by a rerun, as a killed decoder is
+        entry = {"error": "decoder-crash", "reason": f"out of memory while decoding ({one_line(exc)})"}
     except Exception as exc:  # noqa: BLE001 - one bad file must never end the build
         entry = {"error": "decoder-error", "reason": f"decoder failed: {type(exc).__name__}: {exc}"}
     quarantined.append({"path": path, **entry})

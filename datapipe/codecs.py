@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from .errors import ArgumentError, DecodeError
+from .errors import ArgumentError, DecodeError, one_line
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -252,6 +252,8 @@ class JpegFrame:
 
     marker: int  # 0xC0 baseline, 0xC1 extended, 0xC2 progressive, 0xC3 lossless, 0xC9-0xCB arithmetic, ...
     precision: int  # bits per sample: 8 in nearly every JPEG; 12 or 16 (lossless) in medical and camera-raw files
+    height: int = -1  # 0: given later, by a DNL marker after the first scan; -1: the segment is cut short
+    width: int = -1
 
     @property
     def lossless(self) -> bool:
@@ -269,6 +271,9 @@ def jpeg_frame(data: bytes) -> JpegFrame | None:
     header holds none before its first scan, or it is cut short."""
     for marker, start, end in _jpeg_segments(data):
         if marker in _JPEG_SOF and end > start:
+            if end - start >= 5:
+                height, width = struct.unpack(">HH", data[start + 1 : start + 5])
+                return JpegFrame(marker, data[start], height, width)
             return JpegFrame(marker, data[start])
     return None
 
@@ -811,10 +816,22 @@ def _decode_simplejpeg(sj: ModuleType, data: bytes, spec: DecodeSpec, frame: Jpe
     return apply_orientation(img, orientation), _oriented_size(height, width, orientation)
 
 
-def _check_frame(data: bytes) -> JpegFrame | None:
-    """The JPEG's frame (:func:`jpeg_frame`); DecodeError (``unsupported``) for a valid JPEG of a kind that
+def _check_frame(data: bytes, max_pixels: int) -> JpegFrame | None:
+    """The JPEG's frame (:func:`jpeg_frame`); DecodeError for a frame whose size is over ``max_pixels``
+    (``too-large``, before anything is decoded) or none, and (``unsupported``) for a valid JPEG of a kind that
     neither libjpeg-turbo's 8-bit decoder nor Pillow decodes, so that its reason does not call it damaged."""
     frame = jpeg_frame(data)
+    if frame is not None and frame.width >= 0:
+        if frame.width * max(frame.height, 1) > max_pixels:
+            raise _too_large(frame.width, frame.height, max_pixels)
+        if frame.width == 0:
+            raise DecodeError(f"image header says {frame.width}x{frame.height} pixels")
+        if frame.height == 0:
+            raise DecodeError("unsupported JPEG: its height is given after the first scan (a DNL marker), which "
+                              "libjpeg-turbo and Pillow do not read; convert the file", "unsupported")
+        if max(frame.width, frame.height) > JPEG_MAX_SIDE:
+            raise DecodeError(f"unsupported JPEG: {frame.width}x{frame.height} pixels, over the {JPEG_MAX_SIDE:,} a "
+                              "side libjpeg-turbo decodes; convert the file (a TIFF or PNG holds it)", "unsupported")
     if frame is not None and frame.hierarchical:
         raise DecodeError(f"unsupported JPEG: a hierarchical frame (SOF{frame.marker - 0xC0}), which libjpeg-turbo "
                           "and Pillow do not decode; convert the file to a baseline JPEG or a PNG", "unsupported")
@@ -822,6 +839,9 @@ def _check_frame(data: bytes) -> JpegFrame | None:
         raise DecodeError(f"unsupported JPEG: {frame.precision}-bit samples (libjpeg-turbo's and Pillow's decoders "
                           "read 8-bit JPEGs); convert the file to an 8-bit JPEG or a 16-bit PNG", "unsupported")
     return frame
+
+
+JPEG_MAX_SIDE = 65500  # libjpeg-turbo's JPEG_MAX_DIMENSION: a larger side is refused by every decoder here
 
 
 def _oriented_size(height: int, width: int, orientation: int) -> tuple[int, int]:
@@ -923,7 +943,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             img = Image.open(io.BytesIO(data), formats=[_PILLOW_FORMATS[fmt]])
             _check_pixels(img.width, img.height, spec)
             full = (img.height, img.width)
-            damage = _checksum_error(img, data, fmt)
+            damage = _checksum_error(img, data, fmt, spec.max_pixels)
             if damage:
                 raise DecodeError(damage)
             if fmt == "jpeg":
@@ -944,8 +964,11 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
     except UnidentifiedImageError:  # Pillow's message names only its in-memory buffer
         raise DecodeError(f"not a readable {fmt.upper()} image: it starts like one, but its header does not "
                           "parse (damaged or cut short)") from None
+    except MemoryError as exc:  # the machine's state, not the file's: a rerun reads it again (decoder-crash)
+        raise DecodeError(f"out of memory while decoding ({one_line(exc)}); nothing says the file is damaged",
+                          "decoder-crash") from None
     except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError, KeyError, TypeError,
-            ZeroDivisionError, OverflowError, MemoryError) as exc:
+            ZeroDivisionError, OverflowError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
     oriented = apply_orientation(rgb, orientation)
     if fmt != "jpeg":  # decoded at full size (no draft)
@@ -956,14 +979,14 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
 # ----------------------------------------------------------------------------- checksums
 
 
-def _checksum_error(img: Image.Image, data: bytes, fmt: str) -> str | None:
+def _checksum_error(img: Image.Image, data: bytes, fmt: str, max_pixels: int) -> str | None:
     """The quarantine reason when the file's own integrity checks fail, which Pillow's decode does
     not look at: a PNG's chunk CRC-32s (:func:`_png_crc_error`) and the Adler-32 of a TIFF's deflate
     strips or tiles (:func:`_tiff_deflate_error`); None when they pass or the format has none."""
     if fmt == "png":
         return _png_crc_error(data)
     if fmt == "tiff":
-        return _tiff_deflate_error(img, data)
+        return _tiff_deflate_error(img, data, max_pixels)
     return None
 
 
@@ -998,9 +1021,11 @@ def _png_crc_error(data: bytes) -> str | None:
 _DEFLATE = (8, 32946)  # TIFF compression codes of zlib streams (Adobe deflate, the older deflate code)
 
 
-def _tiff_deflate_error(img: Image.Image, data: bytes) -> str | None:
+def _tiff_deflate_error(img: Image.Image, data: bytes, max_pixels: int) -> str | None:
     """The first deflate strip (or tile) of the TIFF's first page whose zlib stream fails to inflate
-    or fails its Adler-32 check, as a quarantine reason; None when all pass, or not deflate.
+    or fails its Adler-32 check, as a quarantine reason; None when all pass, or not deflate. Before that, in any
+    TIFF: more strip (tile) offsets than the image has strips (tiles), or a tile of more than ``max_pixels``, is a
+    damaged or crafted header (Pillow makes an object per offset, and each is a stream to inflate here).
 
     libtiff stops inflating a strip once it has the strip's pixels, so a damaged byte gives wrong
     pixels without a word; the Adler-32 at the stream's end would tell. The check inflates each
@@ -1010,7 +1035,7 @@ def _tiff_deflate_error(img: Image.Image, data: bytes) -> str | None:
     damage that still decodes is kept.
     """
     tags = getattr(img, "tag_v2", None)
-    if tags is None or tags.get(259) not in _DEFLATE:
+    if tags is None:
         return None
     tiled = 322 in tags and 323 in tags
     offsets, counts = tags.get(324 if tiled else 273), tags.get(325 if tiled else 279)
@@ -1020,18 +1045,38 @@ def _tiff_deflate_error(img: Image.Image, data: bytes) -> str | None:
     counts = counts if isinstance(counts, tuple) else (counts,)
     bits = tags.get(258, 1)
     bits = sum(bits) if isinstance(bits, tuple) else bits * tags.get(277, 1)
-    cols, rows = (tags[322], tags[323]) if tiled else (img.width, min(tags.get(278, img.height), img.height))
+    block = "tile" if tiled else "strip"
+    try:
+        cols, rows = (int(tags[322]), int(tags[323])) if tiled else (img.width, max(1, min(int(tags.get(278, img.height)),
+                                                                                             img.height)))
+        planes = int(tags.get(277, 1)) if tags.get(284) == 2 else 1  # planar: one block per sample per place
+    except (TypeError, ValueError):
+        return f"corrupt TIFF: its {block} size tags are not numbers"
+    if cols < 1 or rows < 1:
+        return f"corrupt TIFF: {block}s of {cols}x{rows} pixels"
+    # Each block is inflated here, and its count and size bound the work: a few hundred bytes that name one
+    # stream a thousand times, or a tile of 65536x65536 pixels on a 16x16 image, were hundreds of GB to inflate.
+    if cols * rows > max_pixels:
+        return f"corrupt TIFF: a {block} of {cols}x{rows} pixels, over max_pixels for any image"
+    places = (-(-img.width // cols) if tiled else 1) * -(-img.height // rows)
+    if len(offsets) > places * planes:
+        return (f"corrupt TIFF: {len(offsets):,} {block} offsets for an image of {places * planes:,} {block}s "
+                f"({img.width}x{img.height})")
+    if tags.get(259) not in _DEFLATE:
+        return None
     cap = 2 * rows * (cols * bits // 8 + 1) + (1 << 16)  # what a block holds, with room: the rest is libtiff's
     view = memoryview(data)
     for index, (offset, count) in enumerate(zip(offsets, counts, strict=False)):
         stream, inflated, stop = zlib.decompressobj(), 0, min(offset + count, len(data))
         try:
-            for at in range(offset, stop, 1 << 16):  # in pieces: memory stays bounded
-                inflated += len(stream.decompress(view[at : min(at + (1 << 16), stop)]))
+            for at in range(offset, stop, 1 << 16):  # in pieces, and at most the cap out of each: memory stays bounded
+                piece: memoryview | bytes = view[at : min(at + (1 << 16), stop)]
+                while piece and inflated <= cap and not stream.eof:
+                    inflated += len(stream.decompress(piece, cap + 1 - inflated))
+                    piece = stream.unconsumed_tail
                 if stream.eof or inflated > cap:
                     break
         except zlib.error as exc:
-            block = "tile" if tiled else "strip"
             return f"corrupt TIFF: the deflate data of {block} {index} is damaged (zlib: {str(exc).split(': ')[-1]})"
     return None
 
@@ -1072,7 +1117,7 @@ def _decode(data: bytes, spec: DecodeSpec | None = None, *, reuse: bool = False)
     if fmt is None:
         raise DecodeError(f"not an image: unrecognised content (starts with {data[:8]!r})", "not-an-image")
     if fmt == "jpeg":
-        frame = _check_frame(data)
+        frame = _check_frame(data, spec.max_pixels)
         sj = _simplejpeg()
         if sj is not None:
             decoded = _decode_simplejpeg(sj, data, spec, frame, reuse=reuse)

@@ -99,7 +99,7 @@ QUARANTINE_KINDS = {
     "unsupported": "a valid image of a kind no decoder here reads (a 12- or 16-bit or a hierarchical JPEG)",
     "too-large": "a header over max_pixels (a decompression bomb), checked before decoding",
     "unreadable": "the file cannot be opened or read (missing, permissions, I/O error)",
-    "decoder-crash": "decoding it killed its process (found after it killed a build worker)",
+    "decoder-crash": "decoding it killed its process (found after it killed a build worker), or ran out of memory",
     "timeout": "decoding it did not finish in time (found after its shard killed a build worker)",
     "decoder-error": "any other error the decoder raised",
     "duplicate": "a path a list source names twice (the first row is kept)",

@@ -14,6 +14,7 @@ The lossless files are written by :func:`lossless_jpeg`, a small encoder of the 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import struct
@@ -282,3 +283,122 @@ def test_a_16_bit_white_is_zero_tiff_is_inverted_as_an_8_bit_one_is(order, defla
     for endian in "<>":
         black_is_zero = decode_rgb(_gray_tiff(ramp * 257, bits=16, photometric=1, order=endian, deflate=deflate))
         np.testing.assert_array_equal(black_is_zero[..., 0], ramp)
+
+
+def _tiff(tags: list[tuple[int, int, int | list[int]]], payload: bytes) -> bytes:
+    """A little-endian TIFF of one IFD: ``tags`` (tag, type 3 or 4, value or values), with ``payload`` after it;
+    a value of -1 stands for the payload's offset."""
+    ifd_at = 8
+    extra_at = ifd_at + 2 + 12 * len(tags) + 4
+    extra, entries = b"", b""
+    payload_at = extra_at + sum(4 * len(v) for _, _, v in tags if isinstance(v, list) and len(v) > 1)
+    for tag, kind, value in tags:
+        values = value if isinstance(value, list) else [value]
+        values = [payload_at if v == -1 else v for v in values]
+        if len(values) == 1:
+            packed = struct.pack("<H", values[0]) + b"\x00\x00" if kind == 3 else struct.pack("<I", values[0])
+        else:
+            packed = struct.pack("<I", extra_at + len(extra))
+            extra += b"".join(struct.pack("<I", v) for v in values)
+            kind = 4
+        entries += struct.pack("<HHI", tag, kind, len(values)) + packed
+    return b"II*\x00" + struct.pack("<IH", ifd_at, len(tags)) + entries + struct.pack("<I", 0) + extra + payload
+
+
+@pytest.mark.parametrize("case", ["one stream named 300 times", "a tile of 65536x65536 on a 16x16 image"])
+def test_a_tiff_whose_blocks_name_more_data_than_the_image_has_is_refused_before_inflating_it(case):
+    """A few hundred bytes of TIFF made the integrity check inflate hundreds of GB (a 212 KB file ended a build after
+    its 300 s file timeout): the blocks a header names are checked against the image's own size first."""
+    bomb = zlib.compress(b"\x00" * (8 << 20), 9)  # 8 MiB of zeros in about 8 KB
+    if case.startswith("one stream"):
+        data = _tiff([(256, 3, 16), (257, 3, 16), (258, 3, 8), (259, 3, 8), (262, 3, 1), (273, 4, [-1] * 300),
+                      (277, 3, 1), (278, 3, 16), (279, 4, [len(bomb)] * 300)], bomb)
+        reason = "corrupt TIFF: 300 strip offsets for an image of 1 strips (16x16)"
+    else:
+        data = _tiff([(256, 3, 16), (257, 3, 16), (258, 3, 8), (259, 3, 8), (262, 3, 1), (277, 3, 1), (322, 4, 65536),
+                      (323, 4, 65536), (324, 4, -1), (325, 4, len(bomb))], bomb)
+        reason = "corrupt TIFF: a tile of 65536x65536 pixels, over max_pixels for any image"
+    with pytest.raises(DecodeError) as info:
+        decode_sample(data, DecodeSpec(size=8))
+    assert str(info.value) == reason
+
+
+def test_the_integrity_check_of_a_tiff_strip_never_holds_more_than_the_strip(monkeypatch):
+    """Its cap was checked after each 64 KiB of input, which can inflate to 64 MiB: each call is capped now."""
+    import datapipe.codecs as codecs_module
+
+    bomb = zlib.compress(b"\x00" * (64 << 20), 9)
+    data = _tiff([(256, 3, 16), (257, 3, 16), (258, 3, 8), (259, 3, 8), (262, 3, 1), (273, 4, -1), (277, 3, 1),
+                  (278, 3, 16), (279, 4, len(bomb))], bomb)
+    largest = []
+    real = zlib.decompressobj
+
+    class Watched:
+        def __init__(self):
+            self.inner = real()
+
+        def decompress(self, chunk, max_length=0):
+            out = self.inner.decompress(chunk, max_length)
+            largest.append(len(out))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(codecs_module.zlib, "decompressobj", Watched)
+    with contextlib.suppress(DecodeError):  # libtiff's verdict on the rest is not the point here
+        decode_rgb(data)
+    assert largest and max(largest) <= 2 * 16 * (16 + 1) + (1 << 16) + 1
+
+
+_OUT_OF_MEMORY = """
+import io, resource, sys
+import numpy as np
+from PIL import Image
+from datapipe.codecs import DecodeSpec, decode_sample
+from datapipe.errors import DecodeError
+
+buf = io.BytesIO()
+Image.fromarray(np.zeros((4000, 4000, 4), np.uint8)).save(buf, "PNG")  # 64 MB of pixels from a small file
+data = buf.getvalue()
+with open("/proc/self/status") as status:
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (40 << 20), resource.RLIM_INFINITY))
+try:
+    decode_sample(data, DecodeSpec(size=32))
+    print("decoded")
+except DecodeError as exc:
+    print(exc.kind, exc)
+"""
+
+
+def test_an_image_the_decode_has_no_memory_for_is_read_again_not_called_corrupt():
+    """A valid image that met a memory limit was quarantined as corrupt ("MemoryError: Unable to allocate"), a
+    verdict that stands until the file changes: the image was lost for good. Memory is the machine's state."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("decoder-crash out of memory while decoding"), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("height", "width", "kind", "words"), [
+    (1, 65535, "unsupported", "65535x1 pixels, over the 65,500 a side libjpeg-turbo decodes"),
+    (65501, 65501, "too-large", "header says 65501x65501 = 4,290,381,001 pixels"),
+    (16, 0, "corrupt", "image header says 0x16 pixels"),
+    (0, 16, "unsupported", "its height is given after the first scan (a DNL marker)"),
+])
+def test_a_jpeg_frame_of_a_size_no_decoder_here_takes_says_why(height, width, kind, words):
+    """All four were "corrupt ... Could not determine subsampling level" (libjpeg-turbo's header read fails first),
+    the 4.3 G-pixel one too, whatever max_pixels said."""
+    data = bytearray(_jpeg(_picture(16, 16)))
+    sof = data.find(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    for max_pixels in (1000, 100_000_000):
+        with pytest.raises(DecodeError) as info:
+            decode_rgb(bytes(data), DecodeSpec(size=8192, max_pixels=max_pixels))
+        expected = "too-large" if kind == "too-large" or width * max(height, 1) > max_pixels else kind
+        assert info.value.kind == expected, str(info.value)
+        if expected == kind:
+            assert words in str(info.value)
