@@ -278,23 +278,45 @@ def jpeg_frame(data: bytes) -> JpegFrame | None:
     return None
 
 
+MAX_SCANS = 500  # a progressive JPEG has about 10 scans; each is a pass over the whole image (libjpeg-turbo's advice)
+_PROGRESSIVE_SOF = (0xC2, 0xCA)
+
+
+def _scans(data: bytes) -> int:
+    """The number of scans of a JPEG: its start-of-scan markers (:func:`_jpeg_walk`)."""
+    return sum(1 for marker, _, _ in _jpeg_walk(data) if marker == 0xDA)
+
+
 def _jpeg_end(data: bytes) -> tuple[int, int]:
-    """(where the last scan's coded data starts, where the end-of-image marker is) in a JPEG, walking its
-    segments and skipping each scan's coded data as a decoder does; (-1, -1) when it has no end marker."""
-    scan, pos, n = -1, 2, len(data)
+    """(where the last scan's coded data starts, where the end-of-image marker is) in a JPEG (:func:`_jpeg_walk`);
+    (-1, -1) when it has no end marker."""
+    scan = -1
+    for marker, _, end in _jpeg_walk(data):
+        if marker == 0xDA:
+            scan = end
+        elif marker == 0xD9:
+            return scan, end - 2
+    return -1, -1
+
+
+def _jpeg_walk(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """(marker, start, end) of every segment of a JPEG in order (:func:`_jpeg_segments`), through its scans: each
+    scan's coded data is skipped as a decoder skips it, to the next marker that is neither a stuffed zero nor a
+    restart marker. Ends at the end-of-image marker, or where the file ends or stops being a JPEG."""
+    pos, n = 2, len(data)
     while True:
-        last = None
-        for last, _, end in _jpeg_segments(data, pos):
-            if last == 0xD9:
-                return scan, end - 2
+        marker = None
+        for marker, start, end in _jpeg_segments(data, pos):
+            yield marker, start, end
+            if marker == 0xD9:
+                return
             pos = end
-        if last != 0xDA:  # the walk ended without a scan to skip: cut short, or a marker no decoder reads
-            return -1, -1
-        scan = pos
-        while True:  # coded data runs to the next marker that is neither a stuffed zero nor a restart marker
+        if marker != 0xDA:
+            return
+        while True:
             ff = data.find(b"\xff", pos)
             if ff < 0 or ff + 1 >= n:
-                return -1, -1
+                return
             follower = data[ff + 1]
             if follower == 0x00 or 0xD0 <= follower <= 0xD7:
                 pos = ff + 2
@@ -565,18 +587,28 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
     transparency = img.info.get("transparency")
     if mode in _WIDE:
         arr = np.asarray(img)
-        if white_is_zero:
-            arr = 65535 - arr.astype(np.int64)
-        gray = ((np.clip(arr.astype(np.int64), 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
+        gray = np.empty(arr.shape, np.uint8)
+        for top, bottom in _bands(*arr.shape[:2]):  # int64 temporaries a band at a time
+            band = np.clip(arr[top:bottom].astype(np.int64), 0, 65535)
+            if white_is_zero:
+                band = 65535 - band
+            gray[top:bottom] = (band * 255 + 32767) // 65535
         alpha = None
         if isinstance(transparency, int) and not isinstance(transparency, bool):
             alpha = np.where(arr == transparency, 0, 255).astype(np.uint8)  # a 16-bit tRNS names one value
         return _over_background(np.repeat(gray[..., None], 3, axis=2), alpha)
     if mode == "F":
-        arr = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)
-        if arr.size and arr.min() >= 0.0 and arr.max() <= 1.0:
-            arr = arr * 255.0
-        gray = np.clip(arr, 0, 255).round().astype(np.uint8)
+        arr = np.asarray(img)
+        bands = list(_bands(*arr.shape[:2]))
+
+        def finite(top: int, bottom: int) -> np.ndarray:  # float64 temporaries a band at a time
+            return np.nan_to_num(arr[top:bottom].astype(np.float64), nan=0.0, posinf=255.0, neginf=0.0)
+
+        unit = arr.size > 0 and all(0.0 <= b.min() and b.max() <= 1.0 for b in (finite(t, e) for t, e in bands))
+        gray = np.empty(arr.shape, np.uint8)
+        for top, bottom in bands:
+            values = finite(top, bottom)
+            gray[top:bottom] = np.clip(values * 255.0 if unit else values, 0, 255).round()
         return np.repeat(gray[..., None], 3, axis=2)
     if mode in _PREMULTIPLIED:
         arr = np.asarray(img)
@@ -597,12 +629,23 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
 
 
 def _over_background(rgb: np.ndarray, alpha: np.ndarray | None) -> np.ndarray:
-    """Composite straight-alpha uint8 ``rgb`` (H×W×3) with ``alpha`` (H×W) onto :data:`BACKGROUND`."""
+    """Composite straight-alpha uint8 ``rgb`` (H×W×3) with ``alpha`` (H×W) onto :data:`BACKGROUND`, a band of rows
+    at a time (the uint16 temporaries of a whole 100 M-pixel image were GBs)."""
     if alpha is None:
         return rgb
-    a = alpha.astype(np.uint16)[..., None]
+    out = np.empty(rgb.shape, np.uint8)
     bg = np.array(BACKGROUND, np.uint16)
-    return ((rgb.astype(np.uint16) * a + bg * (255 - a) + 127) // 255).astype(np.uint8)
+    for top, bottom in _bands(rgb.shape[0], rgb.shape[1]):
+        a = alpha[top:bottom].astype(np.uint16)[..., None]
+        out[top:bottom] = (rgb[top:bottom].astype(np.uint16) * a + bg * (255 - a) + 127) // 255
+    return out
+
+
+def _bands(height: int, width: int, pixels: int = 1 << 20) -> Iterator[tuple[int, int]]:
+    """(top, bottom) of consecutive bands of rows of about ``pixels`` pixels covering ``height`` rows."""
+    rows = max(1, pixels // max(width, 1))
+    for top in range(0, height, rows):
+        yield top, min(top + rows, height)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -832,6 +875,12 @@ def _check_frame(data: bytes, max_pixels: int) -> JpegFrame | None:
         if max(frame.width, frame.height) > JPEG_MAX_SIDE:
             raise DecodeError(f"unsupported JPEG: {frame.width}x{frame.height} pixels, over the {JPEG_MAX_SIDE:,} a "
                               "side libjpeg-turbo decodes; convert the file (a TIFF or PNG holds it)", "unsupported")
+    # Every scan of a progressive JPEG is a pass over the whole image: thousands of them in a few hundred KB take
+    # minutes. FFDA occurs only as a marker in coded data, so its count bounds the scans at C speed.
+    if frame is not None and frame.marker in _PROGRESSIVE_SOF and data.count(b"\xff\xda") > MAX_SCANS \
+            and (scans := _scans(data)) > MAX_SCANS:
+        raise DecodeError(f"decompression bomb: a progressive JPEG of {scans:,} scans, over {MAX_SCANS} (an ordinary "
+                          "one has about 10; each is a pass over the whole image)", "too-large")
     if frame is not None and frame.hierarchical:
         raise DecodeError(f"unsupported JPEG: a hierarchical frame (SOF{frame.marker - 0xC0}), which libjpeg-turbo "
                           "and Pillow do not decode; convert the file to a baseline JPEG or a PNG", "unsupported")
@@ -941,6 +990,10 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
             img = Image.open(io.BytesIO(data), formats=[_PILLOW_FORMATS[fmt]])
+            # Pillow's load reads its input in blocks of this size and joins them (b = b + s) while its decoder
+            # waits for a whole row: quadratic in a long row (an 80 s decode of a 94-byte WebP, whose frame Pillow
+            # decodes into memory first). Every input here is in memory (BytesIO): one block holds it all.
+            img.decodermaxblock = 1 << 40
             _check_pixels(img.width, img.height, spec)
             full = (img.height, img.width)
             damage = _checksum_error(img, data, fmt, spec.max_pixels)
