@@ -819,6 +819,9 @@ class Convert(BatchAugment):
             name = module.__name__  # type: ignore[union-attr]
             raise ArgumentError(f"datapipe.augment.{name} is the function that makes the preset: pass its result, "
                                 f"e.g. augment={name}({'' if name == 'convert' else '224'}), not augment={name}")
+        if isinstance(module, type):  # a class is callable too: it would be "called" on the first batch
+            raise ArgumentError(f"the module (augment=) {module.__name__} is a class: pass an instance of it (for the presets, "
+                                "augment=datapipe.augment.train(224) or eval(224)), not the class")
         if module is not None and not callable(module):
             raise ArgumentError(f"module must be an nn.Module or a callable on float [B, 3, H, W] batches, "
                                 f"got {show(module)} ({type(module).__name__})")

@@ -208,6 +208,7 @@ def test_the_output_form_is_checked_by_every_transform(make, kwargs):
     (augment.convert, {"normalize": "no"}), (augment.convert, {"module": "flip"}), (augment.train, {"size": 0}),
     (augment.eval, {"size": 2.5}), (augment.train, {"path": "gpu"}), (augment.train, {"size": None}),
     (augment.eval, {"size": None}), (augment.TrainAugment, {"size": None}), (augment.EvalAugment, {"size": None}),
+    (augment.convert, {"module": augment.TrainAugment}), (augment.convert, {"module": torch.nn.Identity}),
 ])
 def test_transform_arguments_are_checked(make, kwargs):
     with pytest.raises(ArgumentError, match=next(iter(kwargs))):
