@@ -561,10 +561,28 @@ def _loaders_stop_quietly() -> Iterator[None]:
     signal.signal(signal.SIGINT, stop)
     try:
         yield
+    except RuntimeError as exc:
+        # Python runs signal handlers between bytecodes: torch's SIGCHLD handler can run inside ``stop`` before
+        # ``stop`` has replaced it, and report the worker that the same signal killed. That is this stop.
+        signum = _killed_worker_signal(exc)
+        if signum is None or (stopping and stopping[0] != signum):
+            raise
+        stop(signum, None)
     finally:
         if not stopping:  # once stopping, the signals stay ignored until the command has said so and exited
             for sig, handler in before.items():
                 signal.signal(sig, handler)
+
+
+def _killed_worker_signal(exc: RuntimeError) -> int | None:
+    """The signal (SIGTERM, SIGINT) that killed a DataLoader worker, as torch reports it; None for anything else."""
+    import re
+    import signal
+
+    found = re.search(r"DataLoader worker \(pid \d+\) is killed by signal: (Terminated|Interrupt)", str(exc))
+    if found is None:
+        return None
+    return signal.SIGTERM if found.group(1) == "Terminated" else signal.SIGINT
 
 
 @contextlib.contextmanager

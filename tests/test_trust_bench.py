@@ -268,3 +268,25 @@ def test_sigterm_to_the_process_group_is_one_line_and_143(built, tmp_path):
     after = [line for line in err.strip().splitlines() if line.strip()]
     assert proc.returncode == 143, "".join(lines) + err
     assert after == ["datapipe bench: terminated"], err
+
+
+@pytest.mark.parametrize(("name", "expected"), [("Terminated", "Terminated"), ("Interrupt", "KeyboardInterrupt")])
+def test_torchs_report_of_a_worker_the_same_signal_killed_is_the_commands_stop(name, expected):
+    """Python runs signal handlers between bytecodes, so torch's SIGCHLD handler could run inside the command's own
+    SIGTERM handler, before that had replaced it, and its RuntimeError ended the command with a traceback and exit 1
+    (seen beside a busy core). Raised inside the block, it is the same stop as the signal itself."""
+    import signal
+
+    from datapipe import cli
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)}
+    try:
+        with pytest.raises(BaseException) as info, cli._loaders_stop_quietly():
+            raise RuntimeError(f"DataLoader worker (pid 4242) is killed by signal: {name}. ")
+        assert type(info.value).__name__ == expected
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second signal cannot cut the shutdown short
+        with pytest.raises(RuntimeError, match="exited unexpectedly"), cli._loaders_stop_quietly():
+            raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")  # not a signal: torch's report stands
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
