@@ -1105,6 +1105,19 @@ def _any_doc(loc: Location, key: str) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _prefix_state(loc: Location) -> tuple[dict[str, int], list[str], dict[str, Any] | None]:
+    """What an output prefix holds: its objects, those other than the lock, and its build.json when it is a datapipe
+    one. Raises OutputError when it holds objects and is no datapipe cache."""
+    with store_errors(loc, "list the output"):
+        objects = listing(loc)
+    others = [k for k in objects if k != LOCK_OBJECT]
+    marker = _marker_doc(loc, BUILD_LOCK) if BUILD_LOCK in objects else None
+    if others and marker is None and _marker_doc(loc, MANIFEST) is None:
+        raise OutputError(f"output {loc.url} holds {len(others)} objects (e.g. {others[0]}) and is not a datapipe cache; "
+                          "choose an empty or new prefix (datapipe never deletes objects it did not write)")
+    return objects, others, marker
+
+
 def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], force: bool) -> RemoteOutput:
     """Claim the prefix of ``loc`` for a build of ``config`` (the object-store twin of output.prepare).
 
@@ -1115,13 +1128,7 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
     """
     from .output import new_build_id
 
-    with store_errors(loc, "list the output"):
-        objects = listing(loc)
-    others = [k for k in objects if k != LOCK_OBJECT]
-    marker = _marker_doc(loc, BUILD_LOCK) if BUILD_LOCK in objects else None
-    if others and marker is None and _marker_doc(loc, MANIFEST) is None:
-        raise OutputError(f"output {loc.url} holds {len(others)} objects (e.g. {others[0]}) and is not a datapipe cache; "
-                          "choose an empty or new prefix (datapipe never deletes objects it did not write)")
+    objects, others, marker = _prefix_state(loc)
     lock = RemoteLock(loc)
     try:
         with store_errors(loc, "write the lock object"):
@@ -1135,13 +1142,7 @@ def prepare(loc: Location, config: dict, chash: str, source: dict[str, str], for
     try:
         # What the prefix holds now, under the lock: another build may have written it since the listing above
         # (one that held the lock then, and finished).
-        with store_errors(loc, "list the output"):
-            objects = listing(loc)
-        others = [k for k in objects if k != LOCK_OBJECT]
-        marker = _marker_doc(loc, BUILD_LOCK) if BUILD_LOCK in objects else None
-        if others and marker is None and _marker_doc(loc, MANIFEST) is None:
-            raise OutputError(f"output {loc.url} holds {len(others)} objects (e.g. {others[0]}) and is not a datapipe "
-                              "cache; choose an empty or new prefix (datapipe never deletes objects it did not write)")
+        objects, others, marker = _prefix_state(loc)
         build_id = new_build_id()
         created = marker is None
         if marker is not None:
