@@ -172,6 +172,7 @@ _IFD_TYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 
 # exif_transpose looks the value up in a dict keyed 2..8: 6, 6.0 and a rational 6/1 all turn the image
 _TRANSPOSING = {k: k for k in range(2, 9)}
 _ABSENT, _ASK_PILLOW = "absent", "ask Pillow"
+_CUT = "cut short"  # the first IFD does not end in this segment: what follows in the next EXIF segment may continue it
 
 
 def jpeg_orientation(data: bytes) -> int:
@@ -186,14 +187,21 @@ def jpeg_orientation(data: bytes) -> int:
     is Pillow's by construction.
     """
     found: int | str = _ABSENT
+    first: int | str = _ABSENT
     exif_segments, xmp = 0, None
     for marker_payload in _jpeg_app1(data):
         if marker_payload.startswith(_XMP_ID):
             xmp = marker_payload[len(_XMP_ID) :]
             continue
         exif_segments += 1
-        found = _exif_orientation(marker_payload) if exif_segments == 1 else _ASK_PILLOW
-        if isinstance(found, int):  # later EXIF segments only lengthen the data Pillow reads it from
+        if exif_segments == 1:
+            first = _exif_orientation(marker_payload)
+            found = _ABSENT if first == _CUT else first  # alone, a first IFD cut short is read as far as it goes
+        else:
+            # Later EXIF segments only lengthen the data Pillow reads the first IFD from: they change nothing when
+            # it ends in the first segment (and Pillow joins thousands of them in quadratic time, minutes in all).
+            found = _ABSENT if first == _ABSENT else _ASK_PILLOW
+        if isinstance(found, int):
             return _TRANSPOSING.get(found, 1)
     if found == _ABSENT and (xmp is None or b"tiff:Orientation" not in xmp):
         return 1
@@ -338,13 +346,13 @@ def _exif_orientation(segment: bytes) -> int | str:
         return _ABSENT if not tiff else _ASK_PILLOW
     ifd = struct.unpack(order + "I", tiff[4:8])[0]
     if ifd + 2 > len(tiff):
-        return _ABSENT  # Pillow reads no entry
+        return _CUT  # Pillow reads no entry of this segment alone
     count = struct.unpack(order + "H", tiff[ifd : ifd + 2])[0]
     elsewhere = 0  # bytes of values stored outside their entries, as Pillow counts them against the size
     for i in range(count):
         start = ifd + 2 + 12 * i
         if start + 12 > len(tiff):
-            return _ABSENT  # the IFD is cut short before any orientation: Pillow keeps what it read
+            return _CUT  # the IFD is cut short before any orientation: Pillow keeps what it read
         tag, typ, number, value = struct.unpack(order + "HHI4s", tiff[start : start + 12])
         if tag == 0x0112:
             return struct.unpack(order + "H", value[:2])[0] if typ == 3 and number == 1 else _ASK_PILLOW

@@ -416,3 +416,40 @@ def test_a_progressive_jpeg_of_more_scans_than_any_encoder_writes_is_refused_bef
     with pytest.raises(DecodeError, match=r"a progressive JPEG of \d{3,} scans, over 500") as info:
         decode_rgb(many)
     assert info.value.kind == "too-large"
+
+
+def _exif_segment(tiff_part: bytes) -> bytes:
+    return _segment(0xE1, b"Exif\x00\x00" + tiff_part)
+
+
+def test_many_exif_segments_after_a_whole_first_ifd_are_not_handed_to_pillow(monkeypatch):
+    """Pillow joins every EXIF segment in quadratic time (19 s for a thousand): when the first IFD ends in the first
+    segment, the later ones cannot give it an orientation, and Pillow is not asked."""
+    import datapipe.codecs as codecs_module
+    from datapipe.codecs import jpeg_orientation
+
+    main = _jpeg(_picture(16, 24))
+    header = b"II*\x00" + struct.pack("<I", 8)
+    whole = header + struct.pack("<H", 1) + struct.pack("<HHI4s", 0x010F, 2, 4, b"OOO\x00") + struct.pack("<I", 0)
+    data = main[:2] + _exif_segment(whole) + _exif_segment(b"\x00" * 4000) * 200 + main[2:]
+    asked = []
+    monkeypatch.setattr(codecs_module, "_pillow_jpeg_orientation", lambda d: asked.append(1) or 1)
+    assert jpeg_orientation(data) == 1 and asked == []
+    with Image.open(io.BytesIO(data)) as img:
+        assert img.getexif().get(0x0112) is None  # Pillow's own reading agrees
+
+
+def test_a_first_ifd_continued_in_the_next_exif_segment_is_read_as_pillow_reads_it():
+    """The first segment ends inside the IFD: its second entry, the orientation, is in the next segment, which
+    Pillow appends; the fast path must not call it absent."""
+    from datapipe.codecs import jpeg_orientation
+
+    main = _jpeg(_picture(16, 24))
+    header = b"II*\x00" + struct.pack("<I", 8)
+    first = header + struct.pack("<H", 2) + struct.pack("<HHI4s", 0x010F, 2, 4, b"OOO\x00")
+    rest = struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0) + struct.pack("<I", 0)
+    data = main[:2] + _exif_segment(first) + _exif_segment(rest) + main[2:]
+    with Image.open(io.BytesIO(data)) as img:
+        pillows = img.getexif().get(0x0112)
+    assert pillows == 6 and jpeg_orientation(data) == 6
+    np.testing.assert_array_equal(decode_rgb(data), np.rot90(decode_rgb(main), -1))
