@@ -872,7 +872,9 @@ def _check_frame(data: bytes, max_pixels: int) -> JpegFrame | None:
     (``too-large``, before anything is decoded) or none, and (``unsupported``) for a valid JPEG of a kind that
     neither libjpeg-turbo's 8-bit decoder nor Pillow decodes, so that its reason does not call it damaged."""
     frame = jpeg_frame(data)
-    if frame is not None and frame.width >= 0:
+    if frame is None:
+        return None
+    if frame.width >= 0:
         if frame.width * max(frame.height, 1) > max_pixels:
             raise _too_large(frame.width, frame.height, max_pixels)
         if frame.width == 0:
@@ -884,15 +886,16 @@ def _check_frame(data: bytes, max_pixels: int) -> JpegFrame | None:
             raise DecodeError(f"unsupported JPEG: {frame.width}x{frame.height} pixels, over the {JPEG_MAX_SIDE:,} a "
                               "side libjpeg-turbo decodes; convert the file (a TIFF or PNG holds it)", "unsupported")
     # Every scan of a progressive JPEG is a pass over the whole image: thousands of them in a few hundred KB take
-    # minutes. FFDA occurs only as a marker in coded data, so its count bounds the scans at C speed.
-    if frame is not None and frame.marker in _PROGRESSIVE_SOF and data.count(b"\xff\xda") > MAX_SCANS \
+    # minutes. Coded data never holds FFDA (a coded FF is followed by 00 or a restart marker), so its count
+    # bounds the scans at C speed, and only above the limit are they walked.
+    if frame.marker in _PROGRESSIVE_SOF and data.count(b"\xff\xda") > MAX_SCANS \
             and (scans := _scans(data)) > MAX_SCANS:
         raise DecodeError(f"decompression bomb: a progressive JPEG of {scans:,} scans, over {MAX_SCANS} (an ordinary "
                           "one has about 10; each is a pass over the whole image)", "too-large")
-    if frame is not None and frame.hierarchical:
+    if frame.hierarchical:
         raise DecodeError(f"unsupported JPEG: a hierarchical frame (SOF{frame.marker - 0xC0}), which libjpeg-turbo "
                           "and Pillow do not decode; convert the file to a baseline JPEG or a PNG", "unsupported")
-    if frame is not None and frame.precision != 8:
+    if frame.precision != 8:
         raise DecodeError(f"unsupported JPEG: {frame.precision}-bit samples (libjpeg-turbo's and Pillow's decoders "
                           "read 8-bit JPEGs); convert the file to an 8-bit JPEG or a 16-bit PNG", "unsupported")
     return frame

@@ -78,7 +78,7 @@ from .errors import (
 )
 from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, free_mib, make_dirs
 from .records import INDEX_ROW_BYTES, MANIFEST, Manifest, parse_json, parse_manifest
-from .remote import connect, is_s3fs
+from .remote import connect, is_s3fs, past_the_end
 from .shards import SHARDS_DIR, images_path, index_path
 from .text import show
 
@@ -461,8 +461,8 @@ class ShardFetcher:
                 return fs.cat_file(rpath, start=0, end=MANIFEST_LIMIT)
             except FileNotFoundError:
                 raise
-            except OSError as exc:  # S3 answers a range of an empty object with 416 InvalidRange: it holds no byte
-                if "not satisfiable" in str(exc) or "InvalidRange" in str(exc):
+            except OSError as exc:
+                if past_the_end(exc):  # an empty object
                     return b""
                 raise
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
-from .errors import CacheError, UnreadableFileError
+from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError
 from .files import atomic_write_text
 from .records import (
     BUILD_LOCK,
@@ -41,6 +42,17 @@ def write_manifest(output: Path, manifest: Manifest) -> None:
     atomic_write_text(output / MANIFEST, json.dumps(doc, indent=1, ensure_ascii=False))
 
 
+def _stat(path: Path, cache: Path) -> os.stat_result | None:
+    """``path``'s status (links followed); None when there is nothing there. Raises UnreadableFileError when it
+    is there but cannot be looked into (no permission, an I/O error): that is never called missing."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise UnreadableFileError(f"cache {cache} cannot be read ({exc.strerror or exc}); {PERMISSION_ADVICE}") from None
+
+
 def read_manifest(cache: str | Path) -> Manifest:
     """Read and check a cache's manifest.
 
@@ -49,19 +61,12 @@ def read_manifest(cache: str | Path) -> Manifest:
             this datapipe does not understand, or any field is malformed or inconsistent.
     """
     cache = Path(cache).expanduser()
-    for path in (cache, cache / MANIFEST):
-        try:
-            os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            break
-        except OSError as exc:  # there, but not to be looked into: never called missing
-            raise UnreadableFileError(f"cache {cache} cannot be read ({exc.strerror or exc}); check the permissions "
-                                      "of the folder and those of the folders above it") from None
-    if not os.path.lexists(cache):
+    found = _stat(cache, cache)
+    if found is None:
         raise CacheError(f"cache {cache} does not exist; build it with `datapipe build SOURCE {cache}`")
-    if not cache.is_dir():
+    if not stat.S_ISDIR(found.st_mode):
         raise CacheError(f"cache {cache} is not a folder; pass the folder `datapipe build` wrote")
-    if not os.path.lexists(cache / MANIFEST):
+    if _stat(cache / MANIFEST, cache) is None:
         hint = (" — a build was started here but did not finish; run the same `datapipe build` "
                 "again to resume it" if (cache / BUILD_LOCK).exists() else "")
         raise CacheError(f"{cache} is not a finished datapipe cache (no {MANIFEST}){hint}")

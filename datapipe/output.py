@@ -34,7 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import records
-from .errors import CacheError, ConfigMismatchError, DatapipeError, OutputBusyError, OutputError, UnreadableFileError
+from .errors import (
+    PERMISSION_ADVICE,
+    CacheError,
+    ConfigMismatchError,
+    DatapipeError,
+    OutputBusyError,
+    OutputError,
+    UnreadableFileError,
+)
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
 from .shards import GROUP_META, SHARDS_DIR, remove_shard, shard_attributes
 from .text import plural
@@ -246,8 +254,7 @@ class Output:
 
 
 def _unreadable(path: Path, exc: OSError) -> OutputError:
-    return OutputError(f"output folder {path} cannot be read ({exc.strerror or exc}); check its permissions and "
-                       "those of the folders above it, and rerun")
+    return OutputError(f"output folder {path} cannot be read ({exc.strerror or exc}); {PERMISSION_ADVICE}")
 
 
 def _entries(out: Path) -> list[str]:

@@ -10,7 +10,6 @@ read from a document is ever joined to a path before it has been checked to be a
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import CacheError, UnreadableFileError
+from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError, refused
 from .files import FileTooLarge, NotRegularFile, read_regular
 from .text import one_line, show
 
@@ -79,8 +78,8 @@ def read_json(path: Path, *, hint: str | None = None) -> Any:
     except FileTooLarge as exc:
         raise CacheError(f"{path} is {exc.size:,} bytes, more than the {limit:,} this file may hold; {hint}") from None
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            hint = "check its permissions and those of the folders above it, and rerun"
+        if refused(exc):
+            hint = PERMISSION_ADVICE
         raise UnreadableFileError(f"{path} cannot be read ({exc.strerror or exc}); {hint}") from None
     return parse_json(data, path, hint=hint)
 

@@ -531,9 +531,15 @@ def _read_range(loc: Location, key: str, start: int, end: int) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        if "not satisfiable" in str(exc) or "InvalidRange" in str(exc):
+        if past_the_end(exc):
             return b""
         raise
+
+
+def past_the_end(exc: OSError) -> bool:
+    """Whether ``exc`` is a store's answer to a range at or past an object's end (S3's 416 InvalidRange, which an
+    empty object gives for any range): no byte, rather than a failure."""
+    return "not satisfiable" in str(exc) or "InvalidRange" in str(exc)
 
 
 def read_doc(loc: Location, key: str) -> Any | None:

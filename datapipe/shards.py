@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CacheError, UnreadableFileError
+from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, read_regular
 from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
@@ -325,8 +325,7 @@ def _file_size(path: Path) -> int:
     except (FileNotFoundError, NotADirectoryError):
         return 0
     except OSError as exc:  # there, but not to be looked at: never taken for a shard to rebuild
-        raise UnreadableFileError(f"{path} cannot be read ({exc.strerror or exc}); check its permissions and those "
-                                  "of the folders above it, and rerun") from None
+        raise UnreadableFileError(f"{path} cannot be read ({exc.strerror or exc}); {PERMISSION_ADVICE}") from None
     return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
 

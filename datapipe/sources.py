@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import errno
 import hashlib
 import io
 import json
@@ -36,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SourceError
+from .errors import SourceError, refused
 from .files import FileTooLarge, NotRegularFile, describe_mode, read_regular
 
 log = logging.getLogger("datapipe.build")
@@ -221,7 +220,7 @@ class _Walker:
             mode = os.stat(entry.path).st_mode
         except OSError as exc:  # a dangling link, or a file gone since the listing: read time reports it
             mode = None
-            if not is_link and exc.errno in (errno.EACCES, errno.EPERM):
+            if not is_link and refused(exc):
                 # listed but not looked up: its folder can be read but not entered (no execute permission)
                 raise unreadable_folder(self.root, posixpath.dirname(rel), exc) from None
             if not is_link and _listed_as_folder(entry):  # a path too long, an I/O error: all its images lost
