@@ -250,23 +250,35 @@ def test_a_build_keeps_lossless_jpegs_and_quarantines_12_bit_ones_as_unsupported
             np.testing.assert_array_equal(cache[i][0], fit_image(_pillow(data), spec))
 
 
+def _tiff(tags: list[tuple[int, int, int | list[int]]], payload: bytes, order: str = "<") -> bytes:
+    """A TIFF of one IFD in byte ``order``: ``tags`` (tag, type 3 or 4, value or values), with ``payload`` after it;
+    a value of -1 stands for the payload's offset."""
+    ifd_at = 8
+    extra_at = ifd_at + 2 + 12 * len(tags) + 4
+    extra, entries = b"", b""
+    payload_at = extra_at + sum(4 * len(v) for _, _, v in tags if isinstance(v, list) and len(v) > 1)
+    for tag, kind, value in tags:
+        values = value if isinstance(value, list) else [value]
+        values = [payload_at if v == -1 else v for v in values]
+        if len(values) == 1:
+            packed = struct.pack(order + "H", values[0]) + b"\x00\x00" if kind == 3 else struct.pack(order + "I", values[0])
+        else:
+            packed = struct.pack(order + "I", extra_at + len(extra))
+            extra += b"".join(struct.pack(order + "I", v) for v in values)
+            kind = 4
+        entries += struct.pack(order + "HHI", tag, kind, len(values)) + packed
+    magic = b"II*\x00" if order == "<" else b"MM\x00*"
+    return magic + struct.pack(order + "IH", ifd_at, len(tags)) + entries + struct.pack(order + "I", 0) + extra + payload
+
+
 def _gray_tiff(values: np.ndarray, *, bits: int, photometric: int, order: str = "<", deflate: bool = False) -> bytes:
     """A one-strip gray TIFF of ``values`` written field by field (Pillow writes no 16-bit WhiteIsZero)."""
     height, width = values.shape
-    dtype = np.dtype(f"{order}u{bits // 8}")
-    strip = values.astype(dtype).tobytes()
+    strip = values.astype(np.dtype(f"{order}u{bits // 8}")).tobytes()
     if deflate:
         strip = zlib.compress(strip)
-    tags = [(256, 3, width), (257, 3, height), (258, 3, bits), (259, 3, 8 if deflate else 1), (262, 3, photometric),
-            (273, 4, 0), (277, 3, 1), (278, 3, height), (279, 4, len(strip))]
-    ifd_at = 8
-    data_at = ifd_at + 2 + 12 * len(tags) + 4
-    out = (b"II*\x00" if order == "<" else b"MM\x00*") + struct.pack(order + "I", ifd_at) + struct.pack(order + "H", len(tags))
-    for tag, kind, value in tags:
-        value = data_at if tag == 273 else value
-        packed = struct.pack(order + "H", value) + b"\x00\x00" if kind == 3 else struct.pack(order + "I", value)
-        out += struct.pack(order + "HHI", tag, kind, 1) + packed
-    return out + struct.pack(order + "I", 0) + strip
+    return _tiff([(256, 3, width), (257, 3, height), (258, 3, bits), (259, 3, 8 if deflate else 1),
+                  (262, 3, photometric), (273, 4, -1), (277, 3, 1), (278, 3, height), (279, 4, len(strip))], strip, order)
 
 
 @pytest.mark.parametrize("order", ["<"])  # Pillow opens no big-endian 16-bit WhiteIsZero TIFF: quarantined
@@ -283,26 +295,6 @@ def test_a_16_bit_white_is_zero_tiff_is_inverted_as_an_8_bit_one_is(order, defla
     for endian in "<>":
         black_is_zero = decode_rgb(_gray_tiff(ramp * 257, bits=16, photometric=1, order=endian, deflate=deflate))
         np.testing.assert_array_equal(black_is_zero[..., 0], ramp)
-
-
-def _tiff(tags: list[tuple[int, int, int | list[int]]], payload: bytes) -> bytes:
-    """A little-endian TIFF of one IFD: ``tags`` (tag, type 3 or 4, value or values), with ``payload`` after it;
-    a value of -1 stands for the payload's offset."""
-    ifd_at = 8
-    extra_at = ifd_at + 2 + 12 * len(tags) + 4
-    extra, entries = b"", b""
-    payload_at = extra_at + sum(4 * len(v) for _, _, v in tags if isinstance(v, list) and len(v) > 1)
-    for tag, kind, value in tags:
-        values = value if isinstance(value, list) else [value]
-        values = [payload_at if v == -1 else v for v in values]
-        if len(values) == 1:
-            packed = struct.pack("<H", values[0]) + b"\x00\x00" if kind == 3 else struct.pack("<I", values[0])
-        else:
-            packed = struct.pack("<I", extra_at + len(extra))
-            extra += b"".join(struct.pack("<I", v) for v in values)
-            kind = 4
-        entries += struct.pack("<HHI", tag, kind, len(values)) + packed
-    return b"II*\x00" + struct.pack("<IH", ifd_at, len(tags)) + entries + struct.pack("<I", 0) + extra + payload
 
 
 @pytest.mark.parametrize("case", ["one stream named 300 times", "a tile of 65536x65536 on a 16x16 image"])
