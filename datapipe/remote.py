@@ -24,7 +24,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -287,10 +287,11 @@ class Location:
         """The same store and options at another root path."""
         return Location(self.url, self.fs, root, self.storage_options, self.timeout)
 
-    def call(self, method: str, *args: Any, nbytes: int = 0, what: str = "", deadline: float | None = None,
-             read: bool = False, **kwargs: Any) -> Any:
-        """Call the filesystem's ``method`` (``pipe_file``, ``cat_file``, ``rm``, s3fs's ``call_s3`` ...) under a
-        deadline (default: ``timeout`` seconds per PART_BYTES of the ``nbytes`` it sends, at least ``timeout``).
+    def call(self, method: str | Callable[..., Any], *args: Any, nbytes: int = 0, what: str = "",
+             deadline: float | None = None, read: bool = False, **kwargs: Any) -> Any:
+        """Call the filesystem's ``method`` (``pipe_file``, ``cat_file``, ``rm``, s3fs's ``call_s3`` ..., or a
+        coroutine function on an async filesystem's loop) under a deadline (default: ``timeout`` seconds per
+        PART_BYTES of the ``nbytes`` it sends, at least ``timeout``).
 
         An S3 client has timeouts for connecting and for reading an answer, none for sending: a store
         that stops reading in the middle of a request body (it keeps the connection open, its receive
@@ -304,6 +305,7 @@ class Location:
         """
         fs = self.fs
         if not (getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None):
+            assert isinstance(method, str), "a coroutine function runs on an async filesystem's loop"
             return getattr(fs, method)(*args, **kwargs)
         from fsspec.asyn import sync
 
@@ -311,7 +313,8 @@ class Location:
         if deadline is None:
             deadline = self.timeout * max(1.0, nbytes / PART_BYTES)
         try:
-            return sync(fs.loop, getattr(fs, f"_{method}"), *args, timeout=deadline, **kwargs)
+            func = method if callable(method) else getattr(fs, f"_{method}")
+            return sync(fs.loop, func, *args, timeout=deadline, **kwargs)
         except TimeoutError:  # fsspec's FSTimeoutError, or the client's own timeout surfacing as one
             did = "answer" if read else f"take a write of {nbytes:,} bytes"
             raise RemoteStoreError(f"{what or self.url}: the store did not {did} within {deadline:g} s "
@@ -324,7 +327,7 @@ class Location:
         """The most a best-effort clean-up after a failure may take: one request's deadline, CLEANUP_SECONDS at most."""
         return min(CLEANUP_SECONDS, self.timeout)
 
-    def read(self, method: str, *args: Any, what: str = "", requests: int = 1, **kwargs: Any) -> Any:
+    def read(self, method: str | Callable[..., Any], *args: Any, what: str = "", requests: int = 1, **kwargs: Any) -> Any:
         """:meth:`call` for a read of ``requests`` requests (``timeout`` seconds each)."""
         return self.call(method, *args, what=what, deadline=self.timeout * max(1, requests), read=True, **kwargs)
 
@@ -964,49 +967,147 @@ def remove_shards(loc: Location, objects: dict[str, int], build_id: str, keep: I
 # ----------------------------------------------------------------------------- the lock
 
 
+class _Lost(Exception):
+    """A conditional write of the lock object failed its condition: another build wrote (or removed) it."""
+
+
+class _Unconditional(Exception):
+    """The store refused a conditional request as such (it supports none)."""
+
+
 class RemoteLock:
     """A lock object (an object store has no flock): host, pid, a token and a heartbeat the holder refreshes.
     A second build refuses a lock refreshed within LOCK_TTL seconds, unless it was left by a process of this
-    host that is gone (a SIGKILLed build). Builds that find the lock free at the same time (the ranks of a job
-    each calling build()) all write it: each reads it back LOCK_SETTLE seconds later, and only the one whose
-    token it then holds goes on (the last writer); the others are refused as busy. Stores are read-after-write
-    consistent (S3 since 2020, GCS, Azure), so this fails only where a build takes longer than that between
-    reading the lock and writing it."""
+    host that is gone (a SIGKILLed build).
+
+    On S3 (s3fs) the lock is written with conditional requests: created only where no lock object is
+    (``If-None-Match: *``), taken over from a dead build and refreshed only while it is still the object that
+    was read or last written (``If-Match`` its ETag). Of builds that find it free or dead at the same time
+    (the ranks of a job each calling build()), the store lets one write it; the others are refused as busy.
+    Elsewhere, and on a store that refuses conditional requests, the builds all write it, each reads it back
+    LOCK_SETTLE seconds later, and only the one whose token it then holds goes on (the last writer); stores
+    are read-after-write consistent (S3 since 2020, GCS, Azure), so this fails only where a build takes longer
+    than that between reading the lock and writing it. The read-back is kept on S3 too, for a store that takes
+    the conditions without honouring them."""
 
     def __init__(self, loc: Location) -> None:
         self.loc = loc
         self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._etag: str | None = None  # the lock object's ETag as this build last wrote it (S3's conditional writes)
         self.ttl = env_seconds("DATAPIPE_REMOTE_LOCK_TTL", LOCK_TTL)
 
     def _doc(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "token": self.token, "refreshed": time.time(),
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
+    def _busy(self, held: Any, how: str = "") -> OutputBusyError:
+        holder = f"pid {held.get('pid')} on host {held.get('host')}" if isinstance(held, dict) else "holder unknown"
+        if how:
+            return OutputBusyError(f"output {self.loc.url} is being written by another datapipe build ({holder}), which "
+                                   f"took its lock {how}; wait for it to finish, or build into another prefix")
+        return OutputBusyError(
+            f"output {self.loc.url} is being written by another datapipe build ({holder}, refreshed "
+            f"{time.time() - float(held.get('refreshed', 0)):.0f} s ago); wait for it to finish or stop it, or build "
+            f"into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
+
+    def _held(self) -> Any:
+        try:
+            return read_doc(self.loc, LOCK_OBJECT)
+        except CacheError:
+            return None  # a damaged lock object holds nobody
+
     def acquire(self) -> None:
-        try:
-            held = read_doc(self.loc, LOCK_OBJECT)
-        except CacheError:
-            held = None  # a damaged lock object holds nobody
-        if isinstance(held, dict) and self.alive(held):
-            raise OutputBusyError(
-                f"output {self.loc.url} is being written by another datapipe build (pid {held.get('pid')} on host "
-                f"{held.get('host')}, refreshed {time.time() - float(held.get('refreshed', 0)):.0f} s ago); wait for it "
-                f"to finish or stop it, or build into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
-        write_doc(self.loc, LOCK_OBJECT, self._doc())
+        if not self._acquire_conditionally():
+            held = self._held()
+            if isinstance(held, dict) and self.alive(held):
+                raise self._busy(held)
+            write_doc(self.loc, LOCK_OBJECT, self._doc())
         time.sleep(env_seconds("DATAPIPE_REMOTE_LOCK_SETTLE", LOCK_SETTLE))
-        try:
-            now = read_doc(self.loc, LOCK_OBJECT)
-        except CacheError:
-            now = None
+        now = self._held()
         if not (isinstance(now, dict) and now.get("token") == self.token):
-            holder = f"pid {now.get('pid')} on host {now.get('host')}" if isinstance(now, dict) else "holder unknown"
-            raise OutputBusyError(
-                f"output {self.loc.url} is being written by another datapipe build ({holder}), which took its lock as "
-                "this build did; wait for it to finish, or build into another prefix")
+            raise self._busy(now, "as this build did")
         self._thread = threading.Thread(target=self._beat, daemon=True, name="datapipe-remote-lock")
         self._thread.start()
+
+    def _acquire_conditionally(self) -> bool:
+        """Take the lock with conditional writes (S3): True when this build wrote it, False where the store
+        takes no conditions (the caller writes it as elsewhere).
+
+        Raises:
+            OutputBusyError: a living build holds it, or another build wrote it first.
+        """
+        if not is_s3fs(self.loc.fs):
+            return False
+        try:
+            self._etag = self._put(if_none_match=True)
+            return True
+        except _Unconditional:
+            return False
+        except _Lost:
+            pass
+        try:
+            held, etag = self._get()
+        except FileNotFoundError:  # removed since (its build ended): the next build to write it holds it
+            held, etag = None, None
+        if isinstance(held, dict) and self.alive(held):
+            raise self._busy(held)
+        try:
+            self._etag = self._put(if_match=etag) if etag else self._put(if_none_match=True)
+        except _Unconditional:
+            return False
+        except _Lost:
+            raise self._busy(self._held(), "first") from None
+        return True
+
+    def _get(self) -> tuple[Any, str]:
+        """The lock object's document (None when damaged) and its ETag, in one GET."""
+        fs, loc = self.loc.fs, self.loc
+        bucket, key, _ = fs.split_path(loc.path(LOCK_OBJECT))
+
+        async def get() -> tuple[bytes, str]:
+            answer = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+            body = answer["Body"]
+            try:
+                return await body.read(), str(answer["ETag"])
+            finally:
+                body.close()
+
+        data, etag = loc.read(get, what=loc.url_of(LOCK_OBJECT))
+        try:
+            return parse_json(data, loc.url_of(LOCK_OBJECT)), etag
+        except CacheError:
+            return None, etag
+
+    def _put(self, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        """Write this build's lock document under a condition; its ETag.
+
+        Raises:
+            _Lost: the condition failed (another build wrote or removed the lock).
+            _Unconditional: the store refused the conditional request as such.
+        """
+        fs, loc = self.loc.fs, self.loc
+        bucket, key, _ = fs.split_path(loc.path(LOCK_OBJECT))
+        body = json.dumps(self._doc(), indent=1).encode()
+        condition = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match}
+        try:
+            answer = loc.call("call_s3", "put_object", Bucket=bucket, Key=key, Body=body, nbytes=len(body),
+                              what=loc.url_of(LOCK_OBJECT), **condition)
+        except (FileExistsError, FileNotFoundError):
+            raise _Lost from None
+        except OSError as exc:
+            text = f"{exc} {exc.__cause__!r}"
+            if any(word in text for word in ("PreconditionFailed", "pre-condition", "ConditionalRequestConflict",
+                                             "precondition")):
+                raise _Lost from None
+            if any(word in text for word in ("NotImplemented", "not implemented", "InvalidArgument")):
+                raise _Unconditional from None
+            raise
+        etag = answer.get("ETag") if isinstance(answer, dict) else None
+        if not etag:
+            raise _Unconditional
+        return str(etag)
 
     def alive(self, held: dict[str, Any]) -> bool:
         """Whether the lock object ``held`` is a living build's: refreshed within the TTL, and, on this host, its
@@ -1029,6 +1130,12 @@ class RemoteLock:
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl / 4):
             with contextlib.suppress(Exception):
+                if self._etag is not None:
+                    try:
+                        self._etag = self._put(if_match=self._etag)
+                    except _Lost:
+                        return  # another build took the lock over (this one's refreshes failed for LOCK_TTL): never undone
+                    continue
                 held = read_doc(self.loc, LOCK_OBJECT)
                 if isinstance(held, dict) and held.get("token") not in (None, self.token):
                     return  # another build took the lock over (this one's refreshes failed for LOCK_TTL): never undone

@@ -365,6 +365,45 @@ def test_a_fresh_lock_of_another_build_is_refused_and_a_dead_one_taken_over(s3, 
     assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
 
 
+def test_the_lock_is_written_with_conditions_so_one_of_builds_that_found_it_free_or_dead_holds_it(s3, monkeypatch):
+    """Builds that read the lock free (or dead), then wrote it one after the other, each more than the settle time
+    after the other read it back: both read their own token and went on. On S3 the lock is created only where none
+    is, and taken over only while it is the object that was read, so the second build is refused whatever the
+    timing; the holder's refreshes are conditional too, and stop once another build took the lock over."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_SETTLE", "0.001")
+    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
+    fs = s3.filesystem()
+    key = loc.url.removeprefix("s3://") + "/.datapipe.lock"
+    first, second = remote.RemoteLock(loc), remote.RemoteLock(loc)
+    first.acquire()  # the second build read the lock free before this: its write now comes after the first's
+    with pytest.raises(datapipe.errors.OutputBusyError, match=f"pid {os.getpid()}"):
+        second._acquire_conditionally()
+    assert json.loads(fs.cat_file(key))["token"] == first.token
+    first.remove()
+    assert not fs.exists(key)
+
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fs.pipe_file(key, json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "refreshed": time.time(),
+                                  "token": "dead"}).encode())
+    stale = fs.info(key)["ETag"]
+    third, fourth = remote.RemoteLock(loc), remote.RemoteLock(loc)
+    third.acquire()  # takes over the dead build's lock; the fourth read the same dead lock before it did
+    with pytest.raises(remote._Lost):
+        fourth._put(if_match=stale)
+    assert json.loads(fs.cat_file(key))["token"] == third.token
+    third.stop()
+    third._thread.join()
+    refreshed = third._put(if_match=third._etag)  # a refresh of its own lock succeeds ...
+    fs.pipe_file(key, json.dumps({"host": "elsewhere", "pid": 1, "refreshed": time.time(), "token": "x"}).encode())
+    with pytest.raises(remote._Lost):  # ... and fails once another build took it over (its TTL past)
+        third._put(if_match=refreshed)
+    assert json.loads(fs.cat_file(key))["token"] == "x"
+    with pytest.raises(datapipe.errors.OutputBusyError, match="elsewhere"):
+        fourth.acquire()
+
+
 def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_spelled_is_not_a_class(s3, imaging,
                                                                                                       tmp_path):
     """S3 keys are literal: src//cat/c.png is another object than src/cat/c.png. The listing took both for one
