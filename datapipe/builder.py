@@ -73,7 +73,7 @@ from .shards import (
     shard_name,
 )
 from .sources import Listing, plan_shards, scan, shown, valid_utf8, with_classes
-from .text import plural, show
+from .text import plural, printable, show
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ class BuildReport:
             text += (f", {plural(len(self.outside_classes), 'image file')} at the source's top level not used "
                      "(no class folder; listed in report.json)")
         if self.empty_classes:
-            names = ", ".join(self.empty_classes[:3]) + (" ..." if len(self.empty_classes) > 3 else "")
+            names = ", ".join(map(printable, self.empty_classes[:3])) + (" ..." if len(self.empty_classes) > 3 else "")
             text += f", {plural(len(self.empty_classes), 'class', 'classes')} without any sample ({names})"
         return text
 
@@ -1569,7 +1569,8 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
         if read_only is None:
             _write_report(out, report)
-        first = "; ".join(f"{q['path']} ({q.get('error', 'unknown')}): {q['reason']}" for q in quarantined[:3])
+        first = "; ".join(f"{printable(q['path'])} ({q.get('error', 'unknown')}): {printable(q['reason'])}"
+                          for q in quarantined[:3])
         raise TooManyBadFilesError(
             f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "
             f"--max-bad-fraction {max_bad_fraction:g}. First: {first}. Every file and its reason "

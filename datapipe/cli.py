@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .environment import environment
 from .errors import DatapipeError, describe_quarantine
-from .text import plural
+from .text import plural, printable
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -384,9 +384,9 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
         raw_bytes = float((shapes[:, 0] * shapes[:, 1] * 3).mean()) if len(shapes) else 0.0
         mean = float(nbytes.mean()) if len(nbytes) else 0.0
         print(f"stored     {mean:,.0f} bytes/sample mean ({mean / max(raw_bytes, 1.0):.0%} of the raw pixels)")
-    print(f"classes    {len(m.classes)}: {', '.join(m.classes[:8])}{' …' if len(m.classes) > 8 else ''}")
+    print(f"classes    {len(m.classes)}: {', '.join(map(printable, m.classes[:8]))}{' …' if len(m.classes) > 8 else ''}")
     print(f"config     {json.dumps(m.config)}")
-    print(f"source     {m.source.root} ({m.source.kind})")
+    print(f"source     {printable(str(m.source.root))} ({m.source.kind})")
     print(f"{where:<10} {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
         print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "

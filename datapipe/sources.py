@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .errors import SourceError, refused
 from .files import FileTooLarge, NotRegularFile, describe_mode, read_regular
+from .text import printable
 
 log = logging.getLogger("datapipe.build")
 
@@ -143,8 +144,9 @@ def _stat(path: Path) -> tuple[int, int]:
 
 
 def shown(name: str) -> str:
-    """A path as text that JSON and a terminal can carry: bytes that are not UTF-8 as ``\\xNN``."""
-    return os.fsencode(name).decode("utf-8", "backslashreplace")
+    """A path as text that JSON and a one-line message can carry: bytes that are not UTF-8 as ``\\xNN``, control
+    characters escaped (:func:`datapipe.text.printable`)."""
+    return printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
 
 
 def valid_utf8(name: str) -> bool:
@@ -162,7 +164,7 @@ def not_regular(mode: int) -> dict[str, str]:
 
 def bad_name(rel: str) -> dict[str, str]:
     return {"path": shown(rel), "error": "unreadable",
-            "reason": f"the file name is not valid UTF-8 ({shown(rel)}); rename it to build it"}
+            "reason": f"the path is not valid UTF-8 ({shown(rel)}); rename the file (or its folder) to build it"}
 
 
 class _Walker:
@@ -296,16 +298,22 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
             walker.ignored.append(shown(entry.name) + "/ (the build's output folder)")
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)
-    classes = [e.name for e in class_dirs if valid_utf8(e.name)]  # others: their files are quarantined
+    unnamed = [e.name for e in class_dirs if not valid_utf8(e.name)]
+    if unnamed:
+        raise SourceError(
+            f"class folder {shown(str(root / unnamed[0]))} has a name that is not valid UTF-8"
+            f"{f' (and {len(unnamed) - 1} more)' if len(unnamed) > 1 else ''}: the cache records class names as "
+            "text, and leaving the class out would renumber every class after it; rename the folder (e.g. "
+            "`convmv -f latin1 -t utf8 -r --notest FOLDER`) and rerun")
+    classes = [e.name for e in class_dirs]
     note_string_order(classes)
+    index = {name: i for i, name in enumerate(classes)}
     # Real class folders are read before linked ones, so a class linked to another is the one left empty.
     for entry in sorted(class_dirs, key=lambda e: (e.is_symlink(), e.name)):
-        label = classes.index(entry.name) if valid_utf8(entry.name) else -1
+        label = index[entry.name]
         if walker.enter(entry.path, entry.name, is_link=False):
             walker.walk(entry.path, entry.name, label)
-    bad_class = [r for r in walker.records if r[1] < 0]
-    walker.dropped.extend(bad_name(rel) for rel, _ in bad_class)
-    records = sorted(r for r in walker.records if r[1] >= 0)
+    records = sorted(walker.records)
     paths = [p for p, _ in records]
     return Listing(
         root=root, kind="folder", classes=classes, paths=paths, labels=[lab for _, lab in records],
@@ -381,8 +389,11 @@ def _relative(cell: str, csv_path: Path, lineno: int) -> str:
 
 def _csv_rows(csv_path: Path) -> list[tuple[str, str, int]]:
     """(relative path, label, line number) of every data row."""
-    return csv_rows(_csv_text(csv_path), str(csv_path), lambda cell: os.path.lexists(csv_path.parent / cell),
-                    lambda cell, lineno: _relative(cell, csv_path, lineno))
+    def names_file(cell: str) -> bool:  # a folder is never a sample: a header cell named like one is a header
+        path = csv_path.parent / cell
+        return os.path.lexists(path) and not path.is_dir()
+
+    return csv_rows(_csv_text(csv_path), str(csv_path), names_file, lambda cell, lineno: _relative(cell, csv_path, lineno))
 
 
 def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
@@ -455,7 +466,9 @@ def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dic
     for rel, label in rows:
         named.add(label)
         if rel in seen:
-            dropped.append({"path": rel, "error": "duplicate", "reason": "duplicate path in list source (kept the first row)"})
+            other = "" if label == seen[rel] else f" with another label ({label!r}; the first row's {seen[rel]!r} is kept)"
+            dropped.append({"path": rel, "error": "duplicate",
+                            "reason": f"duplicate path in list source{other or ' (kept the first row)'}"})
             continue
         bad = refused(rel) if refused is not None else None
         if bad is not None:

@@ -15,6 +15,21 @@ def one_line(text: str, limit: int = 120) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+# Characters a name may hold that would break a message's line or act on the terminal: the C0 and C1 controls
+# (newline, tab, ESC ...), DEL, the Unicode line and paragraph separators, and the bidirectional controls that
+# reorder what follows them on screen.
+_UNPRINTABLE = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_UNPRINTABLE.update({c: f"\\u{c:04x}" for c in (0x2028, 0x2029, 0x200E, 0x200F, 0x061C, *range(0x202A, 0x202F),
+                                                   *range(0x2066, 0x206A))})
+_UNPRINTABLE.update({ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r"})
+
+
+def printable(text: str) -> str:
+    """``text`` (a file, folder or class name) as it may appear in a one-line message: control characters,
+    line separators and bidirectional controls escaped (``\\n``, ``\\x1b``, ``\\u202e``); the rest as it is."""
+    return text.translate(_UNPRINTABLE)
+
+
 def show(value: object, limit: int = 60) -> str:
     """A short, one-line repr of a value from the user or a file (a hostile one may hold anything)."""
     try:

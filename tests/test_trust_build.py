@@ -144,6 +144,33 @@ def test_a_header_like_first_row_naming_a_real_file_is_data(tmp_path, imaging):
     assert [cache.path(i) for i in range(len(cache))] == ["b.jpg", "image"]
 
 
+@pytest.mark.parametrize("header", ["img,label", "path,class", "Image,Label"])
+def test_a_header_naming_a_folder_beside_the_csv_is_a_header(tmp_path, imaging, header):
+    """The images in a folder named like the header's first cell (`img/`, `path/`): the header was read as data,
+    its label became a class ('label' between 'dog' and 'zebra', renumbering zebra) and its row a quarantined
+    'directory' within the budget. A folder is never a sample, so the row is the header."""
+    folder = header.split(",")[0]
+    files = sorted(imaging.write_source(tmp_path / folder, {"x": 3}, variety=False))
+    rows = [f"{folder}/{name},{label}" for name, label in zip(files, ["cat", "dog", "zebra"], strict=True)]
+    (tmp_path / "list.csv").write_text("\n".join([header, *rows]) + "\n")
+    report = build(tmp_path / "list.csv", tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["cat", "dog", "zebra"] and report.quarantined == [] and report.num_samples == 3
+    assert [cache.classes[cache[i][1]] for i in range(3)] == ["cat", "dog", "zebra"]
+
+
+def test_a_path_listed_twice_with_two_labels_names_both(tmp_path, imaging):
+    files = sorted(imaging.write_source(tmp_path / "pics", {"x": 2}, variety=False))
+    (tmp_path / "list.csv").write_text(f"pics/{files[0]},cat\npics/{files[1]},cat\npics/{files[0]},dog\n"
+                                       f"pics/{files[1]},cat\n")
+    report = build(tmp_path / "list.csv", tmp_path / "out", max_bad_fraction=1.0)
+    reasons = {(q["path"], q["reason"]) for q in report.quarantined}
+    assert reasons == {(f"pics/{files[0]}", "duplicate path in list source with another label ('dog'; the first "
+                                            "row's 'cat' is kept)"),
+                       (f"pics/{files[1]}", "duplicate path in list source (kept the first row)")}
+    assert datapipe.open(tmp_path / "out").classes == ["cat", "dog"]
+
+
 @pytest.mark.parametrize("codec,name", [("utf-16", "UTF-16"), ("utf-16-be", None), ("utf-32", "UTF-32")])
 def test_csv_in_another_encoding_is_refused_by_name(tmp_path, codec, name):
     data = "path,label\na.jpg,cat\n".encode(codec)
@@ -933,6 +960,56 @@ def test_a_source_or_output_path_that_is_not_utf8_is_one_line_and_writes_nothing
     assert not out.exists()
     with pytest.raises(SourceError if which == "source" else OutputError, match="not valid UTF-8"):
         build(source, out)
+
+
+def test_a_class_folder_whose_name_is_not_utf8_ends_the_build_naming_it(small, tmp_path):
+    """Its files were quarantined as badly named files and the class left out of the list without a word, so
+    every class after it took another label than ImageFolder gives it."""
+    odd = os.fsencode(small) + b"/b\xe9b\xe9"
+    os.rename(small / "b", odd)
+    os.makedirs(small / "c")
+    shutil.copy(next(iter(sorted((small / "a").iterdir()))), small / "c" / "x.jpg")
+    out = tmp_path / "out"
+    result = cli("build", str(small), str(out), "--size", str(SIZE), "--scheduler", "sync")
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        f"datapipe build: error: class folder {small}/b\\xe9b\\xe9 has a name that is not valid UTF-8: the cache "
+        "records class names as text, and leaving the class out would renumber every class after it; rename the "
+        "folder (e.g. `convmv -f latin1 -t utf8 -r --notest FOLDER`) and rerun")
+    assert not out.exists()
+    nested = small / "a" / os.fsdecode(b"sub\xff")  # inside a class, only its files are quarantined
+    nested.mkdir()
+    shutil.copy(next(iter(sorted((small / "a").glob("*.jpg")))), nested / "y.jpg")
+    os.rename(odd, small / "b")
+    report = build(small, out, max_bad_fraction=0.5)
+    assert datapipe.open(out).classes == ["a", "b", "c"]
+    assert [(q["path"], q["error"]) for q in report.quarantined] == [("a/sub\\xff/y.jpg", "unreadable")]
+    assert "rename the file (or its folder)" in report.quarantined[0]["reason"]
+
+
+def test_names_with_control_characters_are_escaped_in_every_message(tmp_path, imaging):
+    """A newline or a terminal escape in a file or class name was printed raw: the over-budget error ran over
+    three lines with ESC sequences in them, the summary cleared the screen, and info's classes line was broken."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"ok": 3, "cl\nass": 3}, variety=False)
+    (src / "cl\nass" / "bad\n\x1b[31mRED\u202e.jpg").write_bytes(b"garbage")
+    (src / "empty\n\x1b[2Jcls").mkdir()
+    out = tmp_path / "out"
+    failed = cli("build", str(src), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet")
+    assert failed.returncode == 2
+    line = one_line(failed.stderr)
+    assert "First: cl\\nass/bad\\n\\x1b[31mRED\\u202e.jpg (not-an-image)" in line, line
+    assert not any(c in failed.stderr for c in "\x1b\u202e")
+    done = cli("build", str(src), str(out), "--size", str(SIZE), "--scheduler", "sync", "--quiet",
+               "--max-bad-fraction", "0.5")
+    assert done.returncode == 0, done.stderr
+    summary = done.stderr.strip().splitlines()[-1]
+    assert "1 class without any sample (empty\\n\\x1b[2Jcls)" in summary and "\x1b" not in done.stderr, summary
+    info = cli("info", str(out))
+    classes = [line for line in info.stdout.splitlines() if line.startswith("classes")]
+    assert classes == ["classes    3: cl\\nass, empty\\n\\x1b[2Jcls, ok"], info.stdout
+    assert "\x1b" not in info.stdout
+    assert datapipe.open(out).classes == ["cl\nass", "empty\n\x1b[2Jcls", "ok"]  # the names as they are
 
 
 @pytest.mark.parametrize("spelling", ["same", "trailing-slash", "link"])
