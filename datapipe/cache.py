@@ -46,6 +46,7 @@ import numpy as np
 
 from . import manifest as mf
 from . import native
+from ._threads import renew_after_fork
 from .errors import (
     PERMISSION_ADVICE,
     ArgumentError,
@@ -306,18 +307,23 @@ class Cache:
         self._files = _ShardFiles(_fd_limit() if self.remote is None else min(_fd_limit(), self.remote.max_open))
         if self.remote is not None:
             self.remote.attach(self._files)  # the remote's plan sizes what stays open
-        self._lock = threading.Lock()
+        self._renew_locks()
+        renew_after_fork(self, "_renew_locks")
         self._labels: np.ndarray | None = None
         self._paths: list[str] | None = None
         # memory maps only under the SIGBUS guard; positioned reads otherwise
         self.mapped: bool = native.guard_available()
         self._map_ranges: dict[int, tuple[int, int]] = {}  # shard -> (address, length) of its latest map
         self._indexes: dict[int, SampleIndex] = {}  # shard -> its checked sample index (indexed layout)
-        self._index_lock = threading.Lock()
         self._shapes: np.ndarray | None = None
         self._nbytes: np.ndarray | None = None
         self._range: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
         self._shard_files: dict[int, str] = {}  # shard -> its data file, as decode errors name it
+
+    def _renew_locks(self) -> None:
+        """New locks (at open, and in a child made by fork, where a reader thread of the parent may hold one)."""
+        self._lock = threading.Lock()
+        self._index_lock = threading.Lock()
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 import struct
 import threading
@@ -945,6 +946,7 @@ def _too_large(width: int, height: int, max_pixels: int) -> DecodeError:
 # _pillow_limit) and in any other thread calls Pillow's own, which reads MAX_IMAGE_PIXELS as before.
 _limit = threading.local()
 _limit_lock = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().update(_limit_lock=threading.Lock()))  # held by no thread there
 _limit_installed = False
 
 

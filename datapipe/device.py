@@ -82,6 +82,7 @@ class _Slot:
     params: dict | None = None  # per-sample crops of a padded batch of samples of varying shapes
     decoded: torch.cuda.Event | None = None  # CUDA event after the GPU decode (and padding) of the batch last read into this slot
     keep: list[torch.Tensor] | None = None  # that decode's outputs (a GPU decoder's own memory): kept until the event has completed
+    held: bool = False  # handed to the loop as its raw uint8 batch: in use until that iteration asks for another or ends
 
 
 class _OutputPool:
@@ -191,6 +192,10 @@ class DeviceLoader:
         self._threads: list[threading.Thread] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
+        # Held by an iteration's step (from asking for a batch to handing it out) and while one begins: an
+        # iteration begun in another thread waits for the running step to end before it takes the buffers
+        # back, so two threads never fill one buffer, and the older iteration raises at its next step.
+        self._step = threading.RLock()
         self._results: dict[tuple[int, int], _Result | _Failure] = {}
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
@@ -294,13 +299,14 @@ class DeviceLoader:
         """
         if self._closed:
             raise RuntimeError("this DeviceLoader was closed")
-        self._start_threads()
-        with self._cond:
-            self._generation += 1  # queued jobs of an earlier iteration are skipped, not read
-        gen = self._generation
-        self._drain()
-        order, bounds = self.dataset.begin_iteration()
-        return self._batches(gen, self.dataset.iteration, order, bounds)
+        with self._step:
+            self._start_threads()
+            with self._cond:
+                self._generation += 1  # queued jobs of an earlier iteration are skipped, not read
+                gen = self._generation
+            self._drain()
+            order, bounds = self.dataset.begin_iteration()
+            return self._batches(gen, self.dataset.iteration, order, bounds)
 
     def _batches(self, gen: int, iteration: int, order: np.ndarray, bounds: np.ndarray) -> Iterator[_OutBatch]:
         ds = self.dataset
@@ -310,40 +316,41 @@ class DeviceLoader:
         held: _Slot | None = None
         try:
             for j in range(n):
-                self._check_current(gen, iteration)
-                if held is not None:  # the previous raw uint8 batch is released when the next is asked for
-                    self._release(held)
-                    held = None
-                started = self.meter.begin()
-                while submitted < n and self._free:
-                    begin, end = bounds[submitted]
-                    self._submit(gen, submitted, order[begin:end], self._free.pop(), _seed_for(ds.seed, epoch, begin))
-                    submitted += 1
-                (slot, batch, seed), waited = self._wait(gen, j, started)
-                if self.cuda:
-                    batch = self._on_device(slot, batch, seed)
-                else:
-                    if not self._reader_transforms:  # a generic module: here, in order, one at a time
-                        t = time.perf_counter()
-                        batch = self._transform(batch, seed)
-                        waited += time.perf_counter() - t  # the loop's time on data, like a wait
-                    if self.output == "uint8":
-                        held = slot
+                with self._step:
+                    self._check_current(gen, iteration)
+                    if held is not None:  # the previous raw uint8 batch is released when the next is asked for
+                        self._give_back(held)
+                        held = None
+                    started = self.meter.begin()
+                    while submitted < n and self._free:
+                        begin, end = bounds[submitted]
+                        self._submit(gen, submitted, order[begin:end], self._free.pop(),
+                                     _seed_for(ds.seed, epoch, begin))
+                        submitted += 1
+                    (slot, batch, seed), waited = self._wait(gen, j, started)
+                    if self.cuda:
+                        batch = self._on_device(slot, batch, seed)
                     else:
-                        self._release(slot)
-                ds.note_received(iteration, j + 1)
-                self.meter.record(started, waited, int(batch[1].shape[0]))
+                        if not self._reader_transforms:  # a generic module: here, in order, one at a time
+                            t = time.perf_counter()
+                            batch = self._transform(batch, seed)
+                            waited += time.perf_counter() - t  # the loop's time on data, like a wait
+                        if self.output == "uint8":
+                            held, slot.held = slot, True
+                        else:
+                            self._release(slot)
+                    ds.note_received(iteration, j + 1)
+                    self.meter.record(started, waited, int(batch[1].shape[0]))
                 yield batch
             self.meter.finish()  # the loop asked for a batch after the last: its last step is over
             if not self._closed:  # every batch was delivered: a close() after the last one ends nothing
                 self._check_current(gen, iteration)
         finally:
             ds.end_iteration(iteration)
+            if held is not None:  # the loop's batch (a newer iteration took back every buffer but this one)
+                self._give_back(held)
             with self._cond:
-                # A newer iteration took every buffer back already (_drain): this one releases nothing.
                 if self._generation == gen:
-                    if held is not None:
-                        self._release(held)
                     self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
 
     def _check_current(self, gen: int, iteration: int) -> None:
@@ -386,15 +393,8 @@ class DeviceLoader:
         ready = threading.Barrier(self.num_workers + 1) if single else None
         try:
             # decoded on the GPU, the samples never pass through the host buffers: only labels and indices do
-            b, shape = self._slot_rows(), (0, 0, 3) if self._gpu is not None else self._buffer_shape()
-            pin = self.cuda
             _ = self.dataset.cache.labels  # open the label map here, not in several threads at once
-            for _ in range(self._num_slots()):
-                self._slots.append(_Slot(
-                    images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
-                    labels=torch.empty(b, dtype=torch.int64, pin_memory=pin),
-                    index=torch.empty(b, dtype=torch.int64, pin_memory=pin),
-                ))
+            self._slots = [self._new_slot() for _ in range(self._num_slots())]
             self._free = list(self._slots)
             for i in range(self.num_workers):
                 t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, ready),
@@ -414,6 +414,14 @@ class DeviceLoader:
             if ready is not None:
                 torch.set_num_threads(before)  # also when this thread still has it: the default is what changed
         self._started = True
+
+    def _new_slot(self) -> _Slot:
+        """One host buffer of the ring (pinned on CUDA)."""
+        b, shape = self._slot_rows(), (0, 0, 3) if self._gpu is not None else self._buffer_shape()
+        pin = self.cuda
+        return _Slot(images=torch.empty((b, *shape), dtype=torch.uint8, pin_memory=pin),
+                     labels=torch.empty(b, dtype=torch.int64, pin_memory=pin),
+                     index=torch.empty(b, dtype=torch.int64, pin_memory=pin))
 
     def _stop_threads(self) -> None:
         for _ in self._threads:
@@ -488,6 +496,14 @@ class DeviceLoader:
     def _release(self, slot: _Slot) -> None:
         self._free.append(slot)
 
+    def _give_back(self, slot: _Slot) -> None:
+        """The loop is done with its raw uint8 batch: the buffer goes back to the ring, unless a newer iteration
+        replaced it meanwhile (see :meth:`_drain`; it is then freed with the last view of it)."""
+        with self._cond:  # never between a newer iteration's _drain deciding which buffers it takes and taking them
+            slot.held = False
+            if any(slot is mine for mine in self._slots):
+                self._free.append(slot)
+
     def _wait(self, gen: int, j: int, started: float) -> tuple[_Result, float]:
         deadline = started + self.timeout
         with self._cond:
@@ -510,7 +526,9 @@ class DeviceLoader:
 
     def _drain(self) -> None:
         """Wait for the readers to finish the jobs of an abandoned iteration they began, then take back
-        all buffers (its jobs still queued are skipped: their generation is gone)."""
+        the buffers (its jobs still queued are skipped: their generation is gone) — all but the one its
+        loop may still be reading, a raw uint8 batch (an iterator kept, or another thread's loop): that one
+        leaves the ring, a new buffer takes its place, and it is freed when nothing views it any more."""
         deadline = time.perf_counter() + self.timeout
         with self._cond:
             while self._busy:
@@ -519,7 +537,8 @@ class DeviceLoader:
                     raise TimeoutError("datapipe: reader threads did not finish the previous iteration")
                 self._cond.wait(left)
             self._results.clear()
-        self._free = list(self._slots)
+            self._slots = [slot if not slot.held else self._new_slot() for slot in self._slots]
+            self._free = list(self._slots)
 
     def _handle(self, job: tuple[int, int, np.ndarray, _Slot, int]) -> None:
         """Read (and on the CPU, augment) one batch in a reader thread."""

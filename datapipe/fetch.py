@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from ._threads import renew_after_fork
 from .cache import LOCAL_CACHE_MARKER, Cache
 from .errors import (
     FULL_DISK,
@@ -360,6 +361,7 @@ class ShardFetcher:
 
     # ----------------------------------------------------------------- process-local state
     def _init_runtime(self) -> None:
+        renew_after_fork(self, "_after_fork")
         self._fs: Any = None
         self._fs_pid = -1
         self._root = ""
@@ -371,6 +373,12 @@ class ShardFetcher:
         self._open_cap = 1 << 20
         self.downloaded_bytes = 0  # by this process
         self._warned = False
+
+    def _after_fork(self) -> None:
+        """In a child made by fork, which has none of the parent's threads: a new lock (a prefetch thread of the
+        parent may have held it) and no prefetch plan (its downloads in flight never end here)."""
+        self._lock = threading.Lock()
+        self._follower = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -1405,6 +1413,15 @@ class _DaemonPool:
 
 _POOL: tuple[int, _DaemonPool] | None = None
 _POOL_LOCK = threading.Lock()
+
+
+def _renew_module_locks() -> None:
+    """In a child made by fork: new module locks (a thread of the parent may have held one at the fork)."""
+    global _parts_lock, _RECORD_LOCK, _POOL_LOCK
+    _parts_lock, _RECORD_LOCK, _POOL_LOCK = threading.Lock(), threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_module_locks)
 
 
 async def _s3_get(fs: Any, rpath: str, lpath: str, progress: _Progress) -> tuple[str, int]:

@@ -386,6 +386,7 @@ class PartialDecoder:
 
 
 _open_lock = threading.Lock()
+os.register_at_fork(after_in_child=lambda: globals().update(_open_lock=threading.Lock()))  # held by no thread there
 
 
 @lru_cache(maxsize=1)

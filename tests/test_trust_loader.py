@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import signal
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -25,7 +27,7 @@ import datapipe
 from datapipe import augment
 from datapipe.dataset import ORDER_LIMIT, STATE_KEYS, STATE_VERSION
 from datapipe.errors import ArgumentError, DatapipeError, StateError
-from datapipe.testing import build_index_cache
+from datapipe.testing import build_index_cache, index_of
 
 B = 8
 N = 101
@@ -391,6 +393,123 @@ def test_the_device_loader_refuses_what_the_dataset_refuses(index_cache, twin, s
     whole = dataset(index_cache)
     whole.set_epoch(5)
     assert rest == indices_of(whole)[3:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_uint8_batch_of_an_iteration_a_newer_one_ended_is_never_overwritten(index_cache, workers):
+    """A raw uint8 batch is the loader's host buffer. A newer iteration took every buffer back, also the one the
+    older iteration's loop still held (an iterator kept, e.g. a peek with next(iter(loader)), or another thread's
+    loop), and read other samples into it under the holder's feet."""
+    ids = index_cache.ids
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=workers, output="uint8")
+    kept = iter(loader)
+    images, labels, index = next(kept)
+    before = (images.clone(), labels.clone(), index.clone())
+    seen = [i for batch in loader for i in batch[2].tolist()]  # a whole epoch, through every buffer of the ring
+    assert sorted(seen) == list(range(index_cache.n))
+    for now, then in zip((images, labels, index), before, strict=True):
+        assert torch.equal(now, then)
+    assert (index_of(images.numpy()) == ids[index.numpy()]).all()
+    with pytest.raises(datapipe.errors.IterationSupersededError):
+        next(kept)
+    loader.close()
+
+
+@pytest.mark.filterwarnings("ignore::datapipe.errors.RepeatedEpochWarning")  # an epoch read whole, then again
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_threads_iterating_one_loader_never_get_wrong_or_repeated_samples(index_cache, workers):
+    """Two threads iterating one DeviceLoader at once: the buffer ring was taken back by one iteration while the
+    other's step still filled or held a buffer, so batches held other samples' pixels (some another class's label)
+    and iterations that ran to their end repeated and missed samples. Now each step runs whole, the newest
+    iteration runs, the older raises at its next batch."""
+    ids = index_cache.ids
+    problems: list[str] = []
+    finished: list[str] = []
+
+    def run(loader: datapipe.DeviceLoader, start: threading.Barrier, name: str) -> None:
+        start.wait()
+        seen = []
+        try:
+            for images, _, index in loader:
+                got, want = index_of(images.numpy()), ids[index.numpy()]
+                if not (got == want).all():
+                    problems.append(f"{name}: pixels of {got[got != want]} under {want[got != want]}")
+                seen += index.tolist()
+        except datapipe.errors.IterationSupersededError:
+            return
+        except Exception as exc:  # noqa: BLE001 - any other end is the defect
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+            return
+        finished.append(name)
+        if sorted(seen) != list(range(index_cache.n)):
+            problems.append(f"{name}: {len(seen)} samples, {len(set(seen))} distinct")
+
+    for trial in range(40):
+        loader = datapipe.DeviceLoader(dataset(index_cache, batch_size=4, seed=trial), device="cpu",
+                                       num_workers=workers, output="uint8", timeout=30)
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=run, args=(loader, start, f"{trial}{name}")) for name in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "an iteration hangs"
+        loader.close()
+    assert problems == []
+    assert len(finished) >= 40  # one of the two, at least, read its epoch whole every time
+
+
+def test_a_child_forked_while_reader_threads_hold_the_cache_locks_reads(index_cache):
+    """A DataLoader worker forked (the default start method on Linux) while a reader thread of the parent held a
+    cache's lock (it opens and closes shards under it, often, when a cache has more shards than the open-file
+    budget): the lock stayed held in the child, where no thread would ever release it, and the worker waited for
+    ever. Every lock reader threads take is made anew in a forked child."""
+    import os
+
+    from datapipe import cache as cache_module
+    from datapipe import codecs, fetch, samples
+
+    ds = dataset(index_cache, shuffle=False)
+    next(iter(ds))  # opened, read once
+    cache = ds.cache
+    locks = [cache._lock, cache._index_lock, cache_module._ShardFiles._lock, codecs._limit_lock, samples._open_lock,
+             fetch._parts_lock, fetch._RECORD_LOCK, fetch._POOL_LOCK]
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait()
+        for lock in locks:
+            lock.release()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: read a whole epoch through the dataset, as a DataLoader worker does
+            code = 1
+            try:
+                seen = [i for batch in ds for i in batch[2].tolist()]
+                code = 0 if sorted(seen) == list(range(index_cache.n)) else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waits for ever on a lock a thread of the parent held at the fork")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        release.set()
+        holder.join()
 
 
 # ----------------------------------------------------------------------------- num_workers=0
