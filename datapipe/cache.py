@@ -456,6 +456,10 @@ class Cache:
         path = self.root / rec.name
         try:
             fd = open_for_reading(path)
+        except FileNotFoundError:
+            if self._file_identities.get(key) is not None:  # there at open: removed since (a rebuild in place)
+                raise CorruptShardError(_changed(path, f"{key} file", "is gone")) from None
+            raise CorruptShardError(f"{path} is missing; rerun the same `datapipe build` to rewrite it") from None
         except OSError as exc:
             raise refused_error(str(path), exc) or CorruptShardError(
                 f"{path} cannot be opened ({exc.strerror or exc}); rerun the same `datapipe build` to rewrite it") from None
@@ -1125,7 +1129,28 @@ class Cache:
             else:
                 problems.extend(self._verify_shard(s, labels, paths))
                 self.verified_shards += 1
+        if problems and self.node_cache_of is None:
+            self._check_not_rebuilt_meanwhile()
         return problems
+
+    def _check_not_rebuilt_meanwhile(self) -> None:
+        """Raise when a build holds the folder's lock, or its manifest is no longer the one read at open: what
+        :meth:`verify` found missing or different is that build's work, not damage.
+
+        Raises:
+            CacheError: naming the build (its lock holder) or saying the cache was rebuilt.
+        """
+        holder = lock_holder(self.root)
+        try:
+            now: Manifest | None = mf.read_manifest(self.root)
+        except CacheError:
+            now = None
+        if holder is None and now is not None and now.build_id == self.build_id and now.config == self.manifest.config:
+            return
+        why = (f"a datapipe build is writing it now ({holder})" if holder is not None
+               else "it was rebuilt while it was being verified")
+        raise CacheError(f"{self.root}: {why}, so what verify found missing or changed is that build's work, not "
+                         "damage; run `datapipe verify` again once the build has finished")
 
     def _verify_downloaded(self, s: int) -> list[str]:
         """A node-local cache's shard: the files downloaded so far (data file, sample index) against the

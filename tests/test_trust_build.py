@@ -481,6 +481,29 @@ def test_sigterm_mid_build_is_one_line_and_resumable(small, tmp_path):
     assert report.shards_skipped == 1 and report.shards_built == 2 and report.num_samples == 10
 
 
+def test_verify_of_a_cache_a_rebuild_in_place_is_rewriting_names_the_build_not_damage(small, tmp_path):
+    """verify opened the cache, then `build --force` removed the old build's files under its lock: verify listed
+    every file as missing ("rerun the same datapipe build to rewrite the shard", "N problems; --verify rewrites
+    damaged shards"), exit 1. Now it names the build writing the cache, and says so once it has finished."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    build(small, out)
+    cache = datapipe.open(out)  # verify has opened the cache ...
+    proc = gated_build(small, out, gate, "a/img002.jpg", "--size", str(SIZE + 8), "--force")
+    try:
+        wait_for(lambda: blocked_on_fifo(proc.pid) or proc.poll() is not None, 60, "the rebuild to block")
+        assert proc.poll() is None and not (out / "manifest.json").exists()  # ... and the rebuild removed its files
+        with pytest.raises(CacheError, match=rf"^{out}: a datapipe build is writing it now \(pid {proc.pid} on host "):
+            cache.verify()
+    finally:
+        with open(gate, "wb"):
+            pass
+        assert proc.wait(60) == 0, proc.stderr.read()
+        proc.stderr.close()
+    with pytest.raises(CacheError, match=rf"^{out}: it was rebuilt while it was being verified, so what verify found "):
+        cache.verify()
+    assert datapipe.open(out).verify() == []
+
+
 def hold_build_lock(out: Path) -> int:
     """Hold ``out``'s build lock as a running build does (flock on a descriptor of our own, holder written);
     returns the descriptor: closing it releases the lock."""

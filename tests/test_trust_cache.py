@@ -424,6 +424,24 @@ def test_labels_rewritten_after_open_are_an_error(cache_dir):
         _ = cache.labels
 
 
+@pytest.mark.parametrize("name", ["labels.npy", "paths.json"])
+def test_an_index_file_removed_after_open_says_the_cache_changed(cache_dir, name):
+    """A rebuild in place (`--force`) removes the old build's files: a reader opened before it was told its
+    labels.npy "cannot be opened (No such file or directory); rerun the same datapipe build to rewrite it", as
+    if the cache were damaged. A file missing since the open is a changed cache; one missing at open is damage."""
+    copy = cache_dir
+    cache = datapipe.open(copy)
+    (copy / name).unlink()
+    with pytest.raises(CorruptShardError) as err:
+        _ = cache.labels if name == "labels.npy" else cache.path(0)
+    assert str(err.value) == (f"{name.split('.')[0]} file ({copy / name}) is gone: the cache changed since it was "
+                              "opened (rebuilt or altered); reopen it (a new datapipe.open / dataset), or rerun the "
+                              "same `datapipe build` if it is damaged")
+    with pytest.raises(CacheError, match=rf"{name}.* is missing; rerun the same `datapipe build` to rewrite it"):
+        reopened = datapipe.open(copy)
+        _ = reopened.labels if name == "labels.npy" else reopened.path(0)
+
+
 @pytest.mark.parametrize("size", [0, 100, "half"])
 def test_shard_truncated_after_open_is_an_error_naming_it(cache_dir, size):
     cache = datapipe.open(cache_dir)
