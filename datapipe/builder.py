@@ -73,7 +73,7 @@ from .shards import (
     shard_name,
 )
 from .sources import Listing, plan_shards, scan, shown, valid_utf8, with_classes
-from .text import plural, printable, show
+from .text import ProgressStream, plural, printable, show
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -1188,7 +1188,7 @@ def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
 def _progress_bar(total: int, progress: bool) -> tqdm:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=sys.stderr)
+    return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=ProgressStream())
 
 
 def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:

@@ -62,7 +62,7 @@ from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import SHARDS_DIR, document_problems, images_path, index_path, read_shard_metadata, shard_labels_path
-from .text import show
+from .text import ProgressStream, show
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 T = TypeVar("T")
@@ -1123,7 +1123,8 @@ class Cache:
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         self.verified_shards = 0
-        for s, _ in enumerate(tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress)):
+        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress, file=ProgressStream())
+        for s, _ in enumerate(bar):
             if self.node_cache_of is not None:
                 problems.extend(self._verify_downloaded(s))
             else:

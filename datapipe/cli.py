@@ -211,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ndatapipe {args.command}: {what}{then}", file=sys.stderr, flush=True)
             return 143 if isinstance(exc, Terminated) else 130
         except BrokenPipeError:
-            if not _stdout_gone():  # a connection's, not the output's: a failure to show
+            gone = [stream for stream in (sys.stdout, sys.stderr) if _reader_gone(stream)]
+            if not gone:  # a connection's, not the output's: a failure to show
                 raise
-            # what read the output went away (`datapipe info CACHE | head`): stop quietly, as a pipe's writer does
-            with contextlib.suppress(OSError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+            # what read the output went away (`datapipe info CACHE | head`, `datapipe build SRC OUT 2>&1 | head -1`):
+            # stop quietly, as a pipe's writer does
+            for stream in gone:
+                with contextlib.suppress(OSError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # nothing left to flush at exit
             return 141
         except OSError as exc:  # the machine's state (a permission, a disk) where no message of ours says it: one line
             where = f"{exc.filename}: " if exc.filename else ""
@@ -224,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
 
-def _stdout_gone() -> bool:
-    """Whether standard output is a pipe whose reader has gone (poll reports an error on its write end)."""
+def _reader_gone(stream: Any) -> bool:
+    """Whether ``stream`` (standard output or error) is a pipe whose reader has gone (poll reports an error on its
+    write end)."""
     import select
 
     try:
         poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        poller.register(stream.fileno(), select.POLLOUT)
         return any(events & select.POLLERR for _, events in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll here
         return False

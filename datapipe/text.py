@@ -37,3 +37,30 @@ def show(value: object, limit: int = 60) -> str:
     except Exception:  # noqa: BLE001 - a repr that raises still gets a name
         text = f"<{type(value).__name__}>"
     return one_line(text, limit)
+
+
+class ProgressStream:
+    """Standard error for a progress bar: once its reader has gone (``datapipe build SRC OUT 2>&1 | head -1``)
+    or it was closed, the bar is silent from then on; a bar never ends the work it shows."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        import sys
+
+        if not self.gone:
+            try:
+                sys.stderr.write(text)
+            except (OSError, ValueError):  # EPIPE, or a closed stream
+                self.gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        import sys
+
+        if not self.gone:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                self.gone = True

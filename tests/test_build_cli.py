@@ -251,3 +251,23 @@ def test_a_command_whose_reader_went_away_stops_quietly(built, args):
     proc.stdout.close()  # the reader is gone before the first line
     err = proc.stderr.read()
     assert proc.wait(60) == 141 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+@pytest.mark.parametrize("command", ["build", "verify"])
+def test_a_progress_bar_whose_reader_went_away_never_ends_the_work(source, tmp_path, command):
+    """`datapipe build SRC OUT 2>&1 | head -1`: the progress bar's write to a pipe with no reader raised
+    BrokenPipeError, which the build took for a failure to write the cache ("Broken pipe while writing OUT"),
+    removing the new output. The bar goes silent instead; the work finishes (the summary has nowhere to go)."""
+    out = tmp_path / "out"
+    if command == "verify":
+        assert run_cli("build", str(source[0]), str(out), "--scheduler", "sync", "--quiet").returncode == 0
+    args = ["build", str(source[0]), str(out), "--scheduler", "sync"] if command == "build" else ["verify", str(out)]
+    read, write = os.pipe()
+    os.close(read)  # standard error's reader is gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "datapipe.cli", *args], stdout=subprocess.DEVNULL, stderr=write,
+                              timeout=300)
+    finally:
+        os.close(write)
+    assert done.returncode in (0, 141)
+    assert datapipe.open(out).verify() == []

@@ -18,7 +18,6 @@ import os
 import platform
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,7 @@ import numpy as np
 
 from ..environment import environment
 from ..errors import ArgumentError, CacheError
-from ..text import one_line, show
+from ..text import ProgressStream, one_line, show
 from .timing import settle, timed_pass, timeit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -664,7 +663,8 @@ def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *,
     from tqdm import tqdm
 
     runnable = list(loaders)
-    bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress,
+               file=ProgressStream())
     cpu: dict[str, list[float]] = {n: [] for n in runnable}
     for rnd in range(repeats + 1):  # round 0 is the warm-up
         # datapipe warms up last: a peer's DataLoader forks its workers (kept alive) during its
