@@ -102,9 +102,15 @@ def _check_shm(batch_bytes: int, worker_info: WorkerInfo | None, path: str = "/d
     # each worker's prefetched batches (the DataLoader's default prefetch_factor, 2), and the two the loop holds
     in_flight = batch_bytes * (2 * (worker_info.num_workers if worker_info else 1) + 2)
     if free < in_flight:
-        raise _shm_error(f"{path} has {free / 2**20:,.0f} MB free, but DataLoader workers need about "
-                         f"{in_flight / 2**20:,.0f} MB of shared memory for the batches in flight "
-                         f"({batch_bytes / 2**20:,.0f} MB each)")
+        raise _shm_error(f"{path} has {_mb(free)} free, but DataLoader workers need about {_mb(in_flight)} of "
+                         f"shared memory for the batches in flight ({_mb(batch_bytes)} each)")
+
+
+def _mb(nbytes: float) -> str:
+    """A size for a message, with the precision that keeps two different sizes apart (2.4 MB, 310 KB)."""
+    if nbytes < 2**20:
+        return f"{nbytes / 2**10:,.0f} KB"
+    return f"{nbytes / 2**20:,.1f} MB" if nbytes < 10 * 2**20 else f"{nbytes / 2**20:,.0f} MB"
 
 
 def _shm_error(what: str) -> DatapipeError:
@@ -124,8 +130,8 @@ def _share(tensors: Iterable[torch.Tensor], batch_bytes: int, path: str = "/dev/
     except RuntimeError as exc:
         if "shared memory" not in str(exc) and "No space left" not in str(exc):
             raise
-        raise _shm_error(f"{path} ran out of shared memory for the batches in flight ({batch_bytes / 2**20:,.0f} MB "
-                         f"each): {exc}") from None
+        raise _shm_error(f"{path} ran out of shared memory for the batches in flight ({_mb(batch_bytes)} each): "
+                         f"{exc}") from None
 
 
 def _launched_world(given: int | None, world_size: int) -> bool:
