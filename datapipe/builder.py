@@ -1152,11 +1152,14 @@ def _resize_by_torch() -> bool:
     return not native.available()
 
 
-def _warm_up() -> None:
+def _warm_up() -> str:
     """Import and load everything decoding needs, once per process, so that the first file is timed
-    like any other (on a busy machine these one-time costs take seconds)."""
+    like any other (on a busy machine these one-time costs take seconds). Returns this process's datapipe
+    version (a worker's must be the client's: another could write another format)."""
     global _warmed
     import zarr  # noqa: F401
+
+    from . import __version__
 
     if _resize_by_torch():
         import torch  # noqa: F401
@@ -1164,6 +1167,7 @@ def _warm_up() -> None:
     if not _warmed:
         warm_up()
         _warmed = True
+    return __version__
 
 
 def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
@@ -1180,9 +1184,10 @@ def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
     with _dask_client(cluster) as client:
         n_workers, dashboard = _ready_workers(client, cluster)
         t_start = time.perf_counter()
-        records = _map_shards(client, plans, kwargs, progress=progress)
+        records, joined = _map_shards(client, plans, kwargs, progress=progress,
+                                      where=cluster.scheduler or "the LocalCluster")
         timing["shards"] = time.perf_counter() - t_start
-        return records, n_workers, dashboard
+        return records, max(n_workers, joined), dashboard
 
 
 def _progress_bar(total: int, progress: bool) -> tqdm:
@@ -1215,25 +1220,20 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         own, client = _start_local(local_workers(cluster.workers), pending)
     # The client logs each failed try to reach a scheduler that went away, with its traceback, before the task's
     # future says so: the build's one line says it (see _SCHEDULER_LOST).
-    client_log = logging.getLogger("distributed.client")
-    level = client_log.level
-    client_log.setLevel(logging.CRITICAL + 1)
-    try:
-        for signum in pending:  # delivered now, so that the cluster is closed below
-            signal.raise_signal(signum)
-        if own is not None:  # our own workers leave Ctrl-C to this process, which stops them
-            from .dask_plugins import IgnoreSigint
-
-            client.register_plugin(IgnoreSigint(), name="datapipe-ignore-sigint")
-        yield client
-    except BaseException:
-        _quiet_dask()  # stopping early: the cluster's shutdown has nothing to tell the user
-        raise
-    finally:
+    with _loggers_quiet("distributed.client"):
         try:
-            _close(client, own)
+            for signum in pending:  # delivered now, so that the cluster is closed below
+                signal.raise_signal(signum)
+            if own is not None:  # our own workers leave Ctrl-C to this process, which stops them
+                from .dask_plugins import IgnoreSigint
+
+                client.register_plugin(IgnoreSigint(), name="datapipe-ignore-sigint")
+            yield client
+        except BaseException:
+            _quiet_dask()  # stopping early: the cluster's shutdown has nothing to tell the user
+            raise
         finally:
-            client_log.setLevel(level)
+            _close(client, own)
 
 
 WORKER_MEMORY = 256 << 20  # what one LocalCluster worker needs, its nanny and a large image's decode included
@@ -1287,21 +1287,54 @@ def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Clie
     from dask.distributed import Client
 
     try:
-        with _signals_deferred(pending):
+        with _signals_deferred(pending), _loggers_quiet("asyncio", "tornado"):  # a failure to start: our one line says it
             own = _local_cluster(n_workers)
             try:
                 return own, Client(own)
             except BaseException:
                 own.close(timeout=15)
                 raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever distributed raises, said in one line
         if not pending:
-            raise
+            _quiet_dask()
+            raise BuildError(_cluster_failed(n_workers, exc)) from None
         failure = exc
     _quiet_dask()  # the workers' shutdown has nothing to tell the user
     for signum in pending:  # outside the except block: the interruption is not chained to the failure
         signal.raise_signal(signum)
     raise failure  # a handler that did not raise: the start's own failure
+
+
+@contextlib.contextmanager
+def _loggers_quiet(*names: str) -> Iterator[None]:
+    """The block runs with these loggers silent, then their levels are put back."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _cluster_failed(n_workers: int, exc: BaseException) -> str:
+    """The one line of a LocalCluster that did not start: distributed's reason, and this process's limits that
+    commonly cause it (open files, memory, threads)."""
+    import resource
+
+    limits = []
+    for name, which, unit in (("open files", resource.RLIMIT_NOFILE, ""), ("virtual memory", resource.RLIMIT_AS, " bytes"),
+                              ("processes", resource.RLIMIT_NPROC, "")):
+        soft = resource.getrlimit(which)[0]
+        if soft != resource.RLIM_INFINITY:
+            limits.append(f"{name} {soft:,}{unit}")
+    shown = f" (this process's limits: {', '.join(limits)})" if limits else ""
+    reason = one_line(exc) or type(exc).__name__
+    return (f"the LocalCluster of {plural(n_workers, 'worker')} did not start ({type(exc).__name__}: {reason}): "
+            f"the machine may be short of open files, memory or processes{shown}; raise the limit (ulimit -n, "
+            "ulimit -v), build with fewer --workers, or with --scheduler sync (no Dask processes)")
 
 
 @contextlib.contextmanager
@@ -1345,7 +1378,8 @@ def _signals_deferred(pending: list[int]) -> Iterator[None]:
 
 
 PROBE_TIMEOUT = 120.0  # seconds a file decoded in a process of its own may take (DATAPIPE_PROBE_TIMEOUT)
-SCHEDULER_TIMEOUT = 20.0  # seconds to reach an existing Dask scheduler (DATAPIPE_SCHEDULER_TIMEOUT)
+SCHEDULER_TIMEOUT = 20.0  # seconds to reach an existing Dask scheduler, or for it to answer (DATAPIPE_SCHEDULER_TIMEOUT)
+WORKER_WAIT = 300.0  # seconds a build waits for a worker that can build its shards (DATAPIPE_WORKER_TIMEOUT)
 
 
 def _check_timeouts() -> None:
@@ -1354,6 +1388,7 @@ def _check_timeouts() -> None:
     file_timeout()
     env_seconds("DATAPIPE_PROBE_TIMEOUT", PROBE_TIMEOUT)
     env_seconds("DATAPIPE_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)
+    env_seconds("DATAPIPE_WORKER_TIMEOUT", WORKER_WAIT)
     env_seconds("DATAPIPE_REMOTE_LOCK_TTL", remote.LOCK_TTL)
     env_seconds("DATAPIPE_REMOTE_LOCK_SETTLE", remote.LOCK_SETTLE)
 
@@ -1386,9 +1421,11 @@ def _connect(scheduler: str) -> Client:
     except ValueError as exc:  # refused before any connection is tried
         raise OutputError(f"--scheduler {scheduler} is not a Dask scheduler address ({exc}); give one such as "
                           "tcp://head:8786") from None
-    except TypeError as exc:  # tls:// without Dask's TLS configuration: distributed's own TypeError
-        raise OutputError(f"--scheduler {scheduler}: {one_line(exc)}; a tls:// scheduler needs the cluster's TLS "
-                          "settings in Dask's configuration (distributed.comm.tls.*)") from None
+    except TypeError as exc:  # tls:// without Dask's TLS configuration, ucx:// without its package: distributed's own
+        scheme = scheduler.split("://", 1)[0] if "://" in scheduler else "tcp"
+        need = ("the cluster's TLS settings in Dask's configuration (distributed.comm.tls.*)" if scheme == "tls" else
+                f"distributed's support for {scheme}:// installed here (ucx: pip install distributed-ucxx)")
+        raise OutputError(f"--scheduler {scheduler}: {one_line(exc)}; a {scheme}:// scheduler needs {need}") from None
     except OSError as exc:
         raise OutputError(f"cannot reach the Dask scheduler at {scheduler} within {wait} s "
                           f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
@@ -1413,7 +1450,33 @@ def _local_cluster(n_workers: int) -> LocalCluster:
 
 def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
     """Warm every worker up and say where the build runs: the number of workers and the dashboard."""
-    client.run(_warm_up)  # imports on every worker before the clock for shards starts
+    cluster_at = cluster.scheduler or "the LocalCluster"
+    patience = env_seconds("DATAPIPE_WORKER_TIMEOUT", WORKER_WAIT)
+    try:
+        # imports on every worker before the clock for shards starts; a worker stopped or frozen never answers
+        versions = client.sync(client._run, _warm_up, callback_timeout=patience)
+    except DatapipeError:
+        raise
+    except TimeoutError:
+        _quiet_dask()
+        raise BuildError(f"the Dask workers of {cluster_at} did not load datapipe's decoders within {patience:g} s "
+                         "(DATAPIPE_WORKER_TIMEOUT): a worker may be stopped, frozen or starved of memory; fix or "
+                         "restart the workers, or build with --scheduler sync") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a worker raised, said in one line
+        _quiet_dask()
+        raise BuildError(f"the Dask workers of {cluster_at} could not load datapipe's decoders ({type(exc).__name__}: "
+                         f"{one_line(exc) or 'no message'}): every worker needs datapipe and its libraries installed "
+                         "(the same version as here) and memory to load them (ulimit -v); fix the workers, or build "
+                         "with --scheduler sync") from None
+    from . import __version__
+
+    other = {address: version for address, version in versions.items() if version != __version__}
+    if other:
+        address, version = next(iter(other.items()))
+        raise BuildError(f"Dask worker {address} of {cluster_at} runs datapipe {version}, this process {__version__}"
+                         f"{f' (and {len(other) - 1} more workers another version)' if len(other) > 1 else ''}: "
+                         "every worker must run this process's version, which decides what the cache holds; "
+                         "install it on the workers (or this one's on this machine) and rerun")
     n_workers = len(client.scheduler_info()["workers"])
     dashboard = _dashboard(client)
     where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
@@ -1425,9 +1488,11 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
 # ----------------------------------------------------------------------------- the tasks
 
 
-def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
-    """One build_shard task per plan; their records in plan order. A task that kills its worker is
-    handled by :class:`_Isolation`."""
+def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bool,
+                where: str) -> tuple[list[dict], int]:
+    """One build_shard task per plan; their records in plan order, and the most workers the cluster had meanwhile
+    (workers may join mid-build). A task that kills its worker is handled by :class:`_Isolation`; a cluster that
+    can no longer build the shards ends the build (:class:`_Watch`)."""
     import dask
     from dask.distributed import as_completed
 
@@ -1443,22 +1508,126 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
         with dask.config.set({"distributed.admin.large-graph-warning-threshold": threshold}):
             futures = client.map(build_shard, plans, key=keys, pure=False, **kwargs)
         isolation = _Isolation(client, kwargs, dict(zip(keys, plans, strict=True)))
+        watch = _Watch(client, where)
         pending = as_completed(futures)
-        for future in pending:
-            try:
-                rec = future.result()
-            except Exception as exc:
-                if type(exc).__name__ in _SCHEDULER_LOST:
-                    raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
-                                     f"{len(records)} of {len(plans)} shards were built and are kept: rerun once "
-                                     "the scheduler is up to resume") from None
-                if type(exc).__name__ != "KilledWorker":
-                    raise
-                pending.add(isolation.retry(future.key))
+        while not pending.is_empty():
+            if not pending.has_ready():
+                watch.check(len(records), len(plans))  # a cluster that can no longer build them ends the build
+                time.sleep(0.02)
                 continue
-            records[rec["shard"]] = rec
-            bar.update()
-    return [records[p["shard"]] for p in plans]
+            for future in pending.next_batch(block=False):
+                try:
+                    rec = future.result(timeout=watch.answer)  # fetched from its worker, through the scheduler
+                except TimeoutError:
+                    raise watch.no_record(future.key, len(records), len(plans)) from None
+                except Exception as exc:
+                    if type(exc).__name__ in _SCHEDULER_LOST:
+                        raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
+                                         f"{_shards_kept(len(records), len(plans))}") from None
+                    if type(exc).__name__ != "KilledWorker":
+                        raise
+                    pending.add(isolation.retry(future.key))
+                    continue
+                records[rec["shard"]] = rec
+                bar.update()
+    return [records[p["shard"]] for p in plans], watch.most
+
+
+def _shards_kept(built: int, total: int) -> str:
+    return f"{built} of {total} shards were built and are kept: rerun once the cluster is up to resume"
+
+
+class _Watch:
+    """While shards are pending, checks (every ``EVERY`` seconds) that the cluster can still build them, so that
+    a build never waits on a cluster without end: a scheduler that does not answer within
+    DATAPIPE_SCHEDULER_TIMEOUT (stopped, frozen, overloaded) ends the build; so does, after
+    DATAPIPE_WORKER_TIMEOUT, a cluster with no worker (all lost and none restarted, or none ever joined), with
+    every worker paused (over its memory limit) or silent, or a worker building a shard that has not been heard
+    from (its heartbeat to the scheduler stopped: a process stopped or frozen). Ages are taken on this process's
+    clock, from when a worker's last heartbeat was first seen, never from the scheduler's clock."""
+
+    EVERY = 2.0
+
+    def __init__(self, client: Client, where: str) -> None:
+        self.client, self.where = client, where
+        self.answer = env_seconds("DATAPIPE_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)
+        self.patience = env_seconds("DATAPIPE_WORKER_TIMEOUT", WORKER_WAIT)
+        self.next = time.monotonic() + self.EVERY
+        self.heard: dict[str, tuple[float, float]] = {}  # worker -> (its last heartbeat's time, when we first saw it)
+        self.stuck: tuple[str, float] | None = None  # (why no worker can build, since when)
+        self.most = 0  # the most workers seen at once
+        self.built = self.total = 0  # shards built so far, of how many (for the messages)
+
+    def _ask(self, handler: str, **kwargs: Any) -> Any:
+        """The scheduler's answer to ``handler``, or BuildError when none comes within DATAPIPE_SCHEDULER_TIMEOUT."""
+        scheduler = self.client.scheduler
+        assert scheduler is not None  # a client connected to its scheduler
+        try:
+            return self.client.sync(getattr(scheduler, handler), callback_timeout=self.answer, **kwargs)
+        except TimeoutError:
+            _quiet_dask()
+            raise BuildError(f"the Dask scheduler at {self.where} stopped answering (nothing within {self.answer:g} s, "
+                             f"DATAPIPE_SCHEDULER_TIMEOUT): it may be stopped, frozen or overloaded; "
+                             f"{_shards_kept(self.built, self.total)}") from None
+
+    def no_record(self, key: str, built: int, total: int) -> BuildError:
+        """The error of a finished shard whose record did not arrive within DATAPIPE_SCHEDULER_TIMEOUT: naming
+        the scheduler when it does not answer, else the worker that holds the record."""
+        self.built, self.total = built, total
+        holders = self._ask("who_has", keys=[key]).get(key) or ["(none: it was lost)"]
+        _quiet_dask()
+        return BuildError(f"the record of a finished shard did not arrive from Dask worker {', '.join(holders)} of "
+                          f"{self.where} within {self.answer:g} s (DATAPIPE_SCHEDULER_TIMEOUT): it may be stopped or "
+                          f"frozen; {_shards_kept(built, total)}")
+
+    def check(self, built: int, total: int) -> None:
+        self.built, self.total = built, total
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + self.EVERY
+        try:
+            workers = self._ask("identity", n_workers=-1)["workers"]
+            processing = self._ask("processing", workers=None)
+        except DatapipeError:
+            raise
+        except Exception as exc:
+            if type(exc).__name__ in _SCHEDULER_LOST:
+                return  # the task futures say so next
+            raise
+        now = time.monotonic()
+        self.most = max(self.most, len(workers))
+        for address, info in workers.items():
+            seen = float(info.get("last_seen", 0.0))
+            if self.heard.get(address, (None, 0.0))[0] != seen:
+                self.heard[address] = (seen, now)
+        silent = {a for a in workers if now - self.heard[a][1] >= self.patience}
+        for address, keys in processing.items():
+            if address in silent and any(str(k).startswith("datapipe-shard-") for k in keys):
+                _quiet_dask()
+                raise BuildError(f"Dask worker {address} of {self.where} has not been heard from for "
+                                 f"{now - self.heard[address][1]:.0f} s (DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s) "
+                                 "while building a shard: it may be stopped or frozen; "
+                                 f"{_shards_kept(built, total)}")
+        paused = sorted(a for a, info in workers.items() if info.get("status") == "paused")
+        why: tuple[str, str] | None = None  # (what the cluster has, what it means or what to do)
+        if not workers:
+            why = "no workers", "all were lost and none restarted, or none joined"
+        elif set(paused) | silent == set(workers):
+            limits = {a: workers[a].get("memory_limit") for a in paused}
+            named = ", ".join(f"{a} (memory limit {int(m) / 2**20:,.0f} MiB)" if m else a for a, m in limits.items())
+            why = (("only paused workers", f"each over its memory limit: {named}; give them more memory "
+                    "(dask worker --memory-limit)") if not silent else
+                   ("no worker that answers it", "each is paused for memory or silent (stopped or frozen)"))
+        if why is None:
+            self.stuck = None
+            return
+        if self.stuck is None or self.stuck[0] != why[0]:
+            self.stuck = (why[0], now)
+        if now - self.stuck[1] >= self.patience:
+            _quiet_dask()
+            raise BuildError(f"the Dask scheduler at {self.where} has had {why[0]} for {now - self.stuck[1]:.0f} s "
+                             f"(DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s): {why[1]}; {_shards_kept(built, total)}")
 
 
 # What a task's future raises when the client's connection to the scheduler is gone (the scheduler stopped or

@@ -6,9 +6,11 @@ Every test starts real processes; the whole file takes well under two minutes on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -571,3 +573,145 @@ def test_an_address_where_no_scheduler_answers_is_one_line_not_a_hang(tmp_path, 
     assert line.startswith(f"datapipe build: error: the Dask scheduler at tcp://127.0.0.1:{port} did not answer within "
                            "12 s (DATAPIPE_SCHEDULER_TIMEOUT + 10)"), line
     assert took < 60 and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- a cluster that cannot build
+
+
+class _Cluster:
+    """A scheduler and workers of our own on loopback (each in a session of its own), stopped (continued first,
+    if stopped) at the end of the with block."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.procs = folder, []
+
+    def __enter__(self) -> _Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(30)
+
+    def scheduler(self) -> str:
+        file = self.folder / "scheduler.json"
+        self.procs.append(subprocess.Popen([*_dask_cli("scheduler"), "--host", "127.0.0.1", "--port", "0",
+                                            "--no-dashboard", "--scheduler-file", str(file)], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL, start_new_session=True))
+        wait_for(lambda: file.exists() and file.stat().st_size > 0, 60, "the scheduler", poll=0.05)
+        return json.loads(file.read_text())["address"]
+
+    def worker(self, address: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen([*_dask_cli("worker"), address, "--nthreads", "1", "--no-nanny", "--death-timeout",
+                                 "60", "--local-directory", str(self.folder / f"w{len(self.procs)}"), *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        self.procs.append(proc)
+        return proc
+
+
+def _build_cli(source: Path, out: Path, address: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(source), str(out), "--scheduler", address,
+                             "--shard-size", "4", "--size", str(SIZE), "--max-bad-fraction", str(MAX_BAD), "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **env})
+
+
+def _ended_with(proc: subprocess.Popen, within: float) -> str:
+    """The one line a build ended with (within ``within`` seconds, not killed)."""
+    try:
+        _, err = proc.communicate(timeout=within)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["no-worker", "paused-worker"])
+def test_a_cluster_without_a_worker_that_can_build_ends_the_build_with_one_line(dist_source, tmp_path, case):
+    """A scheduler with no worker, or with only a worker paused over its memory limit: the build printed
+    "0 Dask workers" (or nothing) and waited for ever. Now it ends after DATAPIPE_WORKER_TIMEOUT with one line."""
+    out = tmp_path / "out"
+    with _Cluster(tmp_path) as cluster:
+        address = cluster.scheduler()
+        if case == "paused-worker":
+            cluster.worker(address, "--memory-limit", "60MB")  # pauses at 80%: its own interpreter is more
+        started = time.monotonic()
+        line = _ended_with(_build_cli(dist_source, out, address, {"DATAPIPE_WORKER_TIMEOUT": "3"}), 120)
+        took = time.monotonic() - started
+    assert line.startswith(f"datapipe build: error: the Dask scheduler at {address} has had "), line
+    if case == "no-worker":
+        assert "has had no workers for " in line and "(DATAPIPE_WORKER_TIMEOUT: 3 s)" in line, line
+    else:
+        assert "only paused workers" in line and "(memory limit 57 MiB)" in line and "--memory-limit" in line, line
+    assert re.search(r"; \d+ of \d+ shards were built and are kept: rerun once the cluster is up to resume$", line), line
+    assert took < 90
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("frozen", ["worker", "scheduler"])
+def test_a_frozen_worker_or_scheduler_ends_the_build_with_one_line_and_the_rerun_resumes(dist_source, serial, tmp_path,
+                                                                                         imaging, frozen):
+    """A worker or scheduler stopped (SIGSTOP) mid-build keeps its connections open, so no error ever reached the
+    build: it waited for ever. The scheduler's silence ends it after DATAPIPE_SCHEDULER_TIMEOUT, the silence of
+    the worker building a shard after DATAPIPE_WORKER_TIMEOUT; finished shards are kept."""
+    out = tmp_path / "out"
+    with _Cluster(tmp_path) as cluster:
+        address = cluster.scheduler()
+        worker = cluster.worker(address)
+        proc = _build_cli(dist_source, out, address, {"DATAPIPE_WORKER_TIMEOUT": "4", "DATAPIPE_SCHEDULER_TIMEOUT": "4"})
+        wait_for(lambda: len(list((out / "shards").glob("*.zarr"))) >= 2 or proc.poll() is not None, 120, "a shard")
+        assert proc.poll() is None, "the build ended before it could be stopped"
+        os.kill((worker if frozen == "worker" else cluster.procs[0]).pid, signal.SIGSTOP)
+        line = _ended_with(proc, 90)
+    if frozen == "worker":  # found building a shard, or holding the record of one it built
+        assert re.match(r"datapipe build: error: (Dask worker tcp://127\.0\.0\.1:\d+ of tcp://\S+ has not been heard "
+                        r"from for \d+ s \(DATAPIPE_WORKER_TIMEOUT: 4 s\) while building a shard|the record of a "
+                        r"finished shard did not arrive from Dask worker tcp://127\.0\.0\.1:\d+ of tcp://\S+ within "
+                        r"4 s \(DATAPIPE_SCHEDULER_TIMEOUT\)): it may be stopped or frozen; ", line), line
+    else:
+        assert line.startswith(f"datapipe build: error: the Dask scheduler at {address} stopped answering (nothing "
+                               "within 4 s, DATAPIPE_SCHEDULER_TIMEOUT)"), line
+    assert "shards were built and are kept: rerun once the cluster is up to resume" in line
+    report = datapipe.build(dist_source, out, **quiet(shard_size=4))
+    assert report.status == "ok" and report.shards_skipped >= 2
+
+
+def test_a_scheme_without_its_package_is_not_blamed_on_tls(tmp_path, imaging):
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 2}, variety=False)
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(src), str(tmp_path / "out"), "--scheduler",
+                           "ucx://127.0.0.1:9", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("datapipe build: error: --scheduler ucx://127.0.0.1:9: ") and "tls" not in line, line
+    assert "a ucx:// scheduler needs distributed's support for ucx:// installed here" in line, line
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(dist_source, tmp_path):
+    """A worker with another datapipe installed built shards silently: another version may write another format
+    into the same cache. The versions are compared when the workers warm up; the build ends naming the worker."""
+    other = tmp_path / "other"
+    shutil.copytree(Path(datapipe.__file__).parent, other / "datapipe", ignore=shutil.ignore_patterns("__pycache__"))
+    init = other / "datapipe" / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{datapipe.__version__}"', '__version__ = "9.9.9"'))
+    out = tmp_path / "out"
+    with _Cluster(tmp_path) as cluster:
+        address = cluster.scheduler()
+        cluster.worker(address, env={"PYTHONPATH": str(other)})
+        from distributed import Client
+
+        with Client(address, timeout="30s") as client:
+            client.wait_for_workers(1, timeout=60)
+        line = _ended_with(_build_cli(dist_source, out, address, {}), 120)
+    assert re.fullmatch(rf"datapipe build: error: Dask worker tcp://127\.0\.0\.1:\d+ of {address} runs datapipe 9\.9\.9, "
+                        rf"this process {re.escape(datapipe.__version__)}: every worker must run this process's "
+                        r"version, which decides what the cache holds; install it on the workers \(or this one's on "
+                        r"this machine\) and rerun", line), line
+    assert not any(out.glob("shards/*.zarr"))  # refused before any shard

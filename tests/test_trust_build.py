@@ -836,6 +836,27 @@ def test_a_malformed_scheduler_address_is_named_as_such_at_once(small, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+def test_a_local_cluster_that_cannot_start_is_one_line_naming_the_limit(small, tmp_path):
+    """Under a low descriptor limit the LocalCluster's start failed with distributed's tracebacks ("RuntimeError:
+    Nanny failed to start", asyncio's "Too many open files" callbacks) instead of one line saying what to do."""
+    import resource
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(small), str(out), "--size", str(SIZE),
+                           "--workers", "1", "--quiet"], capture_output=True, text=True, timeout=180,
+                          preexec_fn=lower, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    line = one_line(proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr  # the plan's line, then the error's
+    assert line.startswith("datapipe build: error: the LocalCluster of 1 worker did not start ("), line
+    assert "(this process's limits: open files 24" in line and "--scheduler sync" in line, line
+    rerun = cli("build", str(small), str(out), "--size", str(SIZE), "--workers", "1", "--quiet")
+    assert rerun.returncode == 0, rerun.stderr
+
+
 def test_an_unchanged_rerun_starts_no_cluster(small, tmp_path):
     out = tmp_path / "out"
     build(small, out)
