@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import logging
@@ -191,6 +192,15 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
+def _ignore_signals_at_exit() -> None:
+    """The first handler at exit (the last registered): SIGTERM and SIGINT are ignored from here on (CPython puts
+    back the default action of the signals it handles, killing the process, but leaves ignored ones as they are)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import signal
@@ -200,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     with _messages_to_stderr():
         try:
-            return _COMMANDS[args.command](args)
+            status = _COMMANDS[args.command](args)
+            if threading.current_thread() is threading.main_thread():
+                # done, and said so: a SIGTERM or Ctrl-C during the interpreter's exit (Dask's clean-up takes a
+                # moment) neither kills the process by the signal nor says a finished build was terminated
+                atexit.register(_ignore_signals_at_exit)
+            return status
         except DatapipeError as exc:  # a user's mistake or the machine's state; anything else is a bug
             print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
             return getattr(exc, "exit_code", 2)

@@ -271,3 +271,18 @@ def test_a_progress_bar_whose_reader_went_away_never_ends_the_work(source, tmp_p
         os.close(write)
     assert done.returncode in (0, 141)
     assert datapipe.open(out).verify() == []
+
+
+def test_a_signal_after_the_command_finished_neither_kills_it_nor_says_it_was_terminated(source, tmp_path):
+    """SIGTERM in the moment between a finished build's "ok" line and the end of the interpreter (Dask's clean-up,
+    ~0.3 s) killed the process by the signal (exit status -15, no line): the work is done and said, so the exit
+    ignores it."""
+    code = ("import atexit, os, signal, sys, time; from datapipe.cli import main\n"
+            "def late():  # at exit, after datapipe's own handler (registered later, so run first)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+            "atexit.register(late)\n"
+            "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "build", str(source[0]), str(tmp_path / "out"), "--scheduler",
+                           "sync", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("datapipe build: ok: "), done.stderr
