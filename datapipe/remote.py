@@ -1051,6 +1051,9 @@ class RemoteLock:
             held, etag = self._get()
         except FileNotFoundError:  # removed since (its build ended): the next build to write it holds it
             held, etag = None, None
+        if isinstance(held, dict) and held.get("token") == self.token:
+            self._etag = etag  # this build's own write, whose answer was lost (and the client's retry refused)
+            return True
         if isinstance(held, dict) and self.alive(held):
             raise self._busy(held)
         try:
@@ -1133,9 +1136,15 @@ class RemoteLock:
                 if self._etag is not None:
                     try:
                         self._etag = self._put(if_match=self._etag)
-                    except _Lost:
-                        return  # another build took the lock over (this one's refreshes failed for LOCK_TTL): never undone
-                    continue
+                        continue
+                    except _Unconditional:
+                        self._etag = None  # refreshed as elsewhere from now on
+                    except _Lost:  # another build's write, or this build's own whose answer was lost
+                        held, etag = self._get()
+                        if not (isinstance(held, dict) and held.get("token") == self.token):
+                            return  # another build took the lock over (this one's refreshes failed for LOCK_TTL)
+                        self._etag = etag
+                        continue
                 held = read_doc(self.loc, LOCK_OBJECT)
                 if isinstance(held, dict) and held.get("token") not in (None, self.token):
                     return  # another build took the lock over (this one's refreshes failed for LOCK_TTL): never undone

@@ -404,6 +404,38 @@ def test_the_lock_is_written_with_conditions_so_one_of_builds_that_found_it_free
         fourth.acquire()
 
 
+@pytest.mark.parametrize("lost", ["a refresh's answer", "the create's answer"])
+def test_a_lock_write_whose_answer_was_lost_is_still_this_builds(s3, monkeypatch, lost):
+    """A PUT of the lock that the store applied but whose answer was lost (a client deadline, or a retry refused
+    412 since the first attempt landed): the conditional refresh stopped for good, so after the TTL a second build
+    took over a lock whose build still ran; a create so lost refused the build as busy, naming itself. The lock is
+    read back: when it holds this build's token, it is this build's."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_SETTLE", "0.01")
+    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
+    real = remote.Location.call
+    dropped = []
+
+    def answer_lost(self, method, *args, **kwargs):
+        out = real(self, method, *args, **kwargs)
+        condition = "IfMatch" if lost == "a refresh's answer" else "IfNoneMatch"
+        if method == "call_s3" and args[:1] == ("put_object",) and condition in kwargs and not dropped:
+            dropped.append(kwargs["Key"])  # applied by the store; the answer never arrives
+            raise FileExistsError("At least one of the pre-conditions you specified did not hold")
+        return out
+
+    first = remote.RemoteLock(loc)
+    if lost == "the create's answer":
+        monkeypatch.setattr(remote.Location, "call", answer_lost)
+    first.acquire()  # not refused as busy by its own lock
+    monkeypatch.setattr(remote.Location, "call", answer_lost)
+    time.sleep(3)  # past the TTL: the refreshes went on
+    assert dropped and first._thread.is_alive()
+    with pytest.raises(datapipe.errors.OutputBusyError, match=f"pid {os.getpid()}"):
+        remote.RemoteLock(loc).acquire()
+    first.remove()
+
+
 def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_spelled_is_not_a_class(s3, imaging,
                                                                                                       tmp_path):
     """S3 keys are literal: src//cat/c.png is another object than src/cat/c.png. The listing took both for one
