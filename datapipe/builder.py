@@ -317,7 +317,8 @@ SERIAL_TIMEOUT = ("datapipe build: error: reading and decoding {path} did not fi
 def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: str, build_id: str = "",
                 verify: bool = False, isolate: bool = False, serial: bool = False, encoding: samples.Encoding = "raw",
                 quality: int = samples.DEFAULT_QUALITY, source_options: dict | None = None,
-                output_options: dict | None = None, store_timeout: float | None = None, lock_token: str | None = None) -> dict:
+                output_options: dict | None = None, store_timeout: float | None = None, lock_token: str | None = None,
+                client_version: str | None = None) -> dict:
     """Build one shard (runs on a Dask worker). Returns its record; never raises for one bad file.
 
     ``spec`` is the :class:`DecodeSpec`'s fields; ``encoding`` and ``quality`` say how samples are
@@ -333,8 +334,13 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     shard is written into a local temporary folder and uploaded while it is written (its data object
     streamed by a thread of this task, see :class:`datapipe.remote.ShardUpload`), its zarr.json last;
     ``store_timeout``: the deadline of each request to the store, per 8 MiB a write sends (the client's
-    DATAPIPE_STORE_TIMEOUT).
+    DATAPIPE_STORE_TIMEOUT). ``client_version``: the build's datapipe version, which this worker's must be (a
+    worker that joined after the build checked the others').
     """
+    from . import __version__
+
+    if client_version is not None and client_version != __version__:
+        raise BuildError(_other_version(_worker_address(), __version__, client_version))
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
@@ -1193,7 +1199,7 @@ def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
 def _progress_bar(total: int, progress: bool) -> tqdm:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=ProgressStream())
+    return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=ProgressStream(), dynamic_ncols=True)
 
 
 def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
@@ -1317,6 +1323,25 @@ def _loggers_quiet(*names: str) -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def _other_version(worker: str, version: str | None, client: str) -> str:
+    """The error of a worker that runs another datapipe (``version``; None: one too old to say) than the build's
+    process (``client``)."""
+    runs = f"datapipe {version}" if version else "an older datapipe"
+    return (f"Dask worker {worker} runs {runs}, this process {client}: every worker must run this process's "
+            "version, which decides what the cache holds; install it on the workers (or this one's on this "
+            "machine) and rerun")
+
+
+def _worker_address() -> str:
+    """The address of the Dask worker running the calling task (or "this worker")."""
+    try:
+        from dask.distributed import get_worker
+
+        return str(get_worker().address)
+    except (ImportError, ValueError):
+        return "this worker"
 
 
 def _cluster_failed(n_workers: int, exc: BaseException) -> str:
@@ -1464,6 +1489,9 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
                          "restart the workers, or build with --scheduler sync") from None
     except Exception as exc:  # noqa: BLE001 - whatever a worker raised, said in one line
         _quiet_dask()
+        if type(exc).__name__ in _SCHEDULER_LOST:
+            raise BuildError(f"the build lost its Dask scheduler at {cluster_at} ({type(exc).__name__}: "
+                             f"{one_line(exc)}) before any shard; rerun once it is up") from None
         raise BuildError(f"the Dask workers of {cluster_at} could not load datapipe's decoders ({type(exc).__name__}: "
                          f"{one_line(exc) or 'no message'}): every worker needs datapipe and its libraries installed "
                          "(the same version as here) and memory to load them (ulimit -v); fix the workers, or build "
@@ -1473,10 +1501,8 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
     other = {address: version for address, version in versions.items() if version != __version__}
     if other:
         address, version = next(iter(other.items()))
-        raise BuildError(f"Dask worker {address} of {cluster_at} runs datapipe {version}, this process {__version__}"
-                         f"{f' (and {len(other) - 1} more workers another version)' if len(other) > 1 else ''}: "
-                         "every worker must run this process's version, which decides what the cache holds; "
-                         "install it on the workers (or this one's on this machine) and rerun")
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise BuildError(_other_version(f"{address} of {cluster_at}{more}", version, __version__))
     n_workers = len(client.scheduler_info()["workers"])
     dashboard = _dashboard(client)
     where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
@@ -1496,6 +1522,9 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
     import dask
     from dask.distributed import as_completed
 
+    from . import __version__
+
+    kwargs = {**kwargs, "client_version": __version__}  # a worker that joins mid-build is checked by its task
     out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
     keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
     records: dict[int, dict] = {}
@@ -1518,12 +1547,14 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
             for future in pending.next_batch(block=False):
                 try:
                     rec = future.result(timeout=watch.answer)  # fetched from its worker, through the scheduler
-                except TimeoutError:
-                    raise watch.no_record(future.key, len(records), len(plans)) from None
                 except Exception as exc:
+                    if isinstance(exc, TimeoutError) and future.status == "finished":  # not the task's own
+                        raise watch.no_record(future.key, len(records), len(plans)) from None
                     if type(exc).__name__ in _SCHEDULER_LOST:
                         raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
                                          f"{_shards_kept(len(records), len(plans))}") from None
+                    if isinstance(exc, TypeError) and "client_version" in str(exc):  # a datapipe without the check
+                        raise BuildError(_other_version(f"(one of {where})", None, kwargs["client_version"])) from None
                     if type(exc).__name__ != "KilledWorker":
                         raise
                     pending.add(isolation.retry(future.key))
@@ -1581,6 +1612,8 @@ class _Watch:
                           f"frozen; {_shards_kept(built, total)}")
 
     def check(self, built: int, total: int) -> None:
+        if built != self.built:  # a shard was built since: whatever the cluster's state, it still builds
+            self.stuck = None
         self.built, self.total = built, total
         now = time.monotonic()
         if now < self.next:

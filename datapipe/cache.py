@@ -1123,7 +1123,8 @@ class Cache:
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         self.verified_shards = 0
-        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress, file=ProgressStream())
+        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress, file=ProgressStream(),
+                   dynamic_ncols=True)
         for s, _ in enumerate(bar):
             if self.node_cache_of is not None:
                 problems.extend(self._verify_downloaded(s))

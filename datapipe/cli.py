@@ -213,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             status = _COMMANDS[args.command](args)
             if threading.current_thread() is threading.main_thread():
                 # done, and said so: a SIGTERM or Ctrl-C during the interpreter's exit (Dask's clean-up takes a
-                # moment) neither kills the process by the signal nor says a finished build was terminated
-                atexit.register(_ignore_signals_at_exit)
+                # moment) neither kills the process by the signal nor says a finished build was terminated. As the
+                # command line's entry point (no argv) from now on; called from a program, only once it exits.
+                if argv is None:
+                    _ignore_signals_at_exit()
+                else:
+                    atexit.register(_ignore_signals_at_exit)
             return status
         except DatapipeError as exc:  # a user's mistake or the machine's state; anything else is a bug
             print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)

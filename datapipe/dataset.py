@@ -107,10 +107,10 @@ def _check_shm(batch_bytes: int, worker_info: WorkerInfo | None, path: str = "/d
 
 
 def _mb(nbytes: float) -> str:
-    """A size for a message, with the precision that keeps two different sizes apart (2.4 MB, 310 KB)."""
-    if nbytes < 2**20:
-        return f"{nbytes / 2**10:,.0f} KB"
-    return f"{nbytes / 2**20:,.1f} MB" if nbytes < 10 * 2**20 else f"{nbytes / 2**20:,.0f} MB"
+    """A size for a message, to three significant figures at least (2.40 MB, 310 KB, 1,234 MB)."""
+    value, unit = (nbytes / 2**10, "KB") if nbytes < 2**20 else (nbytes / 2**20, "MB")
+    decimals = 2 if value < 10 else 1 if value < 100 else 0
+    return f"{value:,.{decimals}f} {unit}"
 
 
 def _shm_error(what: str) -> DatapipeError:

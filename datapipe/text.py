@@ -46,6 +46,19 @@ class ProgressStream:
     def __init__(self) -> None:
         self.gone = False
 
+    @property
+    def encoding(self) -> str | None:
+        """Standard error's (tqdm draws Unicode bars only on a UTF-8 stream)."""
+        import sys
+
+        return getattr(sys.stderr, "encoding", None)
+
+    def fileno(self) -> int:
+        """Standard error's descriptor (tqdm asks the terminal it is on for its width)."""
+        import sys
+
+        return sys.stderr.fileno()
+
     def write(self, text: str) -> int:
         import sys
 

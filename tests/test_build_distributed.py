@@ -688,9 +688,11 @@ def test_a_frozen_worker_or_scheduler_ends_the_build_with_one_line_and_the_rerun
 
 
 @pytest.mark.timeout(180)
-def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(dist_source, tmp_path):
+@pytest.mark.parametrize("joins", ["before the build", "mid-build"])
+def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(dist_source, tmp_path, joins):
     """A worker with another datapipe installed built shards silently: another version may write another format
-    into the same cache. The versions are compared when the workers warm up; the build ends naming the worker."""
+    into the same cache. The versions are compared when the workers warm up, and by each shard's task (a worker
+    that joins later); the build ends naming the worker."""
     other = tmp_path / "other"
     shutil.copytree(Path(datapipe.__file__).parent, other / "datapipe", ignore=shutil.ignore_patterns("__pycache__"))
     init = other / "datapipe" / "__init__.py"
@@ -698,13 +700,18 @@ def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(d
     out = tmp_path / "out"
     with _Cluster(tmp_path) as cluster:
         address = cluster.scheduler()
-        cluster.worker(address, env={"PYTHONPATH": str(other)})
-        from distributed import Client
+        if joins == "before the build":
+            cluster.worker(address, env={"PYTHONPATH": str(other)})
+            from distributed import Client
 
-        with Client(address, timeout="30s") as client:
-            client.wait_for_workers(1, timeout=60)
-        line = _ended_with(_build_cli(dist_source, out, address, {}), 120)
-    assert re.fullmatch(rf"datapipe build: error: Dask worker tcp://127\.0\.0\.1:\d+ of {address} runs datapipe 9\.9\.9, "
+            with Client(address, timeout="30s") as client:
+                client.wait_for_workers(1, timeout=60)
+        proc = _build_cli(dist_source, out, address, {})
+        if joins == "mid-build":  # the build found no worker to check: the worker's first task refuses
+            wait_for(lambda: (out / "shards").is_dir() or proc.poll() is not None, 60, "the build to start")
+            cluster.worker(address, env={"PYTHONPATH": str(other)})
+        line = _ended_with(proc, 120)
+    assert re.fullmatch(rf"datapipe build: error: Dask worker tcp://127\.0\.0\.1:\d+( of {address})? runs datapipe 9\.9\.9, "
                         rf"this process {re.escape(datapipe.__version__)}: every worker must run this process's "
                         r"version, which decides what the cache holds; install it on the workers \(or this one's on "
                         r"this machine\) and rerun", line), line

@@ -487,7 +487,7 @@ def test_shared_memory_running_out_after_the_check_is_the_same_clear_error(index
     loader = DataLoader(dataset(index_cache), batch_size=None, num_workers=1, multiprocessing_context="fork",
                         prefetch_factor=8)
     with pytest.raises(DatapipeError, match=r"/dev/shm ran out of shared memory for the batches in flight "
-                                            r"\(24 KB each\): unable to allocate.*--shm-size"):
+                                            r"\(24.0 KB each\): unable to allocate.*--shm-size"):
         for _ in loader:
             pass
 
@@ -508,8 +508,8 @@ def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monk
 
     monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs, environ=os.environ))  # inherited by forked workers
     ds = dataset(index_cache, batch_size=8192)  # 24 MB per batch of 32x32 samples, ~128 images at 256x256
-    with pytest.raises(DatapipeError, match=r"/dev/shm has 64 MB free, but DataLoader workers need about 144 MB of "
-                                            r"shared memory for the batches in flight \(24 MB each\).*--shm-size"):
+    with pytest.raises(DatapipeError, match=r"/dev/shm has 64.0 MB free, but DataLoader workers need about 144 MB "
+                                            r"of shared memory for the batches in flight \(24.0 MB each\).*--shm-size"):
         next(iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))
     assert next(iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2,
                                 multiprocessing_context="fork")))[0].shape[0] == B  # small batches fit

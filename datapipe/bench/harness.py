@@ -664,7 +664,7 @@ def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *,
 
     runnable = list(loaders)
     bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress,
-               file=ProgressStream())
+               file=ProgressStream(), dynamic_ncols=True)
     cpu: dict[str, list[float]] = {n: [] for n in runnable}
     for rnd in range(repeats + 1):  # round 0 is the warm-up
         # datapipe warms up last: a peer's DataLoader forks its workers (kept alive) during its
