@@ -1142,7 +1142,7 @@ class Cache:
         Raises:
             CacheError: naming the build (its lock holder) or saying the cache was rebuilt.
         """
-        holder = lock_holder(self.root)
+        holder = lock_holder(self.root, certain=True)  # never a stale lock file hiding damage
         try:
             now: Manifest | None = mf.read_manifest(self.root)
         except CacheError:

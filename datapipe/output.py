@@ -155,11 +155,12 @@ def _lock_probe(out: Path) -> Iterator[tuple[str, int]]:
         os.close(fd)  # drops the shared lock
 
 
-def lock_holder(out: Path) -> str | None:
+def lock_holder(out: Path, *, certain: bool = False) -> str | None:
     """Who holds the build lock of ``out`` (``pid N on host H, since T``), or None when no build does (reads only,
-    see :func:`_lock_probe`)."""
+    see :func:`_lock_probe`). On a file system without locks the lock file's holder is taken as holding it, unless
+    ``certain`` (a lock file left by a killed build is then no holder)."""
     with _lock_probe(out) as (state, fd):
-        return _holder(fd) if state in ("held", "unlockable") else None
+        return _holder(fd) if state == "held" or (state == "unlockable" and not certain) else None
 
 
 def still_held(out: Path, token: str) -> bool:
