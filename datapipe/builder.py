@@ -44,6 +44,7 @@ from .errors import (
     CacheError,
     DatapipeError,
     DecodeError,
+    OutputBusyError,
     OutputError,
     OutputWriteError,
     RemoteStoreError,
@@ -1080,6 +1081,10 @@ def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans: list[d
     """Remove this build's shards no longer planned, then upload labels.npy and paths.json, then the manifest,
     unless they already are what it would upload (a rerun with nothing to do writes nothing); whether it uploaded."""
     loc = target.loc
+    if target.lock.lost:  # its shards may be another build's by now: a manifest must not vouch for them
+        raise OutputBusyError(f"output {loc.url}: another datapipe build took over this build's lock while it ran "
+                              f"(its lock object was replaced or removed, and not refreshed for "
+                              f"{target.lock.ttl:g} s); no manifest was written: wait for that build, then rerun")
     remote.remove_shards(loc, remote.listing(loc, SHARDS_DIR), build_id, keep={shard_name(p["shard"]) for p in plans})
     documents = _index_documents(listing, records, config, chash, build_id=build_id)
     if _index_current(target, documents):

@@ -457,7 +457,7 @@ class ShardFetcher:
                 except BlockingIOError:
                     pass  # downloading now, in another process
                 finally:
-                    os.close(fd)
+                    _close_step_lock(fd)
 
     def _read_small(self, name: str) -> bytes:
         """A small object of the remote cache (the manifest), read whole with the same timeout."""
@@ -686,10 +686,11 @@ class ShardFetcher:
             self._flock_wait(fd, op, what, temps, lock=name)
             yield fd
         finally:
-            os.close(fd)
+            _close_step_lock(fd)
 
     def _lock_fd(self, name: str) -> int:
-        return os.open(self._lock_path(name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        """The lock file of ``name``, opened for a step (close it with _close_step_lock, or hand it to a Hold)."""
+        return _open_step_lock(str(self._lock_path(name)))
 
     def _flock_wait(self, fd: int, op: int, what: str, temps: Sequence[str] = (), *, lock: str) -> None:
         """Take the flock of ``fd`` (the lock file of ``lock``); while another process downloads under it, wait
@@ -731,13 +732,13 @@ class ShardFetcher:
             try:  # the common case first: no other process holds the lock
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
+                _close_step_lock(fd)
             else:
                 try:
                     yield -1 if self._present(shard, fd) else fd
                     return
                 finally:
-                    os.close(fd)
+                    _close_step_lock(fd)
             with self._locked(rec.name, fcntl.LOCK_SH, what, rels) as fd:  # waits while another process downloads
                 if self._present(shard, fd):
                     yield -1
@@ -848,11 +849,12 @@ class ShardFetcher:
                 if self._present(shard, fd):
                     with contextlib.suppress(OSError):
                         os.utime(fd)  # the access stamp eviction orders by
+                    _STEP_LOCKS.discard(fd)  # the reader's now, for as long as it reads the shard
                     hold, fd = Hold(fd), -1
                     return hold
             finally:
                 if fd >= 0:
-                    os.close(fd)
+                    _close_step_lock(fd)
             self.download(shard)
         raise RemoteStoreError(f"shard {rec.name}: evicted from {self.folder} again and again before it could be read; "
                                "raise cache_limit (other processes on this node fill it)")
@@ -1065,8 +1067,8 @@ class ShardFetcher:
         if self.limit is None:
             return
         with contextlib.ExitStack() as stack:
-            fd = os.open(self.local_root / EVICT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            stack.callback(os.close, fd)
+            fd = _open_step_lock(str(self.local_root / EVICT_LOCK))
+            stack.callback(_close_step_lock, fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
             usage, candidates = _scan(self.local_root)
             if usage + need <= self.limit:
@@ -1415,10 +1417,31 @@ _POOL: tuple[int, _DaemonPool] | None = None
 _POOL_LOCK = threading.Lock()
 
 
+# Descriptors of lock files a thread of this process holds for the span of one step (a download, a check): a child
+# made by fork inherits them, and with them the flock, which no thread there would ever release.
+_STEP_LOCKS: set[int] = set()
+
+
+def _open_step_lock(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    _STEP_LOCKS.add(fd)
+    return fd
+
+
+def _close_step_lock(fd: int) -> None:
+    _STEP_LOCKS.discard(fd)  # before the close: the number may be reused at once
+    os.close(fd)
+
+
 def _renew_module_locks() -> None:
-    """In a child made by fork: new module locks (a thread of the parent may have held one at the fork)."""
+    """In a child made by fork: new module locks (a thread of the parent may have held one at the fork), and the
+    lock files the parent's threads held for a step closed (their flock would outlive the parent's step)."""
     global _parts_lock, _RECORD_LOCK, _POOL_LOCK
     _parts_lock, _RECORD_LOCK, _POOL_LOCK = threading.Lock(), threading.Lock(), threading.Lock()
+    for fd in list(_STEP_LOCKS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _STEP_LOCKS.clear()
 
 
 os.register_at_fork(after_in_child=_renew_module_locks)
@@ -1475,6 +1498,7 @@ def _evict(lock_path: str, folder: Path, rel: str) -> int | None:
         fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
+    _STEP_LOCKS.add(fd)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1489,7 +1513,7 @@ def _evict(lock_path: str, folder: Path, rel: str) -> int | None:
         _write_record(fd, files)
         return int(entry["size"])
     finally:
-        os.close(fd)
+        _close_step_lock(fd)
 
 
 _SCANNED: dict[str, tuple[tuple[int, ...], list[dict], set[str]]] = {}

@@ -996,6 +996,7 @@ class RemoteLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._etag: str | None = None  # the lock object's ETag as this build last wrote it (S3's conditional writes)
+        self.lost = False  # another build took the lock over while this one ran
         self.ttl = env_seconds("DATAPIPE_REMOTE_LOCK_TTL", LOCK_TTL)
 
     def _doc(self) -> dict[str, Any]:
@@ -1139,15 +1140,24 @@ class RemoteLock:
                         continue
                     except _Unconditional:
                         self._etag = None  # refreshed as elsewhere from now on
-                    except _Lost:  # another build's write, or this build's own whose answer was lost
-                        held, etag = self._get()
-                        if not (isinstance(held, dict) and held.get("token") == self.token):
-                            return  # another build took the lock over (this one's refreshes failed for LOCK_TTL)
-                        self._etag = etag
+                    except _Lost:  # another build's write, this build's own whose answer was lost, or none left
+                        try:
+                            held, etag = self._get()
+                        except FileNotFoundError:
+                            held, etag = None, None
+                        if isinstance(held, dict) and held.get("token") != self.token:
+                            self.lost = True  # another build took the lock over (this one's refreshes failed for
+                            return  # LOCK_TTL), never undone: the build ends before its manifest
+                        if isinstance(held, dict):
+                            self._etag = etag
+                            continue
+                        with contextlib.suppress(_Lost):  # removed or damaged: put back (unless written meanwhile)
+                            self._etag = self._put(if_match=etag) if etag else self._put(if_none_match=True)
                         continue
-                held = read_doc(self.loc, LOCK_OBJECT)
-                if isinstance(held, dict) and held.get("token") not in (None, self.token):
-                    return  # another build took the lock over (this one's refreshes failed for LOCK_TTL): never undone
+                held = self._held()
+                if isinstance(held, dict) and held.get("token") != self.token:
+                    self.lost = True  # another build took the lock over (this one's refreshes failed for LOCK_TTL)
+                    return
                 write_doc(self.loc, LOCK_OBJECT, self._doc())
 
     def release(self) -> None:

@@ -436,6 +436,36 @@ def test_a_lock_write_whose_answer_was_lost_is_still_this_builds(s3, monkeypatch
     first.remove()
 
 
+@pytest.mark.parametrize("change", ["deleted", "garbage", "another build's"])
+def test_a_lock_object_removed_or_damaged_under_a_build_is_put_back_and_one_taken_over_is_named(s3, monkeypatch,
+                                                                                               change):
+    """The lock object deleted, or written over with garbage, while its build ran: the refreshes stopped for good,
+    so a second build took the prefix after the TTL and both wrote it (verify then found 81-133 problems while the
+    first said ok). The refresh puts it back; a lock another build wrote is that build's, and this build is told
+    (its manifest is then never written)."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_SETTLE", "0.01")
+    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
+    fs = s3.filesystem()
+    key = loc.url.removeprefix("s3://") + "/.datapipe.lock"
+    lock = remote.RemoteLock(loc)
+    lock.acquire()
+    if change == "deleted":
+        fs.rm(key)
+    else:
+        fs.pipe_file(key, b"{not json" if change == "garbage" else json.dumps(
+            {"host": "elsewhere", "pid": 1, "refreshed": time.time(), "token": "other"}).encode())
+    time.sleep(1.5)  # three refreshes
+    held = json.loads(fs.cat_file(key)) if change != "garbage" or fs.exists(key) else None
+    if change == "another build's":
+        assert lock.lost and not lock._thread.is_alive() and held["token"] == "other"
+    else:
+        assert not lock.lost and lock._thread.is_alive() and held["token"] == lock.token
+        with pytest.raises(datapipe.errors.OutputBusyError, match=f"pid {os.getpid()}"):
+            remote.RemoteLock(loc).acquire()
+    lock.remove()
+
+
 def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_spelled_is_not_a_class(s3, imaging,
                                                                                                       tmp_path):
     """S3 keys are literal: src//cat/c.png is another object than src/cat/c.png. The listing took both for one

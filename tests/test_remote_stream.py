@@ -863,3 +863,50 @@ def test_an_index_altered_in_a_node_cache_says_to_drop_the_nodes_copy(s3, built,
     message = str(err.value)
     assert "sample index checksum" in message and f"remove the folder {folder}" in message, message
     assert "rerun the same `datapipe build`" not in message
+
+
+@requires_s3
+def test_a_child_forked_while_a_download_holds_its_lock_file_does_not_keep_it(s3, built, tmp_path):
+    """A DataLoader worker forked while a thread of the parent downloaded a shard under its lock file inherited the
+    descriptor, and with it the flock, after the parent's download ended: the worker's own read of that shard then
+    waited for it and failed ("another process on this node has been downloading it for 60 s"). The lock files a
+    thread holds for a step are closed in a forked child."""
+    import fcntl
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "node", shuffle=False, timeout=5)
+    fetcher = ds.cache.remote
+    name = fetcher.manifest.shards[0].name
+    held, release = threading.Event(), threading.Event()
+
+    def download() -> None:  # a step of a download in a thread: the shard's lock file held exclusively
+        with fetcher._locked(name, fcntl.LOCK_EX, f"shard {name}"):
+            held.set()
+            release.wait()
+
+    thread = threading.Thread(target=download)
+    thread.start()
+    assert held.wait(30)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: once the parent's step is over, read the epoch
+        code = 1
+        try:
+            os.close(ready_w)
+            os.read(ready_r, 1)
+            code = 0 if sorted(read_epoch(ds)) == list(range(N)) else 2
+        finally:
+            os._exit(code)
+    os.close(ready_r)
+    release.set()
+    thread.join()
+    os.write(ready_w, b"x")
+    os.close(ready_w)
+    deadline = time.monotonic() + 120
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child never finished its epoch")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
