@@ -1508,11 +1508,14 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
         address, version = next(iter(other.items()))
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
         raise BuildError(_other_version(f"{address} of {cluster_at}{more}", version, __version__))
-    n_workers = len(client.scheduler_info()["workers"])
+    info = client.scheduler_info()
+    n_workers = len(info["workers"])
     dashboard = _dashboard(client)
     where = dashboard or "unavailable (the dashboard needs bokeh>=3.1: pip install 'bokeh>=3.1')"
-    log.info(f"datapipe build: {n_workers} Dask workers at "
-             f"{client.scheduler_info().get('address', cluster.scheduler or 'a LocalCluster')}; dashboard: {where}")
+    if dashboard and "dashboard" not in (info.get("services") or {}):  # `dask scheduler --no-dashboard`
+        dashboard, where = None, "none (the scheduler runs without one)"
+    log.info(f"datapipe build: {plural(n_workers, 'Dask worker')} at "
+             f"{info.get('address', cluster.scheduler or 'a LocalCluster')}; dashboard: {where}")
     return n_workers, dashboard
 
 
@@ -1544,17 +1547,21 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
         isolation = _Isolation(client, kwargs, dict(zip(keys, plans, strict=True)))
         watch = _Watch(client, where)
         pending = as_completed(futures)
-        while not pending.is_empty():
-            if not pending.has_ready():
-                watch.check(len(records), len(plans))  # a cluster that can no longer build them ends the build
+        unfetched: list[Future] = []  # finished, their records not fetched yet (their worker busy, or frozen)
+        while not pending.is_empty() or unfetched:
+            # a cluster that can no longer build them, or a worker that holds a record and is silent, ends the build
+            watch.check(len(records), len(plans), [str(f.key) for f in unfetched])
+            batch, unfetched = (pending.next_batch(block=False) if pending.has_ready() else []) + unfetched, []
+            if not batch:
                 time.sleep(0.02)
                 continue
-            for future in pending.next_batch(block=False):
+            for future in batch:
                 try:
-                    rec = future.result(timeout=watch.answer)  # fetched from its worker, through the scheduler
+                    rec = future.result(timeout=RECORD_WAIT)  # fetched from its worker, through the scheduler
                 except Exception as exc:
                     if isinstance(exc, TimeoutError) and future.status == "finished":  # not the task's own
-                        raise watch.no_record(future.key, len(records), len(plans)) from None
+                        unfetched.append(future)  # its worker holds the interpreter (a long decode): again later
+                        continue
                     if type(exc).__name__ in _SCHEDULER_LOST:
                         raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
                                          f"{_shards_kept(len(records), len(plans))}") from None
@@ -1569,8 +1576,21 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
     return [records[p["shard"]] for p in plans], watch.most
 
 
+def _executing(info: dict) -> int:
+    """How many tasks a worker executes now, as its last heartbeat said (0 when it did not say)."""
+    counts = (info.get("metrics") or {}).get("task_counts") or {}
+    try:
+        return int(counts.get("executing", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+RECORD_WAIT = 1.0  # seconds one try to fetch a finished shard's record waits (then it is tried again later)
+
+
 def _shards_kept(built: int, total: int) -> str:
-    return f"{built} of {total} shards were built and are kept: rerun once the cluster is up to resume"
+    return (f"the shards finished so far are kept ({built} of {total} reported): rerun once the cluster is up to "
+            "resume")
 
 
 class _Watch:
@@ -1606,17 +1626,9 @@ class _Watch:
                              f"DATAPIPE_SCHEDULER_TIMEOUT): it may be stopped, frozen or overloaded; "
                              f"{_shards_kept(self.built, self.total)}") from None
 
-    def no_record(self, key: str, built: int, total: int) -> BuildError:
-        """The error of a finished shard whose record did not arrive within DATAPIPE_SCHEDULER_TIMEOUT: naming
-        the scheduler when it does not answer, else the worker that holds the record."""
-        self.built, self.total = built, total
-        holders = self._ask("who_has", keys=[key]).get(key) or ["(none: it was lost)"]
-        _quiet_dask()
-        return BuildError(f"the record of a finished shard did not arrive from Dask worker {', '.join(holders)} of "
-                          f"{self.where} within {self.answer:g} s (DATAPIPE_SCHEDULER_TIMEOUT): it may be stopped or "
-                          f"frozen; {_shards_kept(built, total)}")
-
-    def check(self, built: int, total: int) -> None:
+    def check(self, built: int, total: int, unfetched: Sequence[str] = ()) -> None:
+        """Raise BuildError when the cluster can no longer build the pending shards, or a worker holding the record of
+        a finished one (``unfetched``: their task keys) has been silent for DATAPIPE_WORKER_TIMEOUT."""
         if built != self.built:  # a shard was built since: whatever the cluster's state, it still builds
             self.stuck = None
         self.built, self.total = built, total
@@ -1640,6 +1652,19 @@ class _Watch:
             if self.heard.get(address, (None, 0.0))[0] != seen:
                 self.heard[address] = (seen, now)
         silent = {a for a in workers if now - self.heard[a][1] >= self.patience}
+        if unfetched and silent:
+            holders = self._ask("who_has", keys=list(unfetched))
+            for key in unfetched:
+                held = [a for a in holders.get(key) or () if a in silent]
+                if held and len(held) == len(holders[key]):
+                    _quiet_dask()
+                    raise BuildError(f"the record of a finished shard did not arrive from Dask worker {held[0]} of "
+                                     f"{self.where}, not heard from for {now - self.heard[held[0]][1]:.0f} s "
+                                     f"(DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s): it may be stopped or frozen; "
+                                     f"{_shards_kept(built, total)}")
+        # a paused worker still runs the task it executes (its heartbeat says how many), none of those queued on it
+        building = {a for a, keys in processing.items() if any(str(k).startswith("datapipe-shard-") for k in keys)
+                    and _executing(workers.get(a, {})) > 0}
         for address, keys in processing.items():
             if address in silent and any(str(k).startswith("datapipe-shard-") for k in keys):
                 _quiet_dask()
@@ -1647,7 +1672,7 @@ class _Watch:
                                  f"{now - self.heard[address][1]:.0f} s (DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s) "
                                  "while building a shard: it may be stopped or frozen; "
                                  f"{_shards_kept(built, total)}")
-        paused = sorted(a for a, info in workers.items() if info.get("status") == "paused")
+        paused = sorted(a for a, info in workers.items() if info.get("status") == "paused" and a not in building)
         why: tuple[str, str] | None = None  # (what the cluster has, what it means or what to do)
         if not workers:
             why = "no workers", "all were lost and none restarted, or none joined"
