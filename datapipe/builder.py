@@ -1547,21 +1547,15 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
         isolation = _Isolation(client, kwargs, dict(zip(keys, plans, strict=True)))
         watch = _Watch(client, where)
         pending = as_completed(futures)
-        unfetched: list[Future] = []  # finished, their records not fetched yet (their worker busy, or frozen)
-        while not pending.is_empty() or unfetched:
-            # a cluster that can no longer build them, or a worker that holds a record and is silent, ends the build
-            watch.check(len(records), len(plans), [str(f.key) for f in unfetched])
-            batch, unfetched = (pending.next_batch(block=False) if pending.has_ready() else []) + unfetched, []
-            if not batch:
+        while not pending.is_empty():
+            if not pending.has_ready():
+                watch.check(len(records), len(plans))  # a cluster that can no longer build them ends the build
                 time.sleep(0.02)
                 continue
-            for future in batch:
+            for future in pending.next_batch(block=False):
                 try:
-                    rec = future.result(timeout=RECORD_WAIT)  # fetched from its worker, through the scheduler
+                    rec = _fetch(future, lambda key: watch.check(len(records), len(plans), [key]))
                 except Exception as exc:
-                    if isinstance(exc, TimeoutError) and future.status == "finished":  # not the task's own
-                        unfetched.append(future)  # its worker holds the interpreter (a long decode): again later
-                        continue
                     if type(exc).__name__ in _SCHEDULER_LOST:
                         raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
                                          f"{_shards_kept(len(records), len(plans))}") from None
@@ -1576,6 +1570,31 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
     return [records[p["shard"]] for p in plans], watch.most
 
 
+def _fetch(future: Future, check: Callable[[str], None]) -> Any:
+    """The result of a finished task, fetched from the worker that holds it (through the scheduler): a worker
+    busy in a long decode that holds its interpreter answers late, a frozen one never. The fetch runs in a thread
+    of its own, never cancelled (a cancelled fetch can make the scheduler forget the result and run the task
+    again), while ``check(key)`` runs every half second and raises when the holder has been silent too long."""
+    got: list[tuple[bool, Any]] = []
+
+    def fetch() -> None:
+        try:
+            got.append((True, future.result()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            got.append((False, exc))
+
+    thread = threading.Thread(target=fetch, name="datapipe-fetch-record", daemon=True)
+    thread.start()
+    while True:
+        thread.join(0.5)
+        if got:
+            ok, value = got[0]
+            if ok:
+                return value
+            raise value
+        check(str(future.key))
+
+
 def _executing(info: dict) -> int:
     """How many tasks a worker executes now, as its last heartbeat said (0 when it did not say)."""
     counts = (info.get("metrics") or {}).get("task_counts") or {}
@@ -1583,9 +1602,6 @@ def _executing(info: dict) -> int:
         return int(counts.get("executing", 0))
     except (TypeError, ValueError):
         return 0
-
-
-RECORD_WAIT = 1.0  # seconds one try to fetch a finished shard's record waits (then it is tried again later)
 
 
 def _shards_kept(built: int, total: int) -> str:
@@ -1674,8 +1690,12 @@ class _Watch:
                                  f"{_shards_kept(built, total)}")
         paused = sorted(a for a, info in workers.items() if info.get("status") == "paused" and a not in building)
         why: tuple[str, str] | None = None  # (what the cluster has, what it means or what to do)
+        ours = any(str(k).startswith("datapipe-shard-") for keys in processing.values() for k in keys)
         if not workers:
             why = "no workers", "all were lost and none restarted, or none joined"
+        elif not ours and not unfetched and built < total:
+            why = ("no worker running any of the build's shards", f"{total - built} are left, and the scheduler gives "
+                   "them to none (a task whose result or error could not reach it?)")
         elif set(paused) | silent == set(workers):
             limits = {a: workers[a].get("memory_limit") for a in paused}
             named = ", ".join(f"{a} (memory limit {int(m) / 2**20:,.0f} MiB)" if m else a for a, m in limits.items())

@@ -717,3 +717,45 @@ def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(d
                         r"version, which decides what the cache holds; install it on the workers \(or this one's on "
                         r"this machine\) and rerun", line), line
     assert not any(out.glob("shards/*.zarr"))  # refused before any shard
+
+
+HOLD_PRELOAD = '''
+import ctypes
+import datapipe.builder as builder
+
+if not hasattr(builder, "_held_load"):  # a preload may be imported twice
+    builder._held_load = real = builder._load
+
+    def _load(file, *args, **kwargs):
+        if str(file).endswith("000_hold.jpg"):
+            ctypes.PyDLL(None).sleep(6)  # a call that keeps the interpreter (the GIL) for 6 s: no heartbeat meanwhile
+        return real(file, *args, **kwargs)
+
+    builder._load = _load
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_holds_its_interpreter_in_a_long_decode_is_not_taken_for_frozen(tmp_path, imaging):
+    """A decode that holds a worker's interpreter (a library call that keeps the GIL) stops its heartbeats and its
+    answers, also for the record of the shard it finished just before: the build ended after
+    DATAPIPE_SCHEDULER_TIMEOUT saying the worker may be frozen. Only DATAPIPE_WORKER_TIMEOUT of silence ends it."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 4, "b": 4}, variety=False)
+    shutil.copy(next(iter(sorted((src / "b").iterdir()))), src / "b" / "000_hold.jpg")  # the first of shard 1
+    preload = tmp_path / "hold_preload.py"
+    preload.write_text(HOLD_PRELOAD)
+    out = tmp_path / "out"
+    with _Cluster(tmp_path) as cluster:
+        address = cluster.scheduler()
+        cluster.worker(address, "--preload", str(preload))
+        from distributed import Client
+
+        with Client(address, timeout="30s") as client:
+            client.wait_for_workers(1, timeout=60)
+        proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(src), str(out), "--scheduler", address,
+                               "--shard-size", "4", "--size", str(SIZE), "--quiet"], capture_output=True, text=True,
+                              timeout=150, env={**os.environ, "DATAPIPE_SCHEDULER_TIMEOUT": "2",
+                                                "DATAPIPE_WORKER_TIMEOUT": "30"})
+    assert proc.returncode == 0, proc.stderr
+    assert len(datapipe.open(out)) == 9
