@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import __version__, remote, samples
 from . import manifest as mf
-from . import remote, samples
 from ._threads import torch_threads
 from .bounded import Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DecodeSpec, Fit, decode_fitted
@@ -338,8 +338,6 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     DATAPIPE_STORE_TIMEOUT). ``client_version``: the build's datapipe version, which this worker's must be (a
     worker that joined after the build checked the others').
     """
-    from . import __version__
-
     if client_version is not None and client_version != __version__:
         raise BuildError(_other_version(_worker_address(), __version__, client_version))
     if output_options is None:
@@ -367,6 +365,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     return record
 
 
+SHARD_TASK = "datapipe-shard-"  # the key of a shard's Dask task begins so
 STAGING_PREFIX = "datapipe-shard-"  # a shard staged on its way to an object store: <tempdir>/datapipe-shard-*
 STAGING_LOCK = ".held"  # its flock, held while the task that stages it lives
 STAGING_GRACE_SECONDS = 60.0  # a staging folder younger than this is never reclaimed (its lock may not be taken yet)
@@ -1170,8 +1169,6 @@ def _warm_up() -> str:
     global _warmed
     import zarr  # noqa: F401
 
-    from . import __version__
-
     if _resize_by_torch():
         import torch  # noqa: F401
 
@@ -1427,18 +1424,9 @@ def _connect(scheduler: str) -> Client:
     from dask.distributed import Client
 
     wait = env_seconds("DATAPIPE_SCHEDULER_TIMEOUT", SCHEDULER_TIMEOUT)
-    made: list[Client | BaseException] = []
-
-    def make() -> None:
-        try:
-            made.append(Client(scheduler, timeout=f"{float(wait):g}s"))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            made.append(exc)
-
     # distributed bounds the connection by the timeout but not its handshake: something else that listens at the
     # address (a web server, a socket that never answers) would be waited on for ever
-    thread = threading.Thread(target=make, name="datapipe-connect", daemon=True)
-    thread.start()
+    thread, made = _in_thread(lambda: Client(scheduler, timeout=f"{float(wait):g}s"), "datapipe-connect")
     thread.join(float(wait) + 10)
     if not made:
         raise OutputError(f"the Dask scheduler at {scheduler} did not answer within {float(wait) + 10:g} s "
@@ -1501,8 +1489,6 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
                          f"{one_line(exc) or 'no message'}): every worker needs datapipe and its libraries installed "
                          "(the same version as here) and memory to load them (ulimit -v); fix the workers, or build "
                          "with --scheduler sync") from None
-    from . import __version__
-
     other = {address: version for address, version in versions.items() if version != __version__}
     if other:
         address, version = next(iter(other.items()))
@@ -1530,11 +1516,9 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
     import dask
     from dask.distributed import as_completed
 
-    from . import __version__
-
     kwargs = {**kwargs, "client_version": __version__}  # a worker that joins mid-build is checked by its task
     out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
-    keys = [f"datapipe-shard-{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
+    keys = [f"{SHARD_TASK}{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
     records: dict[int, dict] = {}
     with _progress_bar(len(plans), progress) as bar:
         # The plans hold each file's path and stat (about 20 bytes a file and its name): a million files make a
@@ -1575,24 +1559,30 @@ def _fetch(future: Future, check: Callable[[str], None]) -> Any:
     busy in a long decode that holds its interpreter answers late, a frozen one never. The fetch runs in a thread
     of its own, never cancelled (a cancelled fetch can make the scheduler forget the result and run the task
     again), while ``check(key)`` runs every half second and raises when the holder has been silent too long."""
-    got: list[tuple[bool, Any]] = []
-
-    def fetch() -> None:
-        try:
-            got.append((True, future.result()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            got.append((False, exc))
-
-    thread = threading.Thread(target=fetch, name="datapipe-fetch-record", daemon=True)
-    thread.start()
+    thread, got = _in_thread(future.result, "datapipe-fetch-record")
     while True:
         thread.join(0.5)
         if got:
-            ok, value = got[0]
-            if ok:
-                return value
-            raise value
+            if isinstance(got[0], BaseException):
+                raise got[0]
+            return got[0]
         check(str(future.key))
+
+
+def _in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, list[Any]]:
+    """``call()`` in a daemon thread of its own, never waited on at exit: the thread, and a list that receives its
+    result, or the exception it raised."""
+    got: list[Any] = []
+
+    def run() -> None:
+        try:
+            got.append(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            got.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, got
 
 
 def _executing(info: dict) -> int:
@@ -1678,22 +1668,19 @@ class _Watch:
                                      f"{self.where}, not heard from for {now - self.heard[held[0]][1]:.0f} s "
                                      f"(DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s): it may be stopped or frozen; "
                                      f"{_shards_kept(built, total)}")
+        with_shards = {a for a, keys in processing.items() if any(str(k).startswith(SHARD_TASK) for k in keys)}
         # a paused worker still runs the task it executes (its heartbeat says how many), none of those queued on it
-        building = {a for a, keys in processing.items() if any(str(k).startswith("datapipe-shard-") for k in keys)
-                    and _executing(workers.get(a, {})) > 0}
-        for address, keys in processing.items():
-            if address in silent and any(str(k).startswith("datapipe-shard-") for k in keys):
-                _quiet_dask()
-                raise BuildError(f"Dask worker {address} of {self.where} has not been heard from for "
-                                 f"{now - self.heard[address][1]:.0f} s (DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s) "
-                                 "while building a shard: it may be stopped or frozen; "
-                                 f"{_shards_kept(built, total)}")
+        building = {a for a in with_shards if _executing(workers.get(a, {})) > 0}
+        for address in sorted(with_shards & silent):
+            _quiet_dask()
+            raise BuildError(f"Dask worker {address} of {self.where} has not been heard from for "
+                             f"{now - self.heard[address][1]:.0f} s (DATAPIPE_WORKER_TIMEOUT: {self.patience:g} s) "
+                             f"while building a shard: it may be stopped or frozen; {_shards_kept(built, total)}")
         paused = sorted(a for a, info in workers.items() if info.get("status") == "paused" and a not in building)
         why: tuple[str, str] | None = None  # (what the cluster has, what it means or what to do)
-        ours = any(str(k).startswith("datapipe-shard-") for keys in processing.values() for k in keys)
         if not workers:
             why = "no workers", "all were lost and none restarted, or none joined"
-        elif not ours and not unfetched and built < total:
+        elif not with_shards and not unfetched and built < total:
             why = ("no worker running any of the build's shards", f"{total - built} are left, and the scheduler gives "
                    "them to none (a task whose result or error could not reach it?)")
         elif set(paused) | silent == set(workers):
