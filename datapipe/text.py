@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def plural(count: int, noun: str, plural_form: str | None = None) -> str:
     """``count`` with ``noun`` in the right number: ``1 shard``, ``2 shards``, ``1,000 samples``."""
@@ -49,19 +51,13 @@ class ProgressStream:
     @property
     def encoding(self) -> str | None:
         """Standard error's (tqdm draws Unicode bars only on a UTF-8 stream)."""
-        import sys
-
         return getattr(sys.stderr, "encoding", None)
 
     def fileno(self) -> int:
         """Standard error's descriptor (tqdm asks the terminal it is on for its width)."""
-        import sys
-
         return sys.stderr.fileno()
 
     def write(self, text: str) -> int:
-        import sys
-
         if not self.gone:
             try:
                 sys.stderr.write(text)
@@ -70,8 +66,6 @@ class ProgressStream:
         return len(text)
 
     def flush(self) -> None:
-        import sys
-
         if not self.gone:
             try:
                 sys.stderr.flush()
