@@ -759,3 +759,52 @@ def test_a_worker_that_holds_its_interpreter_in_a_long_decode_is_not_taken_for_f
                                                 "DATAPIPE_WORKER_TIMEOUT": "30"})
     assert proc.returncode == 0, proc.stderr
     assert len(datapipe.open(out)) == 9
+
+
+PAUSE_PRELOAD = '''
+import time
+import datapipe.builder as builder
+
+if not hasattr(builder, "_paused_load"):  # a preload may be imported twice
+    builder._paused_load = real = builder._load
+
+    def _load(file, *args, **kwargs):
+        if str(file).endswith("000_pause.jpg"):
+            ballast = bytearray(400 * 2**20)  # past the worker's memory limit: it pauses while it executes this shard
+            ballast[::4096] = b"x" * len(ballast[::4096])
+            time.sleep(12)  # the interpreter is free: the worker's heartbeats go on, saying it is paused
+            del ballast
+        return real(file, *args, **kwargs)
+
+    builder._load = _load
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_paused_while_it_builds_a_shard_is_waited_for(tmp_path, imaging):
+    """A worker over its memory limit pauses: it starts no new task, yet finishes the one it executes. The watch
+    counted a paused worker as one that cannot build, and ended a build whose only worker was paused in the
+    middle of a shard it then finished; only a paused worker executing no shard counts as one that cannot build."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 4, "b": 4}, variety=False)
+    shutil.copy(next(iter(sorted((src / "b").iterdir()))), src / "b" / "000_pause.jpg")  # the first of shard 1
+    preload = tmp_path / "pause_preload.py"
+    preload.write_text(PAUSE_PRELOAD)
+    out = tmp_path / "out"
+    with _Cluster(tmp_path) as cluster:
+        address = cluster.scheduler()
+        cluster.worker(address, "--preload", str(preload), "--memory-limit", "500MB")
+        from distributed import Client
+
+        with Client(address, timeout="30s") as client:
+            client.wait_for_workers(1, timeout=60)
+            proc = subprocess.Popen([sys.executable, "-m", "datapipe.cli", "build", str(src), str(out), "--scheduler",
+                                     address, "--shard-size", "4", "--size", str(SIZE), "--quiet"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env={**os.environ, "DATAPIPE_WORKER_TIMEOUT": "3"})
+            # the worker did pause (else this test shows nothing)
+            wait_for(lambda: proc.poll() is not None or any(
+                w.get("status") == "paused" for w in client.scheduler_info()["workers"].values()), 120, "a pause")
+            assert proc.poll() is None, proc.communicate()
+            _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert len(datapipe.open(out)) == 9
