@@ -1176,7 +1176,7 @@ class RemoteLock:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-            held = read_doc(self.loc, LOCK_OBJECT)
+            held = self._held()  # a damaged lock object is nobody's: left as it is
             if isinstance(held, dict) and held.get("token") == self.token:
                 delete(self.loc, [LOCK_OBJECT])
 
