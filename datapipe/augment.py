@@ -729,7 +729,9 @@ def _centre(n: int, s: int) -> int:
 
 
 class EvalAugment(BatchAugment):
-    """Center crop to ``size`` (samples smaller than ``size`` are resized to it instead), normalised.
+    """Center crop to ``size``, normalised. A sample smaller than ``size`` on a side is cropped to its centred
+    square (its shorter side) and that square resized to ``size``, as torchvision's ``Resize(size)`` then
+    ``CenterCrop(size)`` would, never stretched to a square.
 
     The same values on both paths: a crop is copied, a resize is the antialiased bilinear one.
     """
@@ -751,7 +753,9 @@ class EvalAugment(BatchAugment):
                 top, left = _centre(h, s), _centre(w, s)
                 x = x[:, top : top + s, left : left + s].permute(0, 3, 1, 2).to(torch.float32)
             else:
-                x = crop_and_resize(x, torch.tensor([[0, 0, h, w]], dtype=torch.int64).expand(b, 4), s)
+                m = min(h, w)
+                x = crop_and_resize(x, torch.tensor([[_centre(h, m), _centre(w, m), m, m]], dtype=torch.int64).expand(b, 4),
+                                    s)
             return self._finish(_scale_shift_(x, self.mean, self.std))
         if h >= s and w >= s:
             # On the CPU, sample by sample while each crop is in cache (as in TrainAugment).
@@ -759,7 +763,9 @@ class EvalAugment(BatchAugment):
             out = self._float_out(b, out)
             _normalize_into(images, out, self.mean, self.std, top, left)
             return self._as_dtype(out)
-        x = _stack(images).permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
+        m = min(h, w)  # smaller than size on a side: its centred square, resized to size
+        top, left = _centre(h, m), _centre(w, m)
+        x = _stack(images)[:, top : top + m, left : left + m].permute(0, 3, 1, 2).to(torch.float32).mul_(1.0 / 255.0)
         x = torch.nn.functional.interpolate(x, size=(s, s), mode="bilinear", antialias=True, align_corners=False)
         return self._finish(_normalize_float(x, self.mean, self.std))
 
@@ -767,7 +773,8 @@ class EvalAugment(BatchAugment):
     def sample(self, batch: int, height: int | torch.Tensor, width: int | torch.Tensor,
                seed: int | None = None) -> dict[str, torch.Tensor]:
         """The crop of each sample, as :meth:`TrainAugment.sample` gives them (no randomness): the
-        centred ``size`` square, or the whole sample when it is smaller on a side (then resized)."""
+        centred ``size`` square, or the centred square of the sample's shorter side when it is smaller than ``size``
+        on a side (then resized)."""
         h = torch.as_tensor(height, dtype=torch.int64).expand(batch)
         w = torch.as_tensor(width, dtype=torch.int64).expand(batch)
         s = self.size
@@ -776,8 +783,10 @@ class EvalAugment(BatchAugment):
         # torchvision's CenterCrop offsets: round((n - s) / 2), half to even (torch.round, as Python's round)
         crops = torch.stack([torch.round((h - s) / 2.0).to(torch.int64), torch.round((w - s) / 2.0).to(torch.int64),
                              side, side], dim=1)
-        whole = torch.stack([torch.zeros_like(h), torch.zeros_like(w), h, w], dim=1)
-        return {"crops": torch.where(inside[:, None], crops, whole)}
+        m = torch.minimum(h, w)
+        square = torch.stack([torch.round((h - m) / 2.0).to(torch.int64), torch.round((w - m) / 2.0).to(torch.int64),
+                              m, m], dim=1)
+        return {"crops": torch.where(inside[:, None], crops, square)}
 
     def decode(self, encoded: Sequence[EncodedSample], seed: int | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:

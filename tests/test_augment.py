@@ -51,7 +51,7 @@ def test_eval_centre_crops_each_sample_of_a_varied_batch_on_its_own():
     for i, x in enumerate(images):
         assert torch.allclose(out[i], aug([x])[0])
     params = aug.sample(3, *augment.sample_sizes(images))
-    assert params["crops"].tolist() == [[3, 18, 24, 24], [18, 3, 24, 24], [0, 0, 20, 40]]
+    assert params["crops"].tolist() == [[3, 18, 24, 24], [18, 3, 24, 24], [0, 10, 20, 20]]
     device = augment.eval(24, path="device")(augment._stack(images), params=params)
     assert (out - device).abs().max() < 1e-3
 
@@ -403,6 +403,34 @@ def test_eval_centre_crop_offsets_are_torchvisions(path, h, w):
     for got in (aug(image[None])[0], aug([image, other])[0]):
         assert torch.allclose(got, want, atol=1e-6)
     assert aug.sample(1, torch.tensor([h]), torch.tensor([w]))["crops"].tolist() == [[top, left, 224, 224]]
+
+
+@pytest.mark.parametrize("path", ["device", "uint8"])
+@pytest.mark.parametrize(("h", "w"), [(32, 64), (64, 32), (100, 40), (33, 47), (40, 40)])
+def test_eval_larger_than_a_sample_keeps_its_aspect(path, h, w):
+    """augment.eval(S) of a sample smaller than S on a side (testing at a higher resolution than the cache's
+    --size) resized the whole sample to S x S: a 32x64 sample came out squashed 2:1. It is torchvision's
+    Resize(S) + CenterCrop(S) on the stored sample: its centred square, resized to S, for whole batches, samples
+    of varying shapes, and the crops the loader draws for a padded batch."""
+    s = 48
+    g = torch.Generator().manual_seed(h * w)
+    image = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=g)
+    image[h // 2 - 4 : h // 2 + 4, w // 2 - 4 : w // 2 + 4] = 255  # an 8x8 square at the centre
+    m = min(h, w)
+    top, left = int(round((h - m) / 2.0)), int(round((w - m) / 2.0))
+    unit = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    square = image[top : top + m, left : left + m].permute(2, 0, 1)[None].float() / 255
+    want = torch.nn.functional.interpolate(square, size=(s, s), mode="bilinear", antialias=True, align_corners=False)[0]
+    aug = augment.eval(s, path=path, **unit)
+    other = torch.randint(0, 256, (h + 1, w + 2, 3), dtype=torch.uint8, generator=g)
+    crops = aug.sample(1, torch.tensor([h]), torch.tensor([w]))
+    assert crops["crops"].tolist() == [[top, left, m, m]]
+    padded = augment.eval(s, path="device", **unit)(image[None], params=crops)[0]
+    for got in (aug(image[None])[0], aug([image, other])[0], padded):
+        assert got.shape == (3, s, s) and (got - want).abs().max() < 2e-3
+        white = (got[0] > 0.99).nonzero()  # the square stays square
+        height, width = (white.max(0).values - white.min(0).values + 1).tolist()
+        assert abs(height - width) <= 1, (height, width)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
