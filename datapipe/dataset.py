@@ -34,9 +34,10 @@ from .world import World, detect_ranks, detect_worker, distributed_ranks, first_
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.data._utils.worker import WorkerInfo
 
-# Version 2 names the build of the cache a state belongs to (build_id); version 1 did not.
-STATE_VERSION = 2
-STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "num_samples", "config_hash", "build_id")
+# Version 2 names the build of the cache a state belongs to (build_id); version 1 did not. Version 3 adds a digest
+# of what that build holds (contents): a cache rebuilt in place from changed inputs keeps its build id.
+STATE_VERSION = 3
+STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "num_samples", "config_hash", "build_id", "contents")
 # A state of order="shards" also holds these (a state without them is of the global order).
 SHARD_STATE_KEYS = ("order", "window", "nodes")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
@@ -86,6 +87,18 @@ def cache_identity(cache: Cache) -> tuple[str, str]:
         blob = json.dumps([[s.crc32c for s in m.shards], {k: f.crc32c for k, f in sorted(m.files.items())}])
         build_id = "crc32c-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
     return build_id, m.config_hash
+
+
+def cache_contents(cache: Cache) -> str:
+    """A digest of what a cache holds: its classes, its labels and sample index (their checksums) and each shard's
+    name, sample count and checksum. A cache rebuilt in place keeps its build id (the build id says which
+    output a shard belongs to) but holds other samples or labels when its inputs changed: this digest changes
+    with them. Byte-identical rebuilds keep it; the source paths (paths.json) are left out, so that a source
+    moved and built again into the same samples is the same cache."""
+    m = cache.manifest
+    blob = json.dumps([list(m.classes), {k: f.crc32c for k, f in sorted(m.files.items()) if k != "paths"},
+                       [[s.name, s.count, s.crc32c] for s in m.shards]])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _check_shm(batch_bytes: int, worker_info: WorkerInfo | None, path: str = "/dev/shm") -> None:
@@ -258,6 +271,7 @@ class StreamingDataset(IterableDataset):
         else:
             self.cache = cache
         self._identity = cache_identity(self.cache)
+        self._contents = cache_contents(self.cache)
         # [epoch, start, read by workers, set_epoch/load_state_dict calls, epoch + 1 read to its end, the
         # calls then, warned]: shared with DataLoader workers (also persistent ones) through shared memory.
         # The third is set by a worker that reads this epoch: then only the caller knows how many batches
@@ -566,7 +580,8 @@ class StreamingDataset(IterableDataset):
         """What every rank must read this dataset with."""
         build_id, _ = self._identity
         order = {"order": self.order} | ({"window": self.window, "nodes": self.nodes} if self.order == "shards" else {})
-        return {"build_id": build_id, "num_samples": len(self.cache), "seed": self.seed, "shuffle": self.shuffle,
+        return {"build_id": build_id, "contents": self._contents, "num_samples": len(self.cache), "seed": self.seed,
+                "shuffle": self.shuffle,
                 **order, "batch_size": self.batch_size, "drop_last": self.drop_last, "world_size": self.world_size}
 
     def _agree(self, kind: str | None = None) -> None:
@@ -631,6 +646,12 @@ class StreamingDataset(IterableDataset):
                 f"the ranks disagree on {self._which()}: it reads the cache of build {show(mine['build_id'])} here "
                 f"(rank {self.rank}) but that of build {show(first.get('build_id'))} on rank {other}; every rank must "
                 "read the same cache and create the same StreamingDatasets in the same order")
+        if "contents" in differ:
+            raise RankMismatchError(
+                f"the ranks disagree on {self._which()}: it holds other samples or labels here (rank {self.rank}, "
+                f"contents {show(mine['contents'])}) than on rank {other} (contents {show(first.get('contents'))}): "
+                "the cache was rebuilt in place between the ranks' opening it; restart every rank once the build "
+                "has finished")
         values = "; ".join(f"{name}={show(mine[name])} here (rank {self.rank}) but {name}={show(first.get(name))} "
                            f"on rank {other}" for name in differ)
         why = " (the ranks split one order: a seed per rank reads some samples twice and others never)" \
@@ -700,6 +721,7 @@ class StreamingDataset(IterableDataset):
             "num_samples": len(self.cache),
             "config_hash": config_hash,
             "build_id": build_id,
+            "contents": self._contents,
         } | ({"order": self.order, "window": self.window, "nodes": self.nodes} if self.order == "shards" else {})
 
     def load_state_dict(self, state: dict) -> None:
@@ -735,22 +757,24 @@ class StreamingDataset(IterableDataset):
                 "this loader state was saved by an earlier datapipe (state version 1), which did not record the "
                 "build of the cache it belongs to, so it cannot be checked against this cache; resume at the start "
                 f"of its epoch with set_epoch({show(state.get('epoch'))}) instead (that epoch is then read whole)")
-        if not is_int(version) or version != STATE_VERSION:
-            raise StateError(f"unknown loader state version {show(version)}; this datapipe reads version "
+        if not is_int(version) or version not in (2, STATE_VERSION):
+            raise StateError(f"unknown loader state version {show(version)}; this datapipe reads versions 2 and "
                              f"{STATE_VERSION} (a dict from StreamingDataset/DeviceLoader.state_dict())")
-        keys = STATE_KEYS + (SHARD_STATE_KEYS if "order" in state else ())
+        # a version 2 state (no contents) is checked against the cache's build, not against what it holds
+        named = STATE_KEYS if version == STATE_VERSION else STATE_KEYS[:-1]
+        keys = named + (SHARD_STATE_KEYS if "order" in state else ())
         missing = [k for k in keys if k not in state]
         extra = [show(k) for k in state if k not in keys]
         if missing or extra:
             what = f"lacks {', '.join(missing)}" if missing else f"has unknown keys {', '.join(extra[:5])}"
-            raise StateError(f"the loader state {what}; a version {STATE_VERSION} state holds exactly "
-                             f"{', '.join(STATE_KEYS)}: pass the dict state_dict() returned, unchanged")
+            raise StateError(f"the loader state {what}; a version {int(version)} state holds exactly "
+                             f"{', '.join(named)}: pass the dict state_dict() returned, unchanged")
         n = len(self.cache)
         epoch = check_int(state["epoch"], "the state's epoch", 0, ORDER_LIMIT - 1, error=StateError)
         seed = check_int(state["seed"], "the state's seed", 0, ORDER_LIMIT - 1, error=StateError)
         num_samples = check_int(state["num_samples"], "the state's num_samples", 0, error=StateError)
         shuffle = check_bool(state["shuffle"], "the state's shuffle", error=StateError)
-        for key in ("config_hash", "build_id"):
+        for key in [k for k in ("config_hash", "build_id", "contents") if k in named]:
             if not isinstance(state[key], str):
                 raise StateError(f"the state's {key} must be a string, got {show(state[key])} "
                                  f"({type(state[key]).__name__})")
@@ -760,6 +784,11 @@ class StreamingDataset(IterableDataset):
             if saved != mine:
                 raise StateError(f"the saved state is for {key}={show(saved)}, this dataset has {show(mine)} "
                                  f"(cache {self.cache.root}); resume with the same cache, seed and shuffle")
+        if "contents" in state and state["contents"] != self._contents:
+            raise StateError(f"the saved state is for other contents of cache {self.cache.root} (contents "
+                             f"{show(state['contents'])}, now {self._contents}): it was rebuilt in place from changed "
+                             f"inputs since the state was saved, so its position would resume another order over "
+                             f"other samples or labels; start its epoch again with set_epoch({epoch}) instead")
         self._check_state_order(state)
         position = check_int(state["position"], "the state's position", 0, n, error=StateError)
         step = self.batch_size * self.world_size

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from loader_fixtures import index_cache_info
 
+import datapipe
 from datapipe.testing import build_index_cache
 
 B = 8
@@ -272,7 +273,10 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
     state = {**make().state_dict(), "position": 2 * B * WORLD}
     later = {**state, "epoch": 1}
     rebuilt, copied = Path(out) / "rebuilt" / "cache", Path(out) / "copied"
+    before, after = Path(out) / "inplace-before", Path(out) / "inplace" / "cache"
     runs = {
+        "the cache rebuilt in place between the ranks' opening it": lambda: datapipe.StreamingDataset(
+            before if rank == 0 else after, batch_size=B, seed=5, return_index=True).set_epoch(0),
         "another cache on rank 1": lambda: make().set_epoch(0) if rank == 0 else datapipe.StreamingDataset(
             rebuilt, batch_size=B, seed=5, return_index=True).set_epoch(0),
         "resumed on rank 0 only, no set_epoch": lambda: iterate(make(), later if rank == 0 else None),
@@ -310,9 +314,19 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
     a batch before training, is no disagreement."""
     build_index_cache(tmp_path / "rebuilt", index_cache.n, shard_size=index_cache.shard_size, size=index_cache.size)
     shutil.copytree(index_cache.path, tmp_path / "copied")  # the same build at another path (a node's copy)
+    inplace = build_index_cache(tmp_path / "inplace", index_cache.n, shard_size=index_cache.shard_size,
+                                size=index_cache.size)
+    shutil.copytree(inplace, tmp_path / "inplace-before")  # what rank 0 opened: then one image changed, rebuilt
+    images = sorted(p for p in (inplace.parent / "source").rglob("*") if p.is_file())
+    shutil.copyfile(images[1], images[0])
+    datapipe.build(inplace.parent / "source", inplace, size=index_cache.size, shard_size=index_cache.shard_size,
+                   cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    assert datapipe.open(inplace).build_id == datapipe.open(tmp_path / "inplace-before").build_id
     results = _run_ranks(index_cache.path, tmp_path, target=_disagreeing_main)
     expected = {
         "another cache on rank 1": ("reads the cache of build", "every rank must read the same cache"),
+        "the cache rebuilt in place between the ranks' opening it": ("holds other samples or labels here",
+                                                                     "rebuilt in place", "restart every rank"),
         "resumed on rank 0 only, no set_epoch": ("first iteration", f"epoch 1 from sample {2 * B * WORLD}",
                                                  "epoch 0 from sample 0"),
         "an older state on rank 1": ("set_epoch call #1", "epoch 1 from sample", "epoch 0 from sample",

@@ -78,11 +78,12 @@ def saved(index_cache):
 def test_the_state_names_the_cache_and_stays_small(index_cache, saved):
     import json
 
-    assert tuple(saved) == STATE_KEYS and saved["version"] == STATE_VERSION == 2
+    assert tuple(saved) == STATE_KEYS and saved["version"] == STATE_VERSION == 3
     cache = datapipe.open(index_cache.path)
     assert saved["num_samples"] == N and saved["position"] == 3 * B and saved["epoch"] == 5
     assert saved["config_hash"] == cache.manifest.config_hash
     assert saved["build_id"] == cache.build_id and len(cache.build_id) == 32
+    assert saved["contents"] == datapipe.dataset.cache_contents(cache) and len(saved["contents"]) == 16
     assert len(json.dumps(saved)) < 400
 
 
@@ -104,13 +105,15 @@ NAMED_BAD = {
     "int shuffle": {"shuffle": 1},
     "bytes build id": {"build_id": b"x"},
     "other build": {"build_id": "0" * 32},
+    "other contents": {"contents": "0" * 16},
+    "bytes contents": {"contents": b"x"},
     "other config": {"config_hash": "0" * 16},
     "other size": {"num_samples": N + 1},
     "bool num_samples": {"num_samples": True},
     "other seed": {"seed": 4},
     "other shuffle": {"shuffle": False},
-    "version 3": {"version": 3},
-    "version as string": {"version": "2"},
+    "version 4": {"version": 4},
+    "version as string": {"version": "3"},
     "version True": {"version": True},
     "position not on a step": {"position": 3},
 }
@@ -149,6 +152,42 @@ def test_a_version_1_state_says_how_to_resume(index_cache, saved):
     v1 = {k: v for k, v in saved.items() if k != "build_id"} | {"version": 1}
     with pytest.raises(StateError, match=r"version 1.*set_epoch\(5\)") as excinfo:
         dataset(index_cache).load_state_dict(v1)
+    one_line_refusal(excinfo.value)
+
+
+def test_a_version_2_state_without_contents_still_resumes(index_cache, saved):
+    """A state saved before states named the cache's contents resumes where the version 3 one does."""
+    v2 = {k: v for k, v in saved.items() if k != "contents"} | {"version": 2}
+    a, b = dataset(index_cache), dataset(index_cache)
+    a.load_state_dict(v2)
+    b.load_state_dict(saved)
+    assert indices_of(a) == indices_of(b) and a.epoch == 5
+    with pytest.raises(StateError, match="unknown keys 'contents'"):
+        dataset(index_cache).load_state_dict({**saved, "version": 2})
+
+
+def test_a_state_of_a_cache_rebuilt_in_place_from_changed_inputs_is_refused(tmp_path):
+    """A cache rebuilt in place keeps its build id (it says whose shards they are), so a state saved before one
+    image of its source changed was accepted and resumed the saved position over other samples. The state names
+    the cache's contents; a rebuild of unchanged inputs keeps them."""
+    cache = build_index_cache(tmp_path, 30, shard_size=7)
+    ds = dataset(cache)
+    ds.set_epoch(2)
+    indices_of(ds, 2)
+    state = ds.state_dict()
+
+    def rebuild() -> None:
+        datapipe.build(tmp_path / "source", cache, size=32, shard_size=7, cluster=datapipe.Cluster(scheduler="sync"),
+                       progress=False)
+
+    rebuild()  # nothing changed: the same cache
+    dataset(cache).load_state_dict(state)
+    images = sorted(p for p in (tmp_path / "source").rglob("*") if p.is_file())
+    shutil.copyfile(images[1], images[0])
+    rebuild()
+    assert datapipe.open(cache).build_id == state["build_id"]
+    with pytest.raises(StateError, match=r"rebuilt in place from changed inputs.*set_epoch\(2\)") as excinfo:
+        dataset(cache).load_state_dict(state)
     one_line_refusal(excinfo.value)
 
 
@@ -253,8 +292,8 @@ def _is_valid(state, saved: dict) -> bool:
     shuffle = state["shuffle"]
     if not isinstance(shuffle, (bool, np.bool_)) or bool(shuffle) != saved["shuffle"]:
         return False
-    same = all(isinstance(state[k], str) and state[k] == saved[k] for k in ("config_hash", "build_id"))
-    return (same and state["version"] == 2 and state["seed"] == saved["seed"] and state["num_samples"] == N
+    same = all(isinstance(state[k], str) and state[k] == saved[k] for k in ("config_hash", "build_id", "contents"))
+    return (same and state["version"] == 3 and state["seed"] == saved["seed"] and state["num_samples"] == N
             and 0 <= state["epoch"] < ORDER_LIMIT and 0 <= state["position"] <= N
             and (state["position"] % B == 0 or state["position"] == N))
 
