@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .environment import environment
 from .errors import DatapipeError, describe_quarantine
-from .text import plural, printable
+from .text import plain_where_unencodable, plural, printable
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -202,6 +202,7 @@ def _ignore_signals_at_exit() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    plain_where_unencodable(sys.stdout, sys.stderr)  # before --help, which is typeset too
     args = _parser().parse_args(argv)
     import signal
     import threading
@@ -533,10 +534,11 @@ def _bench(args: argparse.Namespace) -> int:
     with _loaders_stop_quietly():
         result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir,
                      progress=not args.quiet, also=args.also)
-    print(format_table(result))
-    if json_out is not None:
+    if json_out is not None:  # first: the figures are kept whatever showing them meets (a closed pipe, an encoding)
         with _writing("--json", str(json_out)):
             json_out.write_text(json.dumps(result.to_dict(), indent=1))
+    print(format_table(result))
+    if json_out is not None:
         print(f"wrote {json_out}")
     if plot_out is not None:
         with _writing("--plot", str(plot_out)):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import sys
+from typing import Any
 
 
 def plural(count: int, noun: str, plural_form: str | None = None) -> str:
@@ -71,3 +74,28 @@ class ProgressStream:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 self.gone = True
+
+
+# The typographic characters of messages, tables and --help, in ASCII where the output's encoding lacks them.
+_PLAIN = {"…": "...", "—": "-", "–": "-", "×": "x", "→": "->", "←": "<-", "≤": "<=", "≥": ">=", "≈": "~", "µ": "u",
+          "²": "^2", "³": "^3", "‘": "'", "’": "'", "“": '"', "”": '"', "·": ".", "°": " deg", "±": "+/-", "√": "sqrt"}
+
+
+def _plain(error: UnicodeError) -> tuple[str, int]:
+    """The ``datapipe-plain`` encoding error handler: our typographic characters as ASCII, anything else (a class
+    name in another script) as a backslash escape, never an error."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    text = error.object[error.start : error.end]
+    return "".join(_PLAIN.get(c) or c.encode("ascii", "backslashreplace").decode() for c in text), error.end
+
+
+def plain_where_unencodable(*streams: Any) -> None:
+    """Let ``streams`` (standard output and error) write any text: a character their encoding lacks (a terminal
+    or pipe in a Latin-1 or ASCII locale, ``PYTHONIOENCODING``) is written as ASCII or escaped, where printing
+    it raised UnicodeEncodeError, after a bench had measured for minutes. A UTF-8 stream is unchanged."""
+    codecs.register_error("datapipe-plain", _plain)
+    for stream in streams:
+        if getattr(stream, "errors", None) in ("strict", "backslashreplace"):
+            with contextlib.suppress(Exception):  # a stream without reconfigure (replaced by a program) stays as it is
+                stream.reconfigure(errors="datapipe-plain")

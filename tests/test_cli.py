@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import subprocess
@@ -290,3 +291,32 @@ def test_demo_names_the_batches_it_read():
 
     assert _shapes([(200, 3, 224, 224)]) == "[200, 3, 224, 224]"
     assert _shapes([(256, 3, 224, 224), (256, 3, 224, 224), (8, 3, 224, 224)]) == "[256|8, 3, 224, 224]"
+
+
+@pytest.mark.parametrize("encoding", ["latin-1", "ascii"])
+def test_commands_print_on_an_output_that_is_not_utf8(tmp_path, encoding):
+    """In a Latin-1 or ASCII locale (or PYTHONIOENCODING), `datapipe info` of a cache with more than 8 classes or
+    a class named in another script, and `datapipe bench` (its table's dashes), died with a UnicodeEncodeError
+    traceback, bench after measuring and before writing its --json file. The characters the output lacks are
+    written as ASCII ("...", "-") or escaped; the figures are kept."""
+    source = datapipe.make_sample_dataset(tmp_path / "src", images=30, classes=10)
+    (source / "class_009").rename(source / "日本")
+    datapipe.build(source, tmp_path / "cache", size=32, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    env = {**os.environ, "PYTHONIOENCODING": encoding}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "datapipe.cli", *args], capture_output=True, timeout=600, env=env)
+
+    info = run("info", str(tmp_path / "cache"))
+    assert info.returncode == 0 and b"Traceback" not in info.stderr, info.stderr.decode(errors="replace")
+    assert b"class_007 ..." in info.stdout  # the list cut after 8 classes, with an ASCII ellipsis
+    bench = run("bench", str(tmp_path / "cache"), "--batch-size", "8", "--workers", "1", "--repeats", "1", "--batches",
+                "2", "--crop", "16", "--quiet", "--json", str(tmp_path / "bench.json"))
+    assert bench.returncode == 0 and b"Traceback" not in bench.stderr, bench.stderr.decode(errors="replace")
+    assert json.loads((tmp_path / "bench.json").read_text())["systems"]["datapipe"]["status"] == "ok"
+    assert b"images/s" in bench.stdout
+    for args in (["build", "--help"], ["bench", "--help"]):
+        shown = run(*args)
+        assert shown.returncode == 0 and b"Traceback" not in shown.stderr, shown.stderr.decode(errors="replace")
+    missing = run("info", str(tmp_path / "日本"))  # a message naming a path the output cannot encode
+    assert missing.returncode == 2 and b"Traceback" not in missing.stderr and b"\\u65e5\\u672c" in missing.stderr
