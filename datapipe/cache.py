@@ -61,7 +61,7 @@ from .files import FileTooLarge, NotRegularFile, describe_mode, file_crc32c, ope
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
-from .shards import SHARDS_DIR, document_problems, images_path, index_path, read_shard_metadata, shard_labels_path
+from .shards import MOVE_AWAY, SHARDS_DIR, document_problems, images_path, index_path, read_shard_metadata, shard_labels_path
 from .text import ProgressStream, show
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -295,6 +295,7 @@ class Cache:
         self.starts = np.array([s.first for s in m.shards], np.int64)
         self.num_samples = m.num_samples
         self._identities: dict[int, Identity] = {}  # shard -> identity of its data file at open
+        self._records_checked: set[int] = set()  # shards whose zarr.json was found to be this cache's (_check_record)
         self._file_identities = {key: self._stat_identity(self.root / rec.name) for key, rec in m.files.items()}
         # opened as a folder, a node-local cache holds the shards read so far (and no zarr.json)
         self.node_cache_of: str | None = node_cache_of(self.root) if remote is None else None
@@ -1042,10 +1043,42 @@ class Cache:
                 seen = self._identities.setdefault(shard, _identity(st))
             if seen != _identity(st):
                 raise CorruptShardError(self._shard_changed(shard, "was replaced or altered"))
+            if shard not in self._records_checked and self.remote is None and self.node_cache_of is None:
+                self._check_record(shard)
+                self._records_checked.add(shard)
             return _Shard(fd, self._map(shard, fd))
         except BaseException:
             os.close(fd)
             raise
+
+    def _check_record(self, shard: int) -> None:
+        """The first time this cache opens a shard: its zarr.json is the record of this cache's shard (its build,
+        position, sample count and checksum), so that a shard folder copied in from another cache of the same
+        shape, or an older copy of this one's, is refused rather than read with this cache's labels. One small
+        read per shard and process; a node-local copy (no zarr.json) is checked by its download instead."""
+        rec = self.manifest.shards[shard]
+        shard_dir = self.root / SHARDS_DIR / rec.name
+        try:
+            meta = read_shard_metadata(shard_dir)
+        except CacheError as exc:
+            raise CorruptShardError(f"shard {rec.name}: {exc}") from None
+        differ = [(key, meta.get(key), want) for key, want in
+                  (("build_id", self.build_id or None), ("shard", shard), ("count", rec.count), ("crc32c", rec.crc32c))
+                  if want is not None and meta.get(key) != want]
+        if not differ:
+            return
+        if self._rebuilt():
+            raise CorruptShardError(self._shard_changed(shard, "is another build's"))
+        holder = lock_holder(self.root)
+        if holder is not None:
+            raise CorruptShardError(self._shard_changed(shard, f"is being rewritten by a datapipe build ({holder})"))
+        key, got, want = differ[0]
+        # a shard of this build the build rewrites (--verify: its size is right); another build's it leaves alone
+        fix = MOVE_AWAY if key == "build_id" else self._rewrite_hint
+        raise CorruptShardError(
+            f"shard {rec.name} ({shard_dir}) is not the one this cache's manifest lists: its zarr.json says {key} "
+            f"{show(got)}, the manifest {show(want)} (a shard of another cache, or an older copy, put in its place?); "
+            f"{fix}")
 
     def _map(self, shard: int, fd: int) -> native.Mapping | None:
         """A memory map of the shard's samples (None on the positioned-read path, or when mapping
@@ -1204,7 +1237,10 @@ class Cache:
             meta = read_shard_metadata(shard_dir)
         except CacheError as exc:
             return [f"{name}: {exc}"]
-        keys = [("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c)]
+        if self.build_id and meta.get("build_id") != self.build_id:  # a build leaves another build's shard alone
+            return [f"{name}: {shard_dir / 'zarr.json'} says build_id {show(meta.get('build_id'))}, the manifest "
+                    f"{show(self.build_id)} (a shard of another cache or build in its place); {MOVE_AWAY}"]
+        keys = [("shard", s), ("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c)]
         if self.indexed:
             keys.append(("index_crc32c", rec.index_crc32c))
         problems = [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "

@@ -474,9 +474,14 @@ def _verdict(problems: list[str], where: str, shards: int, samples: int, *, outp
     for line in problems:
         print(line)
     from .errors import PERMISSION_ADVICE
+    from .shards import MOVE_AWAY
 
     refused = sum(PERMISSION_ADVICE in line for line in problems)
+    moved = sum(MOVE_AWAY in line for line in problems)
     fix = f"`datapipe build SOURCE {output} --verify` rewrites damaged shards"
+    if moved:  # shards no build can tell to be its own: they are moved away first
+        fix = (f"move the shard folders named away; then {fix}" if moved < len(problems) - refused else
+               f"move the shard folders named away; then `datapipe build SOURCE {output}` rewrites them")
     if refused:  # a file that cannot be read is no damage: fixing its permissions is all it takes
         fix = ("fix the permissions of the files named" if refused == len(problems) else
                f"fix the permissions of the files named; {fix}")

@@ -57,7 +57,11 @@ SHARD_FILES = frozenset({
     "/".join(IMAGES_FILE), "/".join(INDEXED_IMAGES_FILE), "/".join(INDEX_FILE), "/".join(LABELS_FILE),
 })
 _SHARD_FOLDERS = frozenset("/".join(name.split("/")[:k]) for name in SHARD_FILES for k in range(1, name.count("/") + 1))
-_REWRITE = "rerun the same `datapipe build` to rewrite the shard"
+# a shard whose zarr.json is gone or damaged cannot be told to be a build's: the build leaves it (it deletes only
+# what it wrote), so it is moved away first
+MOVE_AWAY = ("move the shard's folder away and rerun the same `datapipe build` to rewrite it (datapipe never deletes "
+             "what it did not write)")
+_REWRITE = MOVE_AWAY
 
 # ----------------------------------------------------------------------------- names and paths
 

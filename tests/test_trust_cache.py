@@ -716,6 +716,82 @@ def test_the_advice_for_a_shard_altered_after_the_build_repairs_it(built, tmp_pa
     assert cache[SHARD][0].shape == (32, 32, 3) and cache.verify() == []
 
 
+def _put_shard_in_place(out: Path, case: str, tmp_path: Path) -> None:
+    """Shard 1 of ``out`` replaced by a folder of the same size that is not the manifest's shard 1."""
+    target = out / "shards" / "000001.zarr"
+    if case == "another cache's":  # another cache of the same shape and configuration (other images)
+        other = build_index_cache(tmp_path / "other", N, shard_size=SHARD, seed=1)
+        donor = other / "shards" / "000001.zarr"
+    elif case == "another shard of this cache":  # shard 2 copied over shard 1 (the same sample count)
+        donor = out / "shards" / "000002.zarr"
+    else:  # "an older copy of itself": kept before one of its images changed and the cache was rebuilt in place
+        donor = tmp_path / "older"
+        shutil.copytree(target, donor)
+        source = out.parent / "source"
+        images = sorted(p for p in source.rglob("*") if p.is_file())
+        shutil.copyfile(images[SHARD], images[SHARD + 1])  # the first two samples of shard 1 alike
+        datapipe.build(source, out, size=32, shard_size=SHARD, cluster=datapipe.Cluster(scheduler="sync"),
+                       progress=False)
+    shutil.rmtree(target)
+    shutil.copytree(donor, target)
+
+
+@pytest.mark.parametrize("case", ["another cache's", "another shard of this cache", "an older copy of itself"])
+def test_a_shard_put_in_place_of_one_of_the_cache_is_refused_and_the_advice_repairs_it(tmp_path, case, capsys):
+    """A shard folder copied in from another cache of the same shape (or another shard of the same size, or an
+    older copy) was read silently: its pixels with this cache's labels. Its zarr.json is checked the first time
+    a reader opens it (build, position, count, checksum); verify names it; its advice (move it away, rebuild)
+    repairs the cache: another build's shard is moved away first (the build never deletes what it did not write:
+    the advice to rerun it met that refusal), one of this build's is rewritten by a rerun with --verify."""
+    foreign = case == "another cache's"
+    advice = (r"move the shard's folder away and rerun the same `datapipe build`" if foreign else
+              r"rerun the same `datapipe build` with --verify")
+    cache = build_index_cache(tmp_path / "mine", N, shard_size=SHARD)
+    source = cache.parent / "source"
+    _put_shard_in_place(cache, case, tmp_path)
+    opened = datapipe.open(cache)  # sizes match: opening says nothing
+    assert opened[0][0].shape == (32, 32, 3)  # the other shards read on
+    with pytest.raises(CorruptShardError, match=r"shard 000001\.zarr .* is not the one this cache's manifest lists: "
+                       r"its zarr.json says (build_id|shard|crc32c) .*" + advice):
+        opened[SHARD]
+    ds = datapipe.StreamingDataset(cache, batch_size=8, shuffle=False)
+    with pytest.raises(CorruptShardError, match="000001.zarr"):
+        list(ds)
+    assert cli.main(["verify", str(cache)]) == 1
+    out = capsys.readouterr().out
+    if foreign:
+        assert "move the shard's folder away" in out and "move the shard folders named away; then `datapipe build" in out
+        shutil.move(cache / "shards" / "000001.zarr", tmp_path / "moved-away")
+    else:
+        assert "`datapipe build SOURCE OUTPUT --verify` rewrites it" in out and "move" not in out
+    report = datapipe.build(source, cache, size=32, shard_size=SHARD, cluster=datapipe.Cluster(scheduler="sync"),
+                            progress=False, verify=not foreign)
+    assert report.shards_built == 1
+    repaired = datapipe.open(cache)
+    assert repaired.verify() == []
+    fresh = datapipe.build(source, tmp_path / "fresh", size=32, shard_size=SHARD,
+                           cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    expected = datapipe.open(fresh.output)
+    for i in range(N):  # every sample and label as a build of the source into a new folder has them
+        assert np.array_equal(repaired[i][0], expected[i][0]) and repaired[i][1] == expected[i][1], i
+
+
+@pytest.mark.parametrize("damage", ["missing", "not JSON"])
+def test_the_advice_for_a_shard_without_its_record_repairs_it(cache_dir, built, damage, capsys):
+    """A shard whose zarr.json is missing or damaged: verify said to rerun the build, which refused it as a folder
+    no build can tell to be its own. The advice is to move the folder away first; following it repairs the cache."""
+    meta = cache_dir / "shards" / "000001.zarr" / "zarr.json"
+    meta.unlink() if damage == "missing" else meta.write_text("{not json")
+    with pytest.raises(CorruptShardError, match="move the shard's folder away"):
+        datapipe.open(cache_dir)[SHARD]
+    assert cli.main(["verify", str(cache_dir)]) == 1
+    assert "move the shard's folder away" in capsys.readouterr().out
+    shutil.move(cache_dir / "shards" / "000001.zarr", cache_dir.parent / "moved-away")
+    datapipe.build(built.parent / "source", cache_dir, size=32, shard_size=SHARD, cluster=datapipe.Cluster(scheduler="sync"),
+                   progress=False)
+    assert datapipe.open(cache_dir).verify() == []
+
+
 # ----------------------------------------------------------------------------- closing
 
 
