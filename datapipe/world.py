@@ -65,6 +65,17 @@ def _default_store() -> Any:
         return None
 
 
+def _scoped(key: str) -> str:
+    """``key`` in this attempt's namespace of the store. torchrun's workers share its agent's store, which outlives
+    them: after a restart (``--max-restarts``, or a change of membership), the keys the failed attempt published
+    are still there, and the restarted ranks, resuming alike, were compared with them and refused. The restart
+    count and world size torchrun gives each attempt's workers name its keys apart."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return key
+    return f"attempt-{restart}-of-{os.environ.get('WORLD_SIZE', '?')}/{key}"
+
+
 def first_published(key: str, mine: Mapping[str, Any]) -> dict | None:
     """What the first rank to publish ``key`` in the default process group's store published there
     (``mine`` when this rank is the first), or None when there is no store to ask.
@@ -77,7 +88,7 @@ def first_published(key: str, mine: Mapping[str, Any]) -> dict | None:
     if store is None:
         return None
     try:
-        value = store.compare_set(key, "", json.dumps(dict(mine), sort_keys=True))
+        value = store.compare_set(_scoped(key), "", json.dumps(dict(mine), sort_keys=True))
         first = json.loads(value)
     except (RuntimeError, NotImplementedError, ValueError, OSError):  # a store without it, or gone: no check
         return None
@@ -91,7 +102,7 @@ def forget(key: str) -> None:
     if store is None:
         return
     with contextlib.suppress(RuntimeError, NotImplementedError, ValueError, OSError):
-        store.delete_key(key)
+        store.delete_key(_scoped(key))
 
 
 def detect_worker() -> tuple[int, int]:
