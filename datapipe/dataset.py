@@ -420,24 +420,25 @@ class StreamingDataset(IterableDataset):
         self._agree("iteration")
         self._check_repeat(stacklevel=4)
         order, bounds = self.plan()
-        self._restart(self.start)
+        start = self.start
+        self._restart(start)
         self._running = True
-        self._shared[1] = 0
+        self._shared[1] = 0  # the resumed position serves this iteration only
         self._shared[2] = 0
-        self._follow(order, bounds, np.arange(len(bounds)))
+        self._follow(order, bounds, np.arange(len(bounds)), start)
         return order, bounds
 
-    def _follow(self, order: np.ndarray, bounds: np.ndarray, batches: np.ndarray) -> None:
+    def _follow(self, order: np.ndarray, bounds: np.ndarray, batches: np.ndarray, start: int) -> None:
         """A remote cache prefetches shards in the order these batches first read them (each batch's
         samples are read sorted, so its shards in ascending order). The node's ranks share one local
         cache and read the same window's shards in the same steps: what a step reads is what every rank
         of this node reads in it, so a shard is neither evicted nor stamped finished while another rank
-        of the node still has samples in it."""
+        of the node still has samples in it. ``start``: the position the iteration begins at (every rank's)."""
         remote = self.cache.remote
         if remote is None:
             return
         batches = np.asarray(batches, np.int64)
-        steps, positions = self._node_reads(bounds, batches)
+        steps, positions = self._node_reads(bounds, batches, start)
         if not len(positions):
             remote.follow([])
             return
@@ -454,7 +455,7 @@ class StreamingDataset(IterableDataset):
         own = int(np.searchsorted(self.cache.starts, order[begin:end].min(), side="right") - 1) if end > begin else None
         remote.follow(shard[first[by_first]], at[first[by_first]], last[by_first], reader_first=own)
 
-    def _node_reads(self, bounds: np.ndarray, batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _node_reads(self, bounds: np.ndarray, batches: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
         """(k, position in the order) of every sample that a rank of this node reads in the step of this
         process's k-th batch (this rank's own ``bounds`` included)."""
         local = max(1, self.world_size // self.nodes) if self.order == "shards" else 1
@@ -463,7 +464,7 @@ class StreamingDataset(IterableDataset):
         for rank in range(node * local, min(node * local + local, self.world_size)):
             b = bounds if rank == self.rank else part.batch_bounds(
                 len(self.cache), batch_size=self.batch_size, world_size=self.world_size, rank=rank,
-                drop_last=self.drop_last, start=self.start)
+                drop_last=self.drop_last, start=start)
             b = b[batches]
             sizes = b[:, 1] - b[:, 0]
             total = int(sizes.sum())
@@ -495,7 +496,7 @@ class StreamingDataset(IterableDataset):
             self._shared[2] = 1
             if worker == 0:
                 self._check_repeat(stacklevel=3)
-            self._follow(order, bounds, mine)
+            self._follow(order, bounds, mine, self.start)
             _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
         remote = self.cache.remote
         try:
@@ -656,7 +657,7 @@ class StreamingDataset(IterableDataset):
                            f"on rank {other}" for name in differ)
         why = " (the ranks split one order: a seed per rank reads some samples twice and others never)" \
             if "seed" in differ else ""
-        raise RankMismatchError(f"the ranks disagree on {self._which()}'s {what}: {values}; create "
+        raise RankMismatchError(f"the ranks disagree on the {what} of {self._which()}: {values}; create "
                                 f"it with the same settings on every rank{why}")
 
     # ----------------------------------------------------------------- resume

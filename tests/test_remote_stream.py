@@ -12,6 +12,7 @@ store is a RemoteStoreError, not a hang.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ import pytest
 from s3_server import requires_s3
 
 import datapipe
-from datapipe import fetch
+from datapipe import fetch, partition
 from datapipe.errors import ArgumentError, CacheError, CorruptShardError, RemoteStoreError
 from datapipe.testing import build_index_cache, index_map
 
@@ -910,3 +911,27 @@ def test_a_child_forked_while_a_download_holds_its_lock_file_does_not_keep_it(s3
             pytest.fail("the forked child never finished its epoch")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_resumed_epoch_downloads_only_the_shards_read_after_its_position(built, tmp_path):
+    """A rank of a node resumed mid-epoch planned its node's other ranks from the epoch's start (the resumed
+    position was cleared before the plan was made): it downloaded every shard that only the part before the
+    checkpoint had read. The plan starts every rank at the resumed position."""
+    kwargs = dict(batch_size=8, order="shards", window=2, nodes=1, rank=0, world_size=2, return_index=True)
+    ds = datapipe.StreamingDataset(built["fixed"], **kwargs)
+    ds.set_epoch(1)
+    before = [i for batch in itertools.islice(iter(ds), 4) for i in batch[2].tolist()]
+    state = ds.state_dict()
+    node = tmp_path / "node"
+    resumed = datapipe.StreamingDataset("file://" + str(built["fixed"]), local_cache=node, prefetch=8, **kwargs)
+    resumed.load_state_dict(state)
+    after = read_epoch(resumed)
+    cache = datapipe.open(built["fixed"])
+    order = resumed.epoch_order()
+    needed = {f"shard {cache.shard_names[s]}" for r in range(2) for b, e in partition.batch_bounds(
+        N, batch_size=8, world_size=2, rank=r, drop_last=False, start=state["position"])
+        for s in np.searchsorted(cache.starts, order[b:e], side="right") - 1}
+    [folder] = [p for p in node.iterdir() if p.is_dir()]  # local_cache/<build id>
+    downloaded = shard_downloads(folder)
+    assert set(downloaded) == needed and max(downloaded.values()) == 1, (sorted(downloaded), sorted(needed))
+    assert not set(before) & set(after) and len(before) == 4 * 8
