@@ -221,6 +221,7 @@ class BuildReport:
     aspect_capped: int = 0  # fit short: samples whose longer side was cut to max_aspect * size
     outside_classes: list[str] = field(default_factory=list)  # image files at the top of a folder source: not used
     empty_classes: list[str] = field(default_factory=list)  # classes of the source without a single sample
+    index_written: bool = False  # labels.npy, paths.json or the manifest written (new, or changed: classes, labels)
 
     def quarantine_counts(self) -> dict[str, int]:
         """Quarantined files by class (``error``: see datapipe.errors.QUARANTINE_KINDS), most first."""
@@ -238,7 +239,8 @@ class BuildReport:
         return text
 
     def summary(self) -> str:
-        rate = f"{self.images_per_second:,.0f} img/s" if self.shards_built else "nothing to do"
+        rate = (f"{self.images_per_second:,.0f} img/s" if self.shards_built else
+                "no shard to build, index updated" if self.index_written else "nothing to do")
         capped = f", {plural(self.aspect_capped, 'image')} cut to --max-aspect" if self.aspect_capped > 0 else ""
         return (f"{self.status}: {plural(self.num_samples, 'sample')} in {plural(self.shards_total, 'shard')} "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
@@ -1075,17 +1077,18 @@ def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, re
         loc, name, rec, [label for _, label in kept], [path for path, _ in kept], side))
 
 
-def _publish_remote(target: remote.RemoteOutput, listing: Listing, plans: list[dict], records: list[dict], config: dict,
-                    chash: str, *, build_id: str) -> bool:
-    """Remove this build's shards no longer planned, then upload labels.npy and paths.json, then the manifest,
-    unless they already are what it would upload (a rerun with nothing to do writes nothing); whether it uploaded."""
+def _publish_remote(target: remote.RemoteOutput, plans: list[dict], documents: dict[str, bytes], *, build_id: str,
+                    report_first: Callable[[], None]) -> bool:
+    """Remove this build's shards no longer planned, write the report (``report_first``), then upload labels.npy
+    and paths.json, then the manifest, unless they already are what it would upload (a rerun with nothing to do
+    writes nothing); whether it uploaded."""
     loc = target.loc
     if target.lock.lost:  # its shards may be another build's by now: a manifest must not vouch for them
         raise OutputBusyError(f"output {loc.url}: another datapipe build took over this build's lock while it ran "
                               f"(its lock object was replaced or removed, and not refreshed for "
                               f"{target.lock.ttl:g} s); no manifest was written: wait for that build, then rerun")
     remote.remove_shards(loc, remote.listing(loc, SHARDS_DIR), build_id, keep={shard_name(p["shard"]) for p in plans})
-    documents = _index_documents(listing, records, config, chash, build_id=build_id)
+    report_first()
     if _index_current(target, documents):
         return False
     with tempfile.TemporaryDirectory(prefix="datapipe-index-") as tmp:
@@ -1817,26 +1820,32 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
             "that changed or could not be read, timed out or crashed its decoder, so fixing the files or "
             "raising the budget and rerunning resumes the build.")
     t_fin = time.perf_counter()
+    documents = _index_documents(listing, records, config, chash, build_id=build_id)
     if read_only is not None:
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
-        if not (_report_current(out, report)
-                and _index_current(out, _index_documents(listing, records, config, chash, build_id=build_id))):
+        if not (_report_current(out, report) and _index_current(out, documents)):
             raise read_only.cannot_write()
         log.info(f"datapipe build: {report.summary()} (up to date; nothing written: {read_only.why_read_only()})")
         return report
+    report.index_written = not _index_current(out, documents)
+
+    def report_first() -> None:
+        """The report, before the index: the manifest is written last. A rerun with nothing to do writes nothing,
+        and keeps the report of the build that did the work; so does one that only writes an index file again (a
+        labels.npy deleted since): what the report says of the cache holds."""
+        seconds["finalize"] = time.perf_counter() - t_fin
+        report.seconds = {**seconds, "total": time.perf_counter() - t0}
+        if built or not _report_current(out, report):
+            _write_report(out, report)
+
     if isinstance(out, remote.RemoteOutput):
-        _publish_remote(out, listing, plans, records, config, chash, build_id=build_id)
+        _publish_remote(out, plans, documents, build_id=build_id, report_first=report_first)
     else:
         # Shards left from an earlier, larger source are this build's and no longer part of the cache; so
         # are temporary folders of attempts that died with a lost worker. Nothing else is touched.
         remove_shards(out, build_id, keep={shard_name(p["shard"]) for p in plans})
-        _write_index(out, listing, plans, records, config, chash, build_id=build_id)
-    seconds["finalize"] = time.perf_counter() - t_fin
-    report.seconds = {**seconds, "total": time.perf_counter() - t0}
-    # A rerun with nothing to do writes nothing, and keeps the report of the build that did the work; so does one
-    # that only wrote an index file again (a labels.npy deleted since): what the report says of the cache holds.
-    if built or not _report_current(out, report):
-        _write_report(out, report)
+        report_first()
+        _write_index(out, documents)
     log.info("datapipe build: " + report.summary())
     return report
 
@@ -1876,11 +1885,10 @@ def _index_documents(listing: Listing, records: list[dict], config: dict, chash:
     return documents
 
 
-def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[dict], config: dict, chash: str, *,
-                 build_id: str = "") -> bool:
-    """Write labels.npy, paths.json, then manifest.json, each only where it differs from the file there (an
-    unchanged file keeps its inode, so a reader that has it open reads on); whether any was written."""
-    documents = _index_documents(listing, records, config, chash, build_id=build_id)
+def _write_index(out: Path, documents: dict[str, bytes]) -> bool:
+    """Write labels.npy, paths.json, then manifest.json (``documents``: see :func:`_index_documents`), each only
+    where it differs from the file there (an unchanged file keeps its inode, so a reader that has it open reads
+    on); whether any was written."""
     written = False
     for name, data in documents.items():
         if holds(out / name, data):
@@ -1899,7 +1907,7 @@ def _write_index(out: Path, listing: Listing, plans: list[dict], records: list[d
 # What report.json says of the run rather than of the cache: a rerun with nothing to do keeps the report of
 # the build that did the work, when it says the same of the cache.
 _RUN_FIELDS = frozenset({"output", "shards_built", "shards_skipped", "workers", "dashboard", "seconds",
-                         "images_per_second", "page_faults_per_image", "peak_worker_rss_mb"})
+                         "images_per_second", "page_faults_per_image", "peak_worker_rss_mb", "index_written"})
 
 
 def _report_current(out: Path | remote.RemoteOutput, report: BuildReport) -> bool:

@@ -413,8 +413,9 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
     print(f"source     {printable(str(m.source.root))} ({m.source.kind})")
     print(f"{where:<10} {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
-        print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, "
-              f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')} "
+        work = (f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')}"
+                if report.shards_built != 0 else "no shard built")
+        print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, {work} "
               f"(every file and reason: {report_at})")
 
 

@@ -181,11 +181,13 @@ def _check_marker(f: _Fields) -> None:
         raise CacheError(f"{f.path} is not a datapipe {Path(f.path).name} (format={show(fmt) if isinstance(fmt, str) else _kind(fmt)}); "
                          f"{f.hint}")
     version = f.get("version")
-    if isinstance(version, bool) or version not in VERSIONS:
-        shown = version if isinstance(version, int) and not isinstance(version, bool) else _kind(version)
-        raise CacheError(f"{f.path}: field 'version' is {shown}: written by cache format version {shown}; this datapipe "
-                         f"reads versions {' and '.join(map(str, VERSIONS))}. Install a datapipe that matches, or "
-                         "rebuild the cache with this one.")
+    if type(version) is not int or version < 1:  # a float (1.0), a string, a bool, null: damage, not another datapipe
+        raise CacheError(f"{f.path}: field 'version' is {_kind(version) if type(version) is not int else version}, "
+                         f"not a format version (a whole number from 1); {f.hint}")
+    if version not in VERSIONS:
+        raise CacheError(f"{f.path}: field 'version' is {version}: written by cache format version {version}; this "
+                         f"datapipe reads versions {' and '.join(map(str, VERSIONS))}. Install a datapipe that matches, "
+                         "or rebuild the cache with this one.")
 
 
 def _build_id(f: _Fields) -> str:
@@ -394,6 +396,7 @@ class ReportRecord:
     quarantined: tuple[dict, ...]
     images_per_second: float
     workers: int
+    shards_built: int | None = None  # None: a report written before it said so
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -564,7 +567,8 @@ def parse_report(doc: Any, path: Path | str) -> ReportRecord:
             entry["error"] = q.text("error")
         quarantined.append(entry)
     return ReportRecord(status=status, quarantined=tuple(quarantined),
-                        images_per_second=f.number("images_per_second"), workers=f.integer("workers"))
+                        images_per_second=f.number("images_per_second"), workers=f.integer("workers"),
+                        shards_built=f.integer("shards_built") if f.has("shards_built") else None)
 
 
 # ----------------------------------------------------------------------------- files of a folder

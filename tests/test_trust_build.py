@@ -1147,3 +1147,47 @@ def test_a_report_written_over_is_refused_by_the_build_and_the_advice_works(smal
     (cache / "report.json").rename(tmp_path / "report.json")  # as the message says
     assert build(small, cache).shards_built == 0
     assert cli_main(["info", str(cache)]) == 0
+
+
+def test_a_rerun_that_only_updates_the_index_says_so(tmp_path, capsys):
+    """An empty class folder added last changes the class list only: no shard to build, the manifest rewritten.
+    The summary said "nothing to do" and `datapipe info` "0 img/s on 0 workers"; it says the index was updated,
+    and info that no shard was built. A rerun after it has nothing to do, and says so."""
+    source = datapipe.make_sample_dataset(tmp_path / "src", images=12, classes=3)
+    out = tmp_path / "cache"
+    argv = ["build", str(source), str(out), "--scheduler", "sync", "--quiet", "--size", "32"]
+    assert cli_main(argv) == 0
+    (source / "zzz").mkdir()
+    capsys.readouterr()
+    assert cli_main(argv) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "(0 built, 1 already done)" in line and "no shard to build, index updated" in line, line
+    assert datapipe.open(out).classes[-1] == "zzz"
+    assert cli_main(["info", str(out)]) == 0
+    assert "last build ok: 0 quarantined, no shard built (every file" in capsys.readouterr().out
+    assert cli_main(argv) == 0
+    assert "nothing to do" in capsys.readouterr().err
+
+
+def test_the_report_is_written_before_the_manifest(tmp_path, monkeypatch):
+    """The manifest is written last (docs/format.md): a build stopped between the two left a finished cache with
+    the report of the build before it ("last build failed" for a cache that built). When the report is written,
+    the manifest is not yet this build's."""
+    source = datapipe.make_sample_dataset(tmp_path / "src", images=12, classes=3)
+    out = tmp_path / "cache"
+    kwargs = dict(size=32, shard_size=4, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    datapipe.build(source, out, **kwargs)
+    first = (out / "manifest.json").read_bytes()
+    shutil.copy(next((source / "class_001").iterdir()), source / "class_001" / "zz_added.jpg")  # the last shard changes
+    seen = []
+    real = builder._write_report
+
+    def write_report(where, report):
+        seen.append((out / "manifest.json").read_bytes() if (out / "manifest.json").exists() else None)
+        real(where, report)
+
+    monkeypatch.setattr(builder, "_write_report", write_report)
+    report = datapipe.build(source, out, **kwargs)
+    final = (out / "manifest.json").read_bytes()
+    assert report.shards_built >= 1 and final != first
+    assert len(seen) == 1 and seen[0] in (None, first)  # the earlier build's manifest, or none (retired), never this one's

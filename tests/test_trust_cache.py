@@ -163,6 +163,17 @@ def test_other_version_and_format_are_named(cache_dir):
         datapipe.open(cache_dir)
 
 
+@pytest.mark.parametrize("version", ["1", True, None, 0, -1, 1.0, [1]])
+def test_a_version_that_is_no_format_version_is_damage_not_another_datapipe(cache_dir, version, capsys):
+    """A hand-edited version ("1", true, null, 0, -1) was said to be written by cache format version "1" and the
+    advice was to install a datapipe that matches; 1.0 was read as 1, where every other whole-number field
+    refuses a float. Each is damage to the manifest, said so, with the rebuild advice."""
+    edit_json(cache_dir / "manifest.json", _set(["version"], version))
+    with pytest.raises(CacheError, match=r"field 'version' is .*not a format version \(a whole number from 1\)") as exc:
+        datapipe.open(cache_dir)
+    assert "Install a datapipe" not in str(exc.value) and "\n" not in str(exc.value)
+
+
 def test_manifest_that_is_a_fifo_is_refused_without_waiting(cache_dir):
     (cache_dir / "manifest.json").unlink()
     os.mkfifo(cache_dir / "manifest.json")
