@@ -67,13 +67,17 @@ def _default_store() -> Any:
 
 def _scoped(key: str) -> str:
     """``key`` in this attempt's namespace of the store. torchrun's workers share its agent's store, which outlives
-    them: after a restart (``--max-restarts``, or a change of membership), the keys the failed attempt published
-    are still there, and the restarted ranks, resuming alike, were compared with them and refused. The restart
-    count and world size torchrun gives each attempt's workers name its keys apart."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
+    them: after a restart (``--max-restarts``), the keys the failed attempt published are still there, and the
+    restarted ranks, resuming alike, were compared with them and refused. On one node, one agent numbers the
+    attempts for every rank (``TORCHELASTIC_RESTART_COUNT``): its keys are named by it. Over several nodes each
+    agent counts its own restarts, so the count is no name all ranks share: the keys stay as they are, and a
+    restarted job needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a store for each attempt), as torch's own set-up
+    of the process group does (pytorch/pytorch#135712)."""
+    env = os.environ
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1"
+            or "TORCHELASTIC_RESTART_COUNT" not in env):
         return key
-    return f"attempt-{restart}-of-{os.environ.get('WORLD_SIZE', '?')}/{key}"
+    return f"attempt-{env['TORCHELASTIC_RESTART_COUNT']}/{key}"
 
 
 def first_published(key: str, mine: Mapping[str, Any]) -> dict | None:

@@ -408,8 +408,8 @@ import torch, torch.distributed as dist
 import datapipe
 
 cache, port, rank, attempt, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # as torchrun sets it for each attempt's workers
-os.environ["WORLD_SIZE"] = "2"
+# as torchrun sets them for the workers of each attempt of a job on one node, in its agent's store
+os.environ.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_USE_AGENT_STORE="True", GROUP_WORLD_SIZE="1")
 # the store of every attempt: a client of the one the test holds (torchrun's agent store outlives its workers)
 store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # no peer to connect to: the store is the point
@@ -435,7 +435,7 @@ with open(os.path.join(out, f"seen-{attempt}-{rank}.json"), "w") as f:
 
 @pytest.mark.timeout(300)
 def test_ranks_restarted_by_torchrun_are_not_compared_with_the_failed_attempt(index_cache, tmp_path):
-    """torchrun --max-restarts: the workers of every attempt share the agent's store, which outlives them. The
+    """torchrun --max-restarts on one node: the workers of every attempt share the agent's store, which outlives them. The
     failed attempt's ranks had published their settings and positions there; the restarted ranks, each loading
     the same checkpoint, were compared with those and refused (RankMismatchError on every rank, the job could not
     resume). Each attempt's keys are its own (torchrun's restart count): the resumed epoch reads the samples the
@@ -448,7 +448,8 @@ def test_ranks_restarted_by_torchrun_are_not_compared_with_the_failed_attempt(in
     script.write_text(RESTARTED_MAIN)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")}
+                                                            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                                                            "TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE")}
     seen = {}
     for attempt in (0, 1):
         ranks = [subprocess.Popen([sys.executable, str(script), str(index_cache.path), str(store.port), str(rank),
