@@ -943,6 +943,7 @@ class Cache:
         Raises:
             CorruptShardError: naming the index file, with what is wrong.
         """
+        self._ensure_record(shard)  # a shard of another cache is said to be that, before its index is found wrong
         try:
             return self._read_index(shard)
         except CorruptShardError:
@@ -1043,13 +1044,28 @@ class Cache:
                 seen = self._identities.setdefault(shard, _identity(st))
             if seen != _identity(st):
                 raise CorruptShardError(self._shard_changed(shard, "was replaced or altered"))
-            if shard not in self._records_checked and self.remote is None and self.node_cache_of is None:
-                self._check_record(shard)
-                self._records_checked.add(shard)
+            self._ensure_record(shard)
             return _Shard(fd, self._map(shard, fd))
         except BaseException:
             os.close(fd)
             raise
+
+    def _ensure_record(self, shard: int) -> None:
+        """:meth:`_check_record`, once per shard and process, for a cache in a folder (a node-local copy has no
+        zarr.json: its files are checked as they are downloaded)."""
+        if shard in self._records_checked or self.remote is not None or self.node_cache_of is not None:
+            return
+        self._check_record(shard)
+        self._records_checked.add(shard)
+
+    def _raise_if_changed(self, shard: int) -> None:
+        """CorruptShardError saying the cache changed since it was opened, when it did (a rebuild finished, or one
+        is writing it now): a shard found wrong then is no damage to repair."""
+        if self._rebuilt():
+            raise CorruptShardError(self._shard_changed(shard, "was rewritten by a rebuild"))
+        holder = lock_holder(self.root)
+        if holder is not None:
+            raise CorruptShardError(self._shard_changed(shard, f"is being rewritten by a datapipe build ({holder})"))
 
     def _check_record(self, shard: int) -> None:
         """The first time this cache opens a shard: its zarr.json is the record of this cache's shard (its build,
@@ -1060,18 +1076,17 @@ class Cache:
         shard_dir = self.root / SHARDS_DIR / rec.name
         try:
             meta = read_shard_metadata(shard_dir)
+        except UnreadableFileError:
+            raise
         except CacheError as exc:
+            self._raise_if_changed(shard)  # a rebuild moves the shard's folder away before it writes it again
             raise CorruptShardError(f"shard {rec.name}: {exc}") from None
         differ = [(key, meta.get(key), want) for key, want in
                   (("build_id", self.build_id or None), ("shard", shard), ("count", rec.count), ("crc32c", rec.crc32c))
                   if want is not None and meta.get(key) != want]
         if not differ:
             return
-        if self._rebuilt():
-            raise CorruptShardError(self._shard_changed(shard, "is another build's"))
-        holder = lock_holder(self.root)
-        if holder is not None:
-            raise CorruptShardError(self._shard_changed(shard, f"is being rewritten by a datapipe build ({holder})"))
+        self._raise_if_changed(shard)
         key, got, want = differ[0]
         # a shard of this build the build rewrites (--verify: its size is right); another build's it leaves alone
         fix = MOVE_AWAY if key == "build_id" else self._rewrite_hint

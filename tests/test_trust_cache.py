@@ -787,6 +787,56 @@ def test_a_shard_put_in_place_of_one_of_the_cache_is_refused_and_the_advice_repa
         assert np.array_equal(repaired[i][0], expected[i][0]) and repaired[i][1] == expected[i][1], i
 
 
+@pytest.mark.parametrize("fit", ["short", "crop"])
+def test_a_shard_of_another_cache_in_a_cache_with_sample_indexes_is_named_so(tmp_path, fit):
+    """A JPEG or --fit short cache reads a shard's sample index before its data: for a shard copied in from
+    another cache, the index's checksum error came first and advised --verify, which the build then refused (a
+    folder not its own). The record is checked before the index; following its advice repairs the cache."""
+    kwargs = dict(size=32, shard_size=SHARD, fit=fit, encoding="jpeg", cluster=datapipe.Cluster(scheduler="sync"),
+                  progress=False)
+    sources = [build_index_cache(tmp_path / name, 21, shard_size=SHARD, seed=seed).parent / "source"
+               for name, seed in (("a", 0), ("b", 1))]
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    datapipe.build(sources[0], mine, **kwargs)
+    datapipe.build(sources[1], other, **kwargs)
+    shutil.rmtree(mine / "shards" / "000001.zarr")
+    shutil.copytree(other / "shards" / "000001.zarr", mine / "shards" / "000001.zarr")
+    with pytest.raises(CorruptShardError, match=r"zarr.json says build_id .*move the shard's folder away"):
+        datapipe.open(mine)[SHARD]
+    shutil.move(mine / "shards" / "000001.zarr", tmp_path / "moved-away")
+    assert datapipe.build(sources[0], mine, **kwargs).shards_built == 1
+    assert datapipe.open(mine).verify() == []
+
+
+def test_a_shard_folder_moved_away_by_a_running_rebuild_is_a_change_not_damage(cache_dir, monkeypatch):
+    """A rebuild renames a shard's folder away before it writes it again. A reader that had just opened the shard's
+    data file found no zarr.json and advised moving the folder away, while a build was writing it; it says the
+    cache is being rewritten."""
+    import datapipe.cache as cache_module
+    from datapipe.output import BuildLock
+
+    cache = datapipe.open(cache_dir)
+    lock = BuildLock(cache_dir)
+    lock.acquire()  # a build of this output runs
+    real = cache_module.open_for_reading
+    folder = cache_dir / "shards" / "000001.zarr"
+
+    def open_then_moved(path, *args, **kwargs):
+        fd = real(path, *args, **kwargs)
+        if str(path).startswith(str(folder)) and folder.exists():
+            os.rename(folder, folder.with_name(".tmp-stale-000001.zarr-1"))  # the rebuild's step, at that moment
+        return fd
+
+    monkeypatch.setattr(cache_module, "open_for_reading", open_then_moved)
+    try:
+        with pytest.raises(CorruptShardError, match=r"is being rewritten by a datapipe build \(pid \d+.*the cache "
+                                                     r"changed since it was opened") as excinfo:
+            cache[SHARD]
+        assert "move the shard's folder away" not in str(excinfo.value)
+    finally:
+        lock.release()
+
+
 @pytest.mark.parametrize("damage", ["missing", "not JSON"])
 def test_the_advice_for_a_shard_without_its_record_repairs_it(cache_dir, built, damage, capsys):
     """A shard whose zarr.json is missing or damaged: verify said to rerun the build, which refused it as a folder
