@@ -202,7 +202,16 @@ def _ignore_signals_at_exit() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    plain_where_unencodable(sys.stdout, sys.stderr)  # before --help, which is typeset too
+    restore = plain_where_unencodable(sys.stdout, sys.stderr)  # before --help, which is typeset too
+    if argv is None:  # the command line's entry point: the process ends with the command
+        return _main(argv)
+    try:  # called from a program: its streams are given back as they were
+        return _main(argv)
+    finally:
+        restore()
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     import signal
     import threading

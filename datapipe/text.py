@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -81,21 +82,37 @@ _PLAIN = {"…": "...", "—": "-", "–": "-", "×": "x", "→": "->", "←": "
           "²": "^2", "³": "^3", "‘": "'", "’": "'", "“": '"', "”": '"', "·": ".", "°": " deg", "±": "+/-", "√": "sqrt"}
 
 
-def _plain(error: UnicodeError) -> tuple[str, int]:
-    """The ``datapipe-plain`` encoding error handler: our typographic characters as ASCII, anything else (a class
-    name in another script) as a backslash escape, never an error."""
+def _plain(error: UnicodeError) -> tuple[str | bytes, int]:
+    """The ``datapipe-plain`` encoding error handler: our typographic characters as ASCII, a byte the C locale's
+    decoding escaped (a lone surrogate, U+DC80..U+DCFF) as that byte, as ``surrogateescape`` writes it, anything
+    else (a class name in another script) as a backslash escape; never an error."""
     if not isinstance(error, UnicodeEncodeError):
         raise error
     text = error.object[error.start : error.end]
+    if any(0xDC80 <= ord(c) <= 0xDCFF for c in text):
+        return b"".join(bytes([ord(c) - 0xDC00]) if 0xDC80 <= ord(c) <= 0xDCFF else
+                        (_PLAIN.get(c) or c.encode("ascii", "backslashreplace").decode()).encode("ascii")
+                        for c in text), error.end
     return "".join(_PLAIN.get(c) or c.encode("ascii", "backslashreplace").decode() for c in text), error.end
 
 
-def plain_where_unencodable(*streams: Any) -> None:
+def plain_where_unencodable(*streams: Any) -> Callable[[], None]:
     """Let ``streams`` (standard output and error) write any text: a character their encoding lacks (a terminal
-    or pipe in a Latin-1 or ASCII locale, ``PYTHONIOENCODING``) is written as ASCII or escaped, where printing
-    it raised UnicodeEncodeError, after a bench had measured for minutes. A UTF-8 stream is unchanged."""
+    or pipe in a Latin-1, ASCII or C locale, ``PYTHONIOENCODING``) is written as ASCII or escaped, where printing
+    it raised UnicodeEncodeError, after a bench had measured for minutes. A UTF-8 stream is unchanged but for a
+    lone surrogate, written as ``surrogateescape`` would. Returns what puts the streams' error handlers back."""
     codecs.register_error("datapipe-plain", _plain)
+    changed = []
     for stream in streams:
-        if getattr(stream, "errors", None) in ("strict", "backslashreplace"):
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "backslashreplace", "surrogateescape"):
             with contextlib.suppress(Exception):  # a stream without reconfigure (replaced by a program) stays as it is
                 stream.reconfigure(errors="datapipe-plain")
+                changed.append((stream, errors))
+
+    def restore() -> None:
+        for stream, errors in changed:
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors=errors)
+
+    return restore

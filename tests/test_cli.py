@@ -293,7 +293,7 @@ def test_demo_names_the_batches_it_read():
     assert _shapes([(256, 3, 224, 224), (256, 3, 224, 224), (8, 3, 224, 224)]) == "[256|8, 3, 224, 224]"
 
 
-@pytest.mark.parametrize("encoding", ["latin-1", "ascii"])
+@pytest.mark.parametrize("encoding", ["latin-1", "ascii", "C locale"])
 def test_commands_print_on_an_output_that_is_not_utf8(tmp_path, encoding):
     """In a Latin-1 or ASCII locale (or PYTHONIOENCODING), `datapipe info` of a cache with more than 8 classes or
     a class named in another script, and `datapipe bench` (its table's dashes), died with a UnicodeEncodeError
@@ -302,7 +302,11 @@ def test_commands_print_on_an_output_that_is_not_utf8(tmp_path, encoding):
     source = datapipe.make_sample_dataset(tmp_path / "src", images=30, classes=10)
     (source / "class_009").rename(source / "日本")
     datapipe.build(source, tmp_path / "cache", size=32, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
-    env = {**os.environ, "PYTHONIOENCODING": encoding}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8", "LANG", "LC_ALL")}
+    if encoding == "C locale":  # ASCII, whose errors are escaped as surrogates ("surrogateescape")
+        env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0")
+    else:
+        env["PYTHONIOENCODING"] = encoding
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "datapipe.cli", *args], capture_output=True, timeout=600, env=env)
@@ -319,4 +323,23 @@ def test_commands_print_on_an_output_that_is_not_utf8(tmp_path, encoding):
         shown = run(*args)
         assert shown.returncode == 0 and b"Traceback" not in shown.stderr, shown.stderr.decode(errors="replace")
     missing = run("info", str(tmp_path / "日本"))  # a message naming a path the output cannot encode
-    assert missing.returncode == 2 and b"Traceback" not in missing.stderr and b"\\u65e5\\u672c" in missing.stderr
+    # the path as given: its bytes (the C locale read the argument's bytes as escapes), or escaped characters
+    name = "日本".encode() if encoding == "C locale" else b"\\u65e5\\u672c"
+    assert missing.returncode == 2 and b"Traceback" not in missing.stderr and name in missing.stderr
+
+
+def test_main_gives_a_programs_own_stream_back_as_it_was(tmp_path, monkeypatch):
+    """cli.main() called from a program left its error handler on the program's stdout: the program's own later
+    writes of characters the stream lacks were rewritten instead of raising as the program had asked."""
+    import io
+
+    from datapipe.testing import build_index_cache
+
+    cache = build_index_cache(tmp_path, 7)
+    mine = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", mine)
+    assert cli.main(["info", str(cache)]) == 0
+    assert mine.errors == "strict"
+    with pytest.raises(UnicodeEncodeError):
+        mine.write("café")
+        mine.flush()
