@@ -730,8 +730,9 @@ def _centre(n: int, s: int) -> int:
 
 class EvalAugment(BatchAugment):
     """Center crop to ``size``, normalised. A sample smaller than ``size`` on a side is cropped to its centred
-    square (its shorter side) and that square resized to ``size``, as torchvision's ``Resize(size)`` then
-    ``CenterCrop(size)`` would, never stretched to a square.
+    square (its shorter side) and that square resized to ``size``, never stretched to a square: torchvision's
+    ``Resize(size)`` then ``CenterCrop(size)`` but for where the window starts (on a whole stored pixel here,
+    up to half a pixel from it there; docs/loader.md gives the difference).
 
     The same values on both paths: a crop is copied, a resize is the antialiased bilinear one.
     """

@@ -90,11 +90,11 @@ def cache_identity(cache: Cache) -> tuple[str, str]:
 
 
 def cache_contents(cache: Cache) -> str:
-    """A digest of what a cache holds: its classes, its labels and sample index (their checksums) and each shard's
-    name, sample count and checksum. A cache rebuilt in place keeps its build id (the build id says which
-    output a shard belongs to) but holds other samples or labels when its inputs changed: this digest changes
-    with them. Byte-identical rebuilds keep it; the source paths (paths.json) are left out, so that a source
-    moved and built again into the same samples is the same cache."""
+    """A digest of what a cache holds: its classes, the checksum of its labels file and each shard's name, sample
+    count and checksum (of its data file, which changes with the shard's sample index). A cache rebuilt in place
+    keeps its build id (the build id says which output a shard belongs to) but holds other samples or labels
+    when its inputs changed: this digest changes with them. Byte-identical rebuilds keep it; the source paths
+    (paths.json) are left out, so that a source moved and built again into the same samples is the same cache."""
     m = cache.manifest
     blob = json.dumps([list(m.classes), {k: f.crc32c for k, f in sorted(m.files.items()) if k != "paths"},
                        [[s.name, s.count, s.crc32c] for s in m.shards]])
