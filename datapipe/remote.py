@@ -1529,11 +1529,13 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
             elif not key.endswith("/"):
                 ignored.append(f"{key} (an empty folder name in its key)")
             continue
+        if (len(parts) > 1 or key.endswith("/")) and not parts[0].startswith("."):
+            # a class, also with no image in it, or only hidden files (.DS_Store), as a local folder is: dropping it
+            # would renumber every class after it
+            folders.add(parts[0])
         if any(p.startswith(".") for p in parts):
             ignored.append(f"{key} (hidden)")
             continue
-        if len(parts) > 1 or key.endswith("/"):
-            folders.add(parts[0])  # a class, also with no image in it (as a local folder)
         if key.endswith("/"):
             continue
         image = os.path.splitext(key)[1].lower() in IMAGE_EXTENSIONS

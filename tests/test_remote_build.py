@@ -491,6 +491,29 @@ def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_sp
         "cat", "dog"]
 
 
+def test_a_class_folder_holding_only_hidden_files_is_a_class_in_a_store_as_on_disk(s3, imaging, tmp_path):
+    """A class folder holding only hidden files (bee/.DS_Store), and __MACOSX/<class>/._x.jpg (what unzipping a
+    macOS archive leaves): the local scan keeps each top-level folder as a class (empty, named in the summary),
+    as ImageFolder does; the scan of s3:// dropped them, so every later class was renumbered between two builds
+    of the same files."""
+    url = s3.bucket()
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://")
+    jpeg = imaging.jpeg(imaging.gradient(40, 52))
+    files = {"ant/a.jpg": jpeg, "cat/c.jpg": jpeg, "bee/.DS_Store": b"\0" * 10, "__MACOSX/ant/._a.jpg": b"\0" * 64,
+             ".git/config": b"x"}
+    for name, data in files.items():
+        fs.pipe_file(f"{key}/src/{name}", data)
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / name).write_bytes(data)
+    local = build(tmp_path / "src", tmp_path / "local")
+    stored = build(f"{url}/src", tmp_path / "stored", storage_options=s3.storage_options)
+    want = ["__MACOSX", "ant", "bee", "cat"]  # ImageFolder's classes: every top-level folder but hidden ones
+    assert datapipe.open(tmp_path / "local").classes == datapipe.open(tmp_path / "stored").classes == want
+    assert local.empty_classes == stored.empty_classes == ["__MACOSX", "bee"]
+    assert datapipe.open(tmp_path / "local").labels.tolist() == datapipe.open(tmp_path / "stored").labels.tolist() == [1, 3]
+
+
 def test_keys_and_prefixes_with_a_double_colon_and_an_upper_case_scheme(s3, imaging, tmp_path):
     """fsspec reads "::" in a URL as a chain of filesystems: an image under such a key was quarantined as a
     decoder-error (AioSession got target_options), an output or cache there was a 44-line traceback; S3:// was
