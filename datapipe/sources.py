@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .errors import SourceError, refused
 from .files import FileTooLarge, NotRegularFile, describe_mode, read_regular
-from .text import printable
+from .text import printable, show
 
 log = logging.getLogger("datapipe.build")
 
@@ -483,13 +483,20 @@ def _is_number(name: str) -> bool:
     return name.isascii() and name.isdigit()
 
 
+def _numeric(name: str) -> tuple[int, str]:
+    """The sort key of a whole number in ASCII digits, in numeric order without converting it (``int()`` refuses
+    more than 4,300 digits): fewer significant digits first, then the digits."""
+    digits = name.lstrip("0")
+    return len(digits), digits
+
+
 def note_string_order(classes: list[str]) -> None:
     """Log the class folders' numbering when their names are numbers out of numeric order: the folders take
     ImageFolder's string order, a CSV of the same names their numeric order, so two caches of one dataset
     built from the two kinds of source would disagree on labels but for --classes-from."""
     numbers = [c for c in classes if _is_number(c)]
-    if numbers and numbers != sorted(numbers, key=int):
-        first = next(a for a, b in zip(numbers, sorted(numbers, key=int), strict=True) if a != b)
+    if numbers and numbers != sorted(numbers, key=_numeric):
+        first = next(a for a, b in zip(numbers, sorted(numbers, key=_numeric), strict=True) if a != b)
         log.info("datapipe build: class folders are numbered in torchvision ImageFolder's (string) order, so %r "
                  "is label %d; a CSV source numbers numeric labels in numeric order (a cache built from one "
                  "shares its labels with a cache from the other through --classes-from)", first, classes.index(first))
@@ -499,8 +506,13 @@ def csv_labels(seen: dict[str, str], named: Iterable[str] = ()) -> tuple[list[st
     """The classes (numbers in numeric order, then names), the sorted paths and their label indices of a
     CSV's path -> label rows; the classes are every label in ``seen`` or ``named`` (the labels of rows that
     were dropped name classes too: a file missing from a class never renumbers the classes after it)."""
-    names = sorted(set(seen.values()) | set(named), key=lambda s: (0, int(s), s) if _is_number(s) else (1, 0, s))
+    names = sorted(set(seen.values()) | set(named), key=lambda s: (0, *_numeric(s), s) if _is_number(s) else (1, 0, "", s))
     index = {name: i for i, name in enumerate(names)}
+    renumbered = next((name for name in names if _is_number(name) and _numeric(name) != _numeric(str(index[name]))), None)
+    if renumbered is not None:  # 1..N, or numbers with gaps: the cache's label is a class index, not the CSV's number
+        log.info("datapipe build: the CSV's numeric labels are numbered in numeric order from 0, so label %s is "
+                 "class %d (the cache holds class indices; cache.classes gives each one's label as written)",
+                 show(renumbered), index[renumbered])
     records = sorted((rel, index[label]) for rel, label in seen.items())
     return names, [p for p, _ in records], [lab for _, lab in records]
 

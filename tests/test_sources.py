@@ -100,6 +100,27 @@ def test_numeric_class_folders_are_numbered_as_imagefolder_does_and_the_log_says
     assert {shared.path(i).split("/")[-2]: shared[i][1] for i in range(3)} == {"1": 0, "10": 1, "2": 2}
 
 
+def test_csv_numeric_labels_of_any_length_are_numbered_and_the_log_says_when_they_are_renumbered(tmp_path, imaging,
+                                                                                                 caplog):
+    """A numeric label of more than 4,300 digits ended the build with a traceback (int() refuses it); labels 1..N
+    (or with gaps) become classes 0..N-1 without a word, so the cache's label differed from the CSV's number.
+    Any length sorts in numeric order, and the log says when a number is not its class index."""
+    root = tmp_path / "data"
+    files = sorted(imaging.write_source(root, {"a": 3}, variety=False))
+    huge = "9" * 5000
+    (root / "list.csv").write_text("".join(f"{p},{label}\n" for p, label in zip(files, [huge, "1", "0"], strict=True)))
+    with caplog.at_level("INFO", logger="datapipe.build"):
+        build(root / "list.csv", tmp_path / "out")
+    cache = datapipe.open(tmp_path / "out")
+    assert cache.classes == ["0", "1", huge] and [cache[i][1] for i in range(3)] == [2, 1, 0]
+    assert "numbered in numeric order from 0, so label '999" in caplog.text and "is class 2" in caplog.text
+    caplog.clear()
+    (root / "list.csv").write_text("".join(f"{p},{label}\n" for p, label in zip(files, ["2", "1", "0"], strict=True)))
+    with caplog.at_level("INFO", logger="datapipe.build"):
+        build(root / "list.csv", tmp_path / "identity")
+    assert "numeric order from 0" not in caplog.text  # 0..N-1: each number is its class index
+
+
 def test_csv_labels_that_look_like_digits_but_are_no_ascii_numbers_are_names(tmp_path, imaging):
     """'²' or '①' pass str.isdigit() but are no numbers for int(): names, sorted after the numbers (they crashed
     the build with a traceback)."""
