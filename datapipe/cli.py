@@ -321,6 +321,11 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+# First lines of a class list that are more likely a column's name than a class (a header written by pandas).
+_HEADER_WORDS = frozenset({"class", "classes", "class_name", "classname", "label", "labels", "name", "names",
+                           "category", "categories"})
+
+
 def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
     """The class list of ``--classes-from``: a cache's (its manifest's, local or in a store) or a text file's."""
     from pathlib import Path
@@ -350,17 +355,34 @@ def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
     else:
         path = Path(where).expanduser()
         if path.is_dir():
+            from .errors import CacheError
             from .manifest import read_manifest
 
-            return read_manifest(path).classes
+            try:
+                return read_manifest(path).classes
+            except CacheError as exc:  # a source folder, or a cache not finished: the class list is a cache's
+                raise ArgumentError(f"--classes-from {where}: {exc} (--classes-from takes the training cache, the "
+                                    "output of its finished datapipe build, or a text file of class names, one per "
+                                    "line)") from None
         try:
             text = path.read_text(encoding="utf-8-sig")
         except (OSError, UnicodeDecodeError) as exc:
             raise ArgumentError(f"--classes-from {where}: cannot be read as a cache folder or a UTF-8 text file of "
                                 f"class names ({getattr(exc, 'strerror', None) or exc})") from None
-    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if text.lstrip().startswith(("{", "[")):
+        raise ArgumentError(f"--classes-from {where}: a JSON document, not a class list; pass the cache folder (for "
+                            "its manifest), or a text file of class names, one per line")
+    # one name a line; a line beginning with # is a comment, as in a CSV source (a name kept from it would be
+    # class 0 and every label one too high)
+    names = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     if not names:
         raise ArgumentError(f"--classes-from {where}: holds no class name; write one per line")
+    if names[0].lower() in _HEADER_WORDS:
+        import logging
+
+        logging.getLogger("datapipe.build").warning(
+            f"datapipe build: the first class of --classes-from {where} is {names[0]!r}, which looks like a header; "
+            "a class list has none: if it is one, remove it (every label would be one too high)")
     seen: set[str] = set()
     for number, name in enumerate(names, start=1):
         if name in seen:
@@ -418,7 +440,10 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
         mean = float(nbytes.mean()) if len(nbytes) else 0.0
         print(f"stored     {mean:,.0f} bytes/sample mean ({mean / max(raw_bytes, 1.0):.0%} of the raw pixels)")
     print(f"classes    {len(m.classes)}: {', '.join(map(printable, m.classes[:8]))}{' …' if len(m.classes) > 8 else ''}")
-    print(f"config     {json.dumps(m.config)}")
+    shown_config = dict(m.config)
+    if isinstance(shown_config.get("classes"), list):  # a class list given to the build: the classes line shows it
+        shown_config["classes"] = f"<{plural(len(shown_config['classes']), 'name')}>"
+    print(f"config     {json.dumps(shown_config, ensure_ascii=False)}")
     print(f"source     {printable(str(m.source.root))} ({m.source.kind})")
     print(f"{where:<10} {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:

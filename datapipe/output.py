@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import records
 from .errors import (
@@ -45,7 +46,7 @@ from .errors import (
 )
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
 from .shards import GROUP_META, SHARDS_DIR, remove_shard, shard_attributes
-from .text import plural
+from .text import plural, show
 
 LOCK_FILE = ".datapipe.lock"
 
@@ -421,8 +422,19 @@ def _describe(source: dict) -> str:
 
 
 def _diff(old: dict, new: dict) -> str:
-    parts = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    parts = [_change(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     return ", ".join(parts) or "unknown configuration"
+
+
+def _change(key: str, old: Any, new: Any) -> str:
+    """One setting's change, on one short line: two long lists (a class list of 1,000 names made a line of 26,000
+    characters) are told by their lengths and their first difference."""
+    text = f"{key}: {old!r} -> {new!r}"
+    if len(text) <= 160 or not (isinstance(old, list) and isinstance(new, list)):
+        return text if len(text) <= 160 else f"{key}: {show(old, 70)} -> {show(new, 70)}"
+    at = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), min(len(old), len(new)))
+    first = (f"{show(old[at], 40) if at < len(old) else 'nothing'} -> {show(new[at], 40) if at < len(new) else 'nothing'}")
+    return f"{key}: a list of {len(old):,} -> {len(new):,} (the first difference at [{at:,}]: {first})"
 
 
 def _doc_build_id(path: Path) -> str | None:

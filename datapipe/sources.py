@@ -31,6 +31,7 @@ import logging
 import os
 import posixpath
 import stat
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -528,9 +529,13 @@ def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:
     missing = [name for name in listing.classes if name not in index]
     if missing:
         names = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        given = {unicodedata.normalize("NFC", name): name for name in classes}
+        twins = [(m, given[unicodedata.normalize("NFC", m)]) for m in missing if unicodedata.normalize("NFC", m) in given]
+        alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in its Unicode form (NFD and "
+                 "NFC write the same letters with other code points): rename the folders alike" if twins else "")
         raise SourceError(f"{shown(listing.url or str(listing.source or listing.root))}: "
                           f"{len(missing)} of its {len(listing.classes)} classes are not among the {len(classes)} "
-                          f"given ({names}); give a class list that holds every class of the source (for a "
+                          f"given ({names}){alike}; give a class list that holds every class of the source (for a "
                           "validation set: the training cache's, with --classes-from TRAIN_CACHE)")
     remap = [index[name] for name in listing.classes]
     labels = [remap[label] if label >= 0 else label for label in listing.labels]

@@ -448,3 +448,39 @@ def test_classes_from_a_cache_or_a_text_file_on_the_command_line(tmp_path, imagi
                                                   "once (again as name 4)")):
         done = run(str(root / "val.csv"), str(tmp_path / "bad"), "--classes-from", str(bad))
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_class_list_file_with_a_comment_a_header_or_of_another_kind(tmp_path, imaging):
+    """--classes-from a class list whose first line was a comment ('# classes') or a header ('class', a pandas
+    export) took it for class 0: every label one too high, "ok". A comment line is skipped (as in a CSV source);
+    a header word is warned of; a JSON file, a source folder and a shifted Unicode form are named for what they
+    are; a changed class list of 1,000 names is told in one short line."""
+    root = tmp_path / "data"
+    imaging.write_source(root / "val", {"bee": 1, "cat": 1}, variety=False)
+    run = lambda *args: subprocess.run([sys.executable, "-m", "datapipe.cli", "build", *map(str, args), "--size", "16",  # noqa: E731
+                                        "--scheduler", "sync", "--quiet"], capture_output=True, text=True, timeout=120)
+    (tmp_path / "commented.txt").write_text("# class names, one per line\nant\nbee\ncat\n")
+    done = run(root / "val", tmp_path / "commented", "--classes-from", tmp_path / "commented.txt")
+    assert done.returncode == 0, done.stderr
+    val = datapipe.open(tmp_path / "commented")
+    assert val.classes == ["ant", "bee", "cat"] and sorted(int(val[i][1]) for i in range(2)) == [1, 2]
+    (tmp_path / "header.txt").write_text("class\nant\nbee\ncat\n")
+    done = run(root / "val", tmp_path / "header", "--classes-from", tmp_path / "header.txt")
+    assert done.returncode == 0 and "the first class of --classes-from" in done.stderr and "looks like a header" in done.stderr
+    (tmp_path / "manifest.json").write_text('{"classes": ["ant"]}')
+    imaging.write_source(root / "train", {"ant": 1}, variety=False)
+    for given, words in ((tmp_path / "manifest.json", "a JSON document, not a class list"),
+                         (root / "train", "no manifest.json) (--classes-from takes the training cache")):
+        done = run(root / "val", tmp_path / "bad", "--classes-from", given)
+        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
+    imaging.write_source(root / "nfd", {"cafe\u0301": 1}, variety=False)
+    (tmp_path / "nfc.txt").write_text("caf\u00e9\n")
+    done = run(root / "nfd", tmp_path / "bad", "--classes-from", tmp_path / "nfc.txt")
+    assert done.returncode == 2 and "only in its Unicode form" in done.stderr and "'cafe\\u0301'" in done.stderr
+    (tmp_path / "c1.txt").write_text("".join(f"n{i:08d}\n" for i in range(1000)) + "bee\ncat\n")
+    (tmp_path / "c2.txt").write_text("".join(f"n{i:08d}\n" for i in range(1001)) + "bee\ncat\n")
+    assert run(root / "val", tmp_path / "big", "--classes-from", tmp_path / "c1.txt").returncode == 0
+    done = run(root / "val", tmp_path / "big", "--classes-from", tmp_path / "c2.txt")
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "classes: a list of 1,002 -> 1,003 (the first difference at [1,000]" in line
+    assert len(line) < 400, len(line)
