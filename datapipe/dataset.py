@@ -403,6 +403,12 @@ class StreamingDataset(IterableDataset):
         return part.epoch_order(len(self.cache), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
 
     @property
+    def classes(self) -> list[str]:
+        """The cache's class names: label ``i`` is ``classes[i]`` (torchvision ImageFolder's ``classes``), to check
+        a validation set's labels against its training set's, or to name a prediction."""
+        return self.cache.classes
+
+    @property
     def sample_shape(self) -> tuple[int, int, int]:
         return self.cache.shape
 

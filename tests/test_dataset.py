@@ -513,3 +513,14 @@ def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monk
         next(iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))
     assert next(iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2,
                                 multiprocessing_context="fork")))[0].shape[0] == B  # small batches fit
+
+
+def test_the_dataset_and_its_loader_give_the_class_names_of_its_labels(index_cache):
+    """A user checks a validation set's classes against its training set's, or names a prediction, from the
+    dataset they train on: label i is classes[i], as the cache's manifest lists them."""
+    ds = datapipe.StreamingDataset(index_cache.path, batch_size=8, shuffle=False, return_index=True)
+    loader = datapipe.DeviceLoader(ds, device="cpu", output="uint8")
+    cache = datapipe.open(index_cache.path)
+    assert ds.classes == loader.dataset.classes == list(cache.manifest.classes) and len(ds.classes) == 3
+    _, labels, index = next(iter(loader))
+    assert [ds.classes[k] for k in labels.tolist()] == [cache.path(i).split("/")[0] for i in index.tolist()]
