@@ -414,6 +414,31 @@ def test_a_pass_of_more_batches_than_an_epoch_runs_over_epochs():
     assert timed_pass([], 5).images == 0  # a loader without batches ends the pass
 
 
+def test_a_pass_reads_as_many_images_for_a_loader_whose_workers_end_with_partial_batches(tiny, tmp_path):
+    """webdataset's workers each batch their own shards, so each ends an epoch with a partial batch: 300 samples
+    at batch 64 came in 6 batches, and a pass of ceil(300 / 64) = 5 read 280 of them while the other systems read
+    300. A pass takes batches until it has the images every system reads."""
+    import torch
+
+    from datapipe.bench import harness, peers
+    from datapipe.bench.timing import timed_pass
+
+    worker_ends = [(torch.zeros(n, 1), torch.zeros(n)) for n in (4, 4, 2, 1)]  # two workers' last batches partial
+    assert timed_pass(worker_ends, 3, images=11).images == 11 and timed_pass(worker_ends, 3).images == 10
+    cache = datapipe.open(tiny / "cache")
+    listing = peers.cache_samples(cache, tiny / "src")
+    wds = peers.get_peer("webdataset")
+    assert wds.unavailable() is None  # the bench extra installs it
+    wds.prepare(listing, tmp_path)
+    loader = wds.loader(listing, tmp_path, batch_size=8, workers=2)
+    try:
+        batches = harness.BenchSpec(batch_size=8).batches_per_pass(len(cache))
+        assert sum(1 for _ in loader) > batches  # the partial batches: the case itself
+        assert timed_pass(loader, batches, images=len(cache)).images == len(cache)
+    finally:
+        harness.close_loader(loader)
+
+
 def test_the_bench_runs_the_batches_it_reports(tiny):
     result = bench.run(tiny / "cache", BenchSpec(batch_size=8, workers=1, repeats=1, batches=7, crop=48), progress=False)
     assert result.config["batches_per_pass"] == 7  # 24 samples: 3 batches an epoch

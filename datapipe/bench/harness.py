@@ -19,7 +19,7 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -479,7 +479,7 @@ def _prepare_systems(caches: dict[str, Cache], spec: BenchSpec, device: torch.de
         systems[name] = _datapipe_measurement(name, cache)
         loaders[name] = _datapipe_loader(cache, spec, device)
     for name in peers.names:
-        systems[name], loader = _prepare_peer(name, spec, peers)
+        systems[name], loader = _prepare_peer(name, spec, peers, device)
         if loader is not None:
             loaders[name] = loader
     return systems
@@ -539,8 +539,24 @@ def _peer_bytes(peer: Any, peers: _Peers) -> float | None:
     return sum(f.stat().st_size for f in files) / n
 
 
-def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measurement, Any]:
-    """One peer's measurement record and loader (None where it is skipped or failed)."""
+class _OnDevice:
+    """A peer's loader whose batches are copied to ``device``, from memory its DataLoader pinned, without
+    waiting, as a training loop copies each batch: datapipe's batches arrive there, so the peers' go too."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels in self.loader:
+            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        close_loader(self.loader)
+
+
+def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers, device: torch.device) -> tuple[Measurement, Any]:
+    """One peer's measurement record and loader (None where it is skipped or failed); on a GPU its batches are
+    pinned by its DataLoader and copied to the device."""
     from . import peers as peer_mod
 
     peer = peer_mod.get_peer(name)
@@ -556,7 +572,11 @@ def _prepare_peer(name: str, spec: BenchSpec, peers: _Peers) -> tuple[Measuremen
         assert peers.listing is not None  # there are peers, so the cache's samples were listed
         log.info(f"datapipe bench: preparing {name} …")
         m.prepare_s = peer.prepare(peers.listing, peers.work)
-        loader = peer.loader(peers.listing, peers.work, batch_size=spec.batch_size, workers=spec.workers)
+        on_gpu = device.type == "cuda"
+        loader = peer.loader(peers.listing, peers.work, batch_size=spec.batch_size, workers=spec.workers,
+                             pin_memory=on_gpu)
+        if on_gpu:
+            loader = _OnDevice(loader, device)
         m.samples = len(peers.listing)
         m.bytes_per_sample = _peer_bytes(peer, peers)
         return m, loader
@@ -623,7 +643,10 @@ def run(cache: str | Path, spec: BenchSpec | None = None, *, source: str | os.Pa
     loaders: dict[str, Any] = {}
     try:
         systems = _prepare_systems(caches, spec, dev, peers, loaders)
-        cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches, sync=_sync(dev), progress=progress)
+        # a pass is as many images for every system: a peer whose workers each end an epoch with a partial batch
+        # (webdataset) needs more batches for them
+        cpu = _measure_rounds(systems, loaders, repeats=spec.repeats, batches=batches,
+                              images=min(batches * spec.batch_size, len(opened)), sync=_sync(dev), progress=progress)
         _summarise(systems, cpu)
         attribution = _attribution(opened, timers, spec, dev, batches=batches)
         if spec.step_ms > 0:
@@ -654,7 +677,7 @@ def _sync(device: torch.device) -> Callable[[], None] | None:
 
 
 def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *, repeats: int, batches: int,
-                    sync: Callable[[], None] | None, progress: bool) -> dict[str, list[float]]:
+                    images: int, sync: Callable[[], None] | None, progress: bool) -> dict[str, list[float]]:
     """A warm-up round, then ``repeats`` rounds that each time every loader once, in turn.
 
     Each system's images/s go into its :class:`Measurement`; a system whose pass fails is marked
@@ -672,7 +695,7 @@ def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *,
         # a one-off cost that belongs in the warm-up, not in datapipe's first timed round.
         for name in (runnable[::-1] if rnd == 0 else list(runnable)):
             try:
-                n_img, wall, cpu_s = timed_pass(loaders[name], batches, sync=sync)
+                n_img, wall, cpu_s = timed_pass(loaders[name], batches, images=images, sync=sync)
             except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
                 _failed(systems[name], exc)
                 runnable.remove(name)

@@ -263,17 +263,35 @@ class ImageFolderTransform:
         )
 
     def crop_params(self, width: int, height: int, generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
-        """The crop ``(top, left, height, width)`` of a ``width`` x ``height`` image: one sample of
-        :func:`datapipe.augment.sample_resized_crops`, the loader's own sampler, with this
-        transform's ``scale`` and ``ratio``, from ``generator`` (default: torch's global one)."""
+        """The crop ``(top, left, height, width)`` of a ``width`` x ``height`` image, drawn as torchvision's
+        ``RandomResizedCrop.get_params`` draws it for each image (ten tries, then the centre crop of the clamped
+        ratio), with this transform's ``scale`` and ``ratio``, from ``generator`` (default: torch's global one):
+        the per-image sampler an ImageFolder pipeline runs (datapipe draws a batch's crops in one call)."""
+        import math
+
         import torch
 
-        from ..augment import sample_resized_crops
-
-        gen = torch.default_generator if generator is None else generator
-        with torch.inference_mode():  # no autograd bookkeeping: a fifth less time per crop, the same numbers
-            top, left, h, w = sample_resized_crops(1, height, width, scale=self.scale, ratio=self.ratio, generator=gen)[0].tolist()
-        return top, left, h, w
+        area = height * width
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1], generator=generator).item()
+            aspect_ratio = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator).item())
+            w = int(round(math.sqrt(target_area * aspect_ratio)))
+            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            if 0 < w <= width and 0 < h <= height:
+                i = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+                j = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+                return i, j, h, w
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w = width
+            h = int(round(w / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h = height
+            w = int(round(h * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
 
     @staticmethod
     def load(src: str | os.PathLike | bytes | bytearray | memoryview | PILImage.Image) -> PILImage.Image:
@@ -316,11 +334,12 @@ class ImageFolderTransform:
 
 
 def collate_pairs(samples: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack ``(image, label)`` pairs into ``(float32 [B,3,H,W], int64 [B])``."""
-    import torch
+    """Stack ``(image, label)`` pairs into ``(float32 [B,3,H,W], int64 [B])`` with torch's ``default_collate``,
+    which users of a DataLoader get by default: in a worker process it stacks straight into shared memory (a
+    stack of its own costs one more copy of every batch, about 0.12 ms an image)."""
+    from torch.utils.data import default_collate
 
-    images = torch.stack([s[0] for s in samples])
-    labels = torch.tensor([int(s[1]) for s in samples], dtype=torch.int64)
+    images, labels = default_collate([(image, int(label)) for image, label in samples])
     return images, labels
 
 
@@ -555,7 +574,8 @@ class Peer:
         return out
 
     def loader(
-        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0,
+        pin_memory: bool = False,
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         """An iterable of ``(images, labels)`` batches over ``source``'s samples (as prepared);
         each iteration is one epoch."""
@@ -594,7 +614,8 @@ class DataLoaderPeer(Peer):
         return 0.0
 
     def loader(
-        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0,
+        pin_memory: bool = False,
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
@@ -610,6 +631,7 @@ class DataLoaderPeer(Peer):
             drop_last=False,
             collate_fn=collate_pairs,
             generator=torch.Generator().manual_seed(seed),
+            pin_memory=pin_memory,
         )
 
 
@@ -647,7 +669,8 @@ class WebDatasetPeer(Peer):
         return urls
 
     def loader(
-        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0,
+        pin_memory: bool = False,
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
@@ -672,7 +695,8 @@ class WebDatasetPeer(Peer):
             .map(_DecodeRecord(ImageFolderTransform()))
             .batched(batch_size, collation_fn=collate_pairs, partial=True)
         )
-        return wds.WebLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=workers > 0,
+                             pin_memory=pin_memory)
 
 
 class LitDataPeer(Peer):
@@ -714,7 +738,8 @@ class LitDataPeer(Peer):
         _check_index(out, "chunks", "chunk_size", len(samples))
 
     def loader(
-        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0,
+        pin_memory: bool = False,
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
@@ -728,6 +753,7 @@ class LitDataPeer(Peer):
             num_workers=workers,
             persistent_workers=workers > 0,
             collate_fn=_DecodeCollate(ImageFolderTransform()),
+            pin_memory=pin_memory,
         )
 
 
@@ -750,7 +776,8 @@ class StreamingPeer(Peer):
         _check_index(out, "shards", "samples", len(samples))
 
     def loader(
-        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0
+        self, source: Path | SampleList, workdir: Path, *, batch_size: int, workers: int, seed: int = 0,
+        pin_memory: bool = False,
     ) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         _check_loader_args(batch_size, workers)
         self._require()
@@ -776,6 +803,7 @@ class StreamingPeer(Peer):
             persistent_workers=workers > 0,
             drop_last=False,
             collate_fn=_DecodeCollate(ImageFolderTransform()),
+            pin_memory=pin_memory,
         )
 
 

@@ -23,10 +23,11 @@ class Pass(NamedTuple):
     cpu_seconds: float  # this process, its workers and its reaped children
 
 
-def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = None, *, step_s: float = 0.0,
-               sync: Callable[[], object] | None = None) -> Pass:
-    """Iterate ``loader`` for ``batches`` batches, over as many epochs as that takes (each iteration of
-    the loader is one epoch), or, where ``batches`` is None, to its end: one epoch.
+def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = None, *, images: int | None = None,
+               step_s: float = 0.0, sync: Callable[[], object] | None = None) -> Pass:
+    """Iterate ``loader`` for ``batches`` batches and, with ``images``, until that many images came (a loader
+    whose workers each end an epoch with a partial batch needs more batches for them), over as many epochs as
+    that takes (each iteration of the loader is one epoch), or, where ``batches`` is None, to its end: one epoch.
 
     ``step_s`` sleeps after each batch, as a model step would; ``sync`` (e.g.
     ``torch.cuda.synchronize``) is called before the clock stops so queued device work counts. A
@@ -34,7 +35,11 @@ def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = N
     epoch before each pass, as a training loop does with ``set_epoch``.
     """
     dataset = _streaming_dataset(loader)
-    images, done, empty = 0, 0, 0
+    seen, done, empty = 0, 0, 0
+
+    def enough() -> bool:
+        return batches is not None and done >= batches and (images is None or seen >= images)
+
     cpu0 = cpu_seconds()
     t0 = time.perf_counter()
     while empty < 2:  # two empty epochs in a row: the loader yields nothing (more)
@@ -42,19 +47,19 @@ def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = N
         if dataset is not None:
             dataset.set_epoch((dataset.epoch + 1) % (1 << 32))
         for batch in loader:
-            images += int(batch[0].shape[0])
+            seen += int(batch[0].shape[0])
             done += 1
             if step_s:
                 time.sleep(step_s)
-            if batches is not None and done >= batches:
+            if enough():
                 break
-        if batches is None or done >= batches:
+        if batches is None or enough():
             break
         empty = empty + 1 if done == before else 0
     if sync:
         sync()
     seconds = time.perf_counter() - t0
-    return Pass(images, seconds, cpu_seconds() - cpu0)
+    return Pass(seen, seconds, cpu_seconds() - cpu0)
 
 
 def _streaming_dataset(loader: object) -> StreamingDataset | None:
