@@ -23,12 +23,13 @@ _LAZY = {
     "bench": ("datapipe.bench", None),
     "make_sample_dataset": ("datapipe.bench.sample", "make_sample_dataset"),
     "DatapipeError": ("datapipe.errors", "DatapipeError"),
+    "errors": ("datapipe.errors", None),  # datapipe.errors.RankMismatchError ... right after `import datapipe`
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import augment, bench
+    from . import augment, bench, errors
     from .bench.sample import make_sample_dataset
     from .builder import BuildReport, BuildSpec, Cluster, build
     from .cache import Cache

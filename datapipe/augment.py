@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -187,9 +189,11 @@ def _scale_shift_(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) 
 
 
 def _channel_triple(values: Iterable[float], what: str, *, nonzero: bool = False) -> tuple[float, float, float]:
-    """Three finite per-channel numbers (RGB), for ``mean`` and ``std``."""
+    """Three finite per-channel numbers (RGB), for ``mean`` and ``std``: a sequence in channel order (a set has
+    none: {0.485, 0.456, 0.406} iterates as (0.485, 0.406, 0.456); a string's characters are no numbers)."""
     try:
-        triple = tuple(float(v) for v in values)
+        ordered = not isinstance(values, (set, frozenset, dict, str, bytes)) and hasattr(values, "__len__")
+        triple = tuple(float(v) for v in values) if ordered and all(_number(v) is not None for v in values) else ()
     except (TypeError, ValueError):
         triple = ()
     if len(triple) != 3 or not all(math.isfinite(v) and (v != 0 or not nonzero) for v in triple):
@@ -459,8 +463,8 @@ class BatchAugment(nn.Module):
 
 
 def _number(value: object) -> float | None:
-    """A finite real number given as an int or float (not a bool, not a string), or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A finite real number given as an int or float, numpy's too (not a bool, not a string), or None."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         return None
     return float(value)
 
@@ -900,12 +904,19 @@ def train(size: int = 224, *, scale: Sequence[float] = (0.08, 1.0), ratio: Seque
     ``path`` the implementation ("auto": "uint8" on the CPU, "device" elsewhere)."""
     _not_a_batch(size, "train")
     jitter: Any  # a number made four, or what was given (TrainAugment checks it)
-    if isinstance(color_jitter, (int, float)) and not isinstance(color_jitter, bool):
-        if color_jitter < 0 or not math.isfinite(color_jitter):
+    amount = _number(color_jitter)
+    if amount is not None:
+        if amount < 0:
             raise ArgumentError(f"color_jitter must be a number >= 0 or four numbers, got {show(color_jitter)}")
-        jitter = (color_jitter, color_jitter, color_jitter, min(0.1, color_jitter)) if color_jitter else None
-    else:
-        jitter = color_jitter or None
+        jitter = (amount, amount, amount, min(0.1, amount)) if amount else None
+    elif color_jitter is None:
+        jitter = None
+    else:  # four numbers: a tuple or list (an array or tensor of four is taken as its numbers)
+        values = color_jitter.tolist() if hasattr(color_jitter, "tolist") and not isinstance(color_jitter, (list, tuple)) \
+            else color_jitter
+        if not isinstance(values, (list, tuple)):
+            raise ArgumentError(f"color_jitter must be a number >= 0 or four numbers, got {show(color_jitter)}")
+        jitter = tuple(values) or None  # checked by TrainAugment: four numbers in their ranges
     return TrainAugment(size, scale=scale, ratio=ratio, flip=flip, color_jitter=jitter, dtype=dtype,
                         channels_last=channels_last, mean=mean, std=std, path=path)
 

@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import logging
+import numbers
 import os
 import shutil
 import signal
@@ -37,7 +38,7 @@ from . import __version__, remote, samples
 from . import manifest as mf
 from ._threads import torch_threads
 from .bounded import Watchdog, file_timeout, max_file_bytes, read_file, warm_up
-from .codecs import DecodeSpec, Fit, decode_fitted
+from .codecs import DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
     ArgumentError,
     BuildError,
@@ -120,6 +121,8 @@ class BuildSpec(DecodeSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("shard_size", "quality"):  # a numpy integer is the number it holds
+            object.__setattr__(self, name, plain_int(getattr(self, name)))
         if self.classes is not None:
             names = self.classes
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names \
@@ -184,7 +187,9 @@ class Cluster:
     scheduler: str | None = None  # an existing Dask scheduler's address, or "sync": serially in this process
 
     def __post_init__(self) -> None:
-        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+        object.__setattr__(self, "workers", plain_int(self.workers))
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
             raise ArgumentError(f"--workers must be a positive integer, got {self.workers!r}")
         if self.scheduler is not None and (not isinstance(self.scheduler, str) or not self.scheduler):
             raise ArgumentError(f"--scheduler must be a Dask scheduler's address (tcp://host:8786) or 'sync', "
@@ -782,11 +787,15 @@ def build(
         raise ArgumentError(_GUARD_HINT)
     if not cluster.scheduler:
         local_workers(cluster.workers)  # a count the machine cannot run is refused before the scan
-    if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float)) \
+    if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float, numbers.Real)) \
             or not 0.0 <= max_bad_fraction <= 1.0:
         raise ArgumentError(f"max_bad_fraction must be a number in [0, 1], got {max_bad_fraction!r}")
+    max_bad_fraction = float(max_bad_fraction)
+    for name, flag in (("force", force), ("verify", verify), ("progress", progress)):
+        if not isinstance(flag, bool):  # "false" is a true value: a destructive flag takes True or False only
+            raise ArgumentError(f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
     for name, value in (("source", source), ("output", output)):
-        if not isinstance(value, (str, os.PathLike)):
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):  # "" would be the working folder
             raise ArgumentError(f"{name} must be a path or a URL, got {value!r}")
     source, output = remote.local_path(source), remote.local_path(output)  # file:// URLs: the folders they name
     _check_utf8_path("source", source, SourceError)
@@ -1431,6 +1440,10 @@ def _connect(scheduler: str) -> Client:
     # address (a web server, a socket that never answers) would be waited on for ever
     thread, made = _in_thread(lambda: Client(scheduler, timeout=f"{float(wait):g}s"), "datapipe-connect")
     thread.join(float(wait) + 10)
+    if made and isinstance(made[0], BaseException):
+        # the Client whose constructor failed lingers in a reference cycle: collected at the interpreter's exit
+        # only, it waited 40 s there to close and printed a traceback, after the build had said why it ended
+        gc.collect()
     if not made:
         raise OutputError(f"the Dask scheduler at {scheduler} did not answer within {float(wait) + 10:g} s "
                           "(DATAPIPE_SCHEDULER_TIMEOUT + 10): something that is not a Dask scheduler may listen "
@@ -1581,6 +1594,14 @@ def _in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, li
         try:
             got.append(call())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            # without its traceback: its frames would keep what the call was building alive (a Client whose
+            # constructor failed, closed at the interpreter's exit only, after a 40 s timeout and a traceback)
+            seen: BaseException | None = exc
+            for _ in range(16):  # a chain of causes, never a loop without end
+                if seen is None:
+                    break
+                seen.__traceback__ = None
+                seen = seen.__cause__ or seen.__context__
             got.append(exc)
 
     thread = threading.Thread(target=run, name=name, daemon=True)

@@ -562,12 +562,14 @@ class Cache:
                 or a stored JPEG does not decode (the message names the shard file and sample).
         """
         shape = self.sample_shape
-        idx, shard_of = self._locate(indices, labels_out, index_out)
+        n = int(indices.size if isinstance(indices, np.ndarray) else np.asarray(indices).size)
+        if not isinstance(out, np.ndarray) or out.shape[0:1] < (n,) or out.shape[1:] != shape or out.dtype != np.uint8:
+            got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else type(out).__name__
+            raise ValueError(f"out must be a numpy uint8 array [>={n}, {', '.join(map(str, shape))}], got {got}")
+        idx, shard_of = self._locate(indices, labels_out, index_out)  # checked before anything is written
         n = idx.shape[0]
         if n == 0:
             return 0
-        if out.shape[0] < n or out.shape[1:] != shape or out.dtype != np.uint8:
-            raise ValueError(f"out must be uint8 [>={n}, {', '.join(map(str, shape))}], got {out.shape} {out.dtype}")
         target = out if out.flags.c_contiguous else np.empty((n, *shape), np.uint8)
         if self.indexed:
             self._read_indexed_into(idx, shard_of, target)
@@ -724,6 +726,12 @@ class Cache:
         if n and (idx[0] < 0 or idx[-1] >= self.num_samples):
             bad = int(idx[0]) if idx[0] < 0 else int(idx[-1])
             raise IndexError(f"sample index {bad} out of range for a cache of {self.num_samples} samples ({self.root})")
+        for name, buf in (("labels_out", labels_out), ("index_out", index_out)):
+            if buf is None and name == "index_out":
+                continue
+            if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype.kind not in "iu" or buf.shape[0] < n:
+                got = f"{buf.shape} {buf.dtype}" if isinstance(buf, np.ndarray) else type(buf).__name__
+                raise ValueError(f"{name} must be a 1-D numpy integer array of at least {n} (one per index), got {got}")
         labels_out[:n] = self.labels[idx]
         if index_out is not None:
             index_out[:n] = idx

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 import os
 import re
 import struct
@@ -93,6 +94,15 @@ def _is_dib(head: bytes) -> bool:
     return planes == 1 and depth in _DIB_DEPTHS
 
 
+
+def plain_int(value: object) -> object:
+    """``value`` as a Python int when it is a whole number of another type (numpy's int64, ...), else as it is
+    (a bool, a float or a string stays, for the caller's check to refuse)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+        return int(value)
+    return value
+
+
 @dataclass(frozen=True)
 class DecodeSpec:
     """What every sample is turned into: the decoding part of the build configuration (and of its
@@ -104,12 +114,16 @@ class DecodeSpec:
     max_aspect: float = 2.0  # fit="short" only: the longer side is cut to at most max_aspect * size
 
     def __post_init__(self) -> None:
+        for name in ("size", "max_pixels"):  # a numpy integer is the number it holds
+            object.__setattr__(self, name, plain_int(getattr(self, name)))
+        if isinstance(self.max_aspect, numbers.Real) and not isinstance(self.max_aspect, (bool, numbers.Integral)):
+            object.__setattr__(self, "max_aspect", float(self.max_aspect))  # numpy's float32 too
         # Named as the command line spells them: these are the options of `datapipe build`.
-        if not isinstance(self.size, int) or not 8 <= self.size <= 8192:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 8 <= self.size <= 8192:
             raise ArgumentError(f"--size must be an integer from 8 to 8192, got {self.size!r}")
         if self.fit not in FITS:
             raise ArgumentError(f"--fit must be one of {', '.join(FITS)}, got {self.fit!r}")
-        if not isinstance(self.max_pixels, int) or self.max_pixels < 1:
+        if isinstance(self.max_pixels, bool) or not isinstance(self.max_pixels, int) or self.max_pixels < 1:
             raise ArgumentError(f"--max-pixels must be a positive integer, got {self.max_pixels!r}")
         ok = isinstance(self.max_aspect, (int, float)) and not isinstance(self.max_aspect, bool)
         if not ok or not 1.0 <= self.max_aspect <= 8.0:  # NaN fails the range too

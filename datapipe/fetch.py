@@ -48,6 +48,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import numbers
 import os
 import queue
 import re
@@ -164,6 +165,8 @@ def open_cache(path: str | Path, *, local_cache: str | os.PathLike | None = None
     """
     from .remote import local_path
 
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ArgumentError(f"the cache must be a folder or a URL (a str or path), got {show(path)}")
     named = {"local_cache": local_cache, "cache_limit": cache_limit, "storage_options": storage_options,
              "prefetch": prefetch, "timeout": timeout}
     given: dict[str, Any] = {name: value for name, value in named.items() if value is not None}
@@ -314,6 +317,11 @@ class Hold:
             os.close(fd)  # closing the descriptor releases its flock
 
 
+# The longest wait for a byte a timeout may ask for: longer ones overflowed the clock ("timestamp out of range")
+# and were reported as the store's failure.
+MAX_TIMEOUT = 86_400
+
+
 class ShardFetcher:
     """The node-local shard cache of one remote cache (see the module's docstring).
 
@@ -333,13 +341,15 @@ class ShardFetcher:
                  retries: int = 3) -> None:
         if not is_url(url):
             raise ArgumentError(f"a remote cache is a URL such as s3://bucket/cache, got {show(url)}")
-        if not isinstance(local_cache, (str, os.PathLike)) or is_url(local_cache):
+        if not isinstance(local_cache, (str, os.PathLike)) or is_url(local_cache) or not os.fspath(local_cache):
+            # "" would be the working folder, whatever it is
             raise ArgumentError(f"local_cache must be a local folder (shared by the node's processes), got {show(local_cache)}")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ArgumentError(f"storage_options must be a dict, got {type(storage_options).__name__}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ArgumentError(f"timeout must be a positive number of seconds, got {show(timeout)}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float, numbers.Real)) or not 0 < timeout <= MAX_TIMEOUT:
+            raise ArgumentError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT:,} (a day), "
+                                f"got {show(timeout)}")
+        if isinstance(retries, bool) or not isinstance(retries, (int, numbers.Integral)) or retries < 1:
             raise ArgumentError(f"retries must be an integer >= 1, got {show(retries)}")
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -353,7 +363,7 @@ class ShardFetcher:
         else:
             raise ArgumentError(f"prefetch must be a number of shards (an int >= 0) or bytes ahead ('2GB'), got {show(prefetch)}")
         self.timeout = float(timeout)
-        self.retries = retries
+        self.retries = int(retries)
         self.folder = self.local_root  # the build's folder, set by open()
         self.manifest: Manifest | None = None
         self.opened = ""  # the sha256 of the manifest opened (set by open())

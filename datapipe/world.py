@@ -41,8 +41,18 @@ def detect_ranks(rank: int | None = None, world_size: int | None = None) -> tupl
     if detected is None and rank is None and "RANK" not in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but RANK is not: every process would read rank "
                          "0's part; set RANK in each process (torchrun does), or pass rank=")
-    det_rank, det_world = detected or (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    det_rank, det_world = detected or (_env_int("RANK", "0"), _env_int("WORLD_SIZE", "1"))
     return (det_rank if rank is None else int(rank)), (det_world if world_size is None else int(world_size))
+
+
+def _env_int(name: str, default: str) -> int:
+    """The whole number in environment variable ``name`` (``default`` where unset); ValueError naming it."""
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the environment variable {name} must be a whole number (torchrun sets it), got "
+                         f"{text!r}; unset it, or set it as torchrun does") from None
 
 
 def distributed_ranks() -> tuple[int, int] | None:

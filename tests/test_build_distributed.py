@@ -808,3 +808,33 @@ def test_a_worker_paused_while_it_builds_a_shard_is_waited_for(tmp_path, imaging
             _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert len(datapipe.open(out)) == 9
+
+
+FAILED_CONNECTIONS = '''
+import sys
+import datapipe
+
+if __name__ == "__main__":
+    for scheduler in ("bogus", "tcp://127.0.0.1:1", "SYNC"):
+        try:
+            datapipe.build(sys.argv[1], sys.argv[2], size=16, progress=False, cluster=datapipe.Cluster(scheduler=scheduler))
+        except datapipe.errors.OutputError as exc:
+            print("refused:", exc, flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_program_whose_builds_could_not_reach_a_scheduler_exits_at_once(tmp_path, imaging):
+    """A program that called build() with schedulers it could not reach got each refusal, then waited 40 s at its
+    exit and printed a traceback from distributed: the Client whose constructor failed lingered in a reference
+    cycle, to be closed only when the interpreter ended. It is collected when the connection fails."""
+    imaging.write_source(tmp_path / "src", {"a": 2}, variety=False)
+    script = tmp_path / "connect.py"
+    script.write_text(FAILED_CONNECTIONS)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "src"), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=110, env={**os.environ, "DATAPIPE_SCHEDULER_TIMEOUT": "2"})
+    took = time.monotonic() - started
+    assert done.returncode == 0 and done.stdout.count("refused:") == 3, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert took < 30, took

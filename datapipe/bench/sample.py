@@ -146,8 +146,16 @@ def make_sample_dataset(
         OutputError: ``root`` holds anything else (a dataset of the user's, another sample).
         OutputWriteError: writing failed part-way (what was written is kept for the rerun).
     """
-    _check_params(images=images, classes=classes, seed=seed, workers=workers)  # before anything is written
+    from ..errors import ArgumentError
+    from ..text import show
+
+    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+        raise ArgumentError(f"the sample's folder must be a path, got {show(root)}")
+    given = [_whole(v) for v in (images, classes, seed, workers)]
+    _check_params(images=given[0], classes=given[1], seed=given[2], workers=given[3])  # before anything is written
+    images, classes, seed, workers = (int(v) for v in given)  # type: ignore[call-overload]  # checked: whole numbers
     root = Path(root)
+    _check_room(root, images)
     params = {"images": images, "classes": classes, "seed": seed}
     if sample_is_complete(root, **params):
         return root
@@ -166,6 +174,34 @@ def make_sample_dataset(
     return root
 
 
+# About what one sample image takes on disk (the photographs are ~416x362 JPEGs of 30-80 KiB), with a margin.
+IMAGE_BYTES = 100 * 1024
+
+
+def _whole(value: object) -> object:
+    """A numpy integer as the int it holds; anything else as it is (for the checks to refuse)."""
+    import numbers
+
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+
+
+def _check_room(root: Path, images: int) -> None:
+    """Refuse, before writing, a sample that cannot fit on its disk (``images=10**12`` wrote until the disk was full)."""
+    from ..errors import ArgumentError
+
+    folder = root.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return
+    need, free = images * IMAGE_BYTES, st.f_bavail * st.f_frsize
+    if need > free:
+        raise ArgumentError(f"--images {images:,} needs about {need / 2**30:,.1f} GiB, and the disk of {folder} has "
+                            f"{free / 2**30:,.1f} GiB free; lower --images or choose another folder")
+
+
 def _check_params(*, images: object, classes: object, seed: object, workers: object) -> None:
     """Every parameter checked before a folder or a marker is written; the message names the flag."""
     from ..errors import ArgumentError
@@ -175,7 +211,10 @@ def _check_params(*, images: object, classes: object, seed: object, workers: obj
                                ("workers", workers, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ArgumentError(f"{flag} must be a whole number >= {least}, got {show(value)}")
-    assert isinstance(images, int) and isinstance(classes, int)
+    assert isinstance(images, int) and isinstance(classes, int) and isinstance(workers, int)
+    most = 4 * (os.cpu_count() or 1)
+    if workers > most:  # one process each: a million would fork a million
+        raise ArgumentError(f"workers must be at most {most} (4 per core of this machine), got {workers}")
     if images < classes:  # class folders are made by their images: fewer images would make fewer classes
         raise ArgumentError(f"--images ({images}) must be at least --classes ({classes}), so that every class "
                             "gets an image; raise --images or lower --classes")

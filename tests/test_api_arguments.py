@@ -1,0 +1,140 @@
+"""The Python API takes what its docs say, numpy's numbers included, and refuses the rest with one ArgumentError
+naming the parameter, before anything is written: never a truthy string taken for True on a destructive flag,
+never a bool taken for 1, never a raw TypeError from pathlib, numpy or torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import datapipe
+from datapipe import augment
+from datapipe.errors import ArgumentError
+from datapipe.testing import build_index_cache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return build_index_cache(tmp_path_factory.mktemp("api"), 14, shard_size=7)
+
+
+def _sync() -> datapipe.Cluster:
+    return datapipe.Cluster(scheduler="sync")
+
+
+@pytest.mark.parametrize("flag", ["force", "verify", "progress"])
+@pytest.mark.parametrize("value", ["false", None, 1, "no"])
+def test_a_build_flag_takes_true_or_false_only(cache, flag, value):
+    """build(force="false") rebuilt a cache of another configuration (every earlier shard removed): a string is
+    a true value. A flag takes a bool; anything else is refused before the output is touched."""
+    manifest = (cache / "manifest.json").read_bytes()
+    with pytest.raises(ArgumentError, match=f"{flag} must be True or False"):
+        datapipe.build(cache.parent / "source", cache, size=24, shard_size=7, cluster=_sync(), **{flag: value})
+    assert (cache / "manifest.json").read_bytes() == manifest
+
+
+def test_numpy_integers_are_numbers_and_bools_are_not(tmp_path):
+    """A numpy integer (a size computed with numpy) was refused by the build and the sample, and taken by the
+    loader; max_pixels=True was taken as 1 (every image then quarantined as too large), workers=True as 1."""
+    spec = datapipe.BuildSpec(size=np.int64(16), shard_size=np.int32(5), max_pixels=np.int64(10**6),
+                              encoding="jpeg", quality=np.int64(80), fit="short", max_aspect=np.float32(1.5))
+    assert (spec.size, spec.shard_size, spec.quality, spec.max_aspect) == (16, 5, 80, 1.5)
+    assert type(spec.size) is int and datapipe.Cluster(workers=np.int64(2)).workers == 2
+    for bad, flag in ((dict(max_pixels=True), "--max-pixels"), (dict(size=True), "--size")):
+        with pytest.raises(ArgumentError, match=flag):
+            datapipe.BuildSpec(**bad)
+    with pytest.raises(ArgumentError, match="--workers"):
+        datapipe.Cluster(workers=True)
+    root = datapipe.make_sample_dataset(tmp_path / "sample", images=np.int64(4), classes=np.int64(2))
+    assert len(list(root.glob("*/*.jpg"))) == 4
+
+
+def test_augment_takes_numpy_numbers_and_refuses_unordered_channels():
+    """np.float32 was refused for flip, scale and color_jitter; an array or tensor of four jitter amounts raised
+    numpy's or torch's truth-value error; a set for mean iterated in another order (G and B swapped), a string
+    as its characters."""
+    assert augment.train(32, flip=np.float32(0.5), scale=(np.float32(0.1), 1.0)).flip == 0.5
+    tuple_jitter = augment.train(32, color_jitter=(0.4, 0.3, 0.2, 0.1))
+    for given in (np.array([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)):
+        assert augment.train(32, color_jitter=given).color_jitter == tuple_jitter.color_jitter
+    assert augment.train(32, color_jitter=np.float32(0.4)).color_jitter is not None
+    for mean in ({0.485, 0.456, 0.406}, "123", [0.5, 0.5]):
+        with pytest.raises(ArgumentError, match="mean must be three finite numbers"):
+            augment.train(32, mean=mean)
+    with pytest.raises(ArgumentError, match="color_jitter must be"):
+        augment.train(32, color_jitter="abc")
+    assert augment.train(32, mean=np.array([0.5, 0.5, 0.5])).mean == (0.5, 0.5, 0.5)
+
+
+@pytest.mark.parametrize("path", [None, 5, b"cache", ""])
+def test_a_cache_or_sample_path_of_another_type_is_an_argument_error(tmp_path, path):
+    """datapipe.open(None) and make_sample_dataset(None) raised pathlib's TypeError; "" is the working folder."""
+    with pytest.raises(ArgumentError, match="must be a"):
+        datapipe.open(path)
+    with pytest.raises(ArgumentError, match="must be a path"):
+        datapipe.make_sample_dataset(path)
+    with pytest.raises(ArgumentError, match="must be a path or a URL"):
+        datapipe.build(path, tmp_path / "out", cluster=_sync())
+
+
+def test_a_node_cache_in_the_working_folder_or_a_timeout_past_the_clock_is_refused(cache, tmp_path, monkeypatch):
+    """local_cache="" wrote the node's copy into whatever folder the process ran in; a timeout of 1e10 s overflowed
+    the clock, reported as the store's failure."""
+    monkeypatch.chdir(tmp_path)
+    url = "file://" + str(cache)
+    with pytest.raises(ArgumentError, match="local_cache must be a local folder"):
+        datapipe.StreamingDataset(url, batch_size=4, local_cache="")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ArgumentError, match=r"timeout must be a positive number of seconds, at most 86,400"):
+        datapipe.open(url, local_cache=tmp_path / "node", timeout=1e10)
+    assert len(datapipe.open(url, local_cache=tmp_path / "node", timeout=np.int64(30))) == 14
+
+
+def test_datapipe_errors_is_there_right_after_import():
+    """The docs name datapipe.errors.RankMismatchError and RepeatedEpochWarning; right after `import datapipe` the
+    module was no attribute until something else had imported it."""
+    code = ("import warnings, datapipe; "
+            "warnings.filterwarnings('ignore', category=datapipe.errors.RepeatedEpochWarning); "
+            "print(datapipe.errors.RankMismatchError.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "RankMismatchError", done.stderr
+
+
+def test_read_batch_checks_its_buffers_before_writing_any(cache):
+    """A labels_out shorter than the indices raised numpy's broadcast error; an out of the wrong kind was found
+    after labels_out had been overwritten."""
+    opened = datapipe.open(cache)
+    labels = np.full(4, -7, np.int64)
+    with pytest.raises(ValueError, match="out must be a numpy uint8 array"):
+        opened.read_batch(np.arange(4), [], labels)
+    with pytest.raises(ValueError, match="out must be a numpy uint8 array"):
+        opened.read_batch(np.arange(4), np.empty((4, 8, 8, 3), np.uint8), labels)
+    assert (labels == -7).all()  # nothing written
+    out = np.empty((4, *opened.shape), np.uint8)
+    with pytest.raises(ValueError, match="labels_out must be a 1-D numpy integer array of at least 4"):
+        opened.read_batch(np.arange(4), out, np.empty(2, np.int64))
+    with pytest.raises(ValueError, match="index_out must be"):
+        opened.read_batch(np.arange(4), out, labels, np.empty((4, 1), np.int64))
+    assert opened.read_batch(np.arange(4), out, labels) == 4 and (labels != -7).all()
+
+
+def test_the_sample_refuses_what_the_machine_cannot_hold_before_writing(tmp_path):
+    """workers=10**6 would fork a million processes; images=10**12 wrote until the disk was full."""
+    with pytest.raises(ArgumentError, match="workers must be at most"):
+        datapipe.make_sample_dataset(tmp_path / "a", images=4, classes=2, workers=10**6)
+    with pytest.raises(ArgumentError, match=r"--images 1,000,000,000,000 needs about .* GiB free"):
+        datapipe.make_sample_dataset(tmp_path / "b", images=10**12, classes=2)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("value", ["abc", ""])
+def test_a_rank_variable_that_is_no_number_is_named(cache, monkeypatch, value):
+    monkeypatch.setenv("RANK", value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ArgumentError, match="the environment variable RANK must be a whole number"):
+        datapipe.StreamingDataset(cache, batch_size=4)
+
