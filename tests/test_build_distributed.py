@@ -735,16 +735,23 @@ if not hasattr(builder, "_held_load"):  # a preload may be imported twice
 '''
 
 
+def _source_with_a_marked_file(tmp_path: Path, imaging, mark: str, preload_text: str) -> tuple[Path, Path]:
+    """A source of two classes of 4 whose shard 1 begins with ``000_<mark>.jpg`` (shards of 4), and a worker
+    preload (``preload_text``) that acts on that file: (the source, the preload)."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 4, "b": 4}, variety=False)
+    shutil.copy(next(iter(sorted((src / "b").iterdir()))), src / "b" / f"000_{mark}.jpg")  # the first of shard 1
+    preload = tmp_path / f"{mark}_preload.py"
+    preload.write_text(preload_text)
+    return src, preload
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_that_holds_its_interpreter_in_a_long_decode_is_not_taken_for_frozen(tmp_path, imaging):
     """A decode that holds a worker's interpreter (a library call that keeps the GIL) stops its heartbeats and its
     answers, also for the record of the shard it finished just before: the build ended after
     DATAPIPE_SCHEDULER_TIMEOUT saying the worker may be frozen. Only DATAPIPE_WORKER_TIMEOUT of silence ends it."""
-    src = tmp_path / "src"
-    imaging.write_source(src, {"a": 4, "b": 4}, variety=False)
-    shutil.copy(next(iter(sorted((src / "b").iterdir()))), src / "b" / "000_hold.jpg")  # the first of shard 1
-    preload = tmp_path / "hold_preload.py"
-    preload.write_text(HOLD_PRELOAD)
+    src, preload = _source_with_a_marked_file(tmp_path, imaging, "hold", HOLD_PRELOAD)
     out = tmp_path / "out"
     with _Cluster(tmp_path) as cluster:
         address = cluster.scheduler()
@@ -785,11 +792,7 @@ def test_a_worker_paused_while_it_builds_a_shard_is_waited_for(tmp_path, imaging
     """A worker over its memory limit pauses: it starts no new task, yet finishes the one it executes. The watch
     counted a paused worker as one that cannot build, and ended a build whose only worker was paused in the
     middle of a shard it then finished; only a paused worker executing no shard counts as one that cannot build."""
-    src = tmp_path / "src"
-    imaging.write_source(src, {"a": 4, "b": 4}, variety=False)
-    shutil.copy(next(iter(sorted((src / "b").iterdir()))), src / "b" / "000_pause.jpg")  # the first of shard 1
-    preload = tmp_path / "pause_preload.py"
-    preload.write_text(PAUSE_PRELOAD)
+    src, preload = _source_with_a_marked_file(tmp_path, imaging, "pause", PAUSE_PRELOAD)
     out = tmp_path / "out"
     with _Cluster(tmp_path) as cluster:
         address = cluster.scheduler()

@@ -436,6 +436,15 @@ def test_a_lock_write_whose_answer_was_lost_is_still_this_builds(s3, monkeypatch
     first.remove()
 
 
+def _held_lock(s3, monkeypatch):
+    """A fresh bucket's cache prefix and the lock a build took on it: (location, filesystem, lock key, lock)."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_SETTLE", "0.01")
+    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
+    lock = remote.RemoteLock(loc)
+    lock.acquire()
+    return loc, s3.filesystem(), loc.url.removeprefix("s3://") + "/.datapipe.lock", lock
+
+
 @pytest.mark.parametrize("change", ["deleted", "garbage", "another build's"])
 def test_a_lock_object_removed_or_damaged_under_a_build_is_put_back_and_one_taken_over_is_named(s3, monkeypatch,
                                                                                                change):
@@ -444,12 +453,7 @@ def test_a_lock_object_removed_or_damaged_under_a_build_is_put_back_and_one_take
     first said ok). The refresh puts it back; a lock another build wrote is that build's, and this build is told
     (its manifest is then never written)."""
     monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")
-    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_SETTLE", "0.01")
-    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
-    fs = s3.filesystem()
-    key = loc.url.removeprefix("s3://") + "/.datapipe.lock"
-    lock = remote.RemoteLock(loc)
-    lock.acquire()
+    loc, fs, key, lock = _held_lock(s3, monkeypatch)
     if change == "deleted":
         fs.rm(key)
     else:
@@ -1573,12 +1577,7 @@ def test_removing_a_lock_whose_object_became_garbage_leaves_it_without_an_error(
     """A lock object written over with garbage after its build stopped refreshing it is nobody's: the build's
     removal at its end raised a CacheError about the lock (its own work was done), where every other reader of
     the lock takes such an object for no holder. It is left as it is, and no error is raised."""
-    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_SETTLE", "0.01")
-    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
-    fs = s3.filesystem()
-    key = loc.url.removeprefix("s3://") + "/.datapipe.lock"
-    lock = remote.RemoteLock(loc)
-    lock.acquire()
+    _, fs, key, lock = _held_lock(s3, monkeypatch)
     lock.stop()
     fs.pipe_file(key, b"{not json")
     lock.remove()
