@@ -192,8 +192,10 @@ def _channel_triple(values: Iterable[float], what: str, *, nonzero: bool = False
     """Three finite per-channel numbers (RGB), for ``mean`` and ``std``: a sequence in channel order (a set has
     none: {0.485, 0.456, 0.406} iterates as (0.485, 0.406, 0.456); a string's characters are no numbers)."""
     try:
-        ordered = not isinstance(values, (set, frozenset, dict, str, bytes)) and hasattr(values, "__len__")
-        triple = tuple(float(v) for v in values) if ordered and all(_number(v) is not None for v in values) else ()
+        given = values.tolist() if hasattr(values, "tolist") and not isinstance(values, (list, tuple)) else values
+        ordered = not isinstance(given, (set, frozenset, dict, str, bytes))
+        items = tuple(given) if ordered else ()
+        triple = tuple(float(v) for v in items) if all(_number(v) is not None for v in items) else ()
     except (TypeError, ValueError):
         triple = ()
     if len(triple) != 3 or not all(math.isfinite(v) and (v != 0 or not nonzero) for v in triple):
@@ -904,6 +906,8 @@ def train(size: int = 224, *, scale: Sequence[float] = (0.08, 1.0), ratio: Seque
     ``path`` the implementation ("auto": "uint8" on the CPU, "device" elsewhere)."""
     _not_a_batch(size, "train")
     jitter: Any  # a number made four, or what was given (TrainAugment checks it)
+    if hasattr(color_jitter, "tolist") and not isinstance(color_jitter, (list, tuple)):
+        color_jitter = color_jitter.tolist()  # type: ignore[union-attr]  # an array or tensor: its number, or its four
     amount = _number(color_jitter)
     if amount is not None:
         if amount < 0:
@@ -911,9 +915,8 @@ def train(size: int = 224, *, scale: Sequence[float] = (0.08, 1.0), ratio: Seque
         jitter = (amount, amount, amount, min(0.1, amount)) if amount else None
     elif color_jitter is None:
         jitter = None
-    else:  # four numbers: a tuple or list (an array or tensor of four is taken as its numbers)
-        values = color_jitter.tolist() if hasattr(color_jitter, "tolist") and not isinstance(color_jitter, (list, tuple)) \
-            else color_jitter
+    else:  # four numbers: a tuple or list
+        values = color_jitter
         if not isinstance(values, (list, tuple)):
             raise ArgumentError(f"color_jitter must be a number >= 0 or four numbers, got {show(color_jitter)}")
         jitter = tuple(values) or None  # checked by TrainAugment: four numbers in their ranges

@@ -74,7 +74,7 @@ from .shards import (
     shard_layout,
     shard_name,
 )
-from .sources import Listing, plan_shards, scan, shown, valid_utf8, with_classes
+from .sources import Listing, note_numeric_labels, plan_shards, scan, shown, valid_utf8, with_classes
 from .text import ProgressStream, plural, printable, show
 from .writer import ShardWriter
 
@@ -815,6 +815,7 @@ def build(
         listing = scan(source, exclude=None if remote_output else Path(output).expanduser())
     if spec.classes is not None:
         listing = with_classes(listing, spec.classes)
+    note_numeric_labels(listing)
     config = spec.config(listing.kind)
     chash = mf.config_hash(config)
     options = {"source_options": dict(storage_options or {}) if remote_source else None, "store_timeout": store_timeout}
@@ -1441,8 +1442,15 @@ def _connect(scheduler: str) -> Client:
     thread, made = _in_thread(lambda: Client(scheduler, timeout=f"{float(wait):g}s"), "datapipe-connect")
     thread.join(float(wait) + 10)
     if made and isinstance(made[0], BaseException):
-        # the Client whose constructor failed lingers in a reference cycle: collected at the interpreter's exit
-        # only, it waited 40 s there to close and printed a traceback, after the build had said why it ended
+        # the Client whose constructor failed lingers, held by the error's frames and a reference cycle: collected
+        # at the interpreter's exit only, it waited 40 s there to close and printed a traceback, after the build had
+        # said why it ended. Its error is raised as one line below, without those frames.
+        seen: BaseException | None = made[0]
+        for _ in range(16):  # a chain of causes, never a loop without end
+            if seen is None:
+                break
+            seen.__traceback__ = None
+            seen = seen.__cause__ or seen.__context__
         gc.collect()
     if not made:
         raise OutputError(f"the Dask scheduler at {scheduler} did not answer within {float(wait) + 10:g} s "
@@ -1594,14 +1602,6 @@ def _in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, li
         try:
             got.append(call())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            # without its traceback: its frames would keep what the call was building alive (a Client whose
-            # constructor failed, closed at the interpreter's exit only, after a 40 s timeout and a traceback)
-            seen: BaseException | None = exc
-            for _ in range(16):  # a chain of causes, never a loop without end
-                if seen is None:
-                    break
-                seen.__traceback__ = None
-                seen = seen.__cause__ or seen.__context__
             got.append(exc)
 
     thread = threading.Thread(target=run, name=name, daemon=True)

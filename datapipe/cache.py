@@ -563,9 +563,11 @@ class Cache:
         """
         shape = self.sample_shape
         n = int(indices.size if isinstance(indices, np.ndarray) else np.asarray(indices).size)
-        if not isinstance(out, np.ndarray) or out.shape[0:1] < (n,) or out.shape[1:] != shape or out.dtype != np.uint8:
-            got = f"{out.shape} {out.dtype}" if isinstance(out, np.ndarray) else type(out).__name__
-            raise ValueError(f"out must be a numpy uint8 array [>={n}, {', '.join(map(str, shape))}], got {got}")
+        if n and (not isinstance(out, np.ndarray) or out.shape[0:1] < (n,) or out.shape[1:] != shape
+                  or out.dtype != np.uint8 or not out.flags.writeable):
+            got = (f"{out.shape} {out.dtype}{'' if out.flags.writeable else ', read-only'}" if isinstance(out, np.ndarray)
+                   else type(out).__name__)
+            raise ValueError(f"out must be a writable numpy uint8 array [>={n}, {', '.join(map(str, shape))}], got {got}")
         idx, shard_of = self._locate(indices, labels_out, index_out)  # checked before anything is written
         n = idx.shape[0]
         if n == 0:
@@ -729,9 +731,12 @@ class Cache:
         for name, buf in (("labels_out", labels_out), ("index_out", index_out)):
             if buf is None and name == "index_out":
                 continue
-            if not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype.kind not in "iu" or buf.shape[0] < n:
+            largest = max(len(self.classes), self.num_samples) if name == "index_out" else len(self.classes)
+            if (not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.shape[0] < n or not buf.flags.writeable
+                    or buf.dtype.kind not in "iuf" or (buf.dtype.kind in "iu" and np.iinfo(buf.dtype).max < largest)):
                 got = f"{buf.shape} {buf.dtype}" if isinstance(buf, np.ndarray) else type(buf).__name__
-                raise ValueError(f"{name} must be a 1-D numpy integer array of at least {n} (one per index), got {got}")
+                raise ValueError(f"{name} must be a writable 1-D numpy array of at least {n} (one per index) of a type "
+                                 f"that holds {largest:,} (int64), got {got}")
         labels_out[:n] = self.labels[idx]
         if index_out is not None:
             index_out[:n] = idx

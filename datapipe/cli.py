@@ -369,12 +369,18 @@ def _classes_from(where: str, storage_options: dict | None) -> tuple[str, ...]:
         except (OSError, UnicodeDecodeError) as exc:
             raise ArgumentError(f"--classes-from {where}: cannot be read as a cache folder or a UTF-8 text file of "
                                 f"class names ({getattr(exc, 'strerror', None) or exc})") from None
-    if text.lstrip().startswith(("{", "[")):
-        raise ArgumentError(f"--classes-from {where}: a JSON document, not a class list; pass the cache folder (for "
-                            "its manifest), or a text file of class names, one per line")
-    # one name a line; a line beginning with # is a comment, as in a CSV source (a name kept from it would be
-    # class 0 and every label one too high)
-    names = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if text.lstrip().startswith(("{", "[")):  # a name may begin with one ("[unlabelled]"): JSON only if it parses
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, (dict, list)):
+            raise ArgumentError(f"--classes-from {where}: a JSON document, not a class list; pass the cache folder "
+                                "(for its manifest), or a text file of class names, one per line")
+    # one name a line; a line "#" or beginning with "# " is a comment (a name kept from it would be class 0 and every
+    # label one too high); "#1" is a name, as a class folder may be called
+    names = [line.strip() for line in text.splitlines()
+             if line.strip() and line.strip() != "#" and not line.strip().startswith("# ")]
     if not names:
         raise ArgumentError(f"--classes-from {where}: holds no class name; write one per line")
     if names[0].lower() in _HEADER_WORDS:

@@ -509,13 +509,21 @@ def csv_labels(seen: dict[str, str], named: Iterable[str] = ()) -> tuple[list[st
     were dropped name classes too: a file missing from a class never renumbers the classes after it)."""
     names = sorted(set(seen.values()) | set(named), key=lambda s: (0, *_numeric(s), s) if _is_number(s) else (1, 0, "", s))
     index = {name: i for i, name in enumerate(names)}
-    renumbered = next((name for name in names if _is_number(name) and _numeric(name) != _numeric(str(index[name]))), None)
-    if renumbered is not None:  # 1..N, or numbers with gaps: the cache's label is a class index, not the CSV's number
-        log.info("datapipe build: the CSV's numeric labels are numbered in numeric order from 0, so label %s is "
-                 "class %d (the cache holds class indices; cache.classes gives each one's label as written)",
-                 show(renumbered), index[renumbered])
     records = sorted((rel, index[label]) for rel, label in seen.items())
     return names, [p for p, _ in records], [lab for _, lab in records]
+
+
+def note_numeric_labels(listing: Listing) -> None:
+    """Log when a CSV's numeric label is not the class index the cache stores (labels 1..N, or with gaps), with
+    the class list the build labels by (the source's, or the one given)."""
+    if listing.kind != "csv":
+        return
+    renumbered = next(((name, i) for i, name in enumerate(listing.classes)
+                       if _is_number(name) and _numeric(name) != _numeric(str(i))), None)
+    if renumbered is not None:
+        log.info("datapipe build: the CSV's numeric labels are numbered in the class list's order from 0, so label "
+                 "%s is class %d (the cache holds class indices; cache.classes gives each one's label as written)",
+                 show(renumbered[0]), renumbered[1])
 
 
 def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:

@@ -68,6 +68,8 @@ def test_augment_takes_numpy_numbers_and_refuses_unordered_channels():
     with pytest.raises(ArgumentError, match="color_jitter must be"):
         augment.train(32, color_jitter="abc")
     assert augment.train(32, mean=np.array([0.5, 0.5, 0.5])).mean == (0.5, 0.5, 0.5)
+    assert augment.train(32, mean=torch.tensor([0.5, 0.25, 0.5]), std=(v for v in (1, 2, 1))).mean == (0.5, 0.25, 0.5)
+    assert augment.train(32, color_jitter=np.array(0.4)).color_jitter == augment.train(32, color_jitter=0.4).color_jitter
 
 
 @pytest.mark.parametrize("path", [None, 5, b"cache", ""])
@@ -109,17 +111,24 @@ def test_read_batch_checks_its_buffers_before_writing_any(cache):
     after labels_out had been overwritten."""
     opened = datapipe.open(cache)
     labels = np.full(4, -7, np.int64)
-    with pytest.raises(ValueError, match="out must be a numpy uint8 array"):
+    with pytest.raises(ValueError, match="out must be a writable numpy uint8 array"):
         opened.read_batch(np.arange(4), [], labels)
-    with pytest.raises(ValueError, match="out must be a numpy uint8 array"):
+    with pytest.raises(ValueError, match="out must be a writable numpy uint8 array"):
         opened.read_batch(np.arange(4), np.empty((4, 8, 8, 3), np.uint8), labels)
     assert (labels == -7).all()  # nothing written
     out = np.empty((4, *opened.shape), np.uint8)
-    with pytest.raises(ValueError, match="labels_out must be a 1-D numpy integer array of at least 4"):
+    with pytest.raises(ValueError, match="labels_out must be a writable 1-D numpy array of at least 4"):
         opened.read_batch(np.arange(4), out, np.empty(2, np.int64))
     with pytest.raises(ValueError, match="index_out must be"):
         opened.read_batch(np.arange(4), out, labels, np.empty((4, 1), np.int64))
     assert opened.read_batch(np.arange(4), out, labels) == 4 and (labels != -7).all()
+    floats = np.zeros(4)
+    assert opened.read_batch(np.arange(4), out, floats) == 4 and floats.tolist() == labels.tolist()  # as before
+    assert opened.read_batch([], None, np.empty(0, np.int64)) == 0  # an empty read needs no buffer
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be a writable"):
+        opened.read_batch(np.arange(4), frozen, labels)
 
 
 def test_the_sample_refuses_what_the_machine_cannot_hold_before_writing(tmp_path):

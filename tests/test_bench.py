@@ -423,6 +423,7 @@ def test_a_pass_reads_as_many_images_for_a_loader_whose_workers_end_with_partial
     from datapipe.bench import harness, peers
     from datapipe.bench.timing import timed_pass
 
+    assert timed_pass([(torch.zeros(0, 1), torch.zeros(0))] * 3, 2, images=10).images == 0  # no images: it ends
     worker_ends = [(torch.zeros(n, 1), torch.zeros(n)) for n in (4, 4, 2, 1)]  # two workers' last batches partial
     assert timed_pass(worker_ends, 3, images=11).images == 11 and timed_pass(worker_ends, 3).images == 10
     cache = datapipe.open(tiny / "cache")

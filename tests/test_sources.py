@@ -113,12 +113,16 @@ def test_csv_numeric_labels_of_any_length_are_numbered_and_the_log_says_when_the
         build(root / "list.csv", tmp_path / "out")
     cache = datapipe.open(tmp_path / "out")
     assert cache.classes == ["0", "1", huge] and [cache[i][1] for i in range(3)] == [2, 1, 0]
-    assert "numbered in numeric order from 0, so label '999" in caplog.text and "is class 2" in caplog.text
+    assert "numbered in the class list's order from 0, so label '999" in caplog.text and "is class 2" in caplog.text
     caplog.clear()
     (root / "list.csv").write_text("".join(f"{p},{label}\n" for p, label in zip(files, ["2", "1", "0"], strict=True)))
     with caplog.at_level("INFO", logger="datapipe.build"):
         build(root / "list.csv", tmp_path / "identity")
-    assert "numeric order from 0" not in caplog.text  # 0..N-1: each number is its class index
+    assert "numbered in the class list's order" not in caplog.text  # 0..N-1: each number is its class index
+    caplog.clear()
+    with caplog.at_level("INFO", logger="datapipe.build"):  # labels 1, 2 by the list 0, 1, 2: each its own index
+        build(root / "list.csv", tmp_path / "given", classes=["0", "1", "2"])
+    assert "numbered in the class list's order" not in caplog.text
 
 
 def test_csv_labels_that_look_like_digits_but_are_no_ascii_numbers_are_names(tmp_path, imaging):
@@ -459,7 +463,7 @@ def test_a_class_list_file_with_a_comment_a_header_or_of_another_kind(tmp_path, 
     imaging.write_source(root / "val", {"bee": 1, "cat": 1}, variety=False)
     run = lambda *args: subprocess.run([sys.executable, "-m", "datapipe.cli", "build", *map(str, args), "--size", "16",  # noqa: E731
                                         "--scheduler", "sync", "--quiet"], capture_output=True, text=True, timeout=120)
-    (tmp_path / "commented.txt").write_text("# class names, one per line\nant\nbee\ncat\n")
+    (tmp_path / "commented.txt").write_text("# class names, one per line\nant\nbee\ncat\n#\n")
     done = run(root / "val", tmp_path / "commented", "--classes-from", tmp_path / "commented.txt")
     assert done.returncode == 0, done.stderr
     val = datapipe.open(tmp_path / "commented")
@@ -467,6 +471,9 @@ def test_a_class_list_file_with_a_comment_a_header_or_of_another_kind(tmp_path, 
     (tmp_path / "header.txt").write_text("class\nant\nbee\ncat\n")
     done = run(root / "val", tmp_path / "header", "--classes-from", tmp_path / "header.txt")
     assert done.returncode == 0 and "the first class of --classes-from" in done.stderr and "looks like a header" in done.stderr
+    (tmp_path / "names.txt").write_text("#1\n[unlabelled]\nbee\ncat\n")  # a name may begin with # or [
+    done = run(root / "val", tmp_path / "names", "--classes-from", tmp_path / "names.txt")
+    assert done.returncode == 0 and datapipe.open(tmp_path / "names").classes == ["#1", "[unlabelled]", "bee", "cat"]
     (tmp_path / "manifest.json").write_text('{"classes": ["ant"]}')
     imaging.write_source(root / "train", {"ant": 1}, variety=False)
     for given, words in ((tmp_path / "manifest.json", "a JSON document, not a class list"),

@@ -155,10 +155,10 @@ def make_sample_dataset(
     _check_params(images=given[0], classes=given[1], seed=given[2], workers=given[3])  # before anything is written
     images, classes, seed, workers = (int(v) for v in given)  # type: ignore[call-overload]  # checked: whole numbers
     root = Path(root)
-    _check_room(root, images)
     params = {"images": images, "classes": classes, "seed": seed}
     if sample_is_complete(root, **params):
         return root
+    _check_room(root, images - (len(list(root.glob("*/*.jpg"))) if root.is_dir() else 0))  # what is left to write
     _claim(root, params)
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,8 @@ def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = N
 
     cpu0 = cpu_seconds()
     t0 = time.perf_counter()
-    while empty < 2:  # two empty epochs in a row: the loader yields nothing (more)
-        before = done
+    while empty < 2:  # two empty epochs in a row: the loader yields nothing (more), or batches without images
+        before = seen
         if dataset is not None:
             dataset.set_epoch((dataset.epoch + 1) % (1 << 32))
         for batch in loader:
@@ -55,7 +55,7 @@ def timed_pass(loader: Iterable[Sequence[torch.Tensor]], batches: int | None = N
                 break
         if batches is None or enough():
             break
-        empty = empty + 1 if done == before else 0
+        empty = empty + 1 if seen == before else 0
     if sync:
         sync()
     seconds = time.perf_counter() - t0
