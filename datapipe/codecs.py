@@ -116,8 +116,8 @@ class DecodeSpec:
     def __post_init__(self) -> None:
         for name in ("size", "max_pixels"):  # a numpy integer is the number it holds
             object.__setattr__(self, name, plain_int(getattr(self, name)))
-        if isinstance(self.max_aspect, numbers.Real) and not isinstance(self.max_aspect, bool):
-            object.__setattr__(self, "max_aspect", float(self.max_aspect))  # numpy's float32 and int64 too
+        if isinstance(self.max_aspect, numbers.Real) and not isinstance(self.max_aspect, (bool, int, float)):
+            object.__setattr__(self, "max_aspect", float(self.max_aspect))  # numpy's float32 and int64
         # Named as the command line spells them: these are the options of `datapipe build`.
         if isinstance(self.size, bool) or not isinstance(self.size, int) or not 8 <= self.size <= 8192:
             raise ArgumentError(f"--size must be an integer from 8 to 8192, got {self.size!r}")
