@@ -151,7 +151,9 @@ def make_sample_dataset(
 
     if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
         raise ArgumentError(f"the sample's folder must be a path, got {show(root)}")
-    given = [_whole(v) for v in (images, classes, seed, workers)]
+    from ..codecs import plain_int
+
+    given = [plain_int(v) for v in (images, classes, seed, workers)]
     _check_params(images=given[0], classes=given[1], seed=given[2], workers=given[3])  # before anything is written
     images, classes, seed, workers = (int(v) for v in given)  # type: ignore[call-overload]  # checked: whole numbers
     root = Path(root)
@@ -176,13 +178,6 @@ def make_sample_dataset(
 
 # About what one sample image takes on disk (the photographs are ~416x362 JPEGs of 30-80 KiB), with a margin.
 IMAGE_BYTES = 100 * 1024
-
-
-def _whole(value: object) -> object:
-    """A numpy integer as the int it holds; anything else as it is (for the checks to refuse)."""
-    import numbers
-
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
 
 
 def _check_room(root: Path, images: int) -> None:
