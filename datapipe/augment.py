@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from . import native, samples
-from .dataset import check_bool, check_int
-from .errors import ArgumentError
+from .dataset import check_int
+from .errors import ArgumentError, check_bool
 from .samples import decode_crop, decode_jpeg
 from .text import show
 

@@ -52,6 +52,7 @@ from .errors import (
     SourceError,
     TooManyBadFilesError,
     TooManyOpenFilesError,
+    check_bool,
     describe_quarantine,
     env_seconds,
     one_line,
@@ -792,8 +793,7 @@ def build(
         raise ArgumentError(f"max_bad_fraction must be a number in [0, 1], got {max_bad_fraction!r}")
     max_bad_fraction = float(max_bad_fraction)
     for name, flag in (("force", force), ("verify", verify), ("progress", progress)):
-        if not isinstance(flag, bool):  # "false" is a true value: a destructive flag takes True or False only
-            raise ArgumentError(f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
+        check_bool(flag, name)
     for name, value in (("source", source), ("output", output)):
         if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):  # "" would be the working folder
             raise ArgumentError(f"{name} must be a path or a URL, got {value!r}")

@@ -54,6 +54,7 @@ from .errors import (
     CorruptShardError,
     MappedReadError,
     UnreadableFileError,
+    check_bool,
     refused,
     refused_error,
 )
@@ -270,9 +271,14 @@ class Cache:
     """
 
     def __init__(self, path: str | Path, *, check_sizes: bool = True, remote: Any = None) -> None:
-        from .remote import local_path
+        from .remote import is_url, local_path
 
-        self.root = Path(local_path(path)).expanduser().absolute()  # a file:// URL is the folder it names
+        path = local_path(path)  # a file:// URL is the folder it names
+        if is_url(path) and remote is None:
+            raise ArgumentError(f"Cache opens a local folder, got the URL {show(path)}: open a cache in object "
+                                f"storage with datapipe.open({show(path)}, local_cache=...) or read it with "
+                                f"datapipe.StreamingDataset({show(path)}, local_cache=...)")
+        self.root = Path(path).expanduser().absolute()
         # a remote cache's node-local copy (datapipe.fetch.ShardFetcher): shard files are made local
         # when first opened, so their sizes are checked then (the rest of the hot path is the same)
         self.remote = remote
@@ -300,7 +306,7 @@ class Cache:
         # opened as a folder, a node-local cache holds the shards read so far (and no zarr.json)
         self.node_cache_of: str | None = node_cache_of(self.root) if remote is None else None
         self.verified_shards = 0  # by the last verify(): every shard, or a node-local cache's downloaded ones
-        if check_sizes and remote is None:
+        if check_bool(check_sizes, "check_sizes") and remote is None:
             self.check_sizes()
         self._init_readers()
 
@@ -1184,7 +1190,7 @@ class Cache:
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         self.verified_shards = 0
-        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not progress, file=ProgressStream(),
+        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not check_bool(progress, "progress"), file=ProgressStream(),
                    dynamic_ncols=True)
         for s, _ in enumerate(bar):
             if self.node_cache_of is not None:

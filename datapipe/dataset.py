@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .errors import ArgumentError, DatapipeError, RankMismatchError, RepeatedEpochWarning, StateError
+from .errors import ArgumentError, DatapipeError, RankMismatchError, RepeatedEpochWarning, StateError, check_bool
 from .fetch import is_url, open_cache
 from .remote import local_path
 from .text import show
@@ -66,12 +66,6 @@ def check_int(value: object, what: str, lo: int, hi: int | None = None, *, error
         bound = f"{lo} <= {what.split()[-1]} <= {hi}" if hi is not None else f">= {lo}"
         raise error(f"{what} must be {bound}, got {v if abs(v) < 10**30 else show(v)}")
     return v
-
-
-def check_bool(value: object, what: str, *, error: type[DatapipeError] = ArgumentError) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise error(f"{what} must be True or False, got {show(value)} ({type(value).__name__})")
-    return bool(value)
 
 
 def cache_identity(cache: Cache) -> tuple[str, str]:
@@ -245,9 +239,9 @@ class StreamingDataset(IterableDataset):
         self.seed = check_int(seed, "seed", 0, ORDER_LIMIT - 1)
         self.drop_last = check_bool(drop_last, "drop_last")
         self.return_index = check_bool(return_index, "return_index")
-        for name, value in (("rank", rank), ("world_size", world_size)):
+        for name, value, least in (("rank", rank, 0), ("world_size", world_size, 1)):
             if value is not None:
-                check_int(value, name, 0)
+                check_int(value, name, least)
         self._detected = (rank is None, world_size is None)  # checked against torch.distributed when used
         try:
             self.rank, self.world_size = detect_ranks(rank, world_size)

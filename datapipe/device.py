@@ -186,6 +186,8 @@ class DeviceLoader:
         self.cuda = self.device.type == "cuda"
         # the batch transform (None with output="uint8"): a generic module is wrapped in a conversion
         self.augment: BatchAugment | None = None if output == "uint8" else _batch_transform(augment)
+        if self.augment is not None:
+            _check_batch_fits(self.augment, dataset.batch_size, self.device)
         self.output = output
         self.timeout = _positive_seconds(timeout)
         self.meter = StallMeter(log_every=check_int(log_every, "log_every", 0))
@@ -683,6 +685,31 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and dev.index is None:  # "cuda" is the current device: named by its index, as tensors name it
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def _device_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` has in all (the machine's RAM for the CPU); 0 where it cannot be told."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return 0
+
+
+def _check_batch_fits(aug: BatchAugment, batch_size: int, device: torch.device) -> None:
+    """ArgumentError when one output batch of ``aug`` (a fixed size) is larger than ``device``'s memory: torch's
+    own error for such an allocation ("can't allocate memory", "Storage size calculation overflowed") names
+    neither the size nor what to change."""
+    if not aug.size:
+        return
+    itemsize = torch.empty((), dtype=aug.dtype).element_size()
+    need = batch_size * 3 * aug.size * aug.size * itemsize
+    have = _device_memory(device)
+    if have and need > have:
+        raise ArgumentError(f"one output batch of {batch_size} x 3 x {aug.size} x {aug.size} {str(aug.dtype)[6:]} "
+                            f"needs {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of memory on {device}: "
+                            f"lower the augmentation's size ({aug.size}) or the batch size")
 
 
 def reads_mapped(cache: Cache, aug: BatchAugment) -> bool:

@@ -225,3 +225,14 @@ def local_os_error(exc: BaseException) -> bool:
         return True
     return (exc.errno in (errno.EACCES, errno.EPERM) and isinstance(exc.filename, str | os.PathLike)
             and os.path.isabs(exc.filename))
+
+
+def check_bool(value: object, what: str, *, error: type[DatapipeError] = ArgumentError) -> bool:
+    """``value`` (a Python or numpy bool) as a bool, else ``error`` naming ``what``: a string such as "false" is a
+    true value, and a flag that can delete or skip work takes True or False only."""
+    kind = type(value)
+    if not (isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))):
+        from .text import show
+
+        raise error(f"{what} must be True or False, got {show(value)} ({kind.__name__})")
+    return bool(value)

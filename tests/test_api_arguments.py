@@ -147,3 +147,34 @@ def test_a_rank_variable_that_is_no_number_is_named(cache, monkeypatch, value):
     with pytest.raises(ArgumentError, match="the environment variable RANK must be a whole number"):
         datapipe.StreamingDataset(cache, batch_size=4)
 
+
+
+@pytest.mark.parametrize("world_size", [0, -1])
+def test_a_world_of_no_rank_is_refused_as_such(cache, world_size):
+    """world_size=-1 was refused as "must be >= 0", and 0, which that allowed, then as a rank out of range."""
+    with pytest.raises(ArgumentError, match=rf"world_size must be >= 1, got {world_size}"):
+        datapipe.StreamingDataset(cache, batch_size=4, rank=0, world_size=world_size)
+
+
+@pytest.mark.parametrize("size", [10**5, 10**9])
+def test_an_output_batch_larger_than_the_memory_is_named_before_the_first_batch(cache, size):
+    """augment.eval(100000) failed at the first batch with torch's "DefaultCPUAllocator: can't allocate memory",
+    10**9 with "Storage size calculation overflowed": neither names the augmentation's size."""
+    ds = datapipe.StreamingDataset(cache, batch_size=4)
+    with pytest.raises(ArgumentError, match=rf"4 x 3 x {size} x {size} float32 needs .* GiB.*lower the augmentation's size"):
+        datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(size))
+    with datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(512)) as loader:  # a large size that fits
+        assert next(iter(loader))[0].shape == (4, 3, 512, 512)
+
+
+def test_cache_is_a_local_folder_and_its_flags_take_bools(cache, tmp_path, monkeypatch):
+    """Cache("s3://bucket/x") looked for the folder ./s3:/bucket/x; check_sizes="no" and verify(progress="no")
+    were taken as true."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArgumentError, match=r"Cache opens a local folder, got the URL 's3://bucket/x': .*datapipe.open"):
+        datapipe.Cache("s3://bucket/x")
+    with pytest.raises(ArgumentError, match="check_sizes must be True or False"):
+        datapipe.Cache(cache, check_sizes="no")
+    with pytest.raises(ArgumentError, match="progress must be True or False"):
+        datapipe.Cache(cache).verify(progress="no")
+    assert datapipe.Cache(cache, check_sizes=np.bool_(False)).verify() == []
