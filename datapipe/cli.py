@@ -445,7 +445,10 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
         raw_bytes = float((shapes[:, 0] * shapes[:, 1] * 3).mean()) if len(shapes) else 0.0
         mean = float(nbytes.mean()) if len(nbytes) else 0.0
         print(f"stored     {mean:,.0f} bytes/sample mean ({mean / max(raw_bytes, 1.0):.0%} of the raw pixels)")
-    print(f"classes    {len(m.classes)}: {', '.join(map(printable, m.classes[:8]))}{' …' if len(m.classes) > 8 else ''}")
+    first = m.classes[:8]  # quoted when a name would blur the list: a comma, an edge space, an empty or quoted name
+    quote = any(not name or name != name.strip() or "," in name or name[0] in "'\"" for name in first)
+    names = ", ".join(printable(json.dumps(name, ensure_ascii=False) if quote else name) for name in first)
+    print(f"classes    {len(m.classes)}: {names}{' …' if len(m.classes) > 8 else ''}")
     shown_config = dict(m.config)
     if isinstance(shown_config.get("classes"), list):  # a class list given to the build: the classes line shows it
         shown_config["classes"] = f"<{plural(len(shown_config['classes']), 'name')}>"

@@ -540,7 +540,8 @@ def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:
         given = {unicodedata.normalize("NFC", name): name for name in classes}
         twins = [(m, given[unicodedata.normalize("NFC", m)]) for m in missing if unicodedata.normalize("NFC", m) in given]
         alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in its Unicode form (NFD and "
-                 "NFC write the same letters with other code points): rename the folders alike" if twins else "")
+                 "NFC write the same letters with other code points): "
+                 f"{'write the labels in the CSV' if listing.kind == 'csv' else 'rename the folders'} alike" if twins else "")
         raise SourceError(f"{shown(listing.url or str(listing.source or listing.root))}: "
                           f"{len(missing)} of its {len(listing.classes)} classes are not among the {len(classes)} "
                           f"given ({names}){alike}; give a class list that holds every class of the source (for a "

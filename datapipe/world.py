@@ -41,7 +41,11 @@ def detect_ranks(rank: int | None = None, world_size: int | None = None) -> tupl
     if detected is None and rank is None and "RANK" not in os.environ and os.environ.get("WORLD_SIZE", "1") != "1":
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but RANK is not: every process would read rank "
                          "0's part; set RANK in each process (torchrun does), or pass rank=")
-    det_rank, det_world = detected or (_env_int("RANK", "0"), _env_int("WORLD_SIZE", "1"))
+    if detected is not None:
+        det_rank, det_world = detected
+    else:  # only the variable that is used is read: a RANK that is no number does not fail a given rank=
+        det_rank = _env_int("RANK", "0") if rank is None else 0
+        det_world = _env_int("WORLD_SIZE", "1") if world_size is None else 1
     return (det_rank if rank is None else int(rank)), (det_world if world_size is None else int(world_size))
 
 

@@ -178,3 +178,13 @@ def test_cache_is_a_local_folder_and_its_flags_take_bools(cache, tmp_path, monke
     with pytest.raises(ArgumentError, match="progress must be True or False"):
         datapipe.Cache(cache).verify(progress="no")
     assert datapipe.Cache(cache, check_sizes=np.bool_(False)).verify() == []
+
+
+def test_a_given_rank_or_world_size_is_not_read_from_the_environment(cache, monkeypatch):
+    """With rank= given, a RANK variable that is no number still failed the dataset (and WORLD_SIZE likewise)."""
+    monkeypatch.setenv("RANK", "abc")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert datapipe.StreamingDataset(cache, batch_size=4, rank=1).world_size == 2
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert datapipe.StreamingDataset(cache, batch_size=4, world_size=3).rank == 1

@@ -286,3 +286,19 @@ def test_a_signal_after_the_command_finished_neither_kills_it_nor_says_it_was_te
                            "sync", "--quiet"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("datapipe build: ok: "), done.stderr
+
+
+def test_info_quotes_class_names_that_would_blur_the_list(tmp_path, imaging, capsys):
+    """Classes "a, b" and "c" were listed as "a, b, c": three classes to the eye. Such names are quoted."""
+    imaging.write_source(tmp_path / "src", {"a, b": 1, " c": 1, "d": 1}, variety=False)
+    assert cli_main(["build", str(tmp_path / "src"), str(tmp_path / "out"), "--size", "16", "--scheduler", "sync",
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli_main(["info", str(tmp_path / "out")]) == 0
+    assert 'classes    3: " c", "a, b", "d"\n' in capsys.readouterr().out
+    imaging.write_source(tmp_path / "plain", {"ant": 1, "bee": 1}, variety=False)
+    assert cli_main(["build", str(tmp_path / "plain"), str(tmp_path / "p"), "--size", "16", "--scheduler", "sync",
+                     "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli_main(["info", str(tmp_path / "p")]) == 0
+    assert "classes    2: ant, bee\n" in capsys.readouterr().out

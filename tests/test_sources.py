@@ -24,6 +24,7 @@ from datapipe.errors import (
     ConfigMismatchError,
     SourceError,
 )
+from datapipe.sources import Listing, with_classes
 
 # ----------------------------------------------------------------------------- CSV sources
 
@@ -491,3 +492,11 @@ def test_a_class_list_file_with_a_comment_a_header_or_of_another_kind(tmp_path, 
     line = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and "classes: a list of 1,002 -> 1,003 (the first difference at [1,000]" in line
     assert len(line) < 400, len(line)
+
+
+@pytest.mark.parametrize("kind, advice", [("folder", "rename the folders alike"), ("csv", "write the labels in the CSV alike")])
+def test_a_class_in_another_unicode_form_is_told_how_its_source_names_it(tmp_path, kind, advice):
+    """A CSV's label written in NFD against a class list in NFC was told to rename its folders: a CSV has none."""
+    listing = Listing(root=tmp_path, kind=kind, classes=["cafe\u0301"], paths=["a.jpg"], labels=[0], stats=[(1, 1)])
+    with pytest.raises(SourceError, match=f"only in its Unicode form .*: {advice};"):
+        with_classes(listing, ["caf\u00e9"])
