@@ -636,6 +636,37 @@ def _ended_with(proc: subprocess.Popen, within: float) -> str:
     return err.strip().splitlines()[-1]
 
 
+@pytest.mark.timeout(120)
+def test_a_cluster_that_runs_none_of_the_pending_shards_is_named_after_the_worker_timeout(monkeypatch):
+    """A scheduler with a live, unpaused worker that runs none of the build's shards while some are left (their
+    tasks lost between worker and scheduler): the build's watch names it after DATAPIPE_WORKER_TIMEOUT, and a
+    shard built meanwhile starts the wait again."""
+    from distributed import Client, LocalCluster
+
+    from datapipe.builder import _Watch
+    from datapipe.errors import BuildError
+
+    monkeypatch.setenv("DATAPIPE_WORKER_TIMEOUT", "2")
+    monkeypatch.setattr(_Watch, "EVERY", 0.2)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        watch = _Watch(client, cluster.scheduler_address)
+        started = time.monotonic()
+        for built in (0, 1):  # 0 -> 1: a shard was built, which starts the wait again
+            while time.monotonic() - started < 1.5 * (built + 1):
+                watch.check(built, 3)
+                time.sleep(0.05)
+        with pytest.raises(BuildError) as raised:
+            while time.monotonic() - started < 30:
+                watch.check(1, 3)
+                time.sleep(0.05)
+        took = time.monotonic() - started
+    message = str(raised.value)
+    assert "has had no worker running any of the build's shards for " in message, message
+    assert "2 are left, and the scheduler gives them to none" in message and "(1 of 3 reported)" in message, message
+    assert 3.5 < took < 20, took
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", ["no-worker", "paused-worker"])
 def test_a_cluster_without_a_worker_that_can_build_ends_the_build_with_one_line(dist_source, tmp_path, case):
