@@ -156,8 +156,14 @@ def open_cache(path: str | Path, *, local_cache: str | os.PathLike | None = None
             as ``s3://bucket/cache``), whose shards are downloaded into ``local_cache`` when first read.
         local_cache: for a cache in object storage: the node-local folder its shards are downloaded
             into (see :mod:`datapipe.fetch`); required for a URL.
-        cache_limit, storage_options, prefetch, timeout: for a cache in object storage only (see
-            :class:`datapipe.StreamingDataset`); None means the default.
+        cache_limit: for a cache in object storage: bytes (or a size such as ``"200GB"``) ``local_cache``
+            may hold, as for :class:`datapipe.StreamingDataset`; None: the default.
+        storage_options: for a cache in object storage: fsspec's options for its store (credentials,
+            ``endpoint_url``, ...).
+        prefetch: for a cache in object storage: shards downloaded ahead of the reader (an int), or
+            bytes ahead (``"2GB"``); None: the default.
+        timeout: for a cache in object storage: seconds without a byte arriving before a download raises
+            RemoteStoreError; None: the default.
 
     Raises:
         ArgumentError: a URL without ``local_cache``, or these arguments for a cache read in place.
