@@ -298,9 +298,12 @@ def _reads_again(record: dict) -> bool:
 
 
 def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bool:
-    """Whether a shard's record is of this plan's inputs, this configuration and this build."""
-    return (record.get("inputs_hash") == plan["inputs_hash"] and record.get("config_hash") == config_hash
-            and record.get("build_id") == build_id)
+    """Whether a shard's record is of this plan's shard and inputs, this configuration and this build. A record
+    that names another shard (its zarr.json edited, or taken from another shard of the same inputs) is none:
+    taken, it would be filed as that other shard's."""
+    shard = record.get("shard")
+    return (type(shard) is int and shard == plan["shard"] and record.get("inputs_hash") == plan["inputs_hash"]
+            and record.get("config_hash") == config_hash and record.get("build_id") == build_id)
 
 
 def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str, retry: bool = True) -> dict | None:

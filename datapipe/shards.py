@@ -312,6 +312,8 @@ def read_shard_metadata(shard_dir: Path) -> dict[str, Any]:
         value = record.get(key)
         if isinstance(value, bool) or not isinstance(value, kind):
             raise CacheError(f"{path}: field 'attributes.datapipe.{key}' is missing or not {kind.__name__}; {_REWRITE}")
+    if "shard" in record and type(record["shard"]) is not int:  # true would pass for shard 1
+        raise CacheError(f"{path}: field 'attributes.datapipe.shard' is not int; {_REWRITE}")
     if "index_crc32c" in record and not isinstance(record["index_crc32c"], str):
         raise CacheError(f"{path}: field 'attributes.datapipe.index_crc32c' is not str; {_REWRITE}")
     return record

@@ -547,6 +547,26 @@ def test_a_rerun_with_nothing_to_do_touches_no_file_and_open_readers_read_on(sma
     assert len(pickle.loads(pickle.dumps(cache)).labels) == 10
 
 
+@pytest.mark.parametrize("again", [{}, {"verify": True}], ids=["plain", "verify"])
+@pytest.mark.parametrize("shard", ["2", "true", '"1"', "-1"])
+def test_a_shard_record_naming_another_shard_is_rebuilt_not_filed_under_it(small, tmp_path, again, shard):
+    """Shard 1's zarr.json edited to say shard 2 (nothing else): `build --verify`, the remedy verify advises, died
+    with KeyError, and every later rerun blamed manifest.json (two shards named 000002.zarr). A record of another
+    shard (or of none: true, "1") is not this shard's: it is built again, and the cache is the original one."""
+    out = tmp_path / "out"
+    build(small, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    record = out / "shards" / "000001.zarr" / "zarr.json"
+    record.write_text(record.read_text().replace('"shard": 1,', f'"shard": {shard},', 1))
+    assert any("000001.zarr" in line for line in datapipe.open(out).verify())
+    report = build(small, out, **again)
+    assert report.status == "ok" and report.shards_built == 1
+    assert datapipe.open(out).verify() == []
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    changed = {str(k) for k in before if before[k] != after.get(k)} - {"report.json"}
+    assert changed == set(), changed
+
+
 def run_without_write_permission(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a user who may not write where file permissions say so: root gives up its override."""
     prefix: list[str] = []
