@@ -780,16 +780,23 @@ class StreamingDataset(IterableDataset):
                 raise StateError(f"the state's {key} must be a string, got {show(state[key])} "
                                  f"({type(state[key]).__name__})")
         build_id, config_hash = self._identity
-        for key, saved, mine in (("build_id", state["build_id"], build_id), ("config_hash", state["config_hash"], config_hash),
-                                 ("num_samples", num_samples, n), ("seed", seed, self.seed), ("shuffle", shuffle, self.shuffle)):
+        mismatch = lambda key, saved, mine: StateError(  # noqa: E731
+            f"the saved state is for {key}={show(saved)}, this dataset has {show(mine)} (cache {self.cache.root}); "
+            "resume with the same cache, seed and shuffle")
+        for key, saved, mine in (("build_id", state["build_id"], build_id), ("config_hash", state["config_hash"], config_hash)):
             if saved != mine:
-                raise StateError(f"the saved state is for {key}={show(saved)}, this dataset has {show(mine)} "
-                                 f"(cache {self.cache.root}); resume with the same cache, seed and shuffle")
-        if "contents" in state and state["contents"] != self._contents:
-            raise StateError(f"the saved state is for other contents of cache {self.cache.root} (contents "
-                             f"{show(state['contents'])}, now {self._contents}): it was rebuilt in place from changed "
-                             f"inputs since the state was saved, so its position would resume another order over "
-                             f"other samples or labels; start its epoch again with set_epoch({epoch}) instead")
+                raise mismatch(key, saved, mine)
+        # the same build of the same configuration, with other samples: the cache was rebuilt in place
+        if ("contents" in state and state["contents"] != self._contents) or num_samples != n:
+            was = (f"contents {show(state['contents'])}, now {self._contents}" if num_samples == n
+                   else f"{num_samples:,} samples, now {n:,}")
+            raise StateError(f"the saved state is for other contents of cache {self.cache.root} ({was}): it was "
+                             f"rebuilt in place from changed inputs since the state was saved, so its position would "
+                             f"resume another order over other samples or labels; start its epoch again with "
+                             f"set_epoch({epoch}) instead")
+        for key, saved, mine in (("seed", seed, self.seed), ("shuffle", shuffle, self.shuffle)):
+            if saved != mine:
+                raise mismatch(key, saved, mine)
         self._check_state_order(state)
         position = check_int(state["position"], "the state's position", 0, n, error=StateError)
         step = self.batch_size * self.world_size

@@ -166,10 +166,12 @@ def test_a_version_2_state_without_contents_still_resumes(index_cache, saved):
         dataset(index_cache).load_state_dict({**saved, "version": 2})
 
 
-def test_a_state_of_a_cache_rebuilt_in_place_from_changed_inputs_is_refused(tmp_path):
+@pytest.mark.parametrize("change", ["changed", "added", "removed", "added-v2"])
+def test_a_state_of_a_cache_rebuilt_in_place_from_changed_inputs_is_refused(tmp_path, change):
     """A cache rebuilt in place keeps its build id (it says whose shards they are), so a state saved before one
     image of its source changed was accepted and resumed the saved position over other samples. The state names
-    the cache's contents; a rebuild of unchanged inputs keeps them."""
+    the cache's contents; a rebuild of unchanged inputs keeps them. An image added or removed was refused as
+    another cache ("resume with the same cache"), without the set_epoch advice; so was a version 2 state's."""
     cache = build_index_cache(tmp_path, 30, shard_size=7)
     ds = dataset(cache)
     ds.set_epoch(2)
@@ -183,10 +185,19 @@ def test_a_state_of_a_cache_rebuilt_in_place_from_changed_inputs_is_refused(tmp_
     rebuild()  # nothing changed: the same cache
     dataset(cache).load_state_dict(state)
     images = sorted(p for p in (tmp_path / "source").rglob("*") if p.is_file())
-    shutil.copyfile(images[1], images[0])
+    if change == "changed":
+        shutil.copyfile(images[1], images[0])
+    elif change == "removed":
+        images[0].unlink()
+    else:
+        shutil.copyfile(images[1], images[1].with_name("added" + images[1].suffix))
+    if change.endswith("v2"):
+        state = {k: v for k, v in state.items() if k != "contents"} | {"version": 2}
     rebuild()
     assert datapipe.open(cache).build_id == state["build_id"]
-    with pytest.raises(StateError, match=r"rebuilt in place from changed inputs.*set_epoch\(2\)") as excinfo:
+    counts = {"changed": "", "removed": "30 samples, now 29", "added": "30 samples, now 31"}
+    with pytest.raises(StateError, match=rf"other contents .*{counts.get(change, '30 samples, now 31')}.*rebuilt in "
+                                         r"place from changed inputs.*set_epoch\(2\)") as excinfo:
         dataset(cache).load_state_dict(state)
     one_line_refusal(excinfo.value)
 
