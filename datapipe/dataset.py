@@ -783,9 +783,9 @@ class StreamingDataset(IterableDataset):
         mismatch = lambda key, saved, mine: StateError(  # noqa: E731
             f"the saved state is for {key}={show(saved)}, this dataset has {show(mine)} (cache {self.cache.root}); "
             "resume with the same cache, seed and shuffle")
-        for key, saved, mine in (("build_id", state["build_id"], build_id), ("config_hash", state["config_hash"], config_hash)):
-            if saved != mine:
-                raise mismatch(key, saved, mine)
+        for key, mine in (("build_id", build_id), ("config_hash", config_hash)):
+            if state[key] != mine:
+                raise mismatch(key, state[key], mine)
         # the same build of the same configuration, with other samples: the cache was rebuilt in place
         if ("contents" in state and state["contents"] != self._contents) or num_samples != n:
             was = (f"contents {show(state['contents'])}, now {self._contents}" if num_samples == n
@@ -794,9 +794,10 @@ class StreamingDataset(IterableDataset):
                              f"rebuilt in place from changed inputs since the state was saved, so its position would "
                              f"resume another order over other samples or labels; start its epoch again with "
                              f"set_epoch({epoch}) instead")
-        for key, saved, mine in (("seed", seed, self.seed), ("shuffle", shuffle, self.shuffle)):
-            if saved != mine:
-                raise mismatch(key, saved, mine)
+        if seed != self.seed:
+            raise mismatch("seed", seed, self.seed)
+        if shuffle != self.shuffle:
+            raise mismatch("shuffle", shuffle, self.shuffle)
         self._check_state_order(state)
         position = check_int(state["position"], "the state's position", 0, n, error=StateError)
         step = self.batch_size * self.world_size
