@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from .errors import ArgumentError, DecodeError, one_line
+from .records import MAX_SIZE, long_side_cap
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -119,8 +120,8 @@ class DecodeSpec:
         if isinstance(self.max_aspect, numbers.Real) and not isinstance(self.max_aspect, (bool, int, float)):
             object.__setattr__(self, "max_aspect", float(self.max_aspect))  # numpy's float32 and int64
         # Named as the command line spells them: these are the options of `datapipe build`.
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 8 <= self.size <= 8192:
-            raise ArgumentError(f"--size must be an integer from 8 to 8192, got {self.size!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or not 8 <= self.size <= MAX_SIZE:
+            raise ArgumentError(f"--size must be an integer from 8 to {MAX_SIZE}, got {self.size!r}")
         if self.fit not in FITS:
             raise ArgumentError(f"--fit must be one of {', '.join(FITS)}, got {self.fit!r}")
         if isinstance(self.max_pixels, bool) or not isinstance(self.max_pixels, int) or self.max_pixels < 1:
@@ -128,6 +129,12 @@ class DecodeSpec:
         ok = isinstance(self.max_aspect, (int, float)) and not isinstance(self.max_aspect, bool)
         if not ok or not 1.0 <= self.max_aspect <= 8.0:  # NaN fails the range too
             raise ArgumentError(f"--max-aspect must be a number from 1 to 8, got {self.max_aspect!r}")
+        if self.fit == "short" and long_side_cap(self.size, self.max_aspect) > MAX_SIZE:
+            # refused before any work: a cache of such samples would be refused by every reader
+            raise ArgumentError(
+                f"--fit short with --size {self.size} and --max-aspect {self.max_aspect:g} gives samples a longer side of "
+                f"up to {long_side_cap(self.size, self.max_aspect):,} pixels, over the {MAX_SIZE:,} a cache holds: "
+                f"lower --max-aspect to at most {math.floor(MAX_SIZE / self.size * 1000) / 1000:g}, or --size")
 
     @property
     def max_side(self) -> int:
@@ -468,12 +475,6 @@ def _packed(img: np.ndarray) -> np.ndarray:
     # a fresh array, not np.ascontiguousarray: numpy calls a view with a dimension of 1 contiguous
     # whatever that dimension's stride (a 1-row crop of a mirrored image keeps a negative one)
     return np.array(img, dtype=np.uint8, order="C", copy=True)
-
-
-def long_side_cap(size: int, max_aspect: float) -> int:
-    """floor(max_aspect * size): the longest side a ``short`` sample may have (rounded to 9 digits
-    first, so that 1.15 * 100 is 115, not 114)."""
-    return max(size, math.floor(round(max_aspect * size, 9)))
 
 
 @dataclass(frozen=True)

@@ -241,7 +241,8 @@ def _config(f: _Fields) -> tuple[dict, str]:
 
 
 def long_side_cap(size: int, max_aspect: float) -> int:
-    """floor(max_aspect * size), the longest side of a ``short`` sample (``codecs.long_side_cap``)."""
+    """floor(max_aspect * size): the longest side a ``short`` sample may have (rounded to 9 digits
+    first, so that 1.15 * 100 is 115, not 114)."""
     return max(size, math.floor(round(max_aspect * size, 9)))
 
 

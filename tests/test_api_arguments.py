@@ -188,3 +188,19 @@ def test_a_given_rank_or_world_size_is_not_read_from_the_environment(cache, monk
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert datapipe.StreamingDataset(cache, batch_size=4, world_size=3).rank == 1
+
+
+@pytest.mark.parametrize("size, max_aspect, most", [(4097, 2.0, "1.999"), (1025, 8.0, "7.992"), (8192, 1.01, "1")])
+def test_a_short_side_whose_longer_cap_passes_the_largest_sample_is_refused_before_the_scan(tmp_path, size, max_aspect,
+                                                                                             most):
+    """--fit short --size 4097 (cap 8194) passed each option's range, decoded and wrote every shard, and then the
+    manifest was refused as a cache no reader takes; a rerun blamed build.json. The product is checked first."""
+    with pytest.raises(ArgumentError, match=rf"longer side of up to .* over the 8,192 .*--max-aspect to at most {most},"):
+        datapipe.BuildSpec(size=size, fit="short", max_aspect=max_aspect)
+    assert datapipe.BuildSpec(size=1024, fit="short", max_aspect=8.0).max_side == 8192
+    assert datapipe.BuildSpec(size=size, fit="crop").max_side == size  # the cap is short's only
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(tmp_path / "src"), str(tmp_path / "out"),
+                           "--fit", "short", "--size", str(size), "--max-aspect", str(max_aspect), "--scheduler", "sync"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "over the 8,192" in done.stderr and not (tmp_path / "out").exists(), done.stderr
