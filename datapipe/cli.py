@@ -249,11 +249,25 @@ def _main(argv: list[str] | None) -> int:
                 with contextlib.suppress(OSError):
                     os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # nothing left to flush at exit
             return 141
+        except ModuleNotFoundError as exc:
+            dist = _REQUIRED.get((exc.name or "").split(".")[0])
+            if dist is None:  # not one of the package's own dependencies: a bug, or an extra's (each says so itself)
+                raise
+            how = " (the build for this machine: https://pytorch.org/get-started)" if dist == "torch" else ""
+            print(f"datapipe {args.command}: error: it needs {dist}, one of datapipe's dependencies, which is not "
+                  f"installed in this Python ({sys.executable}): pip install {dist}{how}", file=sys.stderr)
+            return 2
         except OSError as exc:  # the machine's state (a permission, a disk) where no message of ours says it: one line
             where = f"{exc.filename}: " if exc.filename else ""
             print(f"datapipe {args.command}: error: {where}{exc.strerror or exc} ({type(exc).__name__}); check the "
                   "path, its permissions and its disk, and rerun", file=sys.stderr)
             return 1
+
+
+# The modules of datapipe's dependencies (pyproject.toml's) -> the distribution that installs each
+_REQUIRED = {"torch": "torch", "kornia": "kornia", "numpy": "numpy", "dask": "dask", "distributed": "distributed",
+             "bokeh": "bokeh", "zarr": "zarr", "PIL": "Pillow", "simplejpeg": "simplejpeg", "tqdm": "tqdm",
+             "google_crc32c": "google-crc32c"}
 
 
 def _reader_gone(stream: Any) -> bool:

@@ -41,7 +41,7 @@ import importlib.machinery
 import os
 import threading
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,11 +55,34 @@ if TYPE_CHECKING:  # torch is imported by the loader's callers, never here: a bu
 ABI = 5  # must match DATAPIPE_NATIVE_ABI in _native.c
 
 
+OFF = ("0", "off", "false", "no")
+ON = ("", "1", "on", "true", "yes", "auto")
+
+
+def switched_off() -> str | None:
+    """Why ``DATAPIPE_NATIVE`` turns the compiled kernels off (its value, one of OFF), or None when it does not.
+    A value that is neither OFF nor ON leaves them on, and says so once: it is never taken silently."""
+    raw = os.environ.get("DATAPIPE_NATIVE", "1").strip().lower()
+    if raw in OFF:
+        return f"DATAPIPE_NATIVE={raw}"
+    if raw not in ON:
+        _warn_unknown(raw)
+    return None
+
+
+@cache
+def _warn_unknown(raw: str) -> None:
+    import warnings
+
+    warnings.warn(f"DATAPIPE_NATIVE={raw!r} is neither on ({', '.join(v for v in ON if v)}) nor off ({', '.join(OFF)}): "
+                  "the compiled kernels stay on", RuntimeWarning, stacklevel=4)
+
+
 @lru_cache(maxsize=1)
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library or None, a line saying which and why)."""
-    if os.environ.get("DATAPIPE_NATIVE", "1").strip() == "0":
-        return None, "off (DATAPIPE_NATIVE=0): torch kernels"
+    if (off := switched_off()) is not None:
+        return None, f"off ({off}): torch kernels"
     here = Path(__file__).resolve().parent
     paths = [here / f"_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
     path = next((p for p in paths if p.exists()), None)

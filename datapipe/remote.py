@@ -8,7 +8,7 @@ last one the proof: a shard's ``zarr.json`` after its data, the manifest after e
 
 What datapipe deletes in object storage: only objects whose names are the shard layout's, under a shard
 of its own build id, and the documents carrying that build id; any other object under the prefix stays.
-fsspec and s3fs are imported only when a URL is used (``pip install ".[remote]"``).
+fsspec and s3fs are imported only when a URL is used (``pip install 'datapipe[remote]'``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from .shards import (
 )
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-INSTALL = 'pip install ".[remote]"'
+INSTALL = "pip install 'datapipe[remote]'"
 LOCK_OBJECT = ".datapipe.lock"
 LOCK_SETTLE = 1.0  # seconds between writing the lock object and reading it back (DATAPIPE_REMOTE_LOCK_SETTLE)
 LOCK_TTL = 120.0  # seconds: a lock object not refreshed for this long is a dead build's (DATAPIPE_REMOTE_LOCK_TTL)

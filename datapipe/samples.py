@@ -33,6 +33,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from . import native
 from .errors import CorruptShardError
 
 Encoding = Literal["raw", "jpeg"]
@@ -397,8 +398,8 @@ def _partial() -> tuple[PartialDecoder | None, str]:
 
 
 def _open_partial() -> tuple[PartialDecoder | None, str]:
-    if os.environ.get("DATAPIPE_NATIVE", "1").strip() == "0":
-        return None, "off (DATAPIPE_NATIVE=0): whole-image decodes with simplejpeg"
+    if (off := native.switched_off()) is not None:
+        return None, f"off ({off}): whole-image decodes with simplejpeg"
     here = Path(__file__).resolve().parent
     path = next((p for s in importlib.machinery.EXTENSION_SUFFIXES if (p := here / f"_jpegcrop{s}").exists()), None)
     if path is None:

@@ -128,11 +128,24 @@ def test_presets_give_the_torch_values(monkeypatch, channels_last):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
 
 
-def test_the_switch_turns_the_kernel_off():
-    code = "from datapipe import native; print(native.available(), native.describe())"
-    env = {**os.environ, "DATAPIPE_NATIVE": "0"}
+@pytest.mark.parametrize("value", ["0", "off", "False", " no "])
+def test_the_switch_turns_the_kernel_off(value):
+    """DATAPIPE_NATIVE=off, false or no left the kernels on in silence: only "0" was read."""
+    code = ("from datapipe import native, samples; print(native.available(), native.describe(), "
+            "samples.partial_decoder() is None, samples.describe_decoder())")
+    env = {**os.environ, "DATAPIPE_NATIVE": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.startswith("False") and "DATAPIPE_NATIVE=0" in out
+    assert out.startswith("False") and f"DATAPIPE_NATIVE={value.strip().lower()}" in out and " True " in out, out
+
+
+def test_a_switch_value_that_is_neither_on_nor_off_is_said():
+    code = "from datapipe import native; print(native.available())"
+    plain = {k: v for k, v in os.environ.items() if k != "DATAPIPE_NATIVE"}
+    default = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], env={**plain, "DATAPIPE_NATIVE": "maybe"}, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout == default.stdout, (done.stdout, default.stdout)
+    assert done.stderr.count("DATAPIPE_NATIVE='maybe' is neither on") == 1, done.stderr
 
 
 @needs_kernel
