@@ -153,13 +153,15 @@ def main(argv=None) -> int:
             loader.close()
             return fail(f"--resume {args.resume}: not a checkpoint of this script ({type(exc).__name__}: {exc})")
         try:
+            # the loader's state first: it names another --seed or cache than the saved run's (another cache may
+            # have another number of classes, which the model's weights would only say as a size mismatch), or a
+            # --batch-size whose global batches do not divide the saved position, in one line
+            loader.load_state_dict(ckpt["loader"])  # seeks to the first batch the saved run had not trained on
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
-            loader.load_state_dict(ckpt["loader"])  # seeks to the first batch the saved run had not trained on
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # datapipe's StateError is a ValueError
-            loader.close()  # another --seed or cache than the saved run's, or a --batch-size whose global batches do
-            # not divide the saved position: the loader's one line says
-            return fail(f"--resume {args.resume}: {exc}")
+            loader.close()
+            return fail(f"--resume {args.resume}: {' '.join(str(exc).split())}")
         step = ckpt["step"]
         start_epoch = ckpt["epoch"] + 1 if ckpt["epoch_done"] else ckpt["epoch"]
         if rank == 0:

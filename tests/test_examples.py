@@ -182,6 +182,22 @@ def test_a_resume_with_other_options_than_the_checkpoints_is_one_line(stopped_ru
     assert not (tmp_path / "c.pt").exists()
 
 
+def test_a_resume_on_another_cache_with_other_classes_is_the_loaders_one_line(stopped_run, tmp_path):
+    """A checkpoint resumed on another cache of another class count failed on the model's weights first: a torch
+    "size mismatch" error over three lines that never named the cache. The loader's state is loaded first."""
+    _, checkpoint = stopped_run
+    source = datapipe.make_sample_dataset(tmp_path / "src", images=IMAGES, classes=CLASSES + 1)
+    other = tmp_path / "other"
+    datapipe.build(source, other, size=SIZE, shard_size=16, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    proc = run_failing([sys.executable, *train_args(other, tmp_path / "c.pt", "--epochs", 1, "--batch-size", 8,
+                                                    "--resume", checkpoint)],
+                       timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"train.py: error: --resume {checkpoint}: the saved state is for build_id="), lines
+    assert "size mismatch" not in proc.stderr
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_train_saves_a_checkpoint_when_stopped_and_resumes_exactly(example_cache, tmp_path, sig, code):
     """SIGTERM (a preempted job) or Ctrl-C mid-epoch: the step in progress ends, a checkpoint counts
