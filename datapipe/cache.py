@@ -268,6 +268,11 @@ class Cache:
     copied out of memory maps under the SIGBUS guard (else positioned reads). The object pickles
     small (path, manifest and the identities recorded at open; descriptors and maps are reopened
     and checked).
+
+    Raises:
+        ArgumentError: a URL (a cache in object storage is opened with ``datapipe.open(url,
+            local_cache=...)``), or ``check_sizes`` not a bool.
+        CacheError: no finished cache at ``path`` (a build still writing it is named).
     """
 
     def __init__(self, path: str | Path, *, check_sizes: bool = True, remote: Any = None) -> None:
@@ -1181,6 +1186,7 @@ class Cache:
         """
         from tqdm import tqdm
 
+        shown = check_bool(progress, "progress")  # before any work
         problems: list[str] = []
         labels = self._verify_step(problems, self._load_labels)
         paths = self._verify_step(problems, self._load_paths)
@@ -1190,7 +1196,7 @@ class Cache:
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         self.verified_shards = 0
-        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not check_bool(progress, "progress"), file=ProgressStream(),
+        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not shown, file=ProgressStream(),
                    dynamic_ncols=True)
         for s, _ in enumerate(bar):
             if self.node_cache_of is not None:

@@ -212,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except ModuleNotFoundError as exc:  # the parser's own imports (numpy, for one)
+        print(_missing_dependency(exc, "datapipe"), file=sys.stderr)
+        return 2
     import signal
     import threading
 
@@ -250,12 +254,7 @@ def _main(argv: list[str] | None) -> int:
                     os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # nothing left to flush at exit
             return 141
         except ModuleNotFoundError as exc:
-            dist = _REQUIRED.get((exc.name or "").split(".")[0])
-            if dist is None:  # not one of the package's own dependencies: a bug, or an extra's (each says so itself)
-                raise
-            how = " (the build for this machine: https://pytorch.org/get-started)" if dist == "torch" else ""
-            print(f"datapipe {args.command}: error: it needs {dist}, one of datapipe's dependencies, which is not "
-                  f"installed in this Python ({sys.executable}): pip install {dist}{how}", file=sys.stderr)
+            print(_missing_dependency(exc, f"datapipe {args.command}"), file=sys.stderr)
             return 2
         except OSError as exc:  # the machine's state (a permission, a disk) where no message of ours says it: one line
             where = f"{exc.filename}: " if exc.filename else ""
@@ -268,6 +267,17 @@ def _main(argv: list[str] | None) -> int:
 _REQUIRED = {"torch": "torch", "kornia": "kornia", "numpy": "numpy", "dask": "dask", "distributed": "distributed",
              "bokeh": "bokeh", "zarr": "zarr", "PIL": "Pillow", "simplejpeg": "simplejpeg", "tqdm": "tqdm",
              "google_crc32c": "google-crc32c"}
+
+
+def _missing_dependency(exc: ModuleNotFoundError, command: str) -> str:
+    """The one line for one of datapipe's own dependencies missing (installed with --no-deps, or removed since);
+    ``exc`` itself is raised again when it is about another module (a bug, or an extra's: each says so itself)."""
+    dist = _REQUIRED.get((exc.name or "").split(".")[0])
+    if dist is None:
+        raise exc
+    how = " (the build for this machine: https://pytorch.org/get-started)" if dist == "torch" else ""
+    return (f"{command}: error: it needs {dist}, one of datapipe's dependencies, which is not installed in this Python "
+            f"({sys.executable}): pip install {dist}{how}")
 
 
 def _reader_gone(stream: Any) -> bool:

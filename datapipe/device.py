@@ -161,7 +161,9 @@ class DeviceLoader:
             with ``num_workers=0`` the batch is read in the loop's own thread, which no timeout interrupts.
 
     Raises:
-        ArgumentError: an argument of the wrong type or out of range (the message names it).
+        ArgumentError: an argument of the wrong type or out of range (the message names it), or an
+            augmentation whose one output batch is larger than the device's memory (its size and the
+            batch size named).
 
     Iterating yields ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64
     [B] — or ``(images, labels, indices)`` when the dataset has ``return_index=True``.

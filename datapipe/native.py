@@ -22,7 +22,7 @@
 ``pip install`` builds it when a C compiler is present; the extension is optional, so an install
 without a compiler still succeeds and the augment presets use the torch kernels, which give the
 same values (the tests compare the two). ctypes releases the GIL for each call, so the loader's
-reader threads convert in parallel. ``DATAPIPE_NATIVE=0`` turns it off; ``datapipe info --env``
+reader threads convert in parallel. ``DATAPIPE_NATIVE=0`` (or off, false, no) turns it off; ``datapipe info --env``
 says whether it is active.
 
 Example:
@@ -72,10 +72,12 @@ def switched_off() -> str | None:
 
 @cache
 def _warn_unknown(raw: str) -> None:
-    import warnings
+    """One line, once per process (the ``datapipe`` logger: a line of its own, with no source line of ours)."""
+    import logging
 
-    warnings.warn(f"DATAPIPE_NATIVE={raw!r} is neither on ({', '.join(v for v in ON if v)}) nor off ({', '.join(OFF)}): "
-                  "the compiled kernels stay on", RuntimeWarning, stacklevel=4)
+    logging.getLogger("datapipe").warning(
+        "datapipe: DATAPIPE_NATIVE=%r is neither on (%s) nor off (%s): the compiled kernels stay on", raw,
+        ", ".join(v for v in ON if v), ", ".join(OFF))
 
 
 @lru_cache(maxsize=1)

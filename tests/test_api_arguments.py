@@ -156,10 +156,11 @@ def test_a_world_of_no_rank_is_refused_as_such(cache, world_size):
         datapipe.StreamingDataset(cache, batch_size=4, rank=0, world_size=world_size)
 
 
-@pytest.mark.parametrize("size", [10**5, 10**9])
+@pytest.mark.parametrize("size", [10**6, 10**9])
 def test_an_output_batch_larger_than_the_memory_is_named_before_the_first_batch(cache, size):
     """augment.eval(100000) failed at the first batch with torch's "DefaultCPUAllocator: can't allocate memory",
-    10**9 with "Storage size calculation overflowed": neither names the augmentation's size."""
+    10**9 with "Storage size calculation overflowed": neither names the augmentation's size. (10**6: 44 TiB a batch,
+    more than any machine's memory.)"""
     ds = datapipe.StreamingDataset(cache, batch_size=4)
     with pytest.raises(ArgumentError, match=rf"4 x 3 x {size} x {size} float32 needs .* GiB.*lower the augmentation's size"):
         datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(size))
@@ -204,3 +205,17 @@ def test_a_short_side_whose_longer_cap_passes_the_largest_sample_is_refused_befo
                            "--fit", "short", "--size", str(size), "--max-aspect", str(max_aspect), "--scheduler", "sync"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "over the 8,192" in done.stderr and not (tmp_path / "out").exists(), done.stderr
+
+
+def test_a_world_of_several_without_a_rank_is_refused_wherever_its_size_comes_from(cache, monkeypatch):
+    """world_size=1 was refused when WORLD_SIZE=4 was set (the given size is the one in effect); world_size=4 given
+    with no rank anywhere read rank 0's part in every process."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert datapipe.StreamingDataset(cache, batch_size=4, world_size=1).world_size == 1
+    with pytest.raises(ArgumentError, match="WORLD_SIZE=4 is set but no rank"):
+        datapipe.StreamingDataset(cache, batch_size=4)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ArgumentError, match=r"world_size=4 is given but no rank \(rank=, torch.distributed or RANK\)"):
+        datapipe.StreamingDataset(cache, batch_size=4, world_size=4)
+    assert datapipe.StreamingDataset(cache, batch_size=4, rank=2, world_size=4).rank == 2

@@ -48,12 +48,14 @@ def test_environment_report_names_the_jpeg_decoder():
     assert env["torch"] and env["zarr"].startswith("3")
 
 
-def _declared() -> set[str]:
-    """Every distribution pyproject.toml names: the dependencies and each extra's, normalised."""
+def _declared(extras: bool = True) -> set[str]:
+    """Every distribution pyproject.toml names: the dependencies and (``extras``) each extra's, normalised."""
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    wanted = [*project["dependencies"]]
+    if extras:
+        wanted += [r for extra in project["optional-dependencies"].values() for r in extra]
     return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in wanted}
 
 
@@ -83,11 +85,17 @@ def test_every_package_the_code_imports_is_declared():
 def test_the_sdist_carries_the_licences_and_types_and_no_half_test_suite(tmp_path):
     """The sdist held every tests/test_*.py but not their fixtures (collecting them failed), no LICENSE for the
     declared Apache-2.0, and no py.typed: mypy took the annotated package as untyped."""
+    import shutil
     import tarfile
 
+    tree = tmp_path / "tree"  # the tracked files: the build writes its egg-info beside them, never into the checkout
+    for name in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\n"):
+        if name and (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
     sdist = tmp_path / subprocess.run(
         [sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp_path)!r}))"],
-        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()[-1]
+        cwd=tree, capture_output=True, text=True, check=True).stdout.split()[-1]
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     assert {"LICENSE", "datapipe/py.typed", "datapipe/_native.c", "datapipe/_jpegcrop.c",
@@ -113,3 +121,22 @@ def test_a_missing_dependency_is_one_line_naming_it(tmp_path, imaging):
         assert f"datapipe {args[0]}: error: it needs torch, one of datapipe's dependencies" in done.stderr, done.stderr
         if args is build:  # a cache to bench, built with torch
             subprocess.run([sys.executable, "-m", "datapipe", *build], check=True, timeout=120)
+    # numpy is imported by the command line's parser already
+    done = subprocess.run([sys.executable, "-c", without_torch.replace("torch", "numpy"), *build], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "datapipe: error: it needs numpy, one of datapipe's dependencies" in done.stderr, done.stderr
+    from datapipe.cli import _REQUIRED
+
+    assert {d.lower() for d in _REQUIRED.values()} == _declared(extras=False)  # the same list as pyproject.toml's
+
+
+def test_python_m_datapipe_builds_on_a_local_cluster(tmp_path, imaging):
+    """`python -m datapipe build` ran the command line at the import of datapipe/__main__.py, outside a main guard:
+    every build on a LocalCluster (the default) was refused as an unguarded script."""
+    imaging.write_source(tmp_path / "src", {"a": 2, "b": 2}, variety=False)
+    done = subprocess.run([sys.executable, "-m", "datapipe", "build", str(tmp_path / "src"), str(tmp_path / "out"),
+                           "--size", "16", "--workers", "1", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert subprocess.run([sys.executable, "-m", "datapipe", "verify", str(tmp_path / "out")], capture_output=True,
+                          timeout=120).returncode == 0
