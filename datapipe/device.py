@@ -308,8 +308,12 @@ class DeviceLoader:
             with self._cond:
                 self._generation += 1  # queued jobs of an earlier iteration are skipped, not read
                 gen = self._generation
-            self._drain()
-            order, bounds = self.dataset.begin_iteration()
+            began = self.meter.begin()
+            try:
+                self._drain()
+                order, bounds = self.dataset.begin_iteration()
+            finally:  # the loop waited on the readers finishing the iteration this one replaces
+                self.meter.add_wait(time.perf_counter() - began)
             return self._batches(gen, self.dataset.iteration, order, bounds)
 
     def _batches(self, gen: int, iteration: int, order: np.ndarray, bounds: np.ndarray) -> Iterator[_OutBatch]:
@@ -331,7 +335,11 @@ class DeviceLoader:
                         self._submit(gen, submitted, order[begin:end], self._free.pop(),
                                      _seed_for(ds.seed, epoch, begin))
                         submitted += 1
-                    (slot, batch, seed), waited = self._wait(gen, j, started)
+                    try:
+                        (slot, batch, seed), waited = self._wait(gen, j, started)
+                    except BaseException:  # a timeout the loop may catch, a reader's error: it waited all the same
+                        self.meter.add_wait(time.perf_counter() - started)
+                        raise
                     if self.cuda:
                         batch = self._on_device(slot, batch, seed)
                     else:
@@ -350,6 +358,7 @@ class DeviceLoader:
             if not self._closed:  # every batch was delivered: a close() after the last one ends nothing
                 self._check_current(gen, iteration)
         finally:
+            self.meter.finish()  # ended (a break, an error): done with the last batch's step, if not already
             ds.end_iteration(iteration)
             if held is not None:  # the loop's batch (a newer iteration took back every buffer but this one)
                 self._give_back(held)

@@ -392,6 +392,59 @@ def test_the_stall_meter_counts_waits_and_steps(monkeypatch):
     assert s["images_per_s"] == pytest.approx(8 / 0.040) and s["wait_share"] == pytest.approx(0.25)
 
 
+def test_the_stall_meter_is_only_read_by_stats_and_its_window_counts_the_latest_step(monkeypatch):
+    """stats() in the loop's body (a live meter) froze the end of the last step at that call: 7 batches of a 200 ms
+    step read 74.9 img/s where 7 steps allow 71.4. The window's figures left out its latest batch's step; a wait
+    outside a delivered batch (an iteration begun, a timeout caught) counted as the model's time."""
+    from datapipe import stats
+
+    clock = _Clock()
+    monkeypatch.setattr(stats.time, "perf_counter", clock)
+    meter = stats.StallMeter()
+    meter.begin()
+    meter.add_wait(0.5)  # beginning the iteration: the readers finished the one it replaced
+    clock.now += 0.5
+    for _ in range(4):  # each batch: 10 ms waiting, then a 30 ms step, with a peek half-way through the step
+        started = meter.begin()
+        clock.now += 0.010
+        meter.record(started, 0.010, 8)
+        clock.now += 0.015
+        meter.stats()
+        clock.now += 0.015
+    meter.finish()  # the loop asked once more: the epoch is over
+    clock.now += 5
+    s = meter.stats()
+    assert s["seconds"] == pytest.approx(0.5 + 4 * 0.040) and s["wait_s"] == pytest.approx(0.5 + 4 * 0.010)
+    assert s["recent"]["images_per_s"] == pytest.approx(s["images_per_s"])  # the window holds every batch
+    assert s["recent"]["wait_share"] == pytest.approx(s["wait_share"])
+
+
+def test_the_stall_meter_may_be_read_from_another_thread():
+    """stats() from a monitoring thread raised "deque mutated during iteration" while the loop recorded."""
+    import threading
+
+    from datapipe import stats
+
+    meter = stats.StallMeter(window=8)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def monitor() -> None:
+        while not stop.is_set():
+            try:
+                meter.stats()
+            except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    for _ in range(20_000):
+        meter.record(meter.begin(), 0.0, 1)
+    stop.set()
+    thread.join()
+    assert errors == [] and meter.stats()["batches"] == 20_000
+
+
 def test_the_model_step_figure_counts_every_step(tiny):
     """--step-ms 50 with batches of 8: the loop cannot go faster than 8 / 0.050 = 160 img/s."""
     result = bench.run(tiny / "cache", BenchSpec(batch_size=8, workers=1, repeats=1, batches=3, crop=48, step_ms=50),

@@ -662,6 +662,22 @@ def test_a_stuck_reader_raises_instead_of_hanging(index_cache, monkeypatch):
         loader.close()
 
 
+def test_a_wait_that_ended_in_a_timeout_and_the_wait_for_the_readers_count_as_waiting(index_cache, monkeypatch):
+    """A timeout the loop caught was charged to the model's step (3% waiting where the loop waited 75% of the
+    time), and so was an iteration begun while the readers finished the one it replaced."""
+    loader, release = held_reader_loader(index_cache, monkeypatch, timeout=2)
+    try:
+        with pytest.raises(TimeoutError):
+            next(iter(loader))
+        assert loader.stats()["wait_s"] >= 2  # blocked for the whole timeout, however busy the machine
+        threading.Timer(0.5, release.set).start()  # the stuck read ends half a second from now
+        iter(loader)  # waits (up to the timeout) for the readers to finish the abandoned iteration's read
+        assert loader.stats()["wait_s"] >= 2 + 0.5
+    finally:
+        release.set()
+        loader.close()
+
+
 def readers_alive() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("datapipe-reader-")]
 
