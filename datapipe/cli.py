@@ -601,8 +601,13 @@ def _bench(args: argparse.Namespace) -> int:
     spec = BenchSpec(batch_size=args.batch_size, workers=args.workers, crop=args.crop, batches=args.batches,
                      device=args.device, repeats=args.repeats, step_ms=args.step_ms)  # checks every flag
     # The result files are checked before anything is measured: a bench takes minutes.
-    json_out = check_output_file("--json", args.json) if args.json else None
-    plot_out = check_output_file("--plot", chart_path(args.plot)) if args.plot else None
+    json_out = check_output_file("--json", args.json) if args.json is not None else None
+    plot_out = check_output_file("--plot", chart_path(args.plot) if args.plot else "") if args.plot is not None else None
+    if json_out is not None and plot_out is not None and json_out.absolute() == plot_out.absolute():
+        from .errors import ArgumentError
+
+        raise ArgumentError(f"--json and --plot name the same file ({json_out}): the chart would overwrite the "
+                            "results; give each its own")
     against = [a.strip() for a in args.against.split(",") if a.strip()]
     with _loaders_stop_quietly():
         result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir,

@@ -125,7 +125,7 @@ def test_the_stage_breakdown_adds_up_to_the_end_to_end_time(tmp_path):
     ("batches", "--batches", 0), ("batches", "--batches", 2.0),
     ("repeats", "--repeats", 0), ("repeats", "--repeats", "3"),
     ("step_ms", "--step-ms", -1.0), ("step_ms", "--step-ms", float("nan")), ("step_ms", "--step-ms", float("inf")),
-    ("step_ms", "--step-ms", True), ("step_ms", "--step-ms", "5"),
+    ("step_ms", "--step-ms", True), ("step_ms", "--step-ms", "5"), ("step_ms", "--step-ms", 1e13),
     ("device", "--device", "gpu"), ("device", "--device", "cuda:x"), ("device", "--device", "CPU"),
     ("device", "--device", ""), ("device", "--device", None),
 ])
@@ -166,7 +166,23 @@ def test_the_bench_command_checks_its_flags_through_the_spec(tmp_path, capsys):
     """A negative model step is refused before the cache is opened (argparse's types let it through)."""
     assert cli.main(["bench", str(tmp_path / "no-cache"), "--step-ms", "-5"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line == "datapipe bench: error: --step-ms must be a number of milliseconds >= 0, got -5.0"
+    assert line == "datapipe bench: error: --step-ms must be a number of milliseconds from 0 to 86,400,000 (a day), got -5.0"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--json", ""], "--json is empty; name a file"),  # `--json "$OUT"` with OUT unset: it was taken as no --json
+    (["--plot", ""], "--plot is empty; name a file"),
+    (["--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"], "--json and --plot name the same file"),  # the chart overwrote it
+    (["--json", "{tmp}/afile/x.json"], "afile is a file, not a folder"),  # was: "the folder ... does not exist"
+])
+def test_result_paths_that_would_lose_the_results_are_refused_before_anything_runs(tiny, tmp_path, capsys, flags,
+                                                                                    words):
+    (tmp_path / "afile").write_text("mine")
+    args = [f.format(tmp=tmp_path) for f in flags]
+    assert cli.main(["bench", str(tiny / "cache"), "--repeats", "1", *args]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("datapipe bench: error: ") and words in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 # ----------------------------------------------------------------------------- caches side by side

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import platform
 import re
@@ -43,6 +42,8 @@ SYSTEM = "datapipe"
 StageTimers: TypeAlias = dict[str, tuple[Callable[[], None], int]]
 log = logging.getLogger("datapipe.bench")
 
+
+MAX_STEP_MS = 86_400_000  # a day: time.sleep overflows the clock far beyond it (1e13 ms)
 
 @dataclass
 class Measurement:
@@ -145,8 +146,9 @@ class BenchSpec:
         if self.batches is not None:
             _check_whole("--batches", self.batches, least=1)
         _check_whole("--repeats", self.repeats, least=1)
-        if isinstance(self.step_ms, bool) or not isinstance(self.step_ms, (int, float)) or not 0 <= self.step_ms < math.inf:
-            raise ArgumentError(f"--step-ms must be a number of milliseconds >= 0, got {show(self.step_ms)}")
+        if isinstance(self.step_ms, bool) or not isinstance(self.step_ms, (int, float)) or not 0 <= self.step_ms <= MAX_STEP_MS:
+            raise ArgumentError(f"--step-ms must be a number of milliseconds from 0 to {MAX_STEP_MS:,} (a day), got "
+                                f"{show(self.step_ms)}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {show(self.device)}")
         batch_bytes, memory = self.batch_size * 3 * self.crop**2 * 4, _physical_memory()
@@ -871,11 +873,16 @@ def check_output_file(flag: str, path: str | os.PathLike[str]) -> Path:
     """
     from ..errors import OutputError
 
+    if not os.fspath(path):  # `--json "$OUT"` with OUT unset: never a result silently not written
+        raise OutputError(f"{flag} is empty; name a file (e.g. bench{'.json' if flag == '--json' else '.png'})")
     p = Path(path).expanduser()
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise OutputError(f"{flag} {p}: is a folder; name a file (e.g. {p / 'bench'}{'.json' if flag == '--json' else '.png'})")
     if not parent.is_dir():
+        there = next((a for a in parent.parents if a.exists()), None) if not parent.exists() else parent
+        if there is not None and not there.is_dir():
+            raise OutputError(f"{flag} {p}: {there} is a file, not a folder; choose another path")
         raise OutputError(f"{flag} {p}: the folder {parent} does not exist; create it or choose another path")
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise OutputError(f"{flag} {p}: cannot be written (permission denied); choose a writable path")
