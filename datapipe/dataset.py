@@ -283,7 +283,8 @@ class StreamingDataset(IterableDataset):
         # ranks (0: not split), whether its settings were compared, and the position keys published.
         self._split = next(_SPLIT_DATASETS) if self.world_size > 1 else 0
         self._agreed = False
-        self._published: dict[tuple[int, str] | str, int] = {}  # (epoch, "iteration") or "set_epoch": positions published
+        self._published: dict[tuple[int, str] | str, int] = {}  # (epoch, "iteration"), (passes, "pass") or "set_epoch"
+        self._passes = 0  # iterations this process read to their end (the loop received the last batch)
         self._keys: deque[str] = deque()
 
     # ----------------------------------------------------------------- epoch, length, plan
@@ -365,6 +366,7 @@ class StreamingDataset(IterableDataset):
             self._consumed = batches
             if batches == self._len():
                 self._read_whole()
+                self._passes += 1
         else:
             self._overlapped = True
 
@@ -497,7 +499,9 @@ class StreamingDataset(IterableDataset):
             if worker == 0:
                 self._check_repeat(stacklevel=3)
             self._follow(order, bounds, mine, self.start)
-            _check_shm(self.batch_size * self._sample_bytes(), torch.utils.data.get_worker_info())
+            # the largest batch this worker yields (batch_size may exceed the samples: an evaluation set in one batch)
+            rows = max((int(bounds[j][1] - bounds[j][0]) for j in mine), default=0)
+            _check_shm(rows * self._sample_bytes(), torch.utils.data.get_worker_info())
         remote = self.cache.remote
         try:
             for k, j in enumerate(mine):
@@ -591,7 +595,8 @@ class StreamingDataset(IterableDataset):
         collective.
 
         The epoch and position are published for the n-th ``set_epoch`` call ("epoch"), for the n-th
-        iteration of an epoch begun here ("iteration") and for the dataset's first iteration. Ranks running
+        iteration of an epoch begun here and the n-th begun after as many iterations read to their end
+        ("iteration"), and for the dataset's first iteration. Ranks running
         the same code publish the same keys whatever their timing; a rank that loaded a state the others did
         not, or an older one, or that selects another epoch, differs in its epoch or start.
         """
@@ -616,6 +621,13 @@ class StreamingDataset(IterableDataset):
                 self._published["iteration"] = 1
                 keys.append((f"{prefix}/first-iteration", "first iteration"))
             keys.append((f"{prefix}/epoch-{epoch}/iteration-{n}", f"iteration #{n + 1} of epoch {epoch}"))
+            # and by the passes read whole before it: a rank that never calls set_epoch reads epoch 0 again where the
+            # others read epoch 1, which the epoch's own key never compares (no other rank publishes it)
+            passes = self._passes
+            k = self._published.get((passes, "pass"), 0)
+            self._published[(passes, "pass")] = k + 1
+            keys.append((f"{prefix}/pass-{passes}/iteration-{k}",
+                         f"iteration #{k + 1} after {passes} iteration{'s' if passes != 1 else ''} read to the end"))
         for key, what in keys:
             self._compare(key, {"epoch": epoch, "start": self.start}, what)
             self._keys.append(key)

@@ -492,9 +492,18 @@ def test_shared_memory_running_out_after_the_check_is_the_same_clear_error(index
             pass
 
 
+def test_the_shared_memory_check_counts_the_batches_a_worker_yields_not_the_batch_size(index_cache):
+    """batch_size=10**9 (an evaluation set in one batch) over a few small samples was refused by DataLoader workers
+    as needing terabytes of /dev/shm: the check multiplied batch_size, not the batch each worker yields."""
+    ds = dataset(index_cache, batch_size=10**9, shuffle=False)
+    batches = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert [len(b[1]) for b in batches] == [len(ds.cache)]  # one batch of every sample, from one worker
+
+
 def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monkeypatch):
     """The check runs in every DataLoader worker: with /dev/shm as small as Docker's default (64 MB)
-    and 24 MB batches (4 in flight with 2 workers), the first batch fails with the fix named."""
+    and batches too large for it (here: 1 MB free, batches of 0.3 MB, 6 in flight with 2 workers), the first batch
+    fails with the fix named."""
     from types import SimpleNamespace
 
     import datapipe.dataset as dataset_module
@@ -504,12 +513,12 @@ def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monk
 
     def statvfs(path):
         seen.append(path)
-        return SimpleNamespace(f_bavail=64 * 2**20 // 4096, f_frsize=4096)
+        return SimpleNamespace(f_bavail=2**20 // 4096, f_frsize=4096)
 
     monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs, environ=os.environ))  # inherited by forked workers
-    ds = dataset(index_cache, batch_size=8192)  # 24 MB per batch of 32x32 samples, ~128 images at 256x256
-    with pytest.raises(DatapipeError, match=r"/dev/shm has 64.0 MB free, but DataLoader workers need about 144 MB "
-                                            r"of shared memory for the batches in flight \(24.0 MB each\).*--shm-size"):
+    ds = dataset(index_cache, batch_size=8192)  # every sample in one batch: 101 of 32x32 (the largest a worker yields)
+    with pytest.raises(DatapipeError, match=r"/dev/shm has 1.00 MB free, but DataLoader workers need about 1.78 MB "
+                                            r"of shared memory for the batches in flight \(303 KB each\).*--shm-size"):
         next(iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")))
     assert next(iter(DataLoader(dataset(index_cache), batch_size=None, num_workers=2,
                                 multiprocessing_context="fork")))[0].shape[0] == B  # small batches fit

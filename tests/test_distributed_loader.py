@@ -266,6 +266,14 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
             for _batch in loader:
                 pass
 
+    def set_epoch_on_rank_0_only() -> None:  # rank 1 reads epoch 0's order again where rank 0 reads epoch 1's
+        loader = datapipe.DeviceLoader(make(), device="cpu", num_workers=0, output="uint8")
+        for epoch in (0, 1):
+            if rank == 0:
+                loader.set_epoch(epoch)
+            for _batch in loader:
+                pass
+
     def peek_on_rank_0() -> None:  # one batch on rank 0 before training (a sample grid): no false alarm
         ds = make()
         if rank == 0:
@@ -285,6 +293,7 @@ def _disagreeing_main(rank: int, port: int, cache: str, out: str) -> dict:
         "an older state on rank 1": lambda: iterate(make(), later if rank == 0 else state,
                                                     epochs=[1 if rank == 0 else 0]),
         "set_epoch per rank": lambda: make().set_epoch(rank),
+        "set_epoch on rank 0 only": set_epoch_on_rank_0_only,
         "seed per rank": lambda: device_epoch(make(seed=rank)),
         "batch size": lambda: make(batch_size=2 * B if rank else B).set_epoch(0),
         "drop_last": lambda: len(DataLoader(make(drop_last=rank == 1), batch_size=None, num_workers=2)),
@@ -334,6 +343,8 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
         "an older state on rank 1": ("set_epoch call #1", "epoch 1 from sample", "epoch 0 from sample",
                                      "load the same state"),
         "set_epoch per rank": ("set_epoch call #1", "epoch 1 from sample 0", "epoch 0 from sample 0"),
+        "set_epoch on rank 0 only": ("iteration #1 after 1 iteration read to the end", "epoch 1 from sample 0",
+                                     "epoch 0 from sample 0", "call set_epoch alike"),
         "seed per rank": ("seed=", "seed=0", "seed=1", "a seed per rank"),
         "batch size": ("batch_size=", f"batch_size={B}", f"batch_size={2 * B}"),
         "drop_last": ("drop_last=", "drop_last=False", "drop_last=True"),
