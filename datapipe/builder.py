@@ -195,6 +195,10 @@ class Cluster:
         if self.scheduler is not None and (not isinstance(self.scheduler, str) or not self.scheduler):
             raise ArgumentError(f"--scheduler must be a Dask scheduler's address (tcp://host:8786) or 'sync', "
                                 f"got {self.scheduler!r}")
+        if self.workers is not None and self.scheduler is not None:  # it would be ignored in silence
+            where = "builds serially in this process" if self.scheduler == "sync" else "builds on that cluster's workers"
+            raise ArgumentError(f"--workers {self.workers} sets the LocalCluster a build starts, but --scheduler "
+                                f"{self.scheduler} {where}: leave one of them out")
 
     @property
     def serial(self) -> bool:

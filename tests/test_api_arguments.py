@@ -219,3 +219,13 @@ def test_a_world_of_several_without_a_rank_is_refused_wherever_its_size_comes_fr
     with pytest.raises(ArgumentError, match=r"world_size=4 is given but no rank \(rank=, torch.distributed or RANK\)"):
         datapipe.StreamingDataset(cache, batch_size=4, world_size=4)
     assert datapipe.StreamingDataset(cache, batch_size=4, rank=2, world_size=4).rank == 2
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "tcp://127.0.0.1:8786"])
+def test_workers_beside_a_scheduler_is_refused_not_ignored(scheduler):
+    """Cluster(workers=8, scheduler="sync") built serially and `--workers 8 --scheduler tcp://...` on the cluster's
+    own workers: the count was dropped in silence."""
+    with pytest.raises(ArgumentError, match=rf"--workers 8 sets the LocalCluster a build starts, but --scheduler "
+                                            rf"{scheduler} .*: leave one of them out"):
+        datapipe.Cluster(workers=8, scheduler=scheduler)
+    assert datapipe.Cluster(workers=8).workers == 8 and datapipe.Cluster(scheduler=scheduler).scheduler == scheduler
