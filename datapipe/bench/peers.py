@@ -769,10 +769,17 @@ class StreamingPeer(Peer):
     def _write(self, samples: list[tuple[Path, int]], out: Path) -> None:
         from streaming import MDSWriter
 
-        with MDSWriter(out=str(out), columns={"jpg": "bytes", "cls": "int"}, progress_bar=False) as writer:
+        # MDSWriter refuses a folder that is not empty (and with exist_ok deletes it): it writes into an empty one
+        # inside, whose files then join datapipe's marker (left by an interrupted write, they match the patterns)
+        staging = out / "mds-writing"
+        staging.mkdir()
+        with MDSWriter(out=str(staging), columns={"jpg": "bytes", "cls": "int"}, progress_bar=False) as writer:
             for index in _write_order(len(samples)):
                 path, label = samples[index]
                 writer.write({"jpg": Path(path).read_bytes(), "cls": int(label)})
+        for written in staging.iterdir():
+            os.replace(written, out / written.name)
+        staging.rmdir()
         _check_index(out, "shards", "samples", len(samples))
 
     def loader(
