@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from os import PathLike  # not os.PathLike: tests replace this module's os
@@ -25,10 +26,18 @@ from torch.utils.data import IterableDataset
 
 from . import partition as part
 from .cache import Cache
-from .errors import ArgumentError, DatapipeError, RankMismatchError, RepeatedEpochWarning, StateError, check_bool
+from .errors import (
+    ArgumentError,
+    ClassListWarning,
+    DatapipeError,
+    RankMismatchError,
+    RepeatedEpochWarning,
+    StateError,
+    check_bool,
+)
 from .fetch import is_url, open_cache
 from .remote import local_path
-from .text import show
+from .text import printable, show
 from .world import World, detect_ranks, detect_worker, distributed_ranks, first_published, forget
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,6 +159,38 @@ def _launched_world(given: int | None, world_size: int) -> bool:
     return given is None or launched in ("", world_size, str(world_size))
 
 
+# The caches of this process's live datasets (a dataset dropped is forgotten): their class lists are compared
+_LIVE_CACHES: weakref.WeakSet[Cache] = weakref.WeakSet()
+_WARNED_PAIRS: set[tuple[str, str]] = set()
+
+
+def _check_class_lists(cache: Cache) -> None:
+    """Warn (ClassListWarning, once per pair) when this cache's class list lies within the class list of a
+    cache another live dataset of this process reads, or holds it, at other labels: a validation set built
+    without --classes-from that lacks a class shifts every label after it, silently (the model trained on
+    the other set is then scored against wrong labels). Disjoint or equal lists are fine."""
+    root, mine = str(cache.root), tuple(cache.classes)
+    for other_cache in list(_LIVE_CACHES):
+        other, theirs = str(other_cache.root), tuple(other_cache.classes)
+        if other == root or theirs == mine or (root, other) in _WARNED_PAIRS:
+            continue
+        (small, small_root), (big, big_root) = sorted(((mine, root), (theirs, other)), key=lambda x: len(x[0]))
+        label = {name: i for i, name in enumerate(big)}
+        if not small or any(name not in label for name in small):
+            continue  # not one class list within the other: unrelated datasets
+        moved = [(name, i, label[name]) for i, name in enumerate(small) if label[name] != i]
+        if not moved:
+            continue  # the same labels, the larger list's classes added after them
+        _WARNED_PAIRS.update({(root, other), (other, root)})
+        name, i, j = moved[0]
+        warnings.warn(ClassListWarning(
+            f"datapipe: the caches '{printable(small_root)}' and '{printable(big_root)}' label their classes otherwise: class "
+            f"{show(name)} is label {i} in the first and {j} in the second ({len(moved)} of its {len(small)} classes "
+            f"differ); if one is the other's validation set, its labels are wrong for a model trained on the other: "
+            f"build it with --classes-from {printable(big_root)}"), stacklevel=3)
+    _LIVE_CACHES.add(cache)
+
+
 def check_order(order: str | None, window: object, nodes: object, world_size: int, *,
                 ranks_per_node: bool = True) -> tuple[str, int, int]:
     """(order, window, nodes), checked; order None is the local-cache default, nodes None is detected.
@@ -266,6 +307,7 @@ class StreamingDataset(IterableDataset):
             self.cache = cache
         self._identity = cache_identity(self.cache)
         self._contents = cache_contents(self.cache)
+        _check_class_lists(self.cache)
         # [epoch, start, read by workers, set_epoch/load_state_dict calls, epoch + 1 read to its end, the
         # calls then, warned]: shared with DataLoader workers (also persistent ones) through shared memory.
         # The third is set by a worker that reads this epoch: then only the caller knows how many batches

@@ -133,6 +133,13 @@ class RepeatedEpochWarning(UserWarning):
     as before (every epoch of a loop that never calls ``set_epoch`` is epoch 0)."""
 
 
+class ClassListWarning(UserWarning):
+    """Two datasets opened in one process number their classes otherwise: the class list of one is within the
+    other's, at other labels (a validation set built without ``--classes-from`` that lacks a class, or a
+    training set rebuilt with another class list since). If one is the other's validation set, its labels are
+    wrong for a model trained on the other."""
+
+
 class ArgumentError(DatapipeError, ValueError):
     """A loader or bench argument has the wrong type or is out of range (the message names it)."""
 

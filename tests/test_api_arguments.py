@@ -229,3 +229,10 @@ def test_workers_beside_a_scheduler_is_refused_not_ignored(scheduler):
                                             rf"{scheduler} .*: leave one of them out"):
         datapipe.Cluster(workers=8, scheduler=scheduler)
     assert datapipe.Cluster(workers=8).workers == 8 and datapipe.Cluster(scheduler=scheduler).scheduler == scheduler
+
+
+def test_a_batch_size_past_the_samples_is_sized_by_the_samples_it_holds(cache):
+    """batch_size=10**9 (a whole evaluation set in one batch) must not be refused as needing 10**9 outputs."""
+    ds = datapipe.StreamingDataset(cache, batch_size=10**9, shuffle=False)
+    with datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(32)) as loader:
+        assert [b[0].shape for b in loader] == [(14, 3, 32, 32)]

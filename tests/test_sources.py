@@ -500,3 +500,34 @@ def test_a_class_in_another_unicode_form_is_told_how_its_source_names_it(tmp_pat
     listing = Listing(root=tmp_path, kind=kind, classes=["cafe\u0301"], paths=["a.jpg"], labels=[0], stats=[(1, 1)])
     with pytest.raises(SourceError, match=f"only in its Unicode form .*: {advice};"):
         with_classes(listing, ["caf\u00e9"])
+
+
+def test_datasets_of_one_process_that_label_their_classes_otherwise_are_warned_of(tmp_path, imaging):
+    """A validation set built without --classes-from that lacks a class: every later label shifts, and a model
+    trained on the training set was scored against the wrong labels in silence. Opened in one process, the two
+    datasets are compared: a class list within the other's at other labels is a ClassListWarning naming a class
+    and both labels; the list --classes-from gives, disjoint lists and a class added last are not."""
+    import warnings as _warnings
+
+    from datapipe.errors import ClassListWarning
+
+    imaging.write_source(tmp_path / "train", {"ant": 1, "bee": 1, "cat": 1, "dog": 1}, variety=False)
+    imaging.write_source(tmp_path / "val", {"ant": 1, "cat": 1, "dog": 1}, variety=False)  # no bee
+    imaging.write_source(tmp_path / "other", {"elk": 1, "fox": 1}, variety=False)
+    imaging.write_source(tmp_path / "first", {"ant": 1, "bee": 1, "cat": 1}, variety=False)  # dog added last since
+    for name in ("train", "val", "other", "first"):
+        build(tmp_path / name, tmp_path / f"{name}-cache")
+    build(tmp_path / "val", tmp_path / "val-given", classes=datapipe.open(tmp_path / "train-cache").classes)
+
+    def opened(*names: str) -> list[str]:
+        """The ClassListWarnings of opening these caches, each dataset kept alive as a training script keeps it."""
+        with _warnings.catch_warnings(record=True) as seen:
+            _warnings.simplefilter("always")
+            alive = [datapipe.StreamingDataset(tmp_path / name, batch_size=2) for name in names]
+        assert len(alive) == len(names)
+        return [str(w.message) for w in seen if issubclass(w.category, ClassListWarning)]
+
+    [message] = opened("train-cache", "val-cache")
+    assert "class 'cat' is label 1 in the first and 2 in the second (2 of its 3 classes differ)" in message, message
+    assert f"--classes-from {tmp_path / 'train-cache'}" in message and str(tmp_path / "val-cache") in message
+    assert opened("val-given", "other-cache", "first-cache", "train-cache") == []  # the others are dropped by now
