@@ -50,6 +50,7 @@ from torch import nn
 
 from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
+from .environment import physical_memory
 from .errors import ArgumentError, IterationSupersededError
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
@@ -700,11 +701,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 def _device_memory(device: torch.device) -> int:
     """Bytes of memory ``device`` has in all (the machine's RAM for the CPU); 0 where it cannot be told."""
+    if device.type != "cuda":
+        return physical_memory()
     try:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, RuntimeError, AttributeError):
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    except (RuntimeError, AttributeError):
         return 0
 
 

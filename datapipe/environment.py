@@ -6,6 +6,14 @@ import os
 import platform
 
 
+def physical_memory() -> int:
+    """Bytes of memory on this machine (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def environment() -> dict:
     """Versions of datapipe, Python and the libraries it uses, and the active decoders and CPU kernels."""
     from . import __version__, native, samples

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from ..environment import environment
+from ..environment import environment, physical_memory
 from ..errors import ArgumentError, CacheError
 from ..text import ProgressStream, one_line, show
 from .timing import settle, timed_pass, timeit
@@ -108,7 +108,7 @@ def describe_machine() -> dict:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "memory_gb": round(_physical_memory() / 2**30, 1),
+        "memory_gb": round(physical_memory() / 2**30, 1),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": env["python"],
         "platform": env["platform"],
@@ -151,7 +151,7 @@ class BenchSpec:
                                 f"{show(self.step_ms)}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {show(self.device)}")
-        batch_bytes, memory = self.batch_size * 3 * self.crop**2 * 4, _physical_memory()
+        batch_bytes, memory = self.batch_size * 3 * self.crop**2 * 4, physical_memory()
         if memory and batch_bytes > memory // 4:  # every system holds a few such batches at once
             raise ArgumentError(f"--crop {self.crop} with --batch-size {self.batch_size} makes float batches of "
                                 f"{batch_bytes / 2**30:,.1f} GiB, more than a quarter of this machine's "
@@ -163,14 +163,6 @@ class BenchSpec:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-
-
-def _physical_memory() -> int:
-    """Bytes of memory on this machine (0 where the system does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def _check_whole(flag: str, value: object, *, least: int) -> None:
