@@ -190,7 +190,7 @@ class DeviceLoader:
         # the batch transform (None with output="uint8"): a generic module is wrapped in a conversion
         self.augment: BatchAugment | None = None if output == "uint8" else _batch_transform(augment)
         if self.augment is not None:  # the largest batch there is: batch_size may exceed the samples (one eval batch)
-            _check_batch_fits(self.augment, max(1, min(dataset.batch_size, len(dataset.cache))), self.device)
+            _check_batch_fits(self.augment, self._slot_rows(), self.device)
         self.output = output
         self.timeout = _positive_seconds(timeout)
         self.meter = StallMeter(log_every=check_int(log_every, "log_every", 0))
