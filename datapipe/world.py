@@ -40,9 +40,11 @@ def detect_ranks(rank: int | None = None, world_size: int | None = None) -> tupl
     detected = distributed_ranks()
     if detected is None and rank is None and "RANK" not in os.environ:
         # no rank anywhere: one process alone is rank 0, but of a world of several, each would read rank 0's part
-        given = f"world_size={int(world_size)} is given" if world_size is not None else \
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set" if os.environ.get("WORLD_SIZE", "1").strip() != "1" else None
-        if given is not None and (world_size is None or int(world_size) != 1):
+        if world_size is not None:
+            given = f"world_size={int(world_size)} is given" if int(world_size) != 1 else None
+        else:
+            given = f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set" if os.environ.get("WORLD_SIZE", "1").strip() != "1" else None
+        if given is not None:
             raise ValueError(f"{given} but no rank (rank=, torch.distributed or RANK): every process would read rank "
                              "0's part; set RANK in each process (torchrun does), or pass rank=")
     if detected is not None:
