@@ -22,8 +22,9 @@ class StallMeter:
     The wall time runs until the loop is done with the last batch it received — when it asks for
     the next one, or ends the iteration (a ``break``), or, where it has done neither, when
     :meth:`stats` is first called after that batch — so N batches count N steps of the loop's work,
-    the last one's too (``images_per_s`` is at most ``batch / step time``). :meth:`stats` only reads:
-    called in the loop's body (a live meter) it changes nothing, and it may be called from another
+    the last one's too (``images_per_s`` is at most ``batch / step time``). :meth:`stats` records only
+    when it was first asked after the latest batch (that step's end, until the loop says): called in the
+    loop's body (a live meter) it changes none of the loop's figures, and it may be called from another
     thread.
     """
 
