@@ -12,6 +12,7 @@ manifest is written last.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import gc
 import hashlib
@@ -795,6 +796,7 @@ def build(
         raise ArgumentError(_GUARD_HINT)
     if not cluster.scheduler:
         local_workers(cluster.workers)  # a count the machine cannot run is refused before the scan
+        _check_main_importable()
     if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float, numbers.Real)) \
             or not 0.0 <= max_bad_fraction <= 1.0:
         raise ArgumentError(f"max_bad_fraction must be a number in [0, 1], got {max_bad_fraction!r}")
@@ -857,9 +859,12 @@ def _check_not_reimported() -> None:
     process that a LocalCluster starts (they import the main module); there it would meet the lock
     of the build that started them. Say so in one line instead."""
     # multiprocessing runs the parent's main script under the name __mp_main__ in each process it
-    # spawns, before the process is its child in name (parent_process() is still None then)
+    # spawns, before the process is its child in name (parent_process() is still None then): a call from
+    # that script's top-level code. A function of the script that the spawned process runs afterwards (its
+    # target: torch.multiprocessing.spawn's ranks, a pool's tasks) may build.
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") != "__mp_main__":
+    while frame is not None and not (frame.f_globals.get("__name__") == "__mp_main__"
+                                     and frame.f_code.co_name == "<module>"):
         frame = frame.f_back
     if frame is not None:
         raise ArgumentError(_GUARD_HINT)
@@ -867,6 +872,28 @@ def _check_not_reimported() -> None:
 
 _GUARD_HINT = ("a script that calls datapipe.build() with a LocalCluster must call it under "
                "`if __name__ == \"__main__\":`: its worker processes import the script, and would build again")
+
+
+def _check_main_importable() -> None:
+    """A LocalCluster's worker processes (spawned, as distributed starts them by default) run the main script
+    again from its path, as multiprocessing does: a script read from standard input (``python - < build.py``)
+    names a path that is no file, and the cluster would fail to start for no reason it could tell."""
+    from multiprocessing import process
+
+    import dask
+
+    main = sys.modules.get("__main__")
+    if dask.config.get("distributed.worker.multiprocessing-method", "spawn") == "fork" or main is None \
+            or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return  # forked workers import nothing; a module run with -m is imported by its name
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return  # an interactive session, `python -c`: nothing to import
+    where = os.path.join(getattr(process, "ORIGINAL_DIR", None) or "", path)  # where multiprocessing looks for it
+    if not os.path.isfile(where):
+        raise ArgumentError(f"the main script {shown(path)} is no file that the LocalCluster's worker processes can "
+                            "import again (a script read from standard input?): save it as a file and run that, or "
+                            "build with --scheduler sync (Cluster(scheduler=\"sync\")) or on a running Dask cluster")
 
 
 def _unguarded_script_call() -> bool:
@@ -879,8 +906,10 @@ def _unguarded_script_call() -> bool:
                                      and frame.f_code.co_name == "<module>"):
         frame = frame.f_back
     path = frame.f_globals.get("__file__") if frame is not None else None
-    if frame is None or not isinstance(path, str) or not os.path.isfile(path):
-        return False  # an interactive session, `python -c`, a function: nothing is imported again
+    if frame is None or not isinstance(path, str) or frame.f_code.co_filename != path or not os.path.isfile(path):
+        # an interactive session (python -m asyncio's names a __file__ of its own), `python -c`, a function:
+        # nothing is imported again
+        return False
     try:
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
@@ -1240,6 +1269,27 @@ def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[
 def _dask_client(cluster: Cluster) -> Iterator[Client]:
     """A Dask client of the scheduler at ``cluster.scheduler``, or of a LocalCluster of our own;
     closed when the block ends, and our own workers with it (none may outlive the build)."""
+    quieted = _dask_quieted.set([])  # _quiet_dask() silences Dask's loggers from then until the end of this block
+    # A LocalCluster's nannies (in this process) set their workers' environment in this process's own before each
+    # start: the program's is given back as it was once they are gone (a process it starts later, a training run,
+    # would otherwise run torch on one thread).
+    environ = {} if cluster.scheduler else {name: os.environ.get(name) for name in _pre_spawn_environ()}
+    try:
+        with _dask_client_open(cluster) as client:
+            yield client
+    finally:
+        if _dask_quieted.get():
+            _Silenced.release(_DASK_LOGGERS)
+        _dask_quieted.reset(quieted)
+        for name, value in environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _dask_client_open(cluster: Cluster) -> Iterator[Client]:
     own = None
     pending: list[int] = []
     if cluster.scheduler:
@@ -1333,18 +1383,42 @@ def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Clie
     raise failure  # a handler that did not raise: the start's own failure
 
 
+class _Silenced:
+    """Loggers that datapipe's builds hold silent, counted: builds that run at once in one process (threads) each
+    hold and release them, and a logger gets its own level back when the last hold on it is released. A build
+    never leaves a logger of the program's silent."""
+
+    lock = threading.Lock()
+    holds: dict[str, tuple[int, int]] = {}  # logger name: (holds, its level before the first)
+
+    @classmethod
+    def hold(cls, names: Sequence[str]) -> None:
+        with cls.lock:
+            for name in names:
+                logger = logging.getLogger(name)
+                count, level = cls.holds.get(name, (0, logger.level))
+                cls.holds[name] = (count + 1, level)
+                logger.setLevel(logging.CRITICAL + 1)
+
+    @classmethod
+    def release(cls, names: Sequence[str]) -> None:
+        with cls.lock:
+            for name in names:
+                count, level = cls.holds.pop(name)
+                if count > 1:
+                    cls.holds[name] = (count - 1, level)
+                else:
+                    logging.getLogger(name).setLevel(level)
+
+
 @contextlib.contextmanager
 def _loggers_quiet(*names: str) -> Iterator[None]:
     """The block runs with these loggers silent, then their levels are put back."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL + 1)
+    _Silenced.hold(names)
     try:
         yield
     finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+        _Silenced.release(names)
 
 
 def _other_version(worker: str, version: str | None, client: str) -> str:
@@ -1480,14 +1554,20 @@ def _connect(scheduler: str) -> Client:
                           f"(DATAPIPE_SCHEDULER_TIMEOUT): {exc}; start it, or check the address") from None
 
 
+def _pre_spawn_environ() -> dict[str, str]:
+    """The environment of our LocalCluster's worker processes: Dask's pre-spawn environment and WORKER_ENV, which
+    glibc reads when a process starts (setting them as ordinary worker env would come too late to have any effect)."""
+    import dask
+    import distributed  # noqa: F401 - its configuration's defaults, the pre-spawn environment among them
+
+    return {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
+
+
 def _local_cluster(n_workers: int) -> LocalCluster:
     import dask
     from dask.distributed import LocalCluster
 
-    # glibc reads these when a process starts: they go into Dask's pre-spawn environment
-    # (setting them as ordinary worker env would come too late to have any effect).
-    pre_spawn = {**dask.config.get("distributed.nanny.pre-spawn-environ", {}), **WORKER_ENV}
-    with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}), warnings.catch_warnings():
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": _pre_spawn_environ()}), warnings.catch_warnings():
         # Another cluster's dashboard on 8787 (a second build, a notebook): this one takes a free port, which
         # the build's line names; distributed's four-line warning about it says nothing more.
         warnings.filterwarnings("ignore", message=r"Port \d+ is already in use", category=UserWarning)
@@ -1786,13 +1866,18 @@ def _close(client: Client, cluster: LocalCluster | None) -> None:
                     proc.kill()
 
 
-def _quiet_dask() -> None:
-    """Silence Dask's loggers: after Ctrl-C or an error, closing the cluster logs tracebacks of the
-    tasks it cancels, which would bury the build's one line saying what happened."""
-    import logging
+_DASK_LOGGERS = ("distributed", "tornado", "asyncio", "bokeh")
+_dask_quieted: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("datapipe_dask_quieted", default=None)
 
-    for name in ("distributed", "tornado", "asyncio", "bokeh"):
-        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+def _quiet_dask() -> None:
+    """Silence Dask's loggers until the build's Dask client is closed (_dask_client): after Ctrl-C or an error,
+    closing the cluster logs tracebacks of the tasks it cancels, which would bury the build's one line saying
+    what happened. Their levels are put back then."""
+    quieted = _dask_quieted.get()
+    if quieted is not None and not quieted:
+        quieted.append(True)
+        _Silenced.hold(_DASK_LOGGERS)
 
 
 def _dashboard(client: Client) -> str | None:

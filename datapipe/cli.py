@@ -205,10 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     restore = plain_where_unencodable(sys.stdout, sys.stderr)  # before --help, which is typeset too
     if argv is None:  # the command line's entry point: the process ends with the command
         return _main(argv)
-    try:  # called from a program: its streams are given back as they were
+    disabled = logging.root.manager.disable  # what _quiet() changes
+    try:  # called from a program: its streams and logging are given back as they were
         return _main(argv)
     finally:
         restore()
+        logging.disable(disabled)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -235,6 +237,8 @@ def _main(argv: list[str] | None) -> int:
                     atexit.register(_ignore_signals_at_exit)
             return status
         except DatapipeError as exc:  # a user's mistake or the machine's state; anything else is a bug
+            if argv is None:  # the process ends with this line: nothing from a library's shutdown after it
+                _quiet()
             print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
             return getattr(exc, "exit_code", 2)
         except KeyboardInterrupt as exc:
@@ -321,10 +325,9 @@ def _messages_to_stderr() -> Iterator[None]:
 
 
 def _quiet() -> None:
-    """After Ctrl-C or SIGTERM the one line above is all the user needs: nothing more from the
-    loggers of the libraries still shutting down (Dask's cluster) or from interpreter exit."""
-    import logging
-
+    """After Ctrl-C, SIGTERM or an error the one line the command prints is all the user needs: nothing more from
+    the loggers of the libraries still shutting down (Dask's cluster) or from interpreter exit. main() switches
+    logging back on for a program that called it."""
     logging.disable(logging.CRITICAL)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import io
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +48,8 @@ def show(value: object, limit: int = 60) -> str:
 
 class ProgressStream:
     """Standard error for a progress bar: once its reader has gone (``datapipe build SRC OUT 2>&1 | head -1``)
-    or it was closed, the bar is silent from then on; a bar never ends the work it shows."""
+    or it was closed, the bar is silent from then on, and so it is in a process without one (``sys.stderr`` is
+    None: started with descriptor 2 closed, ``2>&-``); a bar never ends the work it shows."""
 
     def __init__(self) -> None:
         self.gone = False
@@ -59,13 +61,15 @@ class ProgressStream:
 
     def fileno(self) -> int:
         """Standard error's descriptor (tqdm asks the terminal it is on for its width)."""
+        if sys.stderr is None:
+            raise io.UnsupportedOperation("no standard error")
         return sys.stderr.fileno()
 
     def write(self, text: str) -> int:
         if not self.gone:
             try:
                 sys.stderr.write(text)
-            except (OSError, ValueError):  # EPIPE, or a closed stream
+            except (OSError, ValueError, AttributeError):  # EPIPE, a closed stream, or none (None)
                 self.gone = True
         return len(text)
 
@@ -73,7 +77,7 @@ class ProgressStream:
         if not self.gone:
             try:
                 sys.stderr.flush()
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):
                 self.gone = True
 
 
