@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from .errors import DecodeError, env_seconds
-from .files import FileTooLarge, NotRegularFile, read_regular
+from .files import FileChanged, FileTooLarge, NotRegularFile, read_regular
 
 DEFAULT_FILE_TIMEOUT = 300.0  # seconds one file may take to read and decode (DATAPIPE_FILE_TIMEOUT)
 MAX_BYTES_PER_PIXEL = 8  # no image format datapipe reads stores more per pixel (16-bit RGBA, uncompressed)
@@ -35,22 +35,39 @@ def file_timeout() -> float:
     return env_seconds("DATAPIPE_FILE_TIMEOUT", DEFAULT_FILE_TIMEOUT)
 
 
-def read_file(path: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
+# A file whose size or mtime is not what the build's scan saw: the scan's record of it (which decides whether a
+# rerun rebuilds its shard) would not be of the bytes the cache holds.
+CHANGED = "changed since the scan"
+
+
+def read_file(path: str, limit: int, scanned: tuple[int, int] | None = None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; with ``scanned``, of the file the scan
+    saw, of that (size, mtime_ns), and not written to while read.
 
     Raises:
-        DecodeError: not a regular file (``unreadable``) or larger than ``limit`` (``too-large``).
+        DecodeError: not a regular file (``unreadable``), larger than ``limit`` (``too-large``), or changed since
+            the scan (``unreadable``, its reason starting with :data:`CHANGED`).
         OSError: it cannot be opened or read.
     """
     try:
-        return read_regular(path, limit)
+        return read_regular(path, limit, scanned)
     except NotRegularFile as exc:
         raise DecodeError(f"not a regular file: {exc.what}", kind="unreadable") from None
+    except FileChanged as exc:
+        (size, mtime), (now, then) = exc.expected, exc.seen
+        differs = (f"{size:,} bytes then, {now:,} when read" if size != now else
+                   f"modified {_when(mtime)} then, {_when(then)} when read")
+        raise DecodeError(f"{CHANGED} (written while the build ran: {differs}): a rerun reads it again",
+                          kind="unreadable") from None
     except FileTooLarge as exc:
         if exc.grew:
             raise DecodeError(f"file grew past the {limit:,}-byte limit while being read", kind="too-large") from None
         raise DecodeError(f"file of {exc.size:,} bytes, over the {limit:,}-byte limit for its max_pixels "
                           "(raise --max-pixels to build it)", kind="too-large") from None
+
+
+def _when(mtime_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9)) + f".{mtime_ns % 10**9:09d}"
 
 
 def warm_up() -> None:

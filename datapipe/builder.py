@@ -38,7 +38,7 @@ import numpy as np
 from . import __version__, remote, samples
 from . import manifest as mf
 from ._threads import torch_threads
-from .bounded import Watchdog, file_timeout, max_file_bytes, read_file, warm_up
+from .bounded import CHANGED, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
     ArgumentError,
@@ -76,7 +76,7 @@ from .shards import (
     shard_layout,
     shard_name,
 )
-from .sources import Listing, note_numeric_labels, plan_shards, scan, shown, valid_utf8, with_classes
+from .sources import Listing, locale_error, note_numeric_labels, plan_shards, scan, shown, valid_utf8, with_classes
 from .text import ProgressStream, plural, printable, show
 from .writer import ShardWriter
 
@@ -270,7 +270,8 @@ READ_AGAIN = frozenset({"unreadable", "timeout", "decoder-crash"})
 # ... but for a path that did not exist when the scan looked: it records size and mtime -1 for a path it cannot
 # stat (a dangling symlink, a CSV row naming no file), so one that appears changes the inputs hash and is read
 # again anyway. A file the scan saw that was gone when its shard read it (moved away during the build) may come
-# back as it was, the same size and mtime: its reason says so (_GONE), and it is read again.
+# back as it was, the same size and mtime: its reason says so (_GONE), and it is read again, by any rerun (as is a
+# file that was being written when read, bounded.CHANGED: see _reads_again).
 _MISSING = tuple(f"unreadable: {name}:" for name in ("FileNotFoundError", "NotADirectoryError"))
 _GONE = "unreadable: gone since the scan"
 
@@ -297,9 +298,14 @@ def read_again(entry: dict) -> bool:
     return not (kind == "unreadable" and str(entry.get("reason", "")).startswith(_MISSING))
 
 
-def _reads_again(record: dict) -> bool:
+def _reads_again(record: dict, *, retry: bool = True) -> bool:
+    """Whether a finished shard is built again for the files it quarantined: with ``retry``, for any that a rerun
+    reads again (:func:`read_again`); always, for one that was gone or changed when read, though the scan saw it
+    as the scan sees it now (the shard's inputs hash is this scan's): it is back as it was, and readable."""
     quarantined = record.get("quarantined")
-    return isinstance(quarantined, list) and any(isinstance(q, dict) and read_again(q) for q in quarantined)
+    return isinstance(quarantined, list) and any(
+        isinstance(q, dict) and read_again(q) and (retry or str(q.get("reason", "")).startswith((_GONE, CHANGED)))
+        for q in quarantined)
 
 
 def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bool:
@@ -317,7 +323,7 @@ def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str, 
     quarantined no file that a rerun reads again (:func:`read_again`): such a shard is built again."""
     existing = read_shard_record(Path(output) / SHARDS_DIR / shard_name(plan["shard"]))
     if existing is not None and _same_build(existing, plan, config_hash, build_id) \
-            and not (retry and _reads_again(existing)):
+            and not _reads_again(existing, retry=retry):
         return existing
     return None
 
@@ -561,14 +567,15 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
         if opened is not None:
             data = images_path(writer.tmp_dir, layout)
             opened(data, data.relative_to(writer.tmp_dir).as_posix())
-        for path, label in zip(plan["paths"], plan["labels"], strict=True):
+        for path, label, scanned in zip(plan["paths"], plan["labels"], plan["stats"], strict=True):
             file = os.path.join(root, path) if source_options is None else f"{root}/{path}"
             failure = _probe(file, spec, source_options, store_timeout) if isolate else None
             if failure is not None:
                 quarantined.append({"path": path, **failure})
                 continue
             watchdog.watch(path)
-            loaded = _load(file, decode_spec, path, quarantined, sample, limit, source_options, store_timeout)
+            loaded = _load(file, decode_spec, path, quarantined, sample, limit, source_options, store_timeout,
+                           scanned=tuple(scanned) if scanned[0] >= 0 else None)
             watchdog.watch(None)
             if loaded is not None:
                 writer.add(loaded[0], label, path)
@@ -699,15 +706,23 @@ def _checksums_match(shard_dir: Path, record: dict, plan: dict, side: int) -> bo
 
 
 def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: np.ndarray,
-          limit: int, source_options: dict | None = None, store_timeout: float | None = None) -> tuple[np.ndarray, bool] | None:
+          limit: int, source_options: dict | None = None, store_timeout: float | None = None, *,
+          scanned: tuple[int, int] | None = None) -> tuple[np.ndarray, bool] | None:
     """Read and decode one file (an object, with ``source_options``) into ``out``: the sample and whether
     its longer side was cut by ``max_aspect``; on failure record why in ``quarantined`` and return None.
+    ``scanned``: the file's (size, mtime_ns) as the scan saw it (an object's mtime: 0, unknown), which the
+    shard's inputs hash records: a file that no longer is so is the scan's no more (bounded.CHANGED).
     A store that fails while an object is read (no connection, no answer, throttled past its retries) is no
     fault of the object: RemoteStoreError ends the shard's task, and the rerun resumes."""
     try:
         # a regular file only, one unbuffered read, at most ``limit`` bytes (an object: at most ``limit`` too)
-        data = read_file(file, limit) if source_options is None else \
-            remote.read_object(file, limit, source_options, store_timeout)
+        if source_options is None:
+            data = read_file(file, limit, scanned)
+        else:
+            data = remote.read_object(file, limit, source_options, store_timeout)
+            if scanned is not None and len(data) != scanned[0]:
+                raise DecodeError(f"{CHANGED} (written while the build ran, {scanned[0]:,} bytes then, {len(data):,} "
+                                  "when read): a rerun reads it again", kind="unreadable")
         return decode_fitted(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
@@ -849,6 +864,8 @@ def _check_utf8_path(name: str, path: str | os.PathLike, error: type[DatapipeErr
     """A path the build records (in build.json, the manifest and the report: UTF-8 text) must be UTF-8 itself."""
     text = os.fspath(path)
     where = text if remote.is_url(text) else os.path.abspath(os.path.expanduser(text))
+    if not remote.is_url(text) and (wrong := locale_error(where)) is not None:
+        raise error(f"{name} {wrong}")
     if not valid_utf8(where):
         raise error(f"{name} {shown(where)}: the path is not valid UTF-8; rename it (or link to it from a "
                     "path that is) and rerun")
@@ -1099,7 +1116,7 @@ def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str,
     for name, rec in records.items():
         plan = names[name]
         objects = remote.shard_objects(target.objects, name)
-        if not _same_build(rec, plan, chash, target.build_id) or (retry and _reads_again(rec)) \
+        if not _same_build(rec, plan, chash, target.build_id) or _reads_again(rec, retry=retry) \
                 or not remote.whole(rec, objects):
             continue
         if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec, plan, side):
@@ -1180,10 +1197,10 @@ def _retire_stale_manifest(out: Path, plans: list[dict], chash: str, build_id: s
             (shard_name(p["shard"]), p["inputs_hash"]) for p in plans]
     except CacheError:  # damaged: it cannot describe this build's shards
         same = False
-    if same and retry:
+    if same:
         for plan in plans:  # a file read again may now be a sample: the shard, labels and manifest change
             rec = read_shard_record(out / SHARDS_DIR / shard_name(plan["shard"]))
-            if rec is not None and _same_build(rec, plan, chash, build_id) and _reads_again(rec):
+            if rec is not None and _same_build(rec, plan, chash, build_id) and _reads_again(rec, retry=retry):
                 same = False
                 break
     if not same:

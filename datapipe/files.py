@@ -54,6 +54,15 @@ class FileTooLarge(Exception):
         self.size, self.limit, self.grew = size, limit, grew
 
 
+class FileChanged(Exception):
+    """The file is not the one the caller expected: its (size, mtime_ns) ``seen`` differ from ``expected``, or
+    it was written to while read."""
+
+    def __init__(self, expected: tuple[int, int], seen: tuple[int, int]) -> None:
+        super().__init__(f"expected size and mtime {expected}, found {seen}")
+        self.expected, self.seen = expected, seen
+
+
 def open_for_reading(path: str | os.PathLike) -> int:
     """A descriptor of ``path`` opened read-only and non-blocking (a FIFO in a file's place is never waited on);
     OSError as os.open gives it, but TooManyOpenFilesError when the descriptor limit is reached."""
@@ -66,8 +75,9 @@ def open_for_reading(path: str | os.PathLike) -> int:
         raise
 
 
-def read_regular(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
+def read_regular(path: str | os.PathLike, limit: int, expected: tuple[int, int] | None = None) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; with ``expected``, of the file whose
+    (size, mtime_ns) those are, as they still are once it is read.
 
     One ``read`` for the whole file in the common case (unbuffered: the fastest way for the build's
     source images); a file that grew since ``fstat`` is read on, within the limit.
@@ -75,6 +85,7 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
     Raises:
         NotRegularFile: a FIFO, socket, device or directory (never read, so never blocked on).
         FileTooLarge: more than ``limit`` bytes.
+        FileChanged: with ``expected``, a file of another size or mtime, or one written to while read.
         OSError: it cannot be opened or read.
     """
     fd = open_for_reading(path)
@@ -82,6 +93,8 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(describe_mode(st.st_mode))
+        if expected is not None and (st.st_size, st.st_mtime_ns) != expected:
+            raise FileChanged(expected, (st.st_size, st.st_mtime_ns))
         if st.st_size > limit:
             raise FileTooLarge(st.st_size, limit)
         data = os.read(fd, st.st_size + 1)
@@ -93,6 +106,10 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
                 if total > limit:
                     raise FileTooLarge(total, limit, grew=True)
             data = b"".join(parts)
+        if expected is not None:
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns) != expected or len(data) != expected[0]:
+                raise FileChanged(expected, (after.st_size, after.st_mtime_ns))
         return data
     finally:
         os.close(fd)

@@ -22,6 +22,7 @@ and each real directory is read at most once.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import hashlib
@@ -31,6 +32,7 @@ import logging
 import os
 import posixpath
 import stat
+import sys
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -114,6 +116,9 @@ def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
     listing.source = src.resolve()
+    for name in (*listing.paths, *(entry["path"] for entry in listing.dropped)):
+        if (wrong := locale_error(name)) is not None:
+            raise SourceError(f"source file {wrong}")
     if not listing.paths and not listing.dropped:
         hint = (f" ({len(listing.ignored)} entries skipped (not an image extension, hidden), e.g. {listing.ignored[:3]})"
                 if listing.ignored else "")
@@ -148,6 +153,23 @@ def shown(name: str) -> str:
     """A path as text that JSON and a one-line message can carry: bytes that are not UTF-8 as ``\\xNN``, control
     characters escaped (:func:`datapipe.text.printable`)."""
     return printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
+
+
+def locale_error(name: str) -> str | None:
+    """Why ``name`` (from the file system) cannot be recorded under this process's locale, or None. Where Python
+    decodes file names by a locale that is not UTF-8 (LC_ALL=en_US.ISO-8859-1; LC_ALL=C with PYTHONUTF8=0), a
+    name that is not ASCII would be recorded as other text than under a UTF-8 locale (Zürich as ZÃ¼rich) or taken
+    for one that is not UTF-8: the same files would give another cache, its classes renamed."""
+    encoding = codecs.lookup(sys.getfilesystemencoding()).name
+    if encoding == "utf-8" or name.isascii():
+        return None
+    try:
+        name = shown(name)  # a name as listed: its bytes as UTF-8
+    except UnicodeEncodeError:  # one read as text (a CSV's row), which the locale cannot write as a file's name
+        name = printable(name)
+    return (f"{name}: this Python reads file names as {encoding} (the locale's), not UTF-8, so a name that is "
+            "not ASCII would be recorded as other text than under a UTF-8 locale; run it with PYTHONUTF8=1 (or a "
+            "UTF-8 locale: LC_ALL=C.UTF-8) and rerun")
 
 
 def valid_utf8(name: str) -> bool:
@@ -299,6 +321,9 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
             walker.ignored.append(shown(entry.name) + "/ (the build's output folder)")
         elif not _is_cache(Path(entry.path)):
             class_dirs.append(entry)
+    for entry in class_dirs:
+        if (wrong := locale_error(entry.name)) is not None:
+            raise SourceError(f"class folder {wrong}")
     unnamed = [e.name for e in class_dirs if not valid_utf8(e.name)]
     if unnamed:
         raise SourceError(
@@ -444,6 +469,8 @@ def _scan_csv(csv_path: Path) -> Listing:
     root = csv_path.parent
 
     def refused(rel: str) -> dict | None:
+        if (wrong := locale_error(rel)) is not None:
+            raise SourceError(f"{csv_path}: path {wrong}")
         try:
             mode = os.stat(root / rel).st_mode
         except OSError:  # missing or unreadable: read time reports it
@@ -567,6 +594,7 @@ def plan_shards(listing: Listing, shard_size: int) -> list[dict]:
             "paths": listing.paths[start:stop],
             "labels": listing.labels[start:stop],
             "inputs_hash": digest,
+            "stats": [list(listing.stats[i]) for i in range(start, stop)],  # what each read must find (builder._load)
             # the paths the scan found no file at (a dangling link, a missing CSV row): see builder.read_again
             "absent": [listing.paths[i] for i in range(start, stop) if listing.stats[i][0] < 0],
         })

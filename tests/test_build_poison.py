@@ -28,10 +28,10 @@ HANG_HOOK = """
 import threading
 import datapipe.bounded as bounded
 _real = bounded.read_file
-def _read_file(path, limit):
+def _read_file(path, limit, *scanned):
     if path.endswith("zz-blocks.jpg"):
         threading.Event().wait()  # a read that never returns
-    return _real(path, limit)
+    return _real(path, limit, *scanned)
 bounded.read_file = _read_file
 try:
     import datapipe.builder as builder

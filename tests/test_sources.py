@@ -531,3 +531,39 @@ def test_datasets_of_one_process_that_label_their_classes_otherwise_are_warned_o
     assert "class 'cat' is label 1 in the first and 2 in the second (2 of its 3 classes differ)" in message, message
     assert f"--classes-from {tmp_path / 'train-cache'}" in message and str(tmp_path / "val-cache") in message
     assert opened("val-given", "other-cache", "first-cache", "train-cache") == []  # the others are dropped by now
+
+
+@pytest.mark.parametrize("kind", ["class folder", "file", "csv row", "output"])
+def test_names_that_are_not_ascii_under_a_locale_that_is_not_utf8_are_one_line_not_another_cache(tmp_path, imaging,
+                                                                                                    kind):
+    """Python decodes file names by the locale (LC_ALL=C with PYTHONUTF8=0: ASCII; a Latin-1 locale: Latin-1).
+    Under a Latin-1 locale, Zürich was recorded as ZÃ¼rich (the same files gave another cache, and a rerun renamed
+    the classes of one built under UTF-8); under C, valid UTF-8 names were called invalid, with advice to convert
+    them that would have double-encoded them. Such a name is now refused, naming the variable that helps."""
+    src = tmp_path / "src"
+    names = {"class folder": ("Zürich", "a.jpg"), "file": ("cat", "é.jpg"), "csv row": ("cat", "ü.jpg"),
+             "output": ("cat", "a.jpg")}[kind]
+    (src / names[0]).mkdir(parents=True)
+    (src / names[0] / names[1]).write_bytes(imaging.jpeg(imaging.gradient(20, 24)))
+    (src / "dog").mkdir()
+    (src / "dog" / "b.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 24, seed=1)))
+    source = src
+    if kind == "csv row":
+        (tmp_path / "list.csv").write_text(f"path,label\nsrc/{names[0]}/{names[1]},cat\nsrc/dog/b.jpg,dog\n",
+                                           encoding="utf-8")
+        source = tmp_path / "list.csv"
+    out = tmp_path / ("dépôt" if kind == "output" else "out")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", os.fsencode(source), os.fsencode(out),
+                           "--scheduler", "sync", "--size", "16"], capture_output=True, env=env, timeout=120)
+    lines = proc.stderr.decode("ascii", "replace").strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "this Python reads file names as ascii (the locale's), not UTF-8" in lines[0], lines[0]
+    assert "PYTHONUTF8=1" in lines[0] and "LC_ALL=C.UTF-8" in lines[0] and "convmv" not in lines[0], lines[0]
+    assert not out.exists()
+    utf8 = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(source), str(out), "--scheduler", "sync",
+                           "--size", "16"], capture_output=True, text=True, env={**env, "PYTHONUTF8": "1"}, timeout=120)
+    assert utf8.returncode == 0, utf8.stderr
+    cache = datapipe.open(out)
+    assert len(cache) == 2 and (names[0] in cache.classes or kind == "csv row")
+    assert f"{names[0]}/{names[1]}" in [cache.path(i).removeprefix("src/") for i in range(len(cache))]

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from build_fixtures import build_log
 
@@ -52,11 +53,11 @@ GATED = """
 import os, sys
 import datapipe.builder as builder
 real = builder.read_file
-def gated(path, limit):
+def gated(path, limit, *scanned):
     if path.endswith(os.environ["GATE_FILE"]):
         with open(os.environ["GATE"], "rb") as gate:
             gate.read()
-    return real(path, limit)
+    return real(path, limit, *scanned)
 builder.read_file = gated
 from datapipe.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -658,10 +659,10 @@ def fail_reads(monkeypatch, kind: str) -> list[bool]:
     failing = [True]
     real_read, real_load = builder.read_file, builder._load
 
-    def read(path, limit):
+    def read(path, limit, *scanned):
         if failing and path.endswith(VICTIM):
             raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_read(path, limit)
+        return real_read(path, limit, *scanned)
 
     def load(file, spec, path, quarantined, *args, **kwargs):
         if failing and path == VICTIM:
@@ -716,8 +717,9 @@ def test_a_file_gone_while_the_build_ran_is_read_again_once_it_is_back(small, tm
     assert build(small, out, max_bad_fraction=0).shards_built == 0
 
 
-def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_when_asked(small, tmp_path):
-    """Within its budget the build finishes; a plain rerun is then a no-op, and --force reads the file again."""
+def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built(small, tmp_path):
+    """Within its budget the build finishes; the file comes back as the scan saw it, so the scan's record cannot
+    tell, but its reason can: a plain rerun reads it again (its reason says so), and then is a no-op."""
     out = tmp_path / "out"
     away = tmp_path / "away.jpg"
 
@@ -728,9 +730,54 @@ def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_whe
     with build_log(move_away):
         assert [q["path"] for q in build(small, out, max_bad_fraction=0.5).quarantined] == [VICTIM]
     os.rename(away, small / VICTIM)
-    assert build(small, out, max_bad_fraction=0.5).shards_built == 0
-    again = build(small, out, max_bad_fraction=0.5, force=True)
+    again = build(small, out, max_bad_fraction=0.5)
     assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
+    assert build(small, out, max_bad_fraction=0.5).shards_built == 0
+
+
+@pytest.mark.parametrize("change", ["another image", "same size", "same size, 1 ns later"])
+@pytest.mark.parametrize("then", ["left", "put back"])
+def test_a_file_written_between_the_scan_and_its_read_is_never_cached_under_the_scans_record(
+        small, tmp_path, imaging, change, then):
+    """The shard's record (which decides whether a rerun builds it again) holds each file's size and mtime as the
+    scan saw them. A file replaced after the scan (by another image, by another of the same size, or so and with
+    an mtime a nanosecond on) was cached as it was read, under that record: left so, no rerun noticed; put back
+    as it was, the cache kept the other picture for ever. Now it is quarantined as changed, and a plain rerun
+    caches what the file then holds, as a fresh build does."""
+    out = tmp_path / "out"
+    victim = small / VICTIM
+    scanned = victim.stat()
+    original = victim.read_bytes()
+    other = imaging.jpeg(imaging.gradient(40, 30, seed=9))  # another picture; a JPEG ends at its EOI marker
+    if change == "another image":
+        assert len(other) != len(original)
+    else:
+        assert len(other) < len(original)
+        other = other.ljust(len(original), b"\0")
+
+    def replace(record) -> None:
+        if "building serially" in record.getMessage():
+            victim.write_bytes(other)
+            if change == "same size, 1 ns later":
+                os.utime(victim, ns=(scanned.st_atime_ns, scanned.st_mtime_ns + 1))
+
+    with build_log(replace):
+        report = build(small, out, max_bad_fraction=0.5)
+    assert [(q["path"], q["error"]) for q in report.quarantined] == [(VICTIM, "unreadable")], report.quarantined
+    reason = report.quarantined[0]["reason"]
+    assert reason.startswith("changed since the scan (written while the build ran: ") and reason.endswith(
+        "when read): a rerun reads it again"), reason
+    if then == "put back":  # as the scan saw it: bytes, size and mtime
+        victim.write_bytes(original)
+        os.utime(victim, ns=(scanned.st_atime_ns, scanned.st_mtime_ns))
+    again = build(small, out, max_bad_fraction=0.5)
+    assert again.shards_built == 1 and again.quarantined == [], again.quarantined
+    build(small, tmp_path / "fresh")
+    cache, fresh = datapipe.open(out), datapipe.open(tmp_path / "fresh")
+    assert [cache.path(i) for i in range(len(cache))] == [fresh.path(i) for i in range(len(fresh))]
+    i = [cache.path(k) for k in range(len(cache))].index(VICTIM)
+    assert np.array_equal(cache[i][0], fresh[i][0]) and cache[i][1] == fresh[i][1]
+    assert build(small, out, max_bad_fraction=0.5).shards_built == 0
 
 
 def test_a_file_that_became_a_fifo_after_the_scan_has_the_scans_reason(small, tmp_path):
