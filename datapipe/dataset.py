@@ -313,7 +313,8 @@ class StreamingDataset(IterableDataset):
         # The third is set by a worker that reads this epoch: then only the caller knows how many batches
         # the loop received (state_dict(batches_consumed=k)). The next three tell an epoch read whole and
         # begun again without set_epoch (the same shuffled order again: warned once, see _check_repeat).
-        self._shared = torch.zeros(7, dtype=torch.int64).share_memory_()
+        self._state = torch.zeros(7, dtype=torch.int64).share_memory_()
+        self._owner = os.getpid()  # the process whose dataset this is (see _shared)
         self._consumed = 0  # batches the loop received of the current iteration (main process)
         self._iter_base = 0  # where the current iteration began in the epoch's order
         # Bumped by every iteration begun in this process and by every change of epoch or position:
@@ -328,6 +329,27 @@ class StreamingDataset(IterableDataset):
         self._published: dict[tuple[int, str] | str, int] = {}  # (epoch, "iteration"), (passes, "pass") or "set_epoch"
         self._passes = 0  # iterations this process read to their end (the loop received the last batch)
         self._keys: deque[str] = deque()
+
+    @property
+    def _shared(self) -> torch.Tensor:
+        """The state shared with this dataset's DataLoader workers (forked, or handed the same shared memory by
+        torch's pickler). Any other process that uses a copy (one the dataset was passed to through
+        multiprocessing, a fork that is no DataLoader worker) takes a private copy of it at its first use: its
+        set_epoch or load_state_dict must not move the original's epoch, nor its iterations use up the
+        original's resumed position."""
+        if self._owner != os.getpid() and torch.utils.data.get_worker_info() is None:
+            self._state = self._state.clone().share_memory_()
+            self._owner = os.getpid()
+        return self._state
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, ``pickle``; Ray, submitit, cloudpickle) has a state of its own, in shared
+        memory as the original's is, so that its own DataLoader workers see its set_epoch and load_state_dict.
+        What torch's pickler hands a spawned DataLoader worker is the original's shared memory: it stays."""
+        self.__dict__.update(state)
+        if not self._state.is_shared():
+            self._state.share_memory_()
+            self._owner = os.getpid()
 
     # ----------------------------------------------------------------- epoch, length, plan
     @property
@@ -737,6 +759,12 @@ class StreamingDataset(IterableDataset):
         before = self._batches_before()
         count = (f"k = the batches of epoch {self.epoch} the loop has received, counted from the epoch's start"
                  + (f", the {before} before the resumed position included" if before else ""))
+        if torch.utils.data.get_worker_info() is not None:
+            raise StateError(
+                "state_dict() was called in a DataLoader worker process (torchdata's StatefulDataLoader does so "
+                "with num_workers > 0): a worker reads only its share of each epoch, and the state is the loop's; "
+                "save dataset.state_dict(batches_consumed=k) from the training loop with torch's DataLoader, or use "
+                "StatefulDataLoader with num_workers=0, or datapipe.DeviceLoader")
         if batches_consumed is None and int(self._shared[2]):
             raise StateError(
                 "this epoch was read by DataLoader worker processes, which cannot tell this process how "

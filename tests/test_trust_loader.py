@@ -675,3 +675,70 @@ def test_a_shard_that_breaks_after_opening_is_named(index_cache, tmp_path, how):
         one_line_refusal(excinfo.value)
         assert got == 32  # the batches before the broken shard (samples 35..41) arrived
         loader.close()
+
+
+@pytest.mark.parametrize("copy_by", ["deepcopy", "pickle"])
+def test_a_copied_dataset_keeps_its_own_state_for_its_workers(index_cache, copy_by):
+    """Ray, submitit and cloudpickle ship a dataset pickled; a copy's state was an ordinary tensor, so its forked
+    persistent workers never saw set_epoch (every epoch read epoch 0's order, with a warning to call it) nor
+    load_state_dict (the resumed samples came twice). A copy now shares its own state with its workers, and
+    leaves the original's alone."""
+    import copy
+    import pickle
+
+    original = dataset(index_cache)
+    ds = copy.deepcopy(original) if copy_by == "deepcopy" else pickle.loads(pickle.dumps(original))
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    epochs = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        epochs.append([b[2].tolist() for b in loader])
+    reference = dataset(index_cache)
+    for epoch, got in enumerate(epochs):
+        reference.set_epoch(epoch)
+        assert got == indices_of(reference)
+    assert epochs[0] != epochs[1]
+    reference.set_epoch(2)
+    head = indices_of(reference, 3)
+    ds.load_state_dict(reference.state_dict(batches_consumed=3))
+    assert head + [b[2].tolist() for b in loader] == indices_of(reference)  # resumed: each sample once
+    assert original.epoch == 0 and original.start == 0
+
+
+def child_reads(ds) -> None:
+    ds.set_epoch(0)
+    for _ in ds:
+        pass
+
+
+def test_a_process_the_dataset_is_passed_to_leaves_the_originals_epoch_and_position(index_cache):
+    """multiprocessing hands a child torch's shared tensors as they are: a child that set the epoch and read an
+    epoch of its copy set the parent's epoch back and used up its resumed position (the parent then read the
+    wrong epoch from its start). Only the dataset's own DataLoader workers share its state."""
+    import multiprocessing
+
+    source = dataset(index_cache)
+    source.set_epoch(2)
+    head = indices_of(source, 3)
+    ds = dataset(index_cache)
+    ds.load_state_dict(source.state_dict())
+    child = multiprocessing.get_context("spawn").Process(target=child_reads, args=(ds,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    source.set_epoch(2)
+    assert ds.epoch == 2 and head + indices_of(ds) == indices_of(source)
+
+
+def test_a_state_asked_of_a_dataloader_worker_says_whose_state_it_is(index_cache):
+    """torchdata's StatefulDataLoader asks each worker's copy for a state of its own: one line says why a
+    worker has none, not the advice to pass batches_consumed to a call the user never made."""
+
+    def ask(_: int) -> None:
+        torch.utils.data.get_worker_info().dataset.state_dict()
+
+    loader = DataLoader(dataset(index_cache), batch_size=None, num_workers=1, worker_init_fn=ask)
+    with pytest.raises(StateError, match=r"state_dict\(\) was called in a DataLoader worker process \(torchdata's "
+                                         r"StatefulDataLoader does so with num_workers > 0\)"):
+        next(iter(loader))
