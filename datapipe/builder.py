@@ -58,6 +58,7 @@ from .errors import (
     env_seconds,
     one_line,
     quarantine_counts,
+    thread_start_failed,
     unreadable,
 )
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, holds, read_regular
@@ -77,7 +78,7 @@ from .shards import (
     shard_name,
 )
 from .sources import Listing, locale_error, note_numeric_labels, plan_shards, scan, shown, valid_utf8, with_classes
-from .text import ProgressStream, plural, printable, show
+from .text import plural, printable, progress_bar, show
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -810,7 +811,7 @@ def build(
     if not cluster.scheduler and _unguarded_script_call():
         raise ArgumentError(_GUARD_HINT)
     if not cluster.scheduler:
-        local_workers(cluster.workers)  # a count the machine cannot run is refused before the scan
+        _check_open_files(local_workers(cluster.workers))  # a count the machine cannot run is refused before the scan
         _check_main_importable()
     if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float, numbers.Real)) \
             or not 0.0 <= max_bad_fraction <= 1.0:
@@ -1265,9 +1266,7 @@ def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
 
 
 def _progress_bar(total: int, progress: bool) -> tqdm:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="shard", desc="shards", disable=not progress, file=ProgressStream(), dynamic_ncols=True)
+    return progress_bar(total=total, unit="shard", desc="shards", disable=not progress)
 
 
 def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[dict]:
@@ -1369,6 +1368,24 @@ def local_workers(asked: int | None) -> int:
             f"({WORKERS_PER_CORE} a core, {WORKER_MEMORY >> 20} MiB each); leave --workers out for one per core, or "
             "build on a larger Dask cluster with --scheduler tcp://HOST:8786")
     return asked
+
+
+# Descriptors a LocalCluster needs open in this process (its scheduler, nannies, their pipes and connections):
+# measured, about 36 and 8 a worker; with fewer it fails to start, or, with some 20, its scheduler retries
+# accept() for ever and the start never ends.
+CLUSTER_FILES, WORKER_FILES = 48, 8
+
+
+def _check_open_files(n_workers: int) -> None:
+    """Refuse a LocalCluster that this process's limit of open files cannot hold (see CLUSTER_FILES)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    needed = CLUSTER_FILES + WORKER_FILES * n_workers
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raise BuildError(f"this process may open {soft:,} files (ulimit -n), and a LocalCluster of "
+                         f"{plural(n_workers, 'worker')} needs about {needed}: raise the limit (ulimit -n 4096), build "
+                         "with fewer --workers, or with --scheduler sync (no Dask processes)")
 
 
 def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Client]:
@@ -1709,7 +1726,10 @@ def _in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, li
             got.append(exc)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        raise (thread_start_failed(exc, name) or exc) from None
     return thread, got
 
 

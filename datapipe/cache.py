@@ -63,7 +63,7 @@ from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import MOVE_AWAY, SHARDS_DIR, document_problems, images_path, index_path, read_shard_metadata, shard_labels_path
-from .text import ProgressStream, show
+from .text import progress_bar, show
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 T = TypeVar("T")
@@ -1184,8 +1184,6 @@ class Cache:
         file's checksum, the record in its ``zarr.json`` (count, size, checksum) and its own labels
         chunk against labels.npy.
         """
-        from tqdm import tqdm
-
         shown = check_bool(progress, "progress")  # before any work
         problems: list[str] = []
         labels = self._verify_step(problems, self._load_labels)
@@ -1196,8 +1194,7 @@ class Cache:
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         self.verified_shards = 0
-        bar = tqdm(self.manifest.shards, desc="verify", unit="shard", disable=not shown, file=ProgressStream(),
-                   dynamic_ncols=True)
+        bar = progress_bar(self.manifest.shards, desc="verify", unit="shard", disable=not shown)
         for s, _ in enumerate(bar):
             if self.node_cache_of is not None:
                 problems.extend(self._verify_downloaded(s))

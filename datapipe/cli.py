@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .environment import environment
-from .errors import DatapipeError, describe_quarantine
+from .errors import DatapipeError, describe_quarantine, thread_start_failed
 from .text import plain_where_unencodable, plural, printable
 
 if TYPE_CHECKING:
@@ -260,6 +261,15 @@ def _main(argv: list[str] | None) -> int:
         except ModuleNotFoundError as exc:
             print(_missing_dependency(exc, f"datapipe {args.command}"), file=sys.stderr)
             return 2
+        except RuntimeError as exc:  # a library's thread that could not start (datapipe's own say so themselves)
+            failed = thread_start_failed(exc)
+            if failed is None:
+                raise
+            print(f"datapipe {args.command}: error: {failed}", file=sys.stderr, flush=True)
+            if argv is None:  # the libraries' exit handlers fail too (zarr's joins the thread that never started)
+                _quiet()
+                atexit.register(_stderr_closed)  # run before theirs, registered earlier
+            return 1
         except OSError as exc:  # the machine's state (a permission, a disk) where no message of ours says it: one line
             where = f"{exc.filename}: " if exc.filename else ""
             print(f"datapipe {args.command}: error: {where}{exc.strerror or exc} ({type(exc).__name__}); check the "
@@ -322,6 +332,13 @@ def _messages_to_stderr() -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def _stderr_closed() -> None:
+    """Nothing more on standard error from here to the process's end."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
 def _quiet() -> None:
@@ -600,6 +617,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     _require("bench", "bench", "psutil", *(["matplotlib"] if args.plot else []))
     from .bench.harness import BenchSpec, chart_path, check_output_file, format_table, plot, run
+    from .files import atomic_write_text
 
     spec = BenchSpec(batch_size=args.batch_size, workers=args.workers, crop=args.crop, batches=args.batches,
                      device=args.device, repeats=args.repeats, step_ms=args.step_ms)  # checks every flag
@@ -615,10 +633,16 @@ def _bench(args: argparse.Namespace) -> int:
     with _loaders_stop_quietly():
         result = run(args.cache, spec, source=args.source, against=against, work_dir=args.work_dir,
                      progress=not args.quiet, also=args.also)
+    unwritten = None
     if json_out is not None:  # first: the figures are kept whatever showing them meets (a closed pipe, an encoding)
-        with _writing("--json", str(json_out)):
-            json_out.write_text(json.dumps(result.to_dict(), indent=1))
+        try:
+            with _writing("--json", str(json_out)):
+                atomic_write_text(json_out, json.dumps(result.to_dict(), indent=1))
+        except DatapipeError as exc:  # a full disk: the figures are shown all the same, then the error
+            unwritten = exc
     print(format_table(result))
+    if unwritten is not None:
+        raise unwritten
     if json_out is not None:
         print(f"wrote {json_out}")
     if plot_out is not None:
@@ -694,12 +718,15 @@ def _killed_worker_signal(exc: RuntimeError) -> int | None:
 @contextlib.contextmanager
 def _writing(flag: str, path: str) -> Iterator[None]:
     """A file the command was asked to write cannot be: one line naming the flag and the file."""
-    from .errors import OutputError
+    from .errors import FULL_DISK, OutputError
 
     try:
         yield
     except OSError as exc:
-        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; choose a writable path") from exc
+        advice = ("free space on its disk or choose another path" if exc.errno in FULL_DISK else
+                  "raise the file size limit (ulimit -f) or choose another path" if exc.errno == errno.EFBIG else
+                  "choose a writable path")
+        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; {advice}") from exc
 
 
 _COMMANDS = {"build": _build, "info": _info, "verify": _verify, "sample": _sample, "demo": _demo, "bench": _bench}

@@ -51,7 +51,7 @@ from torch import nn
 from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
 from .environment import physical_memory
-from .errors import ArgumentError, IterationSupersededError
+from .errors import ArgumentError, IterationSupersededError, thread_start_failed
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
 from .text import show
@@ -414,7 +414,11 @@ class DeviceLoader:
                 t = threading.Thread(target=_reader_loop, args=(weakref.ref(self), self._jobs, ready),
                                      name=f"datapipe-reader-{i}", daemon=True)
                 self._threads.append(t)  # before it starts: an interrupt between the two must not lose it
-                t.start()
+                try:
+                    t.start()
+                except RuntimeError as exc:
+                    self._threads.pop()
+                    raise (thread_start_failed(exc, "the DeviceLoader's reader threads") or exc) from None
             if ready is not None:
                 ready.wait()
         except BaseException:

@@ -213,6 +213,32 @@ def too_many_open_files(exc: OSError, path: str | os.PathLike) -> TooManyOpenFil
                                  "or resource.setrlimit) or let go of what holds files open (datasets no longer used)")
 
 
+class OutOfThreadsError(DatapipeError, RuntimeError):
+    """A thread could not be started: the process is short of memory (``ulimit -v``) or of threads."""
+
+
+def thread_start_failed(exc: BaseException, what: str = "") -> OutOfThreadsError | None:
+    """The error for ``exc``, raised by starting a thread (for ``what``), when it says no thread could be started
+    (Python's RuntimeError "can't start new thread"), or None."""
+    if not isinstance(exc, RuntimeError) or "can't start new thread" not in str(exc):
+        return None
+    limits = []
+    try:
+        import resource
+
+        for name, which, unit in (("virtual memory", resource.RLIMIT_AS, " bytes"), ("processes and threads",
+                                                                                       resource.RLIMIT_NPROC, "")):
+            soft = resource.getrlimit(which)[0]
+            if soft != resource.RLIM_INFINITY:
+                limits.append(f"{name} {soft:,}{unit}")
+    except (ImportError, OSError, ValueError):
+        pass
+    shown = f" (its limits: {', '.join(limits)})" if limits else ""
+    return OutOfThreadsError(f"no thread could be started{f' for {what}' if what else ''} ({exc}): this process is "
+                             f"short of memory or threads{shown}; raise the limit (ulimit -v, ulimit -u) or free "
+                             "memory, and rerun")
+
+
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT})  # no space, or a quota reached
 # no object store's client raises these (s3fs gives OSErrors no errno); EFBIG: a file past the process's size
 # limit (`ulimit -f`) or the largest its file system holds

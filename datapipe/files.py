@@ -210,11 +210,16 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a temporary name beside ``path``, fsync it and rename it over ``path``:
     a reader sees the old file or the new one, never half of one."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a size limit: no half-written temporary is left beside it
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def fsync_dir(path: Path) -> None:

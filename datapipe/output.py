@@ -42,6 +42,7 @@ from .errors import (
     DatapipeError,
     OutputBusyError,
     OutputError,
+    OutputWriteError,
     UnreadableFileError,
 )
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
@@ -99,8 +100,14 @@ class BuildLock:
         self.fd = fd
         info = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "token": self.token})
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info.encode() + b"\n", 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info.encode() + b"\n", 0)
+        except OSError as exc:  # a full disk or quota, a file size limit: the lock file goes, as it came
+            self.release()
+            raise OutputWriteError(f"cannot write the lock file {self.path}: {exc.strerror or exc}; nothing was "
+                                   "built: free space on its disk (or raise the file size limit, ulimit -f) and "
+                                   "rerun") from None
 
     def release(self) -> None:
         """Remove the lock file, then unlock. A build that locked the removed file meanwhile sees that
@@ -306,6 +313,11 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         # A folder this process cannot write, or one another build holds (the ranks of a job each calling
         # build() on the same cache): it may still hold this very build, up to date, checked without the lock.
         return _read_only(out, config, chash, source, force, exc)
+    except OutputError:
+        if not existed:  # the folder this build made, and nothing else: it goes
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     if output.lock.created:
         output.created.append(output.lock.path)
     try:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError
+from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError, thread_start_failed
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, read_regular
 from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
@@ -180,12 +180,35 @@ def _zarr_metadata(layout: str, count: int, size: int) -> dict[str, bytes]:
     return docs
 
 
+def _forget_zarr_loop() -> None:
+    """zarr keeps the event loop of an I/O thread that failed to start: every later call would wait on it for
+    ever (and its exit handler fails joining the thread). Forget both, so that the next call starts anew."""
+    import warnings
+
+    from zarr.core import sync
+
+    # the call's coroutine, never run, is collected later with a warning of its own: the error says it all
+    warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
+    with contextlib.suppress(AttributeError, IndexError, TypeError):
+        thread = sync.iothread[0]
+        if thread is not None and thread.ident is None:  # never started
+            sync.iothread[0] = None
+            sync.loop[0] = None
+
+
 def _zarr_documents(layout: str, count: int, size: int) -> dict[str, bytes]:
     import zarr
     from zarr.storage import MemoryStore
 
     written: dict[str, Any] = {}
-    group = zarr.create_group(store=MemoryStore(written), zarr_format=3, overwrite=False)
+    try:
+        group = zarr.create_group(store=MemoryStore(written), zarr_format=3, overwrite=False)
+    except RuntimeError as exc:  # the first zarr call of the process starts zarr's I/O thread
+        failed = thread_start_failed(exc, "zarr's I/O")
+        if failed is None:
+            raise
+        _forget_zarr_loop()
+        raise failed from None
     if layout == "indexed":
         padded = max(indexed_chunks(size), 1) * CHUNK_BYTES
         group.create_array("images", shape=(size,), dtype="uint8", chunks=(CHUNK_BYTES,), shards=(padded,),

@@ -81,6 +81,20 @@ class ProgressStream:
                 self.gone = True
 
 
+_BAR: Any = None  # tqdm without its monitor thread (see progress_bar)
+
+
+def progress_bar(*args: Any, **kwargs: Any) -> Any:
+    """A tqdm bar on standard error (:class:`ProgressStream`), without tqdm's monitor thread: a bar needs none,
+    and one that cannot start (no memory for a thread) only adds a warning to the error that follows."""
+    global _BAR
+    if _BAR is None:
+        from tqdm import tqdm
+
+        _BAR = type("ProgressBar", (tqdm,), {"monitor_interval": 0})
+    return _BAR(*args, file=ProgressStream(), dynamic_ncols=True, **kwargs)
+
+
 # The typographic characters of messages, tables and --help, in ASCII where the output's encoding lacks them.
 _PLAIN = {"…": "...", "—": "-", "–": "-", "×": "x", "→": "->", "←": "<-", "≤": "<=", "≥": ">=", "≈": "~", "µ": "u",
           "²": "^2", "³": "^3", "‘": "'", "’": "'", "“": '"', "”": '"', "·": ".", "°": " deg", "±": "+/-", "√": "sqrt"}

@@ -188,10 +188,10 @@ def test_sigkill_and_resume_is_byte_identical(tmp_path, imaging):
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     hook = ("import os, sys\nimport datapipe.builder as b\nreal = b.read_file\n"
-            "def gated(path, limit):\n"
+            "def gated(path, limit, *scanned):\n"
             "    if path.endswith('img004-blocker.jpg'):\n"
             "        open(os.environ['GATE'], 'rb').read()\n"
-            "    return real(path, limit)\n"
+            "    return real(path, limit, *scanned)\n"
             "b.read_file = gated\nfrom datapipe.cli import main\nsys.exit(main(sys.argv[1:]))\n")
     out = tmp_path / "out"
     cmd = [sys.executable, "-c", hook, "build", str(src), str(out), "--size", "32",

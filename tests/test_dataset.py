@@ -515,7 +515,8 @@ def test_dataloader_workers_check_shared_memory_before_reading(index_cache, monk
         seen.append(path)
         return SimpleNamespace(f_bavail=2**20 // 4096, f_frsize=4096)
 
-    monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs, environ=os.environ, getpid=os.getpid))  # inherited by forked workers
+    # inherited by forked workers
+    monkeypatch.setattr(dataset_module, "os", SimpleNamespace(statvfs=statvfs, environ=os.environ, getpid=os.getpid))
     ds = dataset(index_cache, batch_size=8192)  # every sample in one batch: 101 of 32x32 (the largest a worker yields)
     with pytest.raises(DatapipeError, match=r"/dev/shm has 1.00 MB free, but DataLoader workers need about 1.78 MB "
                                             r"of shared memory for the batches in flight \(303 KB each\).*--shm-size"):

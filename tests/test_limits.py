@@ -1,0 +1,151 @@
+"""The machine's limits reached: too few open files for a LocalCluster, no thread to be had (``ulimit -v``).
+One line naming the limit and what to do, never a hang or a traceback."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import datapipe
+from datapipe.errors import OutOfThreadsError
+
+
+def test_a_local_cluster_this_process_cannot_hold_the_files_of_is_refused_before_it_starts(source, tmp_path):
+    """With about 20 descriptors the cluster's scheduler retried accept() for ever and the build hung, deaf to
+    Ctrl-C and SIGTERM (signals wait while a cluster starts); with some more it failed, blaming no limit."""
+
+    def few_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (20, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(source[0]), str(tmp_path / "out"),
+                           "--workers", "2", "--size", "16"], capture_output=True, text=True, timeout=120,
+                          preexec_fn=few_files)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0] == ("datapipe build: error: this process may open 20 files (ulimit -n), and a LocalCluster of 2 "
+                        "workers needs about 64: raise the limit (ulimit -n 4096), build with fewer --workers, or with "
+                        "--scheduler sync (no Dask processes)")
+    assert not (tmp_path / "out").exists()
+
+
+NO_THREADS = """
+import sys, threading
+real = threading.Thread.start
+def start(self):
+    if self.name == sys.argv[1]:
+        raise RuntimeError("can't start new thread")
+    return real(self)
+threading.Thread.start = start
+from datapipe.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("thread", ["zarr_io", "datapipe-fetch-record"])
+def test_a_build_that_cannot_start_a_thread_ends_in_one_line_and_resumes(source, tmp_path, thread):
+    """Under a low ``ulimit -v`` a thread's stack cannot be had: zarr's I/O thread (the first shard's), or the
+    build's own. That was a traceback (and zarr, keeping the loop of a thread that never ran, waited on it for
+    ever at its next call, and failed again at exit)."""
+    out = tmp_path / "out"
+    scheduler = ["--scheduler", "sync"] if thread == "zarr_io" else ["--workers", "1"]
+    proc = subprocess.run([sys.executable, "-c", NO_THREADS, thread, "build", str(source[0]), str(out), "--size", "16",
+                           "--quiet", *scheduler], capture_output=True, text=True, timeout=240)
+    assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("datapipe build: error: no thread could be started") and \
+        "(can't start new thread): this process is short of memory or threads" in lines[-1], lines[-1]
+    assert "ulimit -v" in lines[-1] and all(line.startswith("datapipe build: ") for line in lines), lines
+    again = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(source[0]), str(out), "--size", "16",
+                            "--quiet", *scheduler], capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(datapipe.open(out)) == len(source[1])
+
+
+def test_zarr_goes_on_after_its_io_thread_failed_to_start(tmp_path):
+    """The next zarr call in the same process (the worker's next shard) starts zarr's thread anew, where it
+    would have waited for ever on the loop of the one that never ran."""
+    script = textwrap.dedent("""
+        import threading
+        from datapipe import shards
+        from datapipe.errors import OutOfThreadsError
+        real = threading.Thread.start
+        def start(self):
+            if self.name == "zarr_io":
+                raise RuntimeError("can't start new thread")
+            return real(self)
+        threading.Thread.start = start
+        try:
+            shards._zarr_documents("fixed", 4, 8)
+        except OutOfThreadsError as exc:
+            print("refused:", exc)
+        threading.Thread.start = real
+        print(sorted(shards._zarr_documents("fixed", 4, 8)))
+        """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    first, second = proc.stdout.splitlines()
+    assert first.startswith("refused: no thread could be started for zarr's I/O")
+    assert second == "['images/zarr.json', 'labels/zarr.json', 'zarr.json']"
+
+
+def test_a_device_loader_that_cannot_start_its_readers_says_so(source, tmp_path, monkeypatch):
+    import threading
+
+    out = tmp_path / "out"
+    datapipe.build(source[0], out, size=16, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    real = threading.Thread.start
+
+    def start(self):
+        if self.name.startswith("datapipe-reader"):
+            raise RuntimeError("can't start new thread")
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    loader = datapipe.DeviceLoader(datapipe.StreamingDataset(out, batch_size=4), num_workers=2)
+    with pytest.raises(OutOfThreadsError, match=r"^no thread could be started for the DeviceLoader's reader threads "):
+        next(iter(loader))
+    monkeypatch.setattr(threading.Thread, "start", real)
+    assert sum(len(labels) for _, labels in loader) == len(source[1])  # nothing left half started
+
+
+def file_size_limit(size: int):
+    """A preexec_fn: this process may write no file past ``size`` bytes (EFBIG, as a full disk gives ENOSPC)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+@pytest.mark.parametrize("output", ["new", "an empty folder of the user's"])
+def test_a_lock_file_that_cannot_be_written_is_named_and_nothing_is_left(source, tmp_path, output):
+    """The build's first write (its lock's holder line) failed with an OSError that named no file (the catch-all
+    line of the command), and left the folder it made, and the lock, in it or in the user's folder."""
+    out = tmp_path / "out"
+    if output != "new":
+        out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(source[0]), str(out), "--size", "16",
+                           "--scheduler", "sync"], capture_output=True, text=True, timeout=120,
+                          preexec_fn=file_size_limit(0))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1] == (
+        f"datapipe build: error: cannot write the lock file {out}/.datapipe.lock: File too large; nothing was built: "
+        "free space on its disk (or raise the file size limit, ulimit -f) and rerun"), proc.stderr[-3000:]
+    assert (list(out.iterdir()) == []) if output != "new" else not out.exists()
+
+
+def test_bench_shows_its_figures_when_its_json_cannot_be_written(source, tmp_path):
+    """--json is written before the table (so that the figures outlive a closed pipe); a write that failed (a full
+    disk) ended the command there, the table unshown and half a file left. Now: the table, then one line."""
+    out = tmp_path / "cache"
+    datapipe.build(source[0], out, size=16, cluster=datapipe.Cluster(scheduler="sync"), progress=False)
+    json_out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "bench", str(out), "--json", str(json_out),
+                           "--batches", "2", "--repeats", "1", "--batch-size", "4", "--crop", "16", "--against", "",
+                           "--quiet"], capture_output=True, text=True, timeout=300, preexec_fn=file_size_limit(64))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "end to end" in proc.stdout, proc.stdout  # the table
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"datapipe bench: error: --json {json_out}: File too large; raise the file size limit (ulimit -f) or choose "
+        "another path")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no half-written file
