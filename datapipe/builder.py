@@ -1487,6 +1487,9 @@ def _cluster_failed(n_workers: int, exc: BaseException) -> str:
             limits.append(f"{name} {soft:,}{unit}")
     shown = f" (this process's limits: {', '.join(limits)})" if limits else ""
     reason = one_line(exc) or type(exc).__name__
+    if "temporary directory" in reason:  # tempfile's "No usable temporary directory found in [...]"
+        return (f"the LocalCluster of {plural(n_workers, 'worker')} did not start ({type(exc).__name__}: {reason}): "
+                "its processes need a writable temporary folder; set TMPDIR to one, or build with --scheduler sync")
     return (f"the LocalCluster of {plural(n_workers, 'worker')} did not start ({type(exc).__name__}: {reason}): "
             f"the machine may be short of open files, memory or processes{shown}; raise the limit (ulimit -n, "
             "ulimit -v), build with fewer --workers, or with --scheduler sync (no Dask processes)")

@@ -340,6 +340,9 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
     except OSError as exc:
         output.discard_if_untouched()
         output.lock.release()
+        if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename and os.fspath(exc.filename) != str(out):
+            raise OutputError(f"{exc.filename} in output folder {out} cannot be read ({exc.strerror}); "
+                              f"{PERMISSION_ADVICE}") from None
         raise OutputError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
     except BaseException:
         output.discard_if_untouched()
@@ -481,7 +484,9 @@ def shard_build_id(shard_dir: Path) -> str | None:
 
 
 def remove_build(out: Path, build_id: str) -> None:
-    """Remove what the build ``build_id`` wrote here, and nothing else."""
+    """Remove what the build ``build_id`` wrote here, and nothing else; nothing when a shard cannot be read
+    (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were."""
+    doomed = _shards_of(out, build_id, keep=())
     manifest_ours = _doc_build_id(out / records.MANIFEST) == build_id
     for name in (records.MANIFEST, records.REPORT):
         if _doc_build_id(out / name) == build_id:
@@ -491,21 +496,33 @@ def remove_build(out: Path, build_id: str) -> None:
             path = out / name
             if path.is_file() and not path.is_symlink():
                 path.unlink()
-    remove_shards(out, build_id, keep=())
+    _remove_shards(out, doomed)
+
+
+def _shards_of(out: Path, build_id: str, keep: Collection[str]) -> list[Path]:
+    """The shard folders of ``out`` carrying ``build_id`` whose names are not in ``keep``."""
+    shards = out / SHARDS_DIR
+    if not shards.is_dir():
+        return []
+    return [entry for entry in shards.iterdir()
+            if entry.name.endswith(".zarr") and entry.name not in keep and not entry.name.startswith(TMP_PREFIX)
+            and not entry.is_symlink() and entry.is_dir() and shard_build_id(entry) == build_id]
 
 
 def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:
     """Remove the shard folders carrying ``build_id`` whose names are not in ``keep``, and the
     writer's temporary folders; other entries of ``shards/`` stay."""
-    shards = out / SHARDS_DIR
-    if not shards.is_dir():
+    _remove_shards(out, _shards_of(out, build_id, keep))
+
+
+def _remove_shards(out: Path, doomed: list[Path]) -> None:
+    """Remove these shard folders (see _shards_of) and the writer's temporary folders."""
+    if not (out / SHARDS_DIR).is_dir():
         return
-    remove_stale_temps(shards)
-    for entry in shards.iterdir():
-        if (entry.name.endswith(".zarr") and entry.name not in keep and not entry.name.startswith(TMP_PREFIX)
-                and not entry.is_symlink() and entry.is_dir() and shard_build_id(entry) == build_id):
-            left = remove_shard(entry)
-            if left:
-                logging.getLogger("datapipe.build").warning(
-                    "kept %s (no datapipe build wrote it) and so its folder %s; the shard's own files were removed",
-                    left[0] if len(left) == 1 else f"{len(left)} entries such as {left[0]}", entry)
+    remove_stale_temps(out / SHARDS_DIR)
+    for entry in doomed:
+        left = remove_shard(entry)
+        if left:
+            logging.getLogger("datapipe.build").warning(
+                "kept %s (no datapipe build wrote it) and so its folder %s; the shard's own files were removed",
+                left[0] if len(left) == 1 else f"{len(left)} entries such as {left[0]}", entry)

@@ -149,3 +149,25 @@ def test_bench_shows_its_figures_when_its_json_cannot_be_written(source, tmp_pat
         f"datapipe bench: error: --json {json_out}: File too large; raise the file size limit (ulimit -f) or choose "
         "another path")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no half-written file
+
+
+def test_a_sample_that_does_not_fit_a_nearly_full_disk_says_how_much_in_a_unit_that_shows_it(tmp_path, monkeypatch):
+    """A disk with a few MiB free was "0.0 GiB free" for a sample of "0.0 GiB"."""
+    import os
+    import types
+
+    from datapipe.bench import sample
+    from datapipe.errors import ArgumentError
+
+    monkeypatch.setattr(sample.os, "statvfs", lambda _: types.SimpleNamespace(f_bavail=1024, f_frsize=4096))
+    with pytest.raises(ArgumentError, match=r"^--images 60 needs about 5\.9 MiB, and the disk of .* has 4\.0 MiB free"):
+        sample._check_room(tmp_path / "s", 60)
+    assert os.path.exists(tmp_path)
+
+
+def test_a_local_cluster_without_a_temporary_folder_is_told_to_set_tmpdir():
+    """Advice on open files and memory does not help a cluster whose processes found no writable temporary folder."""
+    from datapipe.builder import _cluster_failed
+
+    line = _cluster_failed(2, FileNotFoundError("No usable temporary directory found in ['/tmp', '/var/tmp']"))
+    assert "set TMPDIR to one" in line and "ulimit" not in line, line

@@ -183,3 +183,20 @@ def test_the_loader_says_which_file_cannot_be_read(cache, name):
     assert proc.stdout.startswith("UnreadableFileError: "), proc.stdout + proc.stderr
     assert str(cache / name) in proc.stdout and "cannot be read (Permission denied)" in proc.stdout, proc.stdout
     assert "rewrite" not in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("damage", ["shards folder listed, not entered", "a shard's zarr.json"])
+def test_a_forced_rebuild_that_cannot_read_a_shard_removes_nothing(built, cache, damage):
+    """--force with another configuration removed the manifest, labels, paths and report first, then met the shard
+    it could not read: the working cache was gone before the build found it could not go on, and the line named
+    the output folder, not the file."""
+    path = cache / "shards" if damage.startswith("shards") else cache / "shards" / "000000.zarr" / "zarr.json"
+    before = sorted(p.name for p in cache.iterdir())
+    os.chmod(path, 0o644 if damage.startswith("shards") else 0)
+    line = one_line(datapipe_cli("build", str(built[0]), str(cache), "--size", "24", "--scheduler", "sync", "--force",
+                                 "--quiet"))
+    unreadable = cache / "shards" if damage.startswith("shards") else path
+    assert str(unreadable) in line and "cannot be read (Permission denied)" in line and "permissions" in line, line
+    os.chmod(path, 0o755 if damage.startswith("shards") else 0o644)
+    assert sorted(p.name for p in cache.iterdir()) == before
+    assert datapipe_cli("verify", str(cache)).returncode == 0  # the cache as it was

@@ -193,8 +193,9 @@ def _check_room(root: Path, images: int) -> None:
         return
     need, free = images * IMAGE_BYTES, st.f_bavail * st.f_frsize
     if need > free:
-        raise ArgumentError(f"--images {images:,} needs about {need / 2**30:,.1f} GiB, and the disk of {folder} has "
-                            f"{free / 2**30:,.1f} GiB free; lower --images or choose another folder")
+        unit, scale = ("GiB", 2**30) if need >= 2**30 else ("MiB", 2**20)
+        raise ArgumentError(f"--images {images:,} needs about {need / scale:,.1f} {unit}, and the disk of {folder} has "
+                            f"{free / scale:,.1f} {unit} free; lower --images or choose another folder")
 
 
 def _check_params(*, images: object, classes: object, seed: object, workers: object) -> None:
