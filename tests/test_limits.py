@@ -171,3 +171,18 @@ def test_a_local_cluster_without_a_temporary_folder_is_told_to_set_tmpdir():
 
     line = _cluster_failed(2, FileNotFoundError("No usable temporary directory found in ['/tmp', '/var/tmp']"))
     assert "set TMPDIR to one" in line and "ulimit" not in line, line
+
+
+@pytest.mark.parametrize(("code", "advice"), [(28, "free space, or pass --work-dir"), (30, "pass --work-dir a writable"),
+                                              (24, "ulimit -n"), (2, None)])
+def test_a_peer_failed_by_the_machine_says_what_to_do(code, advice):
+    """A peer's own code raises OSErrors without a path ("[Errno 28] No space left on device"): the bench's line
+    says which folder and what to do about the machine's part."""
+    import os
+
+    from datapipe.bench.harness import Measurement, _failed
+
+    m = Measurement(name="webdataset")
+    _failed(m, OSError(code, os.strerror(code)))
+    assert m.status == "failed" and m.reason.startswith(f"OSError: [Errno {code}] {os.strerror(code)}")
+    assert (advice in m.reason) if advice else m.reason.endswith(os.strerror(code)), m.reason

@@ -12,6 +12,7 @@ machine hits them alike; each ratio is computed per round, then the median is re
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import platform
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import numpy as np
 
 from ..environment import environment, physical_memory
-from ..errors import ArgumentError, CacheError
+from ..errors import FULL_DISK, ArgumentError, CacheError
 from ..text import ProgressStream, one_line, show
 from .timing import settle, timed_pass, timeit
 
@@ -714,10 +715,23 @@ def _summarise(systems: dict[str, Measurement], cpu: dict[str, list[float]]) -> 
             m.ratio = statistics.median(a / b for a, b in zip(base.images_per_s, m.images_per_s, strict=True))
 
 
+def _machine_advice(exc: BaseException) -> str:
+    """What to do about a failure that is the machine's (a full disk, a read-only folder, too few open files),
+    which an OSError from a peer's own code says without its path: "" for any other."""
+    code = getattr(exc, "errno", None)
+    if code in FULL_DISK:
+        return " (the disk of the bench's work folder is full: free space, or pass --work-dir another folder)"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return " (the bench's work folder cannot be written: pass --work-dir a writable folder)"
+    if code in (errno.EMFILE, errno.ENFILE):
+        return " (too many open files: raise the limit, ulimit -n 65536)"
+    return ""
+
+
 def _failed(m: Measurement, exc: BaseException) -> None:
     """Mark a system failed with a one-line reason (a DataLoader's worker traceback is cut to its first line)."""
     text = " ".join(str(exc).strip().splitlines()[0].split()) if str(exc).strip() else ""
-    m.status, m.reason = "failed", f"{type(exc).__name__}: {text}"[:300].rstrip(": ")
+    m.status, m.reason = "failed", f"{type(exc).__name__}: {text}"[:300].rstrip(": ") + _machine_advice(exc)
     m.images_per_s = []
     log.warning(f"datapipe bench: {m.name} failed: {m.reason}")
 
