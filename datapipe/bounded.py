@@ -38,6 +38,10 @@ def file_timeout() -> float:
 # A file whose size or mtime is not what the build's scan saw: the scan's record of it (which decides whether a
 # rerun rebuilds its shard) would not be of the bytes the cache holds.
 CHANGED = "changed since the scan"
+# What reads a file again that was gone or changed when its shard read it: a rerun whose scan sees it otherwise
+# (the inputs hash changes), and one that finds it back as it was only when it reads such files again.
+READ_AGAIN_ADVICE = ("a rerun reads it again once it changes, or with --verify once it is back as the scan saw it "
+                     "(or if the build did not finish)")
 
 
 def read_file(path: str, limit: int, scanned: tuple[int, int] | None = None) -> bytes:
@@ -54,11 +58,11 @@ def read_file(path: str, limit: int, scanned: tuple[int, int] | None = None) -> 
     except NotRegularFile as exc:
         raise DecodeError(f"not a regular file: {exc.what}", kind="unreadable") from None
     except FileChanged as exc:
-        (size, mtime), (now, then) = exc.expected, exc.seen
-        differs = (f"{size:,} bytes then, {now:,} when read" if size != now else
-                   f"modified {_when(mtime)} then, {_when(then)} when read")
-        raise DecodeError(f"{CHANGED} (written while the build ran: {differs}): a rerun reads it again",
-                          kind="unreadable") from None
+        (size, mtime), (read_size, read_mtime) = exc.expected, exc.seen
+        differs = (f"{size:,} bytes then, {read_size:,} when read" if size != read_size else
+                   f"modified {_when(mtime)} then, {_when(read_mtime)} when read")
+        raise DecodeError(f"{CHANGED} ({differs}: written while the build ran, or another file at this path where it "
+                          f"was read; {READ_AGAIN_ADVICE})", kind="unreadable") from None
     except FileTooLarge as exc:
         if exc.grew:
             raise DecodeError(f"file grew past the {limit:,}-byte limit while being read", kind="too-large") from None
@@ -67,7 +71,7 @@ def read_file(path: str, limit: int, scanned: tuple[int, int] | None = None) -> 
 
 
 def _when(mtime_ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9)) + f".{mtime_ns % 10**9:09d}"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns // 10**9)) + f".{mtime_ns % 10**9:09d}"
 
 
 def warm_up() -> None:

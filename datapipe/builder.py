@@ -38,7 +38,7 @@ import numpy as np
 from . import __version__, remote, samples
 from . import manifest as mf
 from ._threads import torch_threads
-from .bounded import CHANGED, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
+from .bounded import READ_AGAIN_ADVICE, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
     ArgumentError,
@@ -271,8 +271,8 @@ READ_AGAIN = frozenset({"unreadable", "timeout", "decoder-crash"})
 # ... but for a path that did not exist when the scan looked: it records size and mtime -1 for a path it cannot
 # stat (a dangling symlink, a CSV row naming no file), so one that appears changes the inputs hash and is read
 # again anyway. A file the scan saw that was gone when its shard read it (moved away during the build) may come
-# back as it was, the same size and mtime: its reason says so (_GONE), and it is read again, by any rerun (as is a
-# file that was being written when read, bounded.CHANGED: see _reads_again).
+# back as it was, the same size and mtime (as may one that was written to when read, bounded.CHANGED): its reason
+# says so (_GONE), and it is read again as any of READ_AGAIN is.
 _MISSING = tuple(f"unreadable: {name}:" for name in ("FileNotFoundError", "NotADirectoryError"))
 _GONE = "unreadable: gone since the scan"
 
@@ -282,7 +282,7 @@ def _gone_since_scan(quarantined: list[dict], plan: dict) -> list[dict]:
     so (:data:`_GONE`): such a file is read again by a rerun (:func:`read_again`), as the scan's record of it
     does not change when it comes back unchanged."""
     absent = set(plan.get("absent") or ())
-    return [{**q, "reason": f"{_GONE} (moved or deleted while the build ran; a rerun reads it again): "
+    return [{**q, "reason": f"{_GONE} (moved or deleted while the build ran; {READ_AGAIN_ADVICE}): "
                             f"{q['reason'][len('unreadable: '):]}"}
             if q.get("error") == "unreadable" and str(q.get("reason", "")).startswith(_MISSING)
             and q.get("path") not in absent else q
@@ -299,14 +299,9 @@ def read_again(entry: dict) -> bool:
     return not (kind == "unreadable" and str(entry.get("reason", "")).startswith(_MISSING))
 
 
-def _reads_again(record: dict, *, retry: bool = True) -> bool:
-    """Whether a finished shard is built again for the files it quarantined: with ``retry``, for any that a rerun
-    reads again (:func:`read_again`); always, for one that was gone or changed when read, though the scan saw it
-    as the scan sees it now (the shard's inputs hash is this scan's): it is back as it was, and readable."""
+def _reads_again(record: dict) -> bool:
     quarantined = record.get("quarantined")
-    return isinstance(quarantined, list) and any(
-        isinstance(q, dict) and read_again(q) and (retry or str(q.get("reason", "")).startswith((_GONE, CHANGED)))
-        for q in quarantined)
+    return isinstance(quarantined, list) and any(isinstance(q, dict) and read_again(q) for q in quarantined)
 
 
 def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bool:
@@ -324,7 +319,7 @@ def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str, 
     quarantined no file that a rerun reads again (:func:`read_again`): such a shard is built again."""
     existing = read_shard_record(Path(output) / SHARDS_DIR / shard_name(plan["shard"]))
     if existing is not None and _same_build(existing, plan, config_hash, build_id) \
-            and not _reads_again(existing, retry=retry):
+            and not (retry and _reads_again(existing)):
         return existing
     return None
 
@@ -711,19 +706,15 @@ def _load(file: str, spec: DecodeSpec, path: str, quarantined: list[dict], out: 
           scanned: tuple[int, int] | None = None) -> tuple[np.ndarray, bool] | None:
     """Read and decode one file (an object, with ``source_options``) into ``out``: the sample and whether
     its longer side was cut by ``max_aspect``; on failure record why in ``quarantined`` and return None.
-    ``scanned``: the file's (size, mtime_ns) as the scan saw it (an object's mtime: 0, unknown), which the
-    shard's inputs hash records: a file that no longer is so is the scan's no more (bounded.CHANGED).
+    ``scanned``: a file's (size, mtime_ns) as the scan saw it, which the shard's inputs hash records: a file
+    that no longer is so is the scan's no more (bounded.CHANGED). (An object's is not checked: the scan records
+    no time of it, and a size may be the stored, compressed one.)
     A store that fails while an object is read (no connection, no answer, throttled past its retries) is no
     fault of the object: RemoteStoreError ends the shard's task, and the rerun resumes."""
     try:
         # a regular file only, one unbuffered read, at most ``limit`` bytes (an object: at most ``limit`` too)
-        if source_options is None:
-            data = read_file(file, limit, scanned)
-        else:
-            data = remote.read_object(file, limit, source_options, store_timeout)
-            if scanned is not None and len(data) != scanned[0]:
-                raise DecodeError(f"{CHANGED} (written while the build ran, {scanned[0]:,} bytes then, {len(data):,} "
-                                  "when read): a rerun reads it again", kind="unreadable")
+        data = read_file(file, limit, scanned) if source_options is None else \
+            remote.read_object(file, limit, source_options, store_timeout)
         return decode_fitted(data, spec, out)
     except DecodeError as exc:
         entry = {"error": exc.kind, "reason": str(exc)}
@@ -811,8 +802,7 @@ def build(
     if not cluster.scheduler and _unguarded_script_call():
         raise ArgumentError(_GUARD_HINT)
     if not cluster.scheduler:
-        _check_open_files(local_workers(cluster.workers))  # a count the machine cannot run is refused before the scan
-        _check_main_importable()
+        local_workers(cluster.workers)  # a count the machine cannot run is refused before the scan
     if isinstance(max_bad_fraction, bool) or not isinstance(max_bad_fraction, (int, float, numbers.Real)) \
             or not 0.0 <= max_bad_fraction <= 1.0:
         raise ArgumentError(f"max_bad_fraction must be a number in [0, 1], got {max_bad_fraction!r}")
@@ -1117,7 +1107,7 @@ def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str,
     for name, rec in records.items():
         plan = names[name]
         objects = remote.shard_objects(target.objects, name)
-        if not _same_build(rec, plan, chash, target.build_id) or _reads_again(rec, retry=retry) \
+        if not _same_build(rec, plan, chash, target.build_id) or (retry and _reads_again(rec)) \
                 or not remote.whole(rec, objects):
             continue
         if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec, plan, side):
@@ -1198,10 +1188,10 @@ def _retire_stale_manifest(out: Path, plans: list[dict], chash: str, build_id: s
             (shard_name(p["shard"]), p["inputs_hash"]) for p in plans]
     except CacheError:  # damaged: it cannot describe this build's shards
         same = False
-    if same:
+    if same and retry:
         for plan in plans:  # a file read again may now be a sample: the shard, labels and manifest change
             rec = read_shard_record(out / SHARDS_DIR / shard_name(plan["shard"]))
-            if rec is not None and _same_build(rec, plan, chash, build_id) and _reads_again(rec, retry=retry):
+            if rec is not None and _same_build(rec, plan, chash, build_id) and _reads_again(rec):
                 same = False
                 break
     if not same:
@@ -1285,11 +1275,12 @@ def _build_serially(plans: list[dict], kwargs: dict, *, progress: bool) -> list[
 def _dask_client(cluster: Cluster) -> Iterator[Client]:
     """A Dask client of the scheduler at ``cluster.scheduler``, or of a LocalCluster of our own;
     closed when the block ends, and our own workers with it (none may outlive the build)."""
-    quieted = _dask_quieted.set([])  # _quiet_dask() silences Dask's loggers from then until the end of this block
     # A LocalCluster's nannies (in this process) set their workers' environment in this process's own before each
     # start: the program's is given back as it was once they are gone (a process it starts later, a training run,
     # would otherwise run torch on one thread).
-    environ = {} if cluster.scheduler else {name: os.environ.get(name) for name in _pre_spawn_environ()}
+    names = () if cluster.scheduler else tuple(dict.fromkeys((*_pre_spawn_environ(), "PYTHONHASHSEED")))  # and a seed
+    _Environ.hold(names)
+    quieted = _dask_quieted.set([])  # _quiet_dask() silences Dask's loggers from then until the end of this block
     try:
         with _dask_client_open(cluster) as client:
             yield client
@@ -1297,11 +1288,7 @@ def _dask_client(cluster: Cluster) -> Iterator[Client]:
         if _dask_quieted.get():
             _Silenced.release(_DASK_LOGGERS)
         _dask_quieted.reset(quieted)
-        for name, value in environ.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _Environ.release(names)
 
 
 @contextlib.contextmanager
@@ -1377,15 +1364,32 @@ CLUSTER_FILES, WORKER_FILES = 48, 8
 
 
 def _check_open_files(n_workers: int) -> None:
-    """Refuse a LocalCluster that this process's limit of open files cannot hold (see CLUSTER_FILES)."""
+    """Raise this process's limit of open files to what a LocalCluster of ``n_workers`` needs (see CLUSTER_FILES),
+    up to its hard limit, as Dask's own scheduler does; refuse the cluster when even that is too low."""
     import resource
 
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = CLUSTER_FILES + WORKER_FILES * n_workers
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        raise BuildError(f"this process may open {soft:,} files (ulimit -n), and a LocalCluster of "
-                         f"{plural(n_workers, 'worker')} needs about {needed}: raise the limit (ulimit -n 4096), build "
-                         "with fewer --workers, or with --scheduler sync (no Dask processes)")
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+            return
+    raise BuildError(f"this process may open {min(soft, hard):,} files (ulimit -n), and a LocalCluster of "
+                     f"{plural(n_workers, 'worker')} needs about {needed}: raise the limit (ulimit -n {needed}), "
+                     "build with fewer --workers, or with --scheduler sync (no Dask processes)")
+
+
+def _check_not_daemonic() -> None:
+    """A daemonic process (a multiprocessing.Pool's worker) may start no processes: a LocalCluster's workers."""
+    import multiprocessing
+
+    if multiprocessing.current_process().daemon:
+        raise BuildError(f"this process ({multiprocessing.current_process().name}) is daemonic, as a "
+                         "multiprocessing.Pool's workers are, and may not start the LocalCluster's worker processes: "
+                         "build with --scheduler sync (Cluster(scheduler=\"sync\")), on a running Dask cluster, or "
+                         "from a process that is not daemonic")
 
 
 def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Client]:
@@ -1398,6 +1402,9 @@ def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Clie
     cluster has closed what it had started, and not distributed's traceback."""
     from dask.distributed import Client
 
+    _check_main_importable()
+    _check_not_daemonic()
+    _check_open_files(n_workers)
     try:
         with _signals_deferred(pending), _loggers_quiet("asyncio", "tornado"):  # a failure to start: our one line says it
             own = _local_cluster(n_workers)
@@ -1417,32 +1424,46 @@ def _start_local(n_workers: int, pending: list[int]) -> tuple[LocalCluster, Clie
     raise failure  # a handler that did not raise: the start's own failure
 
 
-class _Silenced:
-    """Loggers that datapipe's builds hold silent, counted: builds that run at once in one process (threads) each
-    hold and release them, and a logger gets its own level back when the last hold on it is released. A build
-    never leaves a logger of the program's silent."""
+class _Counted:
+    """Settings of the process that builds running at once (threads) each change for a while: the first hold of
+    a name saves its setting (and changes it), the last release puts the saved one back. A build never leaves a
+    setting of the program's changed."""
 
-    lock = threading.Lock()
-    holds: dict[str, tuple[int, int]] = {}  # logger name: (holds, its level before the first)
+    def __init__(self, save: Callable[[str], Any], change: Callable[[str], None],
+                 restore: Callable[[str, Any], None]) -> None:
+        self.save, self.change, self.restore = save, change, restore
+        self.lock = threading.Lock()
+        self.holds: dict[str, tuple[int, Any]] = {}  # name: (holds, its setting before the first)
 
-    @classmethod
-    def hold(cls, names: Sequence[str]) -> None:
-        with cls.lock:
+    def hold(self, names: Sequence[str]) -> None:
+        with self.lock:
             for name in names:
-                logger = logging.getLogger(name)
-                count, level = cls.holds.get(name, (0, logger.level))
-                cls.holds[name] = (count + 1, level)
-                logger.setLevel(logging.CRITICAL + 1)
+                count, saved = self.holds.get(name, (0, None))
+                self.holds[name] = (count + 1, self.save(name) if count == 0 else saved)
+                self.change(name)
 
-    @classmethod
-    def release(cls, names: Sequence[str]) -> None:
-        with cls.lock:
+    def release(self, names: Sequence[str]) -> None:
+        with self.lock:
             for name in names:
-                count, level = cls.holds.pop(name)
+                count, saved = self.holds.pop(name)
                 if count > 1:
-                    cls.holds[name] = (count - 1, level)
+                    self.holds[name] = (count - 1, saved)
                 else:
-                    logging.getLogger(name).setLevel(level)
+                    self.restore(name, saved)
+
+
+def _set_environ(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+# Loggers that datapipe's builds hold silent, and the environment that LocalClusters' nannies set in this process
+_Silenced = _Counted(lambda name: logging.getLogger(name).level,
+                     lambda name: logging.getLogger(name).setLevel(logging.CRITICAL + 1),
+                     lambda name, level: logging.getLogger(name).setLevel(level))
+_Environ = _Counted(os.environ.get, lambda name: None, _set_environ)
 
 
 @contextlib.contextmanager
@@ -1732,7 +1753,7 @@ def _in_thread(call: Callable[[], Any], name: str) -> tuple[threading.Thread, li
     try:
         thread.start()
     except RuntimeError as exc:
-        raise (thread_start_failed(exc, name) or exc) from None
+        raise (thread_start_failed(exc) or exc) from None
     return thread, got
 
 

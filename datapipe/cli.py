@@ -637,18 +637,18 @@ def _bench(args: argparse.Namespace) -> int:
     if json_out is not None:  # first: the figures are kept whatever showing them meets (a closed pipe, an encoding)
         try:
             with _writing("--json", str(json_out)):
-                atomic_write_text(json_out, json.dumps(result.to_dict(), indent=1))
+                atomic_write_text(json_out.resolve(), json.dumps(result.to_dict(), indent=1))  # through a link
         except DatapipeError as exc:  # a full disk: the figures are shown all the same, then the error
             unwritten = exc
     print(format_table(result))
-    if unwritten is not None:
-        raise unwritten
-    if json_out is not None:
+    if json_out is not None and unwritten is None:
         print(f"wrote {json_out}")
     if plot_out is not None:
         with _writing("--plot", str(plot_out)):
             written = plot(result, plot_out)
         print(f"wrote {written}")
+    if unwritten is not None:
+        raise unwritten
     failed = [s.name for s in result.systems.values() if s.status == "failed"]
     if failed:
         print(f"datapipe bench: {plural(len(failed), 'system')} failed: {', '.join(failed)}", file=sys.stderr)
@@ -718,15 +718,15 @@ def _killed_worker_signal(exc: RuntimeError) -> int | None:
 @contextlib.contextmanager
 def _writing(flag: str, path: str) -> Iterator[None]:
     """A file the command was asked to write cannot be: one line naming the flag and the file."""
-    from .errors import FULL_DISK, OutputError
+    from .errors import FULL_DISK, OutputError, OutputWriteError
 
     try:
         yield
     except OSError as exc:
-        advice = ("free space on its disk or choose another path" if exc.errno in FULL_DISK else
-                  "raise the file size limit (ulimit -f) or choose another path" if exc.errno == errno.EFBIG else
-                  "choose a writable path")
-        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; {advice}") from exc
+        if exc.errno in FULL_DISK or exc.errno == errno.EFBIG:  # the machine's, not the call's: exit 1
+            advice = "free space on its disk" if exc.errno in FULL_DISK else "raise the file size limit (ulimit -f)"
+            raise OutputWriteError(f"{flag} {path}: {exc.strerror}; {advice} or choose another path") from exc
+        raise OutputError(f"{flag} {path}: {exc.strerror or exc}; choose a writable path") from exc
 
 
 _COMMANDS = {"build": _build, "info": _info, "verify": _verify, "sample": _sample, "demo": _demo, "bench": _bench}

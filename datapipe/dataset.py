@@ -220,6 +220,19 @@ def check_order(order: str | None, window: object, nodes: object, world_size: in
     return order, window, nodes
 
 
+# Every dataset of this process: one that it received takes a state of its own before the process forks (its
+# forked DataLoader workers must share that one, not the state of the process it came from; see _shared).
+_DATASETS: weakref.WeakSet[StreamingDataset] = weakref.WeakSet()
+
+
+def _own_states() -> None:
+    for dataset in list(_DATASETS):
+        _ = dataset._shared
+
+
+os.register_at_fork(before=_own_states)
+
+
 class StreamingDataset(IterableDataset):
     """Stream a cache as batches ``(images, labels[, indices])``.
 
@@ -315,6 +328,7 @@ class StreamingDataset(IterableDataset):
         # begun again without set_epoch (the same shuffled order again: warned once, see _check_repeat).
         self._state = torch.zeros(7, dtype=torch.int64).share_memory_()
         self._owner = os.getpid()  # the process whose dataset this is (see _shared)
+        _DATASETS.add(self)
         self._consumed = 0  # batches the loop received of the current iteration (main process)
         self._iter_base = 0  # where the current iteration began in the epoch's order
         # Bumped by every iteration begun in this process and by every change of epoch or position:
@@ -342,14 +356,22 @@ class StreamingDataset(IterableDataset):
             self._owner = os.getpid()
         return self._state
 
+    def __getstate__(self) -> dict:
+        """A process that received this dataset takes a state of its own before it hands the dataset on (to its
+        own spawned DataLoader workers, which must share that one)."""
+        _ = self._shared
+        return self.__dict__.copy()
+
     def __setstate__(self, state: dict) -> None:
-        """A copy (``copy.deepcopy``, ``pickle``; Ray, submitit, cloudpickle) has a state of its own, in shared
-        memory as the original's is, so that its own DataLoader workers see its set_epoch and load_state_dict.
-        What torch's pickler hands a spawned DataLoader worker is the original's shared memory: it stays."""
+        """A copy (``copy.copy``, ``copy.deepcopy``, ``pickle``; Ray, submitit, cloudpickle) has a state of its
+        own, in shared memory as the original's is, so that its own DataLoader workers see its set_epoch and
+        load_state_dict. What torch's pickler hands a spawned DataLoader worker of another process is that
+        process's shared memory: it stays."""
         self.__dict__.update(state)
-        if not self._state.is_shared():
-            self._state.share_memory_()
+        if self._owner == os.getpid() or not self._state.is_shared():
+            self._state = self._state.clone().share_memory_()
             self._owner = os.getpid()
+        _DATASETS.add(self)
 
     # ----------------------------------------------------------------- epoch, length, plan
     @property

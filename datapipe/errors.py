@@ -98,7 +98,8 @@ QUARANTINE_KINDS = {
     "corrupt": "an image that does not decode fully (truncated or damaged data, a bad header)",
     "unsupported": "a valid image of a kind no decoder here reads (a 12- or 16-bit or a hierarchical JPEG)",
     "too-large": "a header over max_pixels (a decompression bomb), checked before decoding",
-    "unreadable": "the file cannot be opened or read (missing, permissions, I/O error)",
+    "unreadable": "the file cannot be opened or read (missing, permissions, I/O error), or was not the file the scan "
+                  "saw when read (gone, or changed, while the build ran)",
     "decoder-crash": "decoding it killed its process (found after it killed a build worker), or ran out of memory",
     "timeout": "decoding it did not finish in time (found after its shard killed a build worker)",
     "decoder-error": "any other error the decoder raised",
@@ -214,7 +215,10 @@ def too_many_open_files(exc: OSError, path: str | os.PathLike) -> TooManyOpenFil
 
 
 class OutOfThreadsError(DatapipeError, RuntimeError):
-    """A thread could not be started: the process is short of memory (``ulimit -v``) or of threads."""
+    """A thread could not be started: the process is short of memory (``ulimit -v``) or of threads. The command
+    exits with 1: the machine, not the call."""
+
+    exit_code = 1
 
 
 def thread_start_failed(exc: BaseException, what: str = "") -> OutOfThreadsError | None:

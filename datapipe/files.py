@@ -98,6 +98,11 @@ def read_regular(path: str | os.PathLike, limit: int, expected: tuple[int, int] 
         if st.st_size > limit:
             raise FileTooLarge(st.st_size, limit)
         data = os.read(fd, st.st_size + 1)
+        while 0 < len(data) < st.st_size:  # a short read (Linux reads at most 2 GiB at once): read on to its end
+            more = os.read(fd, st.st_size + 1 - len(data))
+            if not more:
+                break
+            data += more
         if len(data) > st.st_size:  # it grew since fstat: read on, within the limit
             parts, total = [data], len(data)
             while chunk := os.read(fd, min(1 << 24, limit + 1 - total)):
@@ -108,8 +113,10 @@ def read_regular(path: str | os.PathLike, limit: int, expected: tuple[int, int] 
             data = b"".join(parts)
         if expected is not None:
             after = os.fstat(fd)
-            if (after.st_size, after.st_mtime_ns) != expected or len(data) != expected[0]:
+            if (after.st_size, after.st_mtime_ns) != expected:
                 raise FileChanged(expected, (after.st_size, after.st_mtime_ns))
+            if len(data) != expected[0]:  # cut and written back to its size and mtime while read
+                raise FileChanged(expected, (len(data), after.st_mtime_ns))
         return data
     finally:
         os.close(fd)

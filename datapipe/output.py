@@ -313,10 +313,11 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         # A folder this process cannot write, or one another build holds (the ranks of a job each calling
         # build() on the same cache): it may still hold this very build, up to date, checked without the lock.
         return _read_only(out, config, chash, source, force, exc)
-    except OutputError:
-        if not existed:  # the folder this build made, and nothing else: it goes
-            with contextlib.suppress(OSError):
-                out.rmdir()
+    except OutputWriteError as exc:  # a full disk: a cache already up to date still needs nothing written
+        if existed:
+            return _read_only(out, config, chash, source, force, exc)
+        with contextlib.suppress(OSError):
+            out.rmdir()  # the folder this build made, and nothing else: it goes
         raise
     if output.lock.created:
         output.created.append(output.lock.path)
@@ -341,7 +342,7 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         output.discard_if_untouched()
         output.lock.release()
         if exc.errno in (errno.EACCES, errno.EPERM) and exc.filename and os.fspath(exc.filename) != str(out):
-            raise OutputError(f"{exc.filename} in output folder {out} cannot be read ({exc.strerror}); "
+            raise OutputError(f"{exc.filename} in output folder {out} cannot be read or written ({exc.strerror}); "
                               f"{PERMISSION_ADVICE}") from None
         raise OutputError(f"cannot write to output folder {out}: {exc.strerror or exc}") from None
     except BaseException:

@@ -31,10 +31,12 @@ the build read them with it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import stat
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -183,12 +185,8 @@ def _zarr_metadata(layout: str, count: int, size: int) -> dict[str, bytes]:
 def _forget_zarr_loop() -> None:
     """zarr keeps the event loop of an I/O thread that failed to start: every later call would wait on it for
     ever (and its exit handler fails joining the thread). Forget both, so that the next call starts anew."""
-    import warnings
-
     from zarr.core import sync
 
-    # the call's coroutine, never run, is collected later with a warning of its own: the error says it all
-    warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
     with contextlib.suppress(AttributeError, IndexError, TypeError):
         thread = sync.iothread[0]
         if thread is not None and thread.ident is None:  # never started
@@ -201,14 +199,22 @@ def _zarr_documents(layout: str, count: int, size: int) -> dict[str, bytes]:
     from zarr.storage import MemoryStore
 
     written: dict[str, Any] = {}
-    try:
-        group = zarr.create_group(store=MemoryStore(written), zarr_format=3, overwrite=False)
-    except RuntimeError as exc:  # the first zarr call of the process starts zarr's I/O thread
-        failed = thread_start_failed(exc, "zarr's I/O")
-        if failed is None:
-            raise
-        _forget_zarr_loop()
-        raise failed from None
+    # the call's coroutine, never run when zarr's thread cannot start, is collected with a warning of its own as
+    # the failure is let go: the error says it all
+    failed = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="coroutine '.*' was never awaited", category=RuntimeWarning)
+        try:
+            group = zarr.create_group(store=MemoryStore(written), zarr_format=3, overwrite=False)
+        except RuntimeError as exc:  # the first zarr call of the process starts zarr's I/O thread
+            failed = thread_start_failed(exc, "zarr's I/O")
+            if failed is None:
+                raise
+            _forget_zarr_loop()
+        if failed is not None:
+            gc.collect()  # the failure let go, its coroutine goes now, and its warning with it
+    if failed is not None:
+        raise failed
     if layout == "indexed":
         padded = max(indexed_chunks(size), 1) * CHUNK_BYTES
         group.create_array("images", shape=(size,), dtype="uint8", chunks=(CHUNK_BYTES,), shards=(padded,),

@@ -116,8 +116,8 @@ def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
     listing.source = src.resolve()
-    for name in (*listing.paths, *(entry["path"] for entry in listing.dropped)):
-        if (wrong := locale_error(name)) is not None:
+    for name, text in (*((p, listing.kind == "csv") for p in listing.paths), *((e["path"], True) for e in listing.dropped)):
+        if (wrong := locale_error(name, text=text)) is not None:  # a dropped name is as shown (shown())
             raise SourceError(f"source file {wrong}")
     if not listing.paths and not listing.dropped:
         hint = (f" ({len(listing.ignored)} entries skipped (not an image extension, hidden), e.g. {listing.ignored[:3]})"
@@ -155,21 +155,23 @@ def shown(name: str) -> str:
     return printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
 
 
-def locale_error(name: str) -> str | None:
-    """Why ``name`` (from the file system) cannot be recorded under this process's locale, or None. Where Python
-    decodes file names by a locale that is not UTF-8 (LC_ALL=en_US.ISO-8859-1; LC_ALL=C with PYTHONUTF8=0), a
-    name that is not ASCII would be recorded as other text than under a UTF-8 locale (Zürich as ZÃ¼rich) or taken
-    for one that is not UTF-8: the same files would give another cache, its classes renamed."""
+def locale_error(name: str, *, text: bool = False) -> str | None:
+    """Why ``name`` (from the file system; with ``text``, read as text: a CSV's row or a name as shown) cannot
+    be recorded under this process's locale, or None. Where Python decodes file names by a locale that is not
+    UTF-8 (LC_ALL=en_US.ISO-8859-1; LC_ALL=C with PYTHONUTF8=0), a name that is not ASCII would be recorded as
+    other text than under a UTF-8 locale (Zürich as ZÃ¼rich) or taken for one that is not UTF-8: the same files
+    would give another cache, its classes renamed."""
     encoding = codecs.lookup(sys.getfilesystemencoding()).name
     if encoding == "utf-8" or name.isascii():
         return None
-    try:
-        name = shown(name)  # a name as listed: its bytes as UTF-8
-    except UnicodeEncodeError:  # one read as text (a CSV's row), which the locale cannot write as a file's name
-        name = printable(name)
-    return (f"{name}: this Python reads file names as {encoding} (the locale's), not UTF-8, so a name that is "
-            "not ASCII would be recorded as other text than under a UTF-8 locale; run it with PYTHONUTF8=1 (or a "
-            "UTF-8 locale: LC_ALL=C.UTF-8) and rerun")
+    why = f"this Python reads file names as {encoding} (the locale's), not UTF-8"
+    if not text and not valid_utf8(os.fsencode(name).decode("utf-8", "surrogateescape")):
+        origin = "latin1" if encoding == "ascii" else encoding  # the names' own encoding, when the locale's says none
+        return (f"{shown(name)}: the name is not UTF-8 ({why}): rename it to UTF-8 (e.g. `convmv -f {origin} -t "
+                "utf8 -r --notest FOLDER`) and rerun under a UTF-8 locale")
+    return (f"{printable(name) if text else shown(name)}: {why}, so a name that is not ASCII would be read as "
+            "other text than under a UTF-8 locale; run it with PYTHONUTF8=1 (or a UTF-8 locale: LC_ALL=C.UTF-8) "
+            "and rerun")
 
 
 def valid_utf8(name: str) -> bool:
@@ -469,7 +471,7 @@ def _scan_csv(csv_path: Path) -> Listing:
     root = csv_path.parent
 
     def refused(rel: str) -> dict | None:
-        if (wrong := locale_error(rel)) is not None:
+        if (wrong := locale_error(rel, text=True)) is not None:
             raise SourceError(f"{csv_path}: path {wrong}")
         try:
             mode = os.stat(root / rel).st_mode

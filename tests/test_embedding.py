@@ -20,9 +20,9 @@ from datapipe import builder, cli
 DASK_LOGGERS = ("distributed", "tornado", "asyncio", "bokeh", "distributed.client")
 
 
-def test_builds_running_at_once_give_each_logger_its_level_back():
-    """Two builds in one process (threads) silence the same loggers for a while; whatever the order they end in,
-    each logger gets the level it had before the first."""
+def test_builds_running_at_once_give_each_logger_and_variable_back():
+    """Two builds in one process (threads) silence the same loggers for a while, and their clusters set the same
+    variables; whatever the order they end in, each gets the level or value it had before the first."""
     logger = logging.getLogger("distributed.client")
     before = logger.level
     try:
@@ -36,13 +36,25 @@ def test_builds_running_at_once_give_each_logger_its_level_back():
         assert logger.level == logging.WARNING
     finally:
         logger.setLevel(before)
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    try:  # the environment the nannies of two LocalClusters set, the same way
+        builder._Environ.hold(["OMP_NUM_THREADS"])
+        os.environ["OMP_NUM_THREADS"] = "1"  # the first build's nanny
+        builder._Environ.hold(["OMP_NUM_THREADS"])
+        builder._Environ.release(["OMP_NUM_THREADS"])  # the first build ends
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+        builder._Environ.release(["OMP_NUM_THREADS"])
+        assert "OMP_NUM_THREADS" not in os.environ
+    finally:
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def test_a_build_that_failed_on_a_local_cluster_leaves_the_programs_loggers_and_environment_as_they_were():
     """Stopping early silences Dask's loggers (closing the cluster logs the cancelled tasks' tracebacks) only
     until the cluster is closed; the environment distributed's nannies set in this process for their workers
     (one BLAS thread, glibc's malloc settings) is the program's again afterwards."""
-    names = sorted(builder._pre_spawn_environ())
+    names = [*builder._pre_spawn_environ(), "PYTHONHASHSEED"]
     assert "OMP_NUM_THREADS" in names and "MALLOC_MMAP_THRESHOLD_" in names
     levels = {name: logging.getLogger(name).level for name in DASK_LOGGERS}
     environ = {name: os.environ.get(name) for name in names}
@@ -50,6 +62,7 @@ def test_a_build_that_failed_on_a_local_cluster_leaves_the_programs_loggers_and_
         for name in DASK_LOGGERS:
             logging.getLogger(name).setLevel(logging.INFO)
         os.environ.pop("OMP_NUM_THREADS", None)
+        os.environ.pop("PYTHONHASHSEED", None)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "12345"
         with pytest.raises(RuntimeError, match="the program's own"), \
                 builder._dask_client(datapipe.Cluster(workers=1)) as client:
@@ -57,7 +70,8 @@ def test_a_build_that_failed_on_a_local_cluster_leaves_the_programs_loggers_and_
             assert os.environ.get("OMP_NUM_THREADS") == "1"  # set here, by the nanny
             raise RuntimeError("the program's own")
         assert {name: logging.getLogger(name).level for name in DASK_LOGGERS} == dict.fromkeys(DASK_LOGGERS, logging.INFO)
-        assert "OMP_NUM_THREADS" not in os.environ and os.environ["MALLOC_MMAP_THRESHOLD_"] == "12345"
+        assert "OMP_NUM_THREADS" not in os.environ and "PYTHONHASHSEED" not in os.environ
+        assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "12345"
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
@@ -136,3 +150,31 @@ def test_a_local_cluster_build_in_pythons_asyncio_console_runs_and_leaves_nothin
     proc = subprocess.run([sys.executable, "-m", "asyncio"], input=lines, capture_output=True, text=True,
                           timeout=240, cwd=tmp_path, env=env)
     assert f"built {len(source[1])} None" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+POOLED = """
+import multiprocessing, sys
+import datapipe
+
+def task(source, output):  # a pool's worker is daemonic: it may start no processes
+    try:
+        datapipe.build(source, output, size=16, cluster=datapipe.Cluster(workers=1), progress=False)
+    except datapipe.errors.DatapipeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        print(pool.apply(task, sys.argv[1:]))
+"""
+
+
+def test_a_local_cluster_build_in_a_pools_worker_is_refused_in_one_line(source, tmp_path):
+    """A daemonic process may not have children: the cluster failed to start, blamed on open files and memory."""
+    (tmp_path / "pooled.py").write_text(POOLED)
+    proc = subprocess.run([sys.executable, str(tmp_path / "pooled.py"), str(source[0]), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("BuildError: this process (SpawnPoolWorker-1) is daemonic, as a "
+                                  "multiprocessing.Pool's workers are"), proc.stdout
+    assert "--scheduler sync" in proc.stdout and not (tmp_path / "out").exists()

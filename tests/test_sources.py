@@ -567,3 +567,21 @@ def test_names_that_are_not_ascii_under_a_locale_that_is_not_utf8_are_one_line_n
     cache = datapipe.open(out)
     assert len(cache) == 2 and (names[0] in cache.classes or kind == "csv row")
     assert f"{names[0]}/{names[1]}" in [cache.path(i).removeprefix("src/") for i in range(len(cache))]
+
+
+def test_a_name_whose_bytes_are_not_utf8_under_such_a_locale_is_told_to_be_renamed(tmp_path, imaging):
+    """Under a locale that is not UTF-8 a Latin-1 name reads as text; PYTHONUTF8=1 would not help it (it is then
+    refused as not UTF-8): the line says to rename it."""
+    src = tmp_path / "src"
+    os.makedirs(os.fsencode(src / "cat"))
+    os.mkdir(os.fsencode(src) + b"/Z\xfcrich")
+    for folder in (os.fsencode(src / "cat"), os.fsencode(src) + b"/Z\xfcrich"):
+        with open(folder + b"/a.jpg", "wb") as f:
+            f.write(imaging.jpeg(imaging.gradient(20, 24)))
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    proc = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(src), str(tmp_path / "out"),
+                           "--scheduler", "sync", "--size", "16"], capture_output=True, text=True, env=env, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("datapipe build: error: class folder ") and "the name is not UTF-8" in lines[0], lines[0]
+    assert "rename it to UTF-8" in lines[0] and "convmv -f latin1" in lines[0] and "PYTHONUTF8" not in lines[0], lines[0]

@@ -717,9 +717,9 @@ def test_a_file_gone_while_the_build_ran_is_read_again_once_it_is_back(small, tm
     assert build(small, out, max_bad_fraction=0).shards_built == 0
 
 
-def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built(small, tmp_path):
-    """Within its budget the build finishes; the file comes back as the scan saw it, so the scan's record cannot
-    tell, but its reason can: a plain rerun reads it again (its reason says so), and then is a no-op."""
+def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_when_asked(small, tmp_path):
+    """Within its budget the build finishes; a plain rerun is then a no-op (the training script that calls build()
+    on every rank must not write), and --verify reads the file again, as its reason says."""
     out = tmp_path / "out"
     away = tmp_path / "away.jpg"
 
@@ -728,11 +728,12 @@ def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built(sma
             os.rename(small / VICTIM, away)
 
     with build_log(move_away):
-        assert [q["path"] for q in build(small, out, max_bad_fraction=0.5).quarantined] == [VICTIM]
+        quarantined = build(small, out, max_bad_fraction=0.5).quarantined
+    assert [q["path"] for q in quarantined] == [VICTIM] and "with --verify once it is back" in quarantined[0]["reason"]
     os.rename(away, small / VICTIM)
-    again = build(small, out, max_bad_fraction=0.5)
-    assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
     assert build(small, out, max_bad_fraction=0.5).shards_built == 0
+    again = build(small, out, max_bad_fraction=0.5, verify=True)
+    assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
 
 
 @pytest.mark.parametrize("change", ["another image", "same size", "same size, 1 ns later"])
@@ -765,12 +766,13 @@ def test_a_file_written_between_the_scan_and_its_read_is_never_cached_under_the_
         report = build(small, out, max_bad_fraction=0.5)
     assert [(q["path"], q["error"]) for q in report.quarantined] == [(VICTIM, "unreadable")], report.quarantined
     reason = report.quarantined[0]["reason"]
-    assert reason.startswith("changed since the scan (written while the build ran: ") and reason.endswith(
-        "when read): a rerun reads it again"), reason
-    if then == "put back":  # as the scan saw it: bytes, size and mtime
-        victim.write_bytes(original)
+    assert reason.startswith("changed since the scan (") and "when read: written while the build ran" in reason and \
+        "with --verify once it is back as the scan saw it" in reason, reason
+    if then == "put back":  # as the scan saw it: bytes, size and mtime; the plain rerun of a finished cache writes
+        victim.write_bytes(original)  # nothing, as its reason says
         os.utime(victim, ns=(scanned.st_atime_ns, scanned.st_mtime_ns))
-    again = build(small, out, max_bad_fraction=0.5)
+        assert build(small, out, max_bad_fraction=0.5).shards_built == 0
+    again = build(small, out, max_bad_fraction=0.5, verify=then == "put back")
     assert again.shards_built == 1 and again.quarantined == [], again.quarantined
     build(small, tmp_path / "fresh")
     cache, fresh = datapipe.open(out), datapipe.open(tmp_path / "fresh")

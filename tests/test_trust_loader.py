@@ -677,7 +677,7 @@ def test_a_shard_that_breaks_after_opening_is_named(index_cache, tmp_path, how):
         loader.close()
 
 
-@pytest.mark.parametrize("copy_by", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("copy_by", ["copy", "deepcopy", "pickle"])
 def test_a_copied_dataset_keeps_its_own_state_for_its_workers(index_cache, copy_by):
     """Ray, submitit and cloudpickle ship a dataset pickled; a copy's state was an ordinary tensor, so its forked
     persistent workers never saw set_epoch (every epoch read epoch 0's order, with a warning to call it) nor
@@ -687,7 +687,8 @@ def test_a_copied_dataset_keeps_its_own_state_for_its_workers(index_cache, copy_
     import pickle
 
     original = dataset(index_cache)
-    ds = copy.deepcopy(original) if copy_by == "deepcopy" else pickle.loads(pickle.dumps(original))
+    ds = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda d: pickle.loads(pickle.dumps(d))}[copy_by](
+        original)
     loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
                         multiprocessing_context="fork")
     epochs = []
@@ -729,6 +730,36 @@ def test_a_process_the_dataset_is_passed_to_leaves_the_originals_epoch_and_posit
     assert child.exitcode == 0
     source.set_epoch(2)
     assert ds.epoch == 2 and head + indices_of(ds) == indices_of(source)
+
+
+def child_trains(ds, queue) -> None:
+    """A process given the dataset starts its persistent workers before it first sets an epoch."""
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="fork")
+    epochs = []
+    for epoch in range(2):
+        epochs.append([b[2].tolist() for b in loader])
+        ds.set_epoch(epoch + 1)
+    queue.put(epochs)
+
+
+def test_a_process_given_the_dataset_that_starts_workers_first_shares_its_own_state_with_them(index_cache):
+    """Its workers shared the original's state, and its later set_epoch a private copy they never saw: the same
+    order every epoch, and the original's state_dict refused as if its own workers had read."""
+    import multiprocessing
+
+    ds = dataset(index_cache)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=child_trains, args=(ds, queue))
+    child.start()
+    epochs = queue.get(timeout=120)
+    child.join(60)
+    reference = dataset(index_cache)
+    for epoch, got in enumerate(epochs):
+        reference.set_epoch(epoch)
+        assert got == indices_of(reference)
+    assert epochs[0] != epochs[1]
+    assert ds.state_dict()["epoch"] == 0  # no worker of the child's read for the original
 
 
 def test_a_state_asked_of_a_dataloader_worker_says_whose_state_it_is(index_cache):

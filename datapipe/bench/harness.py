@@ -28,7 +28,7 @@ import numpy as np
 
 from ..environment import environment, physical_memory
 from ..errors import FULL_DISK, ArgumentError, CacheError
-from ..text import ProgressStream, one_line, show
+from ..text import one_line, progress_bar, show
 from .timing import settle, timed_pass, timeit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -678,11 +678,8 @@ def _measure_rounds(systems: dict[str, Measurement], loaders: dict[str, Any], *,
     Each system's images/s go into its :class:`Measurement`; a system whose pass fails is marked
     failed and leaves the rounds. Returns each system's CPU seconds per image, round by round.
     """
-    from tqdm import tqdm
-
     runnable = list(loaders)
-    bar = tqdm(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress,
-               file=ProgressStream(), dynamic_ncols=True)
+    bar = progress_bar(total=(repeats + 1) * len(runnable), desc="bench", unit="pass", disable=not progress)
     cpu: dict[str, list[float]] = {n: [] for n in runnable}
     for rnd in range(repeats + 1):  # round 0 is the warm-up
         # datapipe warms up last: a peer's DataLoader forks its workers (kept alive) during its
@@ -720,8 +717,9 @@ def _machine_advice(exc: BaseException) -> str:
     which an OSError from a peer's own code says without its path: "" for any other."""
     code = getattr(exc, "errno", None)
     if code in FULL_DISK:
-        return " (the disk of the bench's work folder is full: free space, or pass --work-dir another folder)"
-    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (" (a disk is full: the bench's work folder's, or /dev/shm, which DataLoader workers use (a "
+                "container's --shm-size): free space, or pass --work-dir another folder)")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM) and not getattr(exc, "filename", None):
         return " (the bench's work folder cannot be written: pass --work-dir a writable folder)"
     if code in (errno.EMFILE, errno.ENFILE):
         return " (too many open files: raise the limit, ulimit -n 65536)"

@@ -193,7 +193,7 @@ def _check_room(root: Path, images: int) -> None:
         return
     need, free = images * IMAGE_BYTES, st.f_bavail * st.f_frsize
     if need > free:
-        unit, scale = ("GiB", 2**30) if need >= 2**30 else ("MiB", 2**20)
+        unit, scale = ("GiB", 2**30) if free >= 2**30 else ("MiB", 2**20)  # free < need: the smaller shows
         raise ArgumentError(f"--images {images:,} needs about {need / scale:,.1f} {unit}, and the disk of {folder} has "
                             f"{free / scale:,.1f} {unit} free; lower --images or choose another folder")
 
