@@ -893,7 +893,7 @@ class StreamingDataset(IterableDataset):
         # the same build of the same configuration, with other samples: the cache was rebuilt in place
         if ("contents" in state and state["contents"] != self._contents) or num_samples != n:
             was = (f"contents {show(state['contents'])}, now {self._contents}" if num_samples == n
-                   else f"{num_samples:,} samples, now {n:,}")
+                   else f"{num_samples:,} samples, now {n:,}" if num_samples < 10**18 else f"{show(num_samples)} samples, now {n:,}")
             raise StateError(f"the saved state is for other contents of cache {self.cache.root} ({was}): it was "
                              f"rebuilt in place from changed inputs since the state was saved, so its position would "
                              f"resume another order over other samples or labels; start its epoch again with "

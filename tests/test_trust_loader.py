@@ -330,6 +330,13 @@ def test_thousands_of_generated_states_are_accepted_exactly_when_valid(index_cac
     assert accepted  # the generator reaches valid states too
 
 
+def test_a_state_of_an_impossible_sample_count_is_refused_in_a_short_line(index_cache, saved):
+    """A num_samples of sixty digits was written out with its thousands separators: a line of over 400 characters."""
+    with pytest.raises(StateError) as caught:
+        dataset(index_cache).load_state_dict({**saved, "num_samples": 10**60})
+    one_line_refusal(caught.value)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(epoch=st.one_of(st.integers(0, 5), st.integers(0, ORDER_LIMIT - 1)), k=st.integers(0, -(-N // B)),
        shuffle=st.booleans(), batch=st.sampled_from([1, 4, 8, 13]))
