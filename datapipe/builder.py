@@ -961,7 +961,7 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     there is nothing to do: see :func:`_check_up_to_date`)."""
     out = target.path
     plans = plan_shards(listing, spec.samples_per_shard)
-    retry = _retries(force, verify, finished=(out / mf.MANIFEST).exists())
+    retry = _retries(force, verify, finished=(out / mf.MANIFEST).exists() and not _report_failed(out))
     if target.read_only is not None:
         _log_plan(listing, plans, spec)
         return _check_up_to_date(target, listing, plans, config, chash, verify=verify, retry=retry,
@@ -1075,7 +1075,8 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
             plans = plan_shards(listing, spec.samples_per_shard)
             _log_plan(listing, plans, spec)
             done = _finished_remote(target, plans, chash, verify=verify, side=spec.decode.max_side,
-                                    retry=_retries(force, verify, finished=mf.MANIFEST in target.objects))
+                                    retry=_retries(force, verify, finished=mf.MANIFEST in target.objects
+                                                   and not _report_failed(target)))
             if target.read_only is not None:  # checked, never written (see _check_up_to_date)
                 if len(done) < len(plans):
                     raise target.cannot_write()
@@ -2082,6 +2083,16 @@ def _write_index(out: Path, documents: dict[str, bytes]) -> bool:
 # the build that did the work, when it says the same of the cache.
 _RUN_FIELDS = frozenset({"output", "shards_built", "shards_skipped", "workers", "dashboard", "seconds",
                          "images_per_second", "page_faults_per_image", "peak_worker_rss_mb", "index_written"})
+
+
+def _report_failed(out: Path | remote.RemoteOutput) -> bool:
+    """Whether the output's report.json says its last build failed (over its budget of bad files, with the
+    manifest of the build before it kept): that build did not finish, and the next reads its files again."""
+    try:
+        doc = remote.read_doc(out.loc, mf.REPORT) if isinstance(out, remote.RemoteOutput) else read_json(out / mf.REPORT)
+    except CacheError:
+        return False
+    return isinstance(doc, dict) and doc.get("status") == "failed"
 
 
 def _report_current(out: Path | remote.RemoteOutput, report: BuildReport) -> bool:

@@ -412,6 +412,14 @@ def _relative(cell: str, csv_path: Path, lineno: int) -> str:
     if rel == ".." or rel.startswith("../") or rel == ".":
         raise SourceError(f"{csv_path}:{lineno}: path {path!r} leads outside the CSV's folder {csv_path.parent}; "
                           "put the CSV at the top of the image tree")
+    parts = path.replace(os.sep, "/").split("/")
+    if ".." in parts:  # the text drops "link/.." where the system goes up from the link's target: another file
+        for i, part in enumerate(parts[:-1]):
+            if parts[i + 1] == ".." and part not in ("", ".", "..") and \
+                    os.path.islink(csv_path.parent / "/".join(parts[:i + 1])):
+                raise SourceError(f"{csv_path}:{lineno}: path {path!r} goes up ('..') from the symlink "
+                                  f"{'/'.join(parts[:i + 1])!r}, which the system does from the link's target, "
+                                  "reading another file than the text names; write the path without '..'")
     return rel
 
 

@@ -585,3 +585,24 @@ def test_a_name_whose_bytes_are_not_utf8_under_such_a_locale_is_told_to_be_renam
     assert proc.returncode == 2 and len(lines) == 1, lines
     assert lines[0].startswith("datapipe build: error: class folder ") and "the name is not UTF-8" in lines[0], lines[0]
     assert "rename it to UTF-8" in lines[0] and "convmv -f latin1" in lines[0] and "PYTHONUTF8" not in lines[0], lines[0]
+
+
+def test_a_csv_path_that_goes_up_from_a_symlink_is_refused_not_read_as_another_file(tmp_path, imaging):
+    """`sub/link/../x.jpg` with sub/link -> ../other/deep is other/x.jpg to the system; the text, normalised,
+    named sub/x.jpg, which was cached under the row's label, silently. A `..` after a plain folder stays."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "other" / "deep").mkdir(parents=True)
+    (src / "sub" / "x.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 24, seed=1)))
+    (src / "other" / "x.jpg").write_bytes(imaging.jpeg(imaging.gradient(20, 24, seed=2)))
+    (src / "sub" / "link").symlink_to("../other/deep")
+    (src / "list.csv").write_text("sub/link/../x.jpg,cat\nother/x.jpg,dog\n")
+    with pytest.raises(SourceError, match=r"list.csv:1: path 'sub/link/\.\./x\.jpg' goes up \('\.\.'\) from the "
+                                          r"symlink 'sub/link'"):
+        datapipe.build(src / "list.csv", tmp_path / "out", size=16, cluster=datapipe.Cluster(scheduler="sync"),
+                       progress=False)
+    assert not (tmp_path / "out").exists()
+    (src / "list.csv").write_text("sub/../sub/x.jpg,cat\nother/x.jpg,dog\n")  # up from a folder: the same file
+    datapipe.build(src / "list.csv", tmp_path / "out", size=16, cluster=datapipe.Cluster(scheduler="sync"),
+                   progress=False)
+    assert [datapipe.open(tmp_path / "out").path(i) for i in range(2)] == ["other/x.jpg", "sub/x.jpg"]

@@ -736,6 +736,27 @@ def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_whe
     assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
 
 
+def test_a_rerun_over_its_budget_did_not_finish_and_the_next_reads_the_file_again(small, tmp_path):
+    """A finished cache (its manifest kept) rerun with a smaller budget fails over it: that build did not finish,
+    so the next reads again the file its error line says a rerun reads. It looked finished by its manifest, and
+    every rerun failed the same way for ever."""
+    out = tmp_path / "out"
+    away = tmp_path / "away.jpg"
+
+    def move_away(record) -> None:
+        if "building serially" in record.getMessage():
+            os.rename(small / VICTIM, away)
+
+    with build_log(move_away):
+        assert len(build(small, out, max_bad_fraction=0.5).quarantined) == 1
+    os.rename(away, small / VICTIM)
+    with pytest.raises(TooManyBadFilesError, match="a rerun reads again every file that changed or could not be read"):
+        build(small, out, max_bad_fraction=0)
+    again = build(small, out, max_bad_fraction=0)
+    assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
+    assert build(small, out, max_bad_fraction=0).shards_built == 0
+
+
 @pytest.mark.parametrize("change", ["another image", "same size", "same size, 1 ns later"])
 @pytest.mark.parametrize("then", ["left", "put back"])
 def test_a_file_written_between_the_scan_and_its_read_is_never_cached_under_the_scans_record(
