@@ -358,20 +358,38 @@ class StreamingDataset(IterableDataset):
 
     def __getstate__(self) -> dict:
         """A process that received this dataset takes a state of its own before it hands the dataset on (to its
-        own spawned DataLoader workers, which must share that one)."""
+        own spawned DataLoader workers, which must share that one). The pickling process is noted: unpickled
+        in it, the dataset is a copy (``copy.copy`` and ``deepcopy`` pickle and unpickle in one process)."""
         _ = self._shared
-        return self.__dict__.copy()
+        return {**self.__dict__, "_pickled_by": os.getpid()}
 
     def __setstate__(self, state: dict) -> None:
-        """A copy (``copy.copy``, ``copy.deepcopy``, ``pickle``; Ray, submitit, cloudpickle) has a state of its
-        own, in shared memory as the original's is, so that its own DataLoader workers see its set_epoch and
-        load_state_dict. What torch's pickler hands a spawned DataLoader worker of another process is that
-        process's shared memory: it stays."""
+        """A copy (``copy.copy``, ``copy.deepcopy``, ``pickle``; Ray, submitit, cloudpickle; in a DataLoader
+        worker too) has a state of its own, in shared memory as the original's is, so that its own DataLoader
+        workers see its set_epoch and load_state_dict; it is compared across ranks as a dataset of its own; and
+        copied in the middle of an iteration it begins where the loop was (as its state_dict says). What
+        torch's pickler hands a spawned DataLoader worker of another process is that process's shared
+        memory: it stays."""
+        state = dict(state)
+        pickled_by = state.pop("_pickled_by", None)
         self.__dict__.update(state)
-        if self._owner == os.getpid() or not self._state.is_shared():
-            self._state = self._state.clone().share_memory_()
-            self._owner = os.getpid()
         _DATASETS.add(self)
+        if pickled_by != os.getpid() and self._state.is_shared():
+            return
+        self._state = self._state.clone().share_memory_()
+        self._owner = os.getpid()
+        self._split = next(_SPLIT_DATASETS) if self.world_size > 1 else 0
+        self._agreed = False
+        self._published = {}
+        self._keys = deque()
+        if self._running or self._consumed:
+            try:
+                position = int(self.state_dict()["position"])
+            except StateError:  # read by workers, or by two iterators: it cannot tell, nor can its state_dict
+                return
+            self._shared[1] = position
+            self._running = False
+            self._restart(position)
 
     # ----------------------------------------------------------------- epoch, length, plan
     @property

@@ -780,3 +780,71 @@ def test_a_state_asked_of_a_dataloader_worker_says_whose_state_it_is(index_cache
     with pytest.raises(StateError, match=r"state_dict\(\) was called in a DataLoader worker process \(torchdata's "
                                          r"StatefulDataLoader does so with num_workers > 0\)"):
         next(iter(loader))
+
+
+def copy_and_move(_: int) -> None:
+    """A worker_init_fn that copies its worker's dataset and moves the copy's epoch."""
+    import copy
+
+    copy.copy(torch.utils.data.get_worker_info().dataset).set_epoch(7)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_copy_made_in_a_dataloader_worker_is_a_copy(index_cache, context):
+    """A worker's copy.copy kept the state the worker shares with its main process: its set_epoch(7) moved the
+    main dataset's epoch, and the loop read epoch 7's order where set_epoch(2) was called."""
+    ds = dataset(index_cache)
+    ds.set_epoch(2)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, worker_init_fn=copy_and_move,
+                        multiprocessing_context=context)
+    got = [b[2].tolist() for b in loader]
+    reference = dataset(index_cache)
+    reference.set_epoch(2)
+    assert ds.epoch == 2 and got == indices_of(reference)
+
+
+RANK_COPIES = """
+import copy, pickle, sys, tempfile
+import torch.distributed as dist
+import datapipe
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+for copy_by in (copy.copy, copy.deepcopy, lambda d: pickle.loads(pickle.dumps(d))):
+    ds = datapipe.StreamingDataset(sys.argv[1], batch_size=8, rank=0, world_size=2)
+    other = copy_by(ds)  # a second stream over the same cache, at epochs of its own
+    ds.set_epoch(0)
+    other.set_epoch(100)
+    next(iter(ds)), next(iter(other))
+print("ok")
+"""
+
+
+def test_a_copy_is_compared_across_ranks_as_a_dataset_of_its_own(index_cache, tmp_path):
+    """A deepcopy or pickle copy kept the original's number among the datasets compared across ranks, and
+    published under its keys: set at another epoch than the original, it was a RankMismatchError naming the
+    same rank twice, though every rank did the same."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", RANK_COPIES, str(index_cache.path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("copy_by", ["copy", "pickle"])
+def test_a_copy_taken_in_the_middle_of_an_epoch_begins_where_its_state_says(index_cache, copy_by):
+    """A copy taken after the loop received 2 batches (a checkpoint by pickle or torch.save) said position 16 in
+    its state_dict but read the epoch from its start: 16 samples trained on twice."""
+    import copy
+    import pickle
+
+    ds = dataset(index_cache)
+    ds.set_epoch(2)
+    it = iter(ds)
+    head = [next(it)[2].tolist() for _ in range(2)]
+    dup = copy.copy(ds) if copy_by == "copy" else pickle.loads(pickle.dumps(ds))
+    assert dup.state_dict()["position"] == 2 * B
+    reference = dataset(index_cache)
+    reference.set_epoch(2)
+    assert head + indices_of(dup) == indices_of(reference)
+    assert [b[2].tolist() for b in it] == indices_of(reference)[2:]  # the original goes on as it was
