@@ -717,11 +717,9 @@ def test_a_file_gone_while_the_build_ran_is_read_again_once_it_is_back(small, tm
     assert build(small, out, max_bad_fraction=0).shards_built == 0
 
 
-def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_when_asked(small, tmp_path):
-    """Within its budget the build finishes; a plain rerun is then a no-op (the training script that calls build()
-    on every rank must not write), and --verify reads the file again, as its reason says."""
-    out = tmp_path / "out"
-    away = tmp_path / "away.jpg"
+def build_with_victim_gone_and_back(small: Path, out: Path, away: Path) -> list[dict]:
+    """A build within a budget of half the files, VICTIM moved away as its shards are read, then put back as the
+    scan saw it: the build's quarantine."""
 
     def move_away(record) -> None:
         if "building serially" in record.getMessage():
@@ -729,8 +727,16 @@ def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_whe
 
     with build_log(move_away):
         quarantined = build(small, out, max_bad_fraction=0.5).quarantined
-    assert [q["path"] for q in quarantined] == [VICTIM] and "with --verify once it is back" in quarantined[0]["reason"]
     os.rename(away, small / VICTIM)
+    return quarantined
+
+
+def test_a_finished_cache_takes_a_file_back_that_was_gone_while_it_was_built_when_asked(small, tmp_path):
+    """Within its budget the build finishes; a plain rerun is then a no-op (the training script that calls build()
+    on every rank must not write), and --verify reads the file again, as its reason says."""
+    out = tmp_path / "out"
+    quarantined = build_with_victim_gone_and_back(small, out, tmp_path / "away.jpg")
+    assert [q["path"] for q in quarantined] == [VICTIM] and "with --verify once it is back" in quarantined[0]["reason"]
     assert build(small, out, max_bad_fraction=0.5).shards_built == 0
     again = build(small, out, max_bad_fraction=0.5, verify=True)
     assert again.quarantined == [] and again.shards_built == 1 and len(datapipe.open(out)) == 10
@@ -741,15 +747,7 @@ def test_a_rerun_over_its_budget_did_not_finish_and_the_next_reads_the_file_agai
     so the next reads again the file its error line says a rerun reads. It looked finished by its manifest, and
     every rerun failed the same way for ever."""
     out = tmp_path / "out"
-    away = tmp_path / "away.jpg"
-
-    def move_away(record) -> None:
-        if "building serially" in record.getMessage():
-            os.rename(small / VICTIM, away)
-
-    with build_log(move_away):
-        assert len(build(small, out, max_bad_fraction=0.5).quarantined) == 1
-    os.rename(away, small / VICTIM)
+    assert len(build_with_victim_gone_and_back(small, out, tmp_path / "away.jpg")) == 1
     with pytest.raises(TooManyBadFilesError, match="a rerun reads again every file that changed or could not be read"):
         build(small, out, max_bad_fraction=0)
     again = build(small, out, max_bad_fraction=0)
