@@ -58,6 +58,7 @@ from .errors import (
     env_seconds,
     one_line,
     quarantine_counts,
+    soft_limits,
     thread_start_failed,
     unreadable,
 )
@@ -1499,22 +1500,16 @@ def _worker_address() -> str:
 def _cluster_failed(n_workers: int, exc: BaseException) -> str:
     """The one line of a LocalCluster that did not start: distributed's reason, and this process's limits that
     commonly cause it (open files, memory, threads)."""
-    import resource
-
-    limits = []
-    for name, which, unit in (("open files", resource.RLIMIT_NOFILE, ""), ("virtual memory", resource.RLIMIT_AS, " bytes"),
-                              ("processes", resource.RLIMIT_NPROC, "")):
-        soft = resource.getrlimit(which)[0]
-        if soft != resource.RLIM_INFINITY:
-            limits.append(f"{name} {soft:,}{unit}")
-    shown = f" (this process's limits: {', '.join(limits)})" if limits else ""
     reason = one_line(exc) or type(exc).__name__
+    failed = f"the LocalCluster of {plural(n_workers, 'worker')} did not start ({type(exc).__name__}: {reason})"
     if "temporary directory" in reason:  # tempfile's "No usable temporary directory found in [...]"
-        return (f"the LocalCluster of {plural(n_workers, 'worker')} did not start ({type(exc).__name__}: {reason}): "
-                "its processes need a writable temporary folder; set TMPDIR to one, or build with --scheduler sync")
-    return (f"the LocalCluster of {plural(n_workers, 'worker')} did not start ({type(exc).__name__}: {reason}): "
-            f"the machine may be short of open files, memory or processes{shown}; raise the limit (ulimit -n, "
-            "ulimit -v), build with fewer --workers, or with --scheduler sync (no Dask processes)")
+        return (f"{failed}: its processes need a writable temporary folder; set TMPDIR to one, or build with "
+                "--scheduler sync")
+    limits = soft_limits(("open files", "RLIMIT_NOFILE", ""), ("virtual memory", "RLIMIT_AS", " bytes"),
+                         ("processes", "RLIMIT_NPROC", ""))
+    shown = f" (this process's limits: {', '.join(limits)})" if limits else ""
+    return (f"{failed}: the machine may be short of open files, memory or processes{shown}; raise the limit "
+            "(ulimit -n, ulimit -v), build with fewer --workers, or with --scheduler sync (no Dask processes)")
 
 
 @contextlib.contextmanager
@@ -2085,22 +2080,24 @@ _RUN_FIELDS = frozenset({"output", "shards_built", "shards_skipped", "workers", 
                          "images_per_second", "page_faults_per_image", "peak_worker_rss_mb", "index_written"})
 
 
+def _report_doc(out: Path | remote.RemoteOutput) -> Any:
+    """The output's report.json document, or None where it has none that reads."""
+    try:
+        return remote.read_doc(out.loc, mf.REPORT) if isinstance(out, remote.RemoteOutput) else read_json(out / mf.REPORT)
+    except CacheError:
+        return None
+
+
 def _report_failed(out: Path | remote.RemoteOutput) -> bool:
     """Whether the output's report.json says its last build failed (over its budget of bad files, with the
     manifest of the build before it kept): that build did not finish, and the next reads its files again."""
-    try:
-        doc = remote.read_doc(out.loc, mf.REPORT) if isinstance(out, remote.RemoteOutput) else read_json(out / mf.REPORT)
-    except CacheError:
-        return False
+    doc = _report_doc(out)
     return isinstance(doc, dict) and doc.get("status") == "failed"
 
 
 def _report_current(out: Path | remote.RemoteOutput, report: BuildReport) -> bool:
     """Whether the output's report.json is a finished build's report saying of the cache what ``report`` does."""
-    try:
-        doc = remote.read_doc(out.loc, mf.REPORT) if isinstance(out, remote.RemoteOutput) else read_json(out / mf.REPORT)
-    except CacheError:
-        return False
+    doc = _report_doc(out)
     want = json.loads(json.dumps(asdict(report), ensure_ascii=False))  # as it would read back
     return isinstance(doc, dict) and set(doc) == set(want) and all(
         doc[key] == value for key, value in want.items() if key not in _RUN_FIELDS)

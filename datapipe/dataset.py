@@ -352,9 +352,13 @@ class StreamingDataset(IterableDataset):
         set_epoch or load_state_dict must not move the original's epoch, nor its iterations use up the
         original's resumed position."""
         if self._owner != os.getpid() and torch.utils.data.get_worker_info() is None:
-            self._state = self._state.clone().share_memory_()
-            self._owner = os.getpid()
+            self._own_state()
         return self._state
+
+    def _own_state(self) -> None:
+        """This process's state from now on: a copy of the one it had, in shared memory for its own workers."""
+        self._state = self._state.clone().share_memory_()
+        self._owner = os.getpid()
 
     def __getstate__(self) -> dict:
         """A process that received this dataset takes a state of its own before it hands the dataset on (to its
@@ -376,8 +380,7 @@ class StreamingDataset(IterableDataset):
         _DATASETS.add(self)
         if pickled_by != os.getpid() and self._state.is_shared():
             return
-        self._state = self._state.clone().share_memory_()
-        self._owner = os.getpid()
+        self._own_state()
         self._split = next(_SPLIT_DATASETS) if self.world_size > 1 else 0
         self._agreed = False
         self._published = {}

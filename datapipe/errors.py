@@ -214,6 +214,24 @@ def too_many_open_files(exc: OSError, path: str | os.PathLike) -> TooManyOpenFil
                                  "or resource.setrlimit) or let go of what holds files open (datasets no longer used)")
 
 
+def soft_limits(*limits: tuple[str, str, str]) -> list[str]:
+    """This process's soft limits that are set, of those named as (what, the ``resource`` module's RLIMIT_ name,
+    unit), each as "what value unit"."""
+    try:
+        import resource
+    except ImportError:
+        return []
+    shown = []
+    for what, name, unit in limits:
+        try:
+            soft = resource.getrlimit(getattr(resource, name))[0]
+        except (AttributeError, OSError, ValueError):
+            continue
+        if soft != resource.RLIM_INFINITY:
+            shown.append(f"{what} {soft:,}{unit}")
+    return shown
+
+
 class OutOfThreadsError(DatapipeError, RuntimeError):
     """A thread could not be started: the process is short of memory (``ulimit -v``) or of threads. The command
     exits with 1: the machine, not the call."""
@@ -226,17 +244,7 @@ def thread_start_failed(exc: BaseException, what: str = "") -> OutOfThreadsError
     (Python's RuntimeError "can't start new thread"), or None."""
     if not isinstance(exc, RuntimeError) or "can't start new thread" not in str(exc):
         return None
-    limits = []
-    try:
-        import resource
-
-        for name, which, unit in (("virtual memory", resource.RLIMIT_AS, " bytes"), ("processes and threads",
-                                                                                       resource.RLIMIT_NPROC, "")):
-            soft = resource.getrlimit(which)[0]
-            if soft != resource.RLIM_INFINITY:
-                limits.append(f"{name} {soft:,}{unit}")
-    except (ImportError, OSError, ValueError):
-        pass
+    limits = soft_limits(("virtual memory", "RLIMIT_AS", " bytes"), ("processes and threads", "RLIMIT_NPROC", ""))
     shown = f" (its limits: {', '.join(limits)})" if limits else ""
     return OutOfThreadsError(f"no thread could be started{f' for {what}' if what else ''} ({exc}): this process is "
                              f"short of memory or threads{shown}; raise the limit (ulimit -v, ulimit -u) or free "

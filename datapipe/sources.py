@@ -116,9 +116,10 @@ def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
     listing.source = src.resolve()
-    for name, text in (*((p, listing.kind == "csv") for p in listing.paths), *((e["path"], True) for e in listing.dropped)):
-        if (wrong := locale_error(name, text=text)) is not None:  # a dropped name is as shown (shown())
-            raise SourceError(f"source file {wrong}")
+    if fs_encoding() != "utf-8":  # names as the locale decoded them (a dropped one is as shown: shown())
+        for name, text in (*((p, listing.kind == "csv") for p in listing.paths), *((e["path"], True) for e in listing.dropped)):
+            if (wrong := locale_error(name, text=text)) is not None:
+                raise SourceError(f"source file {wrong}")
     if not listing.paths and not listing.dropped:
         hint = (f" ({len(listing.ignored)} entries skipped (not an image extension, hidden), e.g. {listing.ignored[:3]})"
                 if listing.ignored else "")
@@ -155,14 +156,18 @@ def shown(name: str) -> str:
     return printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
 
 
+def fs_encoding() -> str:
+    """The encoding Python decodes file names by (the locale's, or UTF-8 in its UTF-8 mode), by its codec's name."""
+    return codecs.lookup(sys.getfilesystemencoding()).name
+
+
 def locale_error(name: str, *, text: bool = False) -> str | None:
     """Why ``name`` (from the file system; with ``text``, read as text: a CSV's row or a name as shown) cannot
     be recorded under this process's locale, or None. Where Python decodes file names by a locale that is not
     UTF-8 (LC_ALL=en_US.ISO-8859-1; LC_ALL=C with PYTHONUTF8=0), a name that is not ASCII would be recorded as
     other text than under a UTF-8 locale (Zürich as ZÃ¼rich) or taken for one that is not UTF-8: the same files
     would give another cache, its classes renamed."""
-    encoding = codecs.lookup(sys.getfilesystemencoding()).name
-    if encoding == "utf-8" or name.isascii():
+    if name.isascii() or (encoding := fs_encoding()) == "utf-8":
         return None
     why = f"this Python reads file names as {encoding} (the locale's), not UTF-8"
     if not text and not valid_utf8(os.fsencode(name).decode("utf-8", "surrogateescape")):
