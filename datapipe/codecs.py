@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -583,18 +583,69 @@ _ALPHA = ("RGBA", "LA", "PA")  # straight alpha: Pillow converts these to RGBA e
 _PREMULTIPLIED = {"RGBa": 3, "La": 1}  # colour already multiplied by alpha: composited as is
 
 
-def _white_is_zero_16(img: Image.Image) -> bool:
-    """Whether ``img`` (opened, not loaded) is a 16-bit gray TIFF whose PhotometricInterpretation says 0 is
-    white (WhiteIsZero), which Pillow reads as stored: it inverts only the 1- to 8-bit ones (raw mode
-    ``L;I`` and the like)."""
+def _white_is_zero_wide(img: Image.Image) -> bool:
+    """Whether ``img`` (opened, not loaded) is a gray TIFF of 16-bit, 32-bit or float samples whose
+    PhotometricInterpretation says 0 is white (WhiteIsZero), which Pillow reads as stored: it inverts only
+    the 1- to 8-bit ones (raw mode ``L;I`` and the like)."""
     tags, tiles = getattr(img, "tag_v2", None), getattr(img, "tile", None)
     try:
-        if img.mode not in ("I;16", "I;16B", "I;16L", "I;16N") or tags is None or tags.get(262) != 0:
+        if img.mode not in (*_WIDE, "F") or tags is None or tags.get(262) != 0:
             return False
-        rawmode = tiles[0].args[0] if tiles and tiles[0].args else None
+        rawmode = tiles[0][3][0] if tiles and tiles[0][3] else None
     except (AttributeError, IndexError, TypeError):
         return False
     return isinstance(rawmode, str) and not rawmode.endswith(";I")
+
+
+# Raw modes of a big-endian TIFF that Pillow (up to 13 at least) gives its libtiff decoder, which returns every
+# sample in the machine's byte order: Pillow swaps the bytes of these once more (it makes only the ";16B" modes
+# native), so they come out as noise. Each is read in the native mode here.
+_LIBTIFF_NATIVE = {"F;32BF": "F;32NF", "I;16BS": "I;16NS", "I;32BS": "I;32NS"}
+
+
+def _mend_tiff_tiles(img: Image.Image) -> None:
+    """Have Pillow read ``img`` (a TIFF, opened, not loaded) right where its tiles name the wrong raw mode:
+    a big-endian file on its libtiff path (:data:`_LIBTIFF_NATIVE`), and an uncompressed one of 16-bit samples
+    in separate planes (PlanarConfiguration 2), whose planes Pillow reads with the 8-bit raw modes ``R``, ``G``
+    and ``B`` (each 16-bit sample as two pixels).
+
+    Raises:
+        DecodeError: ("unsupported") separate planes of wide samples in a layout with no 16-bit raw mode
+            for its planes here (CMYK, extra samples, gray, 32 bits).
+    """
+    tags, tiles = getattr(img, "tag_v2", None), list(getattr(img, "tile", None) or ())
+    if tags is None or not tiles:
+        return
+    bits = tags.get(258) or (1,)
+    bits = bits if isinstance(bits, tuple) else (bits,)
+    separate = tags.get(284) == 2 and max(bits) > 8 and any(tile[0] == "raw" for tile in tiles)  # (codec, box, offset, args)
+    if separate:
+        band = f";16{'B' if tags.prefix == b'MM' else 'L'}"
+        if img.mode not in ("RGB", "RGBA") or set(bits) != {16} or \
+                any(not (tile[3] and tile[3][0] in tuple("RGBA"[:len(img.mode)])) for tile in tiles):
+            raise DecodeError(f"unsupported TIFF: {'/'.join(map(str, bits))}-bit samples in separate planes "
+                              "(PlanarConfiguration 2), which Pillow reads as 8-bit; convert the file (e.g. "
+                              "`tiffcp -p contig IN OUT`, or to a PNG)", "unsupported")
+    mended = []
+    for tile in tiles:
+        codec, args = tile[0], tile[3]
+        rawmode = args[0] if args else None
+        if codec == "libtiff" and rawmode in _LIBTIFF_NATIVE:
+            rawmode = _LIBTIFF_NATIVE[rawmode]
+        elif separate and codec == "raw" and isinstance(rawmode, str):
+            rawmode += band
+        else:
+            mended.append(tile)
+            continue
+        mended.append(_with_rawmode(tile, rawmode))
+    setattr(img, "tile", mended)  # noqa: B010 - an ImageFile's, which Image does not declare
+
+
+def _with_rawmode(tile: Any, rawmode: str) -> Any:
+    """A copy of Pillow's ``tile`` (codec, box, offset, args: a raw mode, or a tuple that starts with one) that
+    unpacks with ``rawmode``: a named tuple since Pillow 11, a plain one before."""
+    args = rawmode if isinstance(tile[3], str) else (rawmode, *tile[3][1:])
+    return tile._replace(args=args) if hasattr(tile, "_replace") else (*tile[:3], args)
 
 
 def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
@@ -602,8 +653,8 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
 
     Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
     0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; inverted first
-    with ``white_is_zero``, see :func:`_white_is_zero_16`); float is clipped to 0..255 unless all of it
-    lies in 0..1, then scaled; anything with alpha or a
+    with ``white_is_zero``, see :func:`_white_is_zero_wide`); float is clipped to 0..255 unless all of it
+    lies in 0..1, then scaled (and inverted after, with ``white_is_zero``); anything with alpha or a
     ``transparency`` entry (palette, gray, RGB and 16-bit PNGs with tRNS, GIFs) is composited onto
     :data:`BACKGROUND`; every other mode (P, CMYK, YCbCr, LAB, HSV) takes Pillow's conversion to RGB.
     """
@@ -633,6 +684,8 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
         for top, bottom in bands:
             values = finite(top, bottom)
             gray[top:bottom] = np.clip(values * 255.0 if unit else values, 0, 255).round()
+        if white_is_zero:
+            np.subtract(255, gray, out=gray)
         return np.repeat(gray[..., None], 3, axis=2)
     if mode in _PREMULTIPLIED:
         arr = np.asarray(img)
@@ -1031,18 +1084,28 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
                 factor = 1 if frame is not None and frame.lossless else dct_factor(img.height, img.width, spec)
                 if factor > 1:  # Pillow picks the largest scale whose result is at least this size
                     img.draft(img.mode, (max(1, img.width // factor), max(1, img.height // factor)))
-            white_is_zero = fmt == "tiff" and _white_is_zero_16(img)
+            if fmt == "tiff":
+                _mend_tiff_tiles(img)
+            key = _wide_colour_key(img, data) if fmt == "png" else None
+            white_is_zero = fmt == "tiff" and _white_is_zero_wide(img)
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
             orientation = jpeg_orientation(source or data) if fmt == "jpeg" else _pillow_orientation(img)
             if fmt == "png":
                 _scale_low_depth_gray_trns(img, data)
-            rgb = _to_rgb(img, white_is_zero=white_is_zero)
+            if key is not None:
+                rgb = _over_background(np.asarray(img.convert("RGB")), _key_alpha(img, data, key))
+            else:
+                rgb = _to_rgb(img, white_is_zero=white_is_zero)
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:  # only where Pillow has no check for _pillow_limit to wrap
         raise DecodeError(f"decompression bomb: {exc}", "too-large") from None
     except UnidentifiedImageError:  # Pillow's message names only its in-memory buffer
+        if fmt == "tiff" and _tiff_layout_unknown(data):
+            raise DecodeError("unsupported TIFF: a valid header, but a pixel layout (its PhotometricInterpretation, "
+                              "BitsPerSample, SampleFormat and ExtraSamples together) that Pillow does not read; "
+                              "convert the file to 8- or 16-bit RGB or gray (or a PNG)", "unsupported") from None
         raise DecodeError(f"not a readable {fmt.upper()} image: it starts like one, but its header does not "
                           "parse (damaged or cut short)") from None
     except MemoryError as exc:  # the machine's state, not the file's: a rerun reads it again (decoder-crash)
@@ -1169,6 +1232,46 @@ def _scale_low_depth_gray_trns(img: Image.Image, data: bytes) -> None:
     value = img.info.get("transparency")
     if img.mode == "L" and color_type == 0 and depth in (2, 4) and isinstance(value, int):
         img.info["transparency"] = value * (255 // (2**depth - 1))
+
+
+def _tiff_layout_unknown(data: bytes) -> bool:
+    """Whether Pillow's TIFF reader refuses ``data`` for its pixel layout alone ("unknown pixel mode": its
+    tags parse, their combination is one Pillow has no mode for), not for a damaged header."""
+    import warnings
+
+    from PIL import TiffImagePlugin
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Corrupt EXIF data" and the like: only the exception matters here
+            TiffImagePlugin.TiffImageFile(io.BytesIO(data))
+    except SyntaxError as exc:
+        return str(exc) == "unknown pixel mode"
+    except Exception:  # noqa: BLE001 - any other failure: the header is damaged
+        return False
+    return False
+
+
+def _wide_colour_key(img: Image.Image, data: bytes) -> tuple[int, int, int] | None:
+    """The tRNS colour key of a 16-bit RGB PNG (``img`` opened, not loaded), None for any other PNG. Pillow keeps
+    only the high byte of each such sample and the key at 16 bits, matching no pixel: see :func:`_key_alpha`."""
+    key = img.info.get("transparency")
+    if data[24] == 16 and data[25] == 2 and isinstance(key, tuple) and len(key) == 3:  # IHDR depth, colour type
+        return key
+    return None
+
+
+def _key_alpha(img: Image.Image, data: bytes, key: tuple[int, int, int]) -> np.ndarray:
+    """The alpha (0 where a pixel's 16-bit samples equal ``key``, else 255) of a 16-bit RGB PNG ``img`` that Pillow
+    loaded as the high bytes: the low bytes are decoded once more, with the raw mode that keeps them."""
+    from PIL import Image
+
+    low = Image.open(io.BytesIO(data), formats=["PNG"])
+    low.decodermaxblock = 1 << 40
+    low.tile = [_with_rawmode(tile, "RGB;16L") for tile in low.tile]
+    low.load()
+    values = np.asarray(img).astype(np.uint16) << 8 | np.asarray(low)
+    return np.where((values == np.array(key, np.uint16)).all(axis=2), 0, 255).astype(np.uint8)
 
 
 def _pillow_orientation(img: Image.Image) -> int:

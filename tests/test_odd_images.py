@@ -252,14 +252,14 @@ def test_a_build_keeps_lossless_jpegs_and_quarantines_12_bit_ones_as_unsupported
 
 def _tiff(tags: list[tuple[int, int, int | list[int]]], payload: bytes, order: str = "<") -> bytes:
     """A TIFF of one IFD in byte ``order``: ``tags`` (tag, type 3 or 4, value or values), with ``payload`` after it;
-    a value of -1 stands for the payload's offset."""
+    a value of -1 - n stands for the payload's offset plus n."""
     ifd_at = 8
     extra_at = ifd_at + 2 + 12 * len(tags) + 4
     extra, entries = b"", b""
     payload_at = extra_at + sum(4 * len(v) for _, _, v in tags if isinstance(v, list) and len(v) > 1)
     for tag, kind, value in tags:
         values = value if isinstance(value, list) else [value]
-        values = [payload_at if v == -1 else v for v in values]
+        values = [payload_at - 1 - v if v < 0 else v for v in values]
         if len(values) == 1:
             packed = struct.pack(order + "H", values[0]) + b"\x00\x00" if kind == 3 else struct.pack(order + "I", values[0])
         else:
@@ -445,3 +445,82 @@ def test_a_first_ifd_continued_in_the_next_exif_segment_is_read_as_pillow_reads_
         pillows = img.getexif().get(0x0112)
     assert pillows == 6 and jpeg_orientation(data) == 6
     np.testing.assert_array_equal(decode_rgb(data), np.rot90(decode_rgb(main), -1))
+
+
+def _wide_tiff(values: np.ndarray, dtype: str, *, order: str = "<", deflate: bool = False, planar: bool = False,
+               photometric: int | None = None, extra: int | None = None) -> bytes:
+    """A one-strip (one per plane with ``planar``) TIFF of ``values`` (H×W or H×W×C) as ``dtype`` samples ('u2', 'i2',
+    'i4', 'f4', 'f8'), written field by field: the layouts Pillow writes none of."""
+    values = values if values.ndim == 3 else values[..., None]
+    height, width, channels = values.shape
+    typed = values.astype(np.dtype(order + dtype))
+    planes = [typed[..., c].tobytes() for c in range(channels)] if planar else [typed.tobytes()]
+    planes = [zlib.compress(p) if deflate else p for p in planes]
+    offsets = [-1 - sum(len(p) for p in planes[:k]) for k in range(len(planes))]
+    size = typed.dtype.itemsize * 8
+    sample_format = {"u": 1, "i": 2, "f": 3}[dtype[0]]
+    tags = [(256, 3, width), (257, 3, height), (258, 3, [size] * channels if channels > 1 else size),
+            (259, 3, 8 if deflate else 1), (262, 3, photometric if photometric is not None else (2 if channels >= 3 else 1)),
+            (273, 4, offsets if planar else offsets[0]), (277, 3, channels), (278, 3, height),
+            (279, 4, [len(p) for p in planes] if planar else len(planes[0])), (284, 3, 2 if planar else 1),
+            (339, 3, [sample_format] * channels if channels > 1 else sample_format)]
+    if extra is not None:
+        tags.append((338, 3, extra))
+    return _tiff(sorted(tags), b"".join(planes), order)
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+@pytest.mark.parametrize("channels", [3, 4], ids=["RGB", "RGBA"])
+def test_a_tiff_of_16_bit_samples_in_separate_planes_reads_as_its_contiguous_twin(order, channels):
+    """Pillow read each uncompressed 16-bit plane with an 8-bit raw mode: every sample became two pixels."""
+    rng = np.random.default_rng(channels)
+    values = rng.integers(0, 65536, (6, 9, channels))
+    extra = 2 if channels == 4 else None  # unassociated alpha
+    contiguous = decode_rgb(_wide_tiff(values, "u2", order=order, extra=extra))
+    planar = decode_rgb(_wide_tiff(values, "u2", order=order, planar=True, extra=extra))
+    np.testing.assert_array_equal(planar, contiguous)
+    if channels == 3:  # 16-bit colour comes out as its high bytes
+        np.testing.assert_array_equal(contiguous, values >> 8)
+
+
+@pytest.mark.parametrize("dtype", ["f4", "i4", "i2"])
+def test_a_big_endian_compressed_tiff_of_wide_samples_reads_as_its_little_endian_twin(dtype):
+    """Pillow's libtiff path gets these samples in the machine's byte order and swapped them once more (noise)."""
+    ramp = np.tile(np.linspace(0, 1, 32), (4, 1))
+    values = ramp if dtype == "f4" else np.round(ramp * (32767 if dtype == "i2" else 65535))
+    expected = np.round(ramp * 255) if dtype == "f4" else (values.astype(np.int64) * 255 + 32767) // 65535
+    for order in "<>":
+        for deflate in (False, True):
+            decoded = decode_rgb(_wide_tiff(values, dtype, order=order, deflate=deflate))
+            np.testing.assert_array_equal(decoded[..., 0], expected, err_msg=f"{order} deflate={deflate}")
+
+
+def test_a_float_white_is_zero_tiff_is_inverted_as_its_16_bit_twin_is():
+    ramp = np.tile(np.linspace(0, 1, 16), (3, 1))
+    floats = decode_rgb(_wide_tiff(ramp, "f4", photometric=0))
+    sixteen = decode_rgb(_wide_tiff(np.round(ramp * 65535), "u2", photometric=0))
+    np.testing.assert_array_equal(floats[..., 0], 255 - np.round(ramp * 255))
+    np.testing.assert_array_equal(floats, sixteen)
+
+
+@pytest.mark.parametrize("case", ["float64 gray", "16-bit gray with alpha", "float32 RGB"])
+def test_a_valid_tiff_of_a_layout_pillow_has_no_mode_for_is_unsupported_not_corrupt(case):
+    """Pillow refuses these for their pixel layout ("unknown pixel mode"): valid files, which a conversion saves,
+    not damaged ones (a corrupt file is never read again until it changes)."""
+    rng = np.random.default_rng(1)
+    data = {"float64 gray": lambda: _wide_tiff(rng.random((4, 5)), "f8"),
+            "16-bit gray with alpha": lambda: _wide_tiff(rng.integers(0, 65536, (4, 5, 2)), "u2", photometric=1, extra=2),
+            "float32 RGB": lambda: _wide_tiff(rng.random((4, 5, 3)), "f4")}[case]()
+    with pytest.raises(DecodeError) as info:
+        decode_rgb(data)
+    assert info.value.kind == "unsupported" and str(info.value).startswith("unsupported TIFF: a valid header")
+    with pytest.raises(DecodeError) as damaged:  # the same file with its header cut short is damaged
+        decode_rgb(data[:20])
+    assert damaged.value.kind == "corrupt"
+
+
+def test_separate_planes_of_wide_samples_with_no_raw_mode_here_are_unsupported():
+    values = np.random.default_rng(2).integers(0, 65536, (4, 5, 4))
+    with pytest.raises(DecodeError) as info:
+        decode_rgb(_wide_tiff(values, "u2", planar=True, photometric=5))  # CMYK
+    assert info.value.kind == "unsupported" and "separate planes" in str(info.value)

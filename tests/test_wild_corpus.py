@@ -528,6 +528,34 @@ def test_png_bit_depths_and_trns_forms_match_pillow(name):
         assert tuple(ours[0, 0]) == (255, 255, 255), name  # the pixel whose value tRNS names
 
 
+@pytest.mark.parametrize("filtered", [False, True], ids=["unfiltered", "sub-filtered"])
+def test_a_16_bit_rgb_png_makes_transparent_exactly_the_pixels_its_16_bit_key_names(filtered):
+    """Pillow reads 16-bit RGB at 8 bits (the high bytes) and keeps the tRNS key at 16: matched against the high
+    bytes, the key made opaque pixels that share its high bytes transparent and left the keyed ones opaque."""
+    key = (0x1234, 0x5678, 0x9ABC)
+    rng = np.random.default_rng(3)
+    arr = rng.integers(0, 65536, (7, 11, 3)).astype(np.uint16)
+    arr[0, :5] = key  # the keyed pixels
+    arr[1, :5] = [0x1200, 0x5600, 0x9A00]  # the key's high bytes, other low bytes: opaque
+    arr[2, :5] = [k ^ 1 for k in key]  # one bit off the key: opaque
+    rows = [r.astype(">u2").tobytes() for r in arr]
+    data = png(11, 7, 2, 16, rows, trns=struct.pack(">HHH", *key))
+    if filtered:  # the Sub filter (type 1) on every row: the low bytes are decoded through the same unfiltering
+        def sub(row: bytes) -> bytes:
+            b = np.frombuffer(row, np.uint8).astype(np.int16)
+            return bytes([1]) + ((b - np.concatenate([np.zeros(6, np.int16), b[:-6]])) % 256).astype(np.uint8).tobytes()
+        body = data[:data.index(b"IDAT") - 4]
+        idat = zlib.compress(b"".join(sub(r) for r in rows))
+        chunk = struct.pack(">I", len(idat)) + b"IDAT" + idat + struct.pack(">I", zlib.crc32(b"IDAT" + idat))
+        end = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND"))
+        data = body + chunk + end
+    ours = decode_rgb(data, FULL)
+    expected = (arr >> 8).astype(np.uint8)
+    expected[(arr == np.array(key, np.uint16)).all(axis=2)] = 255
+    np.testing.assert_array_equal(ours, expected)
+    assert (ours[0, :5] == 255).all() and (ours[1, :5] == [0x12, 0x56, 0x9A]).all()
+
+
 @pytest.mark.parametrize("transparency", [0, 3, b"\x00\x80\xff\x10"], ids=["int0", "int3", "bytes"])
 def test_palette_transparency_as_int_or_bytes(transparency):
     img = random_image("P", seed=5)
