@@ -115,7 +115,9 @@ def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None)
         listing = _scan_folder(src, exclude)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
-    listing.source = src.resolve()
+    # the identity: a folder resolved; a CSV as named in its resolved folder, the one its rows are read under
+    # (a link elsewhere to the same CSV reads other files)
+    listing.source = src.resolve() if listing.kind == "folder" else src.absolute().parent.resolve() / src.name
     if fs_encoding() != "utf-8":  # names as the locale decoded them (a dropped one is as shown: shown())
         for name, text in (*((p, listing.kind == "csv") for p in listing.paths), *((e["path"], True) for e in listing.dropped)):
             if (wrong := locale_error(name, text=text)) is not None:
@@ -339,6 +341,11 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
             "text, and leaving the class out would renumber every class after it; rename the folder (e.g. "
             "`convmv -f latin1 -t utf8 -r --notest FOLDER`) and rerun")
     classes = [e.name for e in class_dirs]
+    if (twins := unicode_twins(classes)) is not None:
+        raise SourceError(f"source {shown(str(root))}: the class folders {ascii(twins[0])} and {ascii(twins[1])} are one "
+                          f"name in two Unicode forms ({_UNICODE_FORMS}), which would make two classes that print alike; "
+                          "move the images of one into the other (or rename one) and rerun")
+    note_number_twins(classes, shown(str(root)))
     note_string_order(classes)
     index = {name: i for i, name in enumerate(classes)}
     # Real class folders are read before linked ones, so a class linked to another is the one left empty.
@@ -445,8 +452,9 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
     rows: list[tuple[str, str, int]] = []
     reader = csv.reader(io.StringIO(text, newline=""))
     first_row = True
+    first_line: dict[str, int] = {}  # each label's first row
     try:
-        start = 1  # the line the row begins on (a quoted cell may span lines)
+        start = 1  # the line the row begins on (a quoted cell may span lines): every message names it
         for row in reader:
             lineno, start, begins = reader.line_num, reader.line_num + 1, start
             if not row or not "".join(row).strip() or _is_comment(row, exists):
@@ -455,10 +463,10 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
                 if any("\n" in cell or "\r" in cell for cell in row):  # csv read on to the end for its closing quote
                     raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is never closed; "
                                       "close it (a quote inside a cell is written twice: \"\")")
-                raise SourceError(f"{csv_path}:{lineno}: expected 'path,label', got {_clip(row)}")
+                raise SourceError(f"{csv_path}:{begins}: expected 'path,label', got {_clip(row)}")
             if any(cell.strip() for cell in row[2:]):  # refused, not silently dropped
                 raise SourceError(
-                    f"{csv_path}:{lineno}: {len(row)} columns, expected 'path,label'. A datapipe cache holds "
+                    f"{csv_path}:{begins}: {len(row)} columns, expected 'path,label'. A datapipe cache holds "
                     "one class label per image, so boxes, masks or other targets in further columns "
                     "would be lost: keep them in a file of your own, keyed by path (datapipe.open(cache).path(i)), or "
                     "write the CSV with two columns")
@@ -468,11 +476,53 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
             first_row = False
             label = row[1].strip()
             if not label:
-                raise SourceError(f"{csv_path}:{lineno}: empty label for {row[0].strip()!r}; every row must be 'path,label'")
-            rows.append((relative(row[0], lineno), label, lineno))
+                raise SourceError(f"{csv_path}:{begins}: empty label for {row[0].strip()!r}; every row must be 'path,label'")
+            if _breaks_line(label) or (_breaks_line(row[0]) and not exists(row[0])):
+                # a stray quote: the cell runs on over the rows after it, which would silently vanish into it
+                raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is closed only on line {lineno}, "
+                                  f"which makes the lines between one cell ({_clip(row[:2])}); close it where its cell "
+                                  "ends (a quote inside a cell is written twice: \"\")")
+            if "\x00" in label:
+                raise SourceError(f"{csv_path}:{begins}: the label holds a NUL character; write plain 'path,label' rows")
+            first_line.setdefault(label, begins)
+            rows.append((relative(row[0], begins), label, begins))
     except csv.Error as exc:
         raise SourceError(f"{csv_path}:{reader.line_num}: not a CSV row ({exc}); write plain 'path,label' rows") from None
+    if (twins := unicode_twins(first_line)) is not None:
+        one, other = twins
+        raise SourceError(f"{csv_path}:{first_line[other]}: label {ascii(other)} is the label {ascii(one)} of line "
+                          f"{first_line[one]} in another Unicode form ({_UNICODE_FORMS}), which would make two classes "
+                          "that print alike; write the labels alike")
+    note_number_twins(first_line, csv_path)
     return rows
+
+
+def _breaks_line(cell: str) -> bool:
+    return "\n" in cell or "\r" in cell
+
+
+_UNICODE_FORMS = "NFD and NFC write the same letters with other code points"
+
+
+def unicode_twins(names: Iterable[str]) -> tuple[str, str] | None:
+    """The first two ``names`` that are one name in two Unicode forms (NFC and NFD), in their order; None if none are."""
+    forms: dict[str, str] = {}
+    for name in names:
+        one = forms.setdefault(unicodedata.normalize("NFC", name), name)
+        if one != name:
+            return one, name
+    return None
+
+
+def note_number_twins(names: Iterable[str], where: object) -> None:
+    """Log when two class names are one whole number written two ways (``1`` and ``01``): two classes, as
+    torchvision's ImageFolder makes them, which is seldom what was meant."""
+    numbers: dict[tuple[int, str], str] = {}
+    for name in names:
+        if _is_number(name) and (one := numbers.setdefault(_numeric(name), name)) != name:
+            log.warning("datapipe build: %s: the labels %s and %s are one number written two ways, and so two classes; "
+                        "if they are one class, write them alike", where, show(one), show(name))
+            return
 
 
 def _clip(row: list[str]) -> str:
@@ -581,8 +631,8 @@ def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:
         names = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
         given = {unicodedata.normalize("NFC", name): name for name in classes}
         twins = [(m, given[unicodedata.normalize("NFC", m)]) for m in missing if unicodedata.normalize("NFC", m) in given]
-        alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in its Unicode form (NFD and "
-                 "NFC write the same letters with other code points): "
+        alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in its Unicode form "
+                 f"({_UNICODE_FORMS}): "
                  f"{'write the labels in the CSV' if listing.kind == 'csv' else 'rename the folders'} alike" if twins else "")
         raise SourceError(f"{shown(listing.url or str(listing.source or listing.root))}: "
                           f"{len(missing)} of its {len(listing.classes)} classes are not among the {len(classes)} "

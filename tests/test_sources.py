@@ -606,3 +606,94 @@ def test_a_csv_path_that_goes_up_from_a_symlink_is_refused_not_read_as_another_f
     datapipe.build(src / "list.csv", tmp_path / "out", size=16, cluster=datapipe.Cluster(scheduler="sync"),
                    progress=False)
     assert [datapipe.open(tmp_path / "out").path(i) for i in range(2)] == ["other/x.jpg", "sub/x.jpg"]
+
+
+# ----------------------------------------------------------------------------- stray quotes, label spellings
+
+
+def _images(root, names, imaging):
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(imaging.jpeg(imaging.gradient(16, 20, seed=len(name))))
+
+
+@pytest.mark.parametrize(("rows", "line", "to"), [
+    (['a.jpg,cat', 'b.jpg,"cat', 'c.jpg,dog', 'd.jpg,dog'], 2, 4),  # open to the end of the file
+    (['a.jpg,"cat', 'b.jpg,cat', 'c.jpg,dog"', 'd.jpg,dog'], 1, 3),  # closed by a stray quote further down
+    (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog', 'd.jpg",dog', 'e.jpg,eel'], 2, 4),  # in the path cell
+], ids=["label-to-the-end", "two-in-labels", "two-in-paths"])
+def test_a_stray_quote_that_joins_rows_into_one_cell_is_refused_naming_where_it_opens(tmp_path, imaging, rows, line, to):
+    """csv read the rows after a stray quote into its cell: they vanished (30 rows gave 4 samples, a class named by
+    the rest of the file) and the build said "ok"."""
+    _images(tmp_path, "abcde", imaging)
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    with pytest.raises(SourceError, match=rf"list.csv:{line}: a quote opened on this line is closed only on line {to}"):
+        datapipe.sources.scan(tmp_path / "list.csv")
+
+
+def test_a_quoted_cell_of_a_file_whose_name_holds_a_line_break_is_a_path(tmp_path, imaging):
+    _images(tmp_path, ["a\nb.jpg", "c.jpg"], imaging)
+    (tmp_path / "list.csv").write_text('"a\nb.jpg",cat\nc.jpg,dog\n')
+    listing = datapipe.sources.scan(tmp_path / "list.csv")
+    assert listing.paths == ["a\nb.jpg", "c.jpg"] and listing.classes == ["cat", "dog"]
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('"a\nb.jpg",\n', "2: empty label"),  # a cell over lines 2-3: the line it begins on
+    ('"{tmp}/x\ny.jpg",cat\n', "2: absolute path"),  # a file that exists, named by its absolute path
+    ('"a.jpg",ca\x00t\n', "2: the label holds a NUL character"),
+])
+def test_a_bad_row_is_named_by_the_line_it_begins_on(tmp_path, text, words):
+    (tmp_path / "x\ny.jpg").write_bytes(b"")
+    (tmp_path / "list.csv").write_text("path,label\n" + text.replace("{tmp}", str(tmp_path)))
+    with pytest.raises(SourceError, match=f"list.csv:{words}"):
+        datapipe.sources.scan(tmp_path / "list.csv")
+
+
+def test_one_label_in_two_unicode_forms_is_refused_not_split_into_two_classes(tmp_path, imaging):
+    """'café' as NFC and as NFD print alike and were two classes, the images of one class alternating labels."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    _images(tmp_path, "abc", imaging)
+    (tmp_path / "list.csv").write_text(f"a.jpg,{nfc}\nb.jpg,dog\nc.jpg,{nfd}\n")
+    with pytest.raises(SourceError, match=r"list.csv:3: label 'cafe\\u0301' is the label 'caf\\xe9' of line 1 in "
+                                          r"another Unicode form"):
+        datapipe.sources.scan(tmp_path / "list.csv")
+    folders = tmp_path / "folders"
+    _images(folders, [f"{nfc}/a.jpg", f"{nfd}/b.jpg"], imaging)
+    with pytest.raises(SourceError, match=r"the class folders 'cafe\\u0301' and 'caf\\xe9' are one name in two "
+                                          r"Unicode forms"):
+        datapipe.sources.scan(folders)
+
+
+@pytest.mark.parametrize("kind", ["csv", "folder"])
+def test_one_number_written_two_ways_is_two_classes_and_the_log_says_so(tmp_path, imaging, caplog, kind):
+    if kind == "csv":
+        _images(tmp_path, "abc", imaging)
+        (tmp_path / "list.csv").write_text("a.jpg,1\nb.jpg,01\nc.jpg,2\n")
+        source = tmp_path / "list.csv"
+    else:
+        _images(tmp_path, ["1/a.jpg", "01/b.jpg", "2/c.jpg"], imaging)
+        source = tmp_path
+    with caplog.at_level("WARNING", logger="datapipe"):
+        listing = datapipe.sources.scan(source)
+    assert len(listing.classes) == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "one number written two ways, and so two classes" in warned[0], warned
+
+
+def test_a_csv_reached_through_a_link_in_another_folder_is_another_source(tmp_path, imaging):
+    """Its rows are read beside the link, so it names other files than the CSV it links to: a build of it into
+    a cache of that CSV was taken for the same source (and rebuilt the cache from the other files)."""
+    a, b = tmp_path / "A", tmp_path / "B"
+    _images(a, ["x/1.jpg", "x/2.jpg", "y/3.jpg"], imaging)
+    _images(b, ["x/1.jpg"], imaging)
+    (a / "list.csv").write_text("x/1.jpg,cat\nx/2.jpg,cat\ny/3.jpg,dog\n")
+    (b / "list.csv").symlink_to(a / "list.csv")
+    out = tmp_path / "out"
+    build(a / "list.csv", out)
+    with pytest.raises(ConfigMismatchError, match="another source"):
+        build(b / "list.csv", out)
+    assert datapipe.open(out).num_samples == 3
+    build(a / "list.csv", out)  # the CSV itself, and through a linked folder, is the same source
+    (tmp_path / "linked").symlink_to(a)
+    build(tmp_path / "linked" / "list.csv", out)
