@@ -50,8 +50,8 @@ from torch import nn
 
 from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
-from .environment import physical_memory
-from .errors import ArgumentError, IterationSupersededError, thread_start_failed
+from .environment import memory_limit
+from .errors import MAX_SECONDS, ArgumentError, IterationSupersededError, thread_start_failed
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
 from .text import show
@@ -190,7 +190,7 @@ class DeviceLoader:
         # the batch transform (None with output="uint8"): a generic module is wrapped in a conversion
         self.augment: BatchAugment | None = None if output == "uint8" else _batch_transform(augment)
         if self.augment is not None:  # the largest batch there is: batch_size may exceed the samples (one eval batch)
-            _check_batch_fits(self.augment, self._slot_rows(), self.device)
+            _check_batch_fits(self.augment, self._slot_rows(), self._held_batches(), self.device)
         self.output = output
         self.timeout = _positive_seconds(timeout)
         self.meter = StallMeter(log_every=check_int(log_every, "log_every", 0))
@@ -388,6 +388,11 @@ class DeviceLoader:
     def _num_slots(self) -> int:
         """Host buffers: one per reader plus the prefetched; without readers, the batch being read."""
         return self.num_workers + self.prefetch if self.num_workers else 1
+
+    def _held_batches(self) -> int:
+        """Output batches the loader may hold at once: on the CPU its pool (see :class:`_OutputPool`), on CUDA the one
+        being made and the one the loop holds."""
+        return self._num_slots() + 2 if not self.cuda else 2
 
     def _slot_rows(self) -> int:
         """Samples a buffer holds: a batch never holds more than the cache does."""
@@ -703,29 +708,31 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _device_memory(device: torch.device) -> int:
-    """Bytes of memory ``device`` has in all (the machine's RAM for the CPU); 0 where it cannot be told."""
+def _device_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes of memory ``device`` has in all, and what they are (for the CPU: the most this process can have, see
+    :func:`memory_limit`); 0 where it cannot be told."""
     if device.type != "cuda":
-        return physical_memory()
+        return memory_limit()
     try:
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        return int(torch.cuda.get_device_properties(device).total_memory), f"the memory of {device}"
     except (RuntimeError, AttributeError):
-        return 0
+        return 0, ""
 
 
-def _check_batch_fits(aug: BatchAugment, batch_size: int, device: torch.device) -> None:
-    """ArgumentError when one output batch of ``aug`` (a fixed size) is larger than ``device``'s memory: torch's
-    own error for such an allocation ("can't allocate memory", "Storage size calculation overflowed") names
-    neither the size nor what to change."""
+def _check_batch_fits(aug: BatchAugment, batch_size: int, batches: int, device: torch.device) -> None:
+    """ArgumentError when the ``batches`` output batches of ``aug`` (a fixed size) the loader may hold at once are larger
+    than ``device``'s memory: torch's own error for such an allocation ("can't allocate memory", "Storage size
+    calculation overflowed"), or the kernel's out-of-memory kill, names neither the size nor what to change."""
     if not aug.size:
         return
     itemsize = torch.empty((), dtype=aug.dtype).element_size()
-    need = batch_size * 3 * aug.size * aug.size * itemsize
-    have = _device_memory(device)
-    if have and need > have:
-        raise ArgumentError(f"one output batch of {batch_size} x 3 x {aug.size} x {aug.size} {str(aug.dtype)[6:]} "
-                            f"needs {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of memory on {device}: "
-                            f"lower the augmentation's size ({aug.size}) or the batch size")
+    one = batch_size * 3 * aug.size * aug.size * itemsize
+    have, what = _device_memory(device)
+    if have and one * batches > have:
+        raise ArgumentError(f"the loader holds up to {batches} output batches of {batch_size} x 3 x {aug.size} x "
+                            f"{aug.size} {str(aug.dtype)[6:]} ({one / 2**30:,.2f} GiB each), {one * batches / 2**30:,.1f} GiB "
+                            f"in all, more than the {have / 2**30:,.1f} GiB of {what}: lower the augmentation's size "
+                            f"({aug.size}) or the batch size{'' if batches == 1 else ', or num_workers and prefetch'}")
 
 
 def reads_mapped(cache: Cache, aug: BatchAugment) -> bool:
@@ -753,6 +760,7 @@ def _fills_out(aug: BatchAugment) -> bool:
 
 def _positive_seconds(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(timeout) or timeout <= 0:
-        raise ArgumentError(f"timeout must be a positive, finite number of seconds, got {show(timeout)}")
+            or not math.isfinite(timeout) or not 0 < timeout <= MAX_SECONDS:
+        raise ArgumentError(f"timeout must be a positive number of seconds, at most {MAX_SECONDS:,.0f} (the longest "
+                            f"wait the system takes), got {show(timeout)}")
     return float(timeout)

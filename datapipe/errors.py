@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -43,11 +44,15 @@ class UnreadableFileError(CacheError):
     damaged or foreign one."""
 
 
+# The longest wait a timeout may ask for: the system's waits (threading, time.sleep) take no longer (292 years).
+MAX_SECONDS = float(threading.TIMEOUT_MAX)
+
+
 def env_seconds(name: str, default: float) -> float:
     """The seconds environment variable ``name`` gives, ``default`` when it is unset or empty.
 
     Raises:
-        ArgumentError: it is set to anything but a positive, finite number (one line naming it).
+        ArgumentError: it is set to anything but a positive number up to :data:`MAX_SECONDS` (one line naming it).
     """
     text = os.environ.get(name, "").strip()
     if not text:
@@ -56,9 +61,9 @@ def env_seconds(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ArgumentError(f"{name} must be a positive number of seconds, got {text!r}; unset it for the default "
-                            f"({default:g} s)")
+    if not 0 < value <= MAX_SECONDS:
+        raise ArgumentError(f"{name} must be a positive number of seconds, at most {MAX_SECONDS:,.0f}, got {text!r}; "
+                            f"unset it for the default ({default:g} s)")
     return value
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -162,7 +163,8 @@ def test_an_output_batch_larger_than_the_memory_is_named_before_the_first_batch(
     10**9 with "Storage size calculation overflowed": neither names the augmentation's size. (10**6: 44 TiB a batch,
     more than any machine's memory.)"""
     ds = datapipe.StreamingDataset(cache, batch_size=4)
-    with pytest.raises(ArgumentError, match=rf"4 x 3 x {size} x {size} float32 needs .* GiB.*lower the augmentation's size"):
+    with pytest.raises(ArgumentError, match=rf"up to 6 output batches of 4 x 3 x {size} x {size} float32 .* GiB.*lower the "
+                                            "augmentation's size"):
         datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(size))
     with datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(512)) as loader:  # a large size that fits
         assert next(iter(loader))[0].shape == (4, 3, 512, 512)
@@ -229,6 +231,46 @@ def test_workers_beside_a_scheduler_is_refused_not_ignored(scheduler):
                                             rf"{scheduler} .*: leave one of them out"):
         datapipe.Cluster(workers=8, scheduler=scheduler)
     assert datapipe.Cluster(workers=8).workers == 8 and datapipe.Cluster(scheduler=scheduler).scheduler == scheduler
+
+
+def test_the_memory_check_counts_every_batch_the_loader_holds_within_the_process_limit(cache):
+    """One batch of 0.94 GiB passed a check against the machine's 23 GiB; under `ulimit -v 6000000` the loop then
+    died of torch's "can't allocate memory" (the loader holds a batch per reader, the prefetched and two more), and
+    under a container's limit it would be killed. The check counts them all, against the limit the process has."""
+    code = """
+import resource, sys
+import datapipe
+from datapipe import augment
+from datapipe.errors import ArgumentError
+ds = datapipe.StreamingDataset(sys.argv[1], batch_size=20)
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + 2 * 2**30, resource.RLIM_INFINITY))  # 2 GiB more
+try:
+    datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(1600))  # 6 batches of 0.4 GiB
+except ArgumentError as exc:
+    print(exc)
+else:
+    print("accepted")
+datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(1600), num_workers=0).close()  # 3 of them fit
+print("fits")
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(cache)], capture_output=True, text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stdout + done.stderr
+    assert lines[0].startswith("the loader holds up to 6 output batches of 14 x 3 x 1600 x 1600 float32 (0.40 GiB each)"), lines[0]
+    assert "the address space the process's limit (ulimit -v) leaves it" in lines[0], lines[0]
+    assert lines[1] == "fits"
+
+
+@pytest.mark.parametrize("timeout", [1e10, float("inf"), 0])
+def test_a_loader_timeout_past_the_longest_wait_is_named(cache, timeout):
+    """timeout=1e10 was taken, and the first batch raised OverflowError ("timestamp out of range") from threading."""
+    ds = datapipe.StreamingDataset(cache, batch_size=4)
+    with pytest.raises(ArgumentError, match=r"timeout must be a positive number of seconds, at most 9,223,372,036"):
+        datapipe.DeviceLoader(ds, device="cpu", timeout=timeout)
+    with datapipe.DeviceLoader(ds, device="cpu", timeout=threading.TIMEOUT_MAX) as loader:
+        assert next(iter(loader))[0].shape[0] == 4
 
 
 def test_a_batch_size_past_the_samples_is_sized_by_the_samples_it_holds(cache):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from ..environment import environment, physical_memory
+from ..environment import environment, memory_limit, physical_memory
 from ..errors import FULL_DISK, ArgumentError, CacheError
 from ..text import one_line, progress_bar, show
 from .timing import settle, timed_pass, timeit
@@ -152,11 +152,11 @@ class BenchSpec:
                                 f"{show(self.step_ms)}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ArgumentError(f"--device must be cuda, cuda:N, cpu or auto, got {show(self.device)}")
-        batch_bytes, memory = self.batch_size * 3 * self.crop**2 * 4, physical_memory()
+        batch_bytes, (memory, what) = self.batch_size * 3 * self.crop**2 * 4, memory_limit()
         if memory and batch_bytes > memory // 4:  # every system holds a few such batches at once
             raise ArgumentError(f"--crop {self.crop} with --batch-size {self.batch_size} makes float batches of "
-                                f"{batch_bytes / 2**30:,.1f} GiB, more than a quarter of this machine's "
-                                f"{memory / 2**30:,.0f} GiB of memory; lower --crop or --batch-size")
+                                f"{batch_bytes / 2**30:,.1f} GiB, more than a quarter of the {memory / 2**30:,.1f} GiB "
+                                f"of {what}; lower --crop or --batch-size")
 
     def batches_per_pass(self, samples: int) -> int:
         """``batches``, or one epoch of ``samples`` capped at 40 batches."""
