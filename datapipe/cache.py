@@ -1201,28 +1201,31 @@ class Cache:
             else:
                 problems.extend(self._verify_shard(s, labels, paths))
                 self.verified_shards += 1
-        if problems and self.node_cache_of is None:
-            self._check_not_rebuilt_meanwhile()
+        if self.node_cache_of is None:
+            self._check_not_rebuilt_meanwhile(found=bool(problems))
         return problems
 
-    def _check_not_rebuilt_meanwhile(self) -> None:
-        """Raise when a build holds the folder's lock, or its manifest is no longer the one read at open: what
-        :meth:`verify` found missing or different is that build's work, not damage.
+    def _check_not_rebuilt_meanwhile(self, *, found: bool) -> None:
+        """Raise when the folder's manifest is no longer the one read at open (an incremental rebuild keeps the build
+        id and configuration, and writes another), or, when :meth:`verify` ``found`` problems, a build holds the
+        folder's lock: what it found missing or different is that build's work, not damage, and an empty list would
+        speak for a cache that is no longer there.
 
         Raises:
             CacheError: naming the build (its lock holder) or saying the cache was rebuilt.
         """
-        holder = lock_holder(self.root, certain=True)  # never a stale lock file hiding damage
+        holder = lock_holder(self.root, certain=True) if found else None  # never a stale lock file hiding damage
         try:
             now: Manifest | None = mf.read_manifest(self.root)
         except CacheError:
             now = None
-        if holder is None and now is not None and now.build_id == self.build_id and now.config == self.manifest.config:
+        if holder is None and now == self.manifest:
             return
         why = (f"a datapipe build is writing it now ({holder})" if holder is not None
                else "it was rebuilt while it was being verified")
-        raise CacheError(f"{self.root}: {why}, so what verify found missing or changed is that build's work, not "
-                         "damage; run `datapipe verify` again once the build has finished")
+        found_what = ("what verify found missing or changed is that build's work, not damage" if found
+                      else "verify checked the cache as it was before")
+        raise CacheError(f"{self.root}: {why}, so {found_what}; run `datapipe verify` again once the build has finished")
 
     def _verify_downloaded(self, s: int) -> list[str]:
         """A node-local cache's shard: the files downloaded so far (data file, sample index) against the

@@ -37,6 +37,7 @@ from typing import Any
 from . import records
 from .errors import (
     PERMISSION_ADVICE,
+    BuildError,
     CacheError,
     ConfigMismatchError,
     DatapipeError,
@@ -46,7 +47,7 @@ from .errors import (
     UnreadableFileError,
 )
 from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
-from .shards import GROUP_META, SHARDS_DIR, remove_shard, shard_attributes
+from .shards import GROUP_META, SHARDS_DIR, foreign_entries, remove_shard, shard_attributes
 from .text import plural, show
 
 LOCK_FILE = ".datapipe.lock"
@@ -488,6 +489,12 @@ def remove_build(out: Path, build_id: str) -> None:
     """Remove what the build ``build_id`` wrote here, and nothing else; nothing when a shard cannot be read
     (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were."""
     doomed = _shards_of(out, build_id, keep=())
+    foreign = [(shard, entry) for shard in doomed for entry in foreign_entries(shard)]
+    if foreign:  # refused before anything goes: the cache stays whole, as it was
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise BuildError(f"{foreign[0][1]}{more} is in shard folder {foreign[0][0]}, which this build replaces, and no "
+                         "datapipe build wrote it; datapipe does not delete what it did not write: move it out and rerun "
+                         "(nothing was removed)")
     manifest_ours = _doc_build_id(out / records.MANIFEST) == build_id
     for name in (records.MANIFEST, records.REPORT):
         if _doc_build_id(out / name) == build_id:

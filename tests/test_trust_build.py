@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -368,7 +369,7 @@ def test_a_users_file_inside_a_shard_folder_survives_every_rebuild(small, tmp_pa
         assert report.shards_total == 1 and datapipe.open(out).verify() == []
     else:
         with pytest.raises(datapipe.errors.BuildError, match=r"is in shard folder .*000001\.zarr, which this build "
-                           r"writes, and no datapipe build wrote it; .* move it out and rerun") as excinfo:
+                           r"(writes|replaces), and no datapipe build wrote it; .* move it out and rerun") as excinfo:
             build(small, out, **options)
         assert str(excinfo.value).startswith(str(shard / next(iter(before)).relative_to(shard).parts[0]))
     after = {p: (p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p) if p.is_symlink() else None)
@@ -382,6 +383,39 @@ def test_a_users_file_inside_a_shard_folder_survives_every_rebuild(small, tmp_pa
                 path.rename(holding / path.name)
         build(small, out, **options)
         assert datapipe.open(out).verify() == [] and len(datapipe.open(out)) == 10
+
+
+@pytest.mark.parametrize("how", ["force", "changed input", "fewer shards"])
+def test_files_behind_a_linked_folder_of_a_shard_survive_every_rebuild(small, tmp_path, imaging, how):
+    """A shard's images/ and labels/ moved elsewhere and linked back in (the cache still verifies): --force deleted
+    every file behind the links, outside the output, and then refused the links as no build's."""
+    out = tmp_path / "out"
+    build(small, out)
+    shard = out / "shards" / "000001.zarr"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("images", "labels"):
+        (shard / name).rename(elsewhere / name)
+        (shard / name).symlink_to(elsewhere / name)
+    assert datapipe.open(out).verify() == []
+    outside = imaging.tree_bytes(elsewhere, skip=())
+    manifest = (out / "manifest.json").read_bytes()
+    if how == "changed input":
+        os.utime(sorted(small.rglob("*.*"))[5], (1_000_000_000, 1_000_000_000))
+    elif how == "fewer shards":
+        for victim in sorted(small.rglob("*.*"))[3:]:
+            victim.unlink()
+    options = {"size": SIZE + 8, "force": True} if how == "force" else {}
+    if how == "fewer shards":
+        build(small, out)
+        assert (shard / "images").is_symlink() and (shard / "labels").is_symlink()
+    else:
+        with pytest.raises(datapipe.errors.BuildError, match=r"000001\.zarr/(images|labels) \(and 1 more\) is in shard "
+                                                             r"folder .*000001\.zarr, which this build (writes|replaces)"):
+            build(small, out, **options)
+    assert imaging.tree_bytes(elsewhere, skip=()) == outside
+    if how == "force":  # refused before anything went: the cache is whole
+        assert (out / "manifest.json").read_bytes() == manifest and datapipe.open(out).verify() == []
 
 
 def test_another_source_into_a_cache_is_refused_naming_both(small, tmp_path, imaging):
@@ -502,6 +536,38 @@ def test_verify_of_a_cache_a_rebuild_in_place_is_rewriting_names_the_build_not_d
         proc.stderr.close()
     with pytest.raises(CacheError, match=rf"^{out}: it was rebuilt while it was being verified, so what verify found "):
         cache.verify()
+    assert datapipe.open(out).verify() == []
+
+
+@pytest.mark.parametrize("added", ["a/img001b.jpg", "b/zzz.jpg"], ids=["inside-a-shard", "past-the-last-shard"])
+def test_verify_of_a_cache_an_incremental_rebuild_changed_meanwhile_says_so(small, tmp_path, imaging, added,
+                                                                             monkeypatch):
+    """An incremental rebuild keeps the build id and configuration: verify, which compared only those, listed the
+    rewritten shards as damaged ("--verify rewrites damaged shards"), or (a shard added after the last) said OK
+    for a cache it had checked only a part of."""
+    out = tmp_path / "out"
+    if added.startswith("b/"):  # 12 files: 3 full shards, and the one added makes a fourth
+        for name in ("b/zzx.jpg", "b/zzy.jpg"):
+            (small / name).write_bytes(imaging.jpeg(imaging.gradient(40, 44, seed=8)))
+    first = build(small, out)
+    cache = datapipe.open(out)  # verify has opened the cache ...
+    reports = []
+
+    def rebuild() -> None:  # ... and a rerun finishes meanwhile: before verify, or once it checked the index files
+        (small / added).write_bytes(imaging.jpeg(imaging.gradient(40, 44, seed=7)))
+        reports.append(build(small, out))
+
+    if added.startswith("a/"):
+        rebuild()
+    else:
+        real = cache._verify_shard
+        monkeypatch.setattr(cache, "_verify_shard", lambda *a: (reports or rebuild(), real(*a))[1])
+    found = "what verify found missing or changed" if added.startswith("a/") else "verify checked the cache as it was"
+    with pytest.raises(CacheError, match=rf"^{out}: it was rebuilt while it was being verified, so {found}"):
+        cache.verify()
+    assert reports[0].build_id == first.build_id
+    assert reports[0].shards_built == (1 if added.startswith("b/") else 3)
+    assert reports[0].shards_total == first.shards_total + added.startswith("b/")
     assert datapipe.open(out).verify() == []
 
 
@@ -834,7 +900,7 @@ def test_a_shard_data_file_that_is_a_fifo_is_named_with_what_to_do(small, tmp_pa
 
 @pytest.mark.parametrize("name", ["DATAPIPE_FILE_TIMEOUT", "DATAPIPE_PROBE_TIMEOUT", "DATAPIPE_SCHEDULER_TIMEOUT",
                                   "DATAPIPE_REMOTE_LOCK_TTL"])
-@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan", "1e10"])
 def test_a_bad_timeout_variable_is_one_line_before_anything_starts(small, tmp_path, name, value):
     """Each was read its own way: a traceback, a silent fallback to the default, or (a worker's) a failed shard."""
     out = tmp_path / "out"
@@ -842,8 +908,8 @@ def test_a_bad_timeout_variable_is_one_line_before_anything_starts(small, tmp_pa
     assert proc.returncode == 2
     default = {"DATAPIPE_FILE_TIMEOUT": 300, "DATAPIPE_PROBE_TIMEOUT": 120, "DATAPIPE_SCHEDULER_TIMEOUT": 20,
                "DATAPIPE_REMOTE_LOCK_TTL": 120}[name]
-    assert one_line(proc.stderr) == (f"datapipe build: error: {name} must be a positive number of seconds, got "
-                                     f"{value!r}; unset it for the default ({default} s)")
+    assert one_line(proc.stderr) == (f"datapipe build: error: {name} must be a positive number of seconds, at most "
+                                     f"{threading.TIMEOUT_MAX:,.0f}, got {value!r}; unset it for the default ({default} s)")
     assert not out.exists()
 
 
