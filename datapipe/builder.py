@@ -43,7 +43,9 @@ from .codecs import DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
     ArgumentError,
     BuildError,
+    QUARANTINE_KINDS,
     CacheError,
+    CorruptShardError,
     DatapipeError,
     DecodeError,
     OutputBusyError,
@@ -311,7 +313,20 @@ def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bo
     taken, it would be filed as that other shard's."""
     shard = record.get("shard")
     return (type(shard) is int and shard == plan["shard"] and record.get("inputs_hash") == plan["inputs_hash"]
-            and record.get("config_hash") == config_hash and record.get("build_id") == build_id)
+            and record.get("config_hash") == config_hash and record.get("build_id") == build_id
+            and _accounts_for(record, plan))
+
+
+def _accounts_for(record: dict, plan: dict) -> bool:
+    """Whether a shard's record accounts for each of its plan's files once, as a sample or as quarantined (of a
+    known kind): a quarantine list edited (a file the plan lacks) would be copied into the report, counted, and
+    judged against the budget of bad files."""
+    quarantined, paths = record.get("quarantined"), set(plan["paths"])
+    if not isinstance(quarantined, list) or not all(isinstance(q, dict) and q.get("path") in paths
+                                                    and q.get("error") in QUARANTINE_KINDS for q in quarantined):
+        return False
+    return len({q["path"] for q in quarantined}) == len(quarantined) and \
+        record.get("count") == len(plan["paths"]) - len(quarantined)
 
 
 def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str, retry: bool = True) -> dict | None:
@@ -524,7 +539,7 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
     if lock_token:
         _check_still_building(Path(output), final, lock_token)
     existing = finished_shard(plan, output=output, config_hash=config_hash, build_id=build_id)
-    if existing and (not verify or _checksums_match(final, existing, plan, DecodeSpec(**spec).max_side)):
+    if existing and (not verify or _checksums_match(final, existing, plan, DecodeSpec(**spec).max_side, encoding)):
         return {**existing, "skipped": True, "seconds": 0.0}
     if os.path.lexists(final):  # a shard of this build from other inputs, or a damaged one: replace it
         foreign = [] if final.is_symlink() or not final.is_dir() else foreign_entries(final)
@@ -674,11 +689,12 @@ def _kept(plan: dict, record: dict) -> list[tuple[str, int]]:
     return [(path, label) for path, label in zip(plan["paths"], plan["labels"], strict=True) if path not in quarantined]
 
 
-def _checksums_match(shard_dir: Path, record: dict, plan: dict, side: int) -> bool:
+def _checksums_match(shard_dir: Path, record: dict, plan: dict, side: int, encoding: str) -> bool:
     """Whether a finished shard still holds what its build wrote, checked as ``datapipe verify`` checks it
-    (reads the whole shard): its data file's checksum (and an indexed shard's sample index's), its paths
-    and labels chunk against the plan's (less the files it quarantined), and its Zarr documents (``side``:
-    the samples' side in a fixed-layout shard)."""
+    (reads the whole shard): its data file's checksum (and an indexed shard's sample index's, whose rows must
+    also be possible ones, as a reader checks them), its paths and labels chunk against the plan's (less the files
+    it quarantined), and its Zarr documents (``side``: the samples' side in a fixed-layout shard, the longest side
+    any sample may have in an indexed one)."""
     count = record["count"]
     kept = _kept(plan, record)
     if len(kept) != count or record.get("paths") != [path for path, _ in kept]:
@@ -696,8 +712,9 @@ def _checksums_match(shard_dir: Path, record: dict, plan: dict, side: int) -> bo
                 raw = read_regular(index_path(shard_dir), count * INDEX_ROW_BYTES)
                 if f"{crc32c(raw):08x}" != record["index_crc32c"]:
                     return False
-                size = samples.SampleIndex.of(np.frombuffer(raw, "<i8")).data_size
-        except (OSError, NotRegularFile, FileTooLarge):
+                size = samples.SampleIndex.parse(raw, count=count, encoding=encoding, max_side=side,
+                                                 where=str(index_path(shard_dir))).data_size
+        except (OSError, NotRegularFile, FileTooLarge, CorruptShardError):
             return False
     return not document_problems(shard_dir, count, size, indexed=layout == "indexed")
 
@@ -966,7 +983,8 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     if target.read_only is not None:
         _log_plan(listing, plans, spec)
         return _check_up_to_date(target, listing, plans, config, chash, verify=verify, retry=retry,
-                                 max_bad_fraction=max_bad_fraction, t0=t0, side=spec.decode.max_side)
+                                 max_bad_fraction=max_bad_fraction, t0=t0, side=spec.decode.max_side,
+                                 encoding=spec.encoding)
     _retire_stale_manifest(out, plans, chash, target.build_id, retry=retry)
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
@@ -976,7 +994,7 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
     # Decided from the shards' records (zarr.json and a stat each) before any cluster starts: an
     # unchanged rerun imports no Dask and starts no worker.
     done = {} if verify else _finished_local(out, plans, chash, target.build_id, verify=False, retry=retry,
-                                             side=spec.decode.max_side)
+                                             side=spec.decode.max_side, encoding=spec.encoding)
     return _build_todo(out, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
                        max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
 
@@ -990,23 +1008,26 @@ def _retries(force: bool, verify: bool, *, finished: bool) -> bool:
 
 
 def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, verify: bool,
-                    retry: bool, side: int) -> dict[int, dict]:
+                    retry: bool, side: int, encoding: str) -> dict[int, dict]:
     """The plans' shards already finished in ``out`` (see finished_shard; with ``verify``, also their checksums)."""
     done: dict[int, dict] = {}
     for plan in plans:
         rec = finished_shard(plan, output=str(out), config_hash=chash, build_id=build_id, retry=retry)
-        if rec is not None and (not verify or _checksums_match(out / SHARDS_DIR / shard_name(plan["shard"]), rec, plan, side)):
+        if rec is not None and (not verify or _checksums_match(out / SHARDS_DIR / shard_name(plan["shard"]), rec, plan, side,
+                                                               encoding)):
             done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
     return done
 
 
 def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], config: dict, chash: str, *,
-                      verify: bool, retry: bool, max_bad_fraction: float, t0: float, side: int) -> BuildReport:
+                      verify: bool, retry: bool, max_bad_fraction: float, t0: float, side: int,
+                      encoding: str) -> BuildReport:
     """A build into a folder it may not write (a shared cache): its report when the cache is finished and a
     build would write nothing (every shard finished, and labels, paths, report and manifest what it would
     write), else ``target.cannot_write()``. No lock is taken; the verdict holds all the same: any build that
     changes a shard first removes the manifest, and the manifest is compared last."""
-    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify, retry=retry, side=side)
+    done = _finished_local(target.path, plans, chash, target.build_id, verify=verify, retry=retry, side=side,
+                           encoding=encoding)
     if len(done) < len(plans):
         raise target.cannot_write()
     records = [done[p["shard"]] for p in plans]
@@ -1981,7 +2002,7 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
         if read_only is None:
             _write_report(out, report)
-        first = "; ".join(f"{printable(q['path'])} ({q.get('error', 'unknown')}): {printable(q['reason'])}"
+        first = "; ".join(f"{printable(q['path'])} ({printable(str(q.get('error', 'unknown')))}): {printable(q['reason'])}"
                           for q in quarantined[:3])
         raise TooManyBadFilesError(
             f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "

@@ -496,13 +496,13 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
     shown_config = dict(m.config)
     if isinstance(shown_config.get("classes"), list):  # a class list given to the build: the classes line shows it
         shown_config["classes"] = f"<{plural(len(shown_config['classes']), 'name')}>"
-    print(f"config     {json.dumps(shown_config, ensure_ascii=False)}")
-    print(f"source     {printable(str(m.source.root))} ({m.source.kind})")
+    print(f"config     {printable(json.dumps(shown_config, ensure_ascii=False))}")
+    print(f"source     {printable(str(m.source.root))} ({printable(m.source.kind)})")
     print(f"{where:<10} {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
         work = (f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')}"
                 if report.shards_built != 0 else "no shard built")
-        print(f"last build {report.status}: {describe_quarantine(report.quarantined)}, {work} "
+        print(f"last build {printable(report.status)}: {describe_quarantine(report.quarantined)}, {work} "
               f"(every file and reason: {report_at})")
 
 

@@ -8,6 +8,8 @@ import threading
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from .text import printable
+
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """An exception's message on one line of at most ``limit`` characters (its type's name when it has none),
@@ -161,7 +163,7 @@ def quarantine_counts(entries: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 def describe_quarantine(entries: Collection[Mapping[str, Any]]) -> str:
     """'6 quarantined (2 corrupt, 1 empty, ...)', or '0 quarantined'."""
-    kinds = ", ".join(f"{n} {kind}" for kind, n in quarantine_counts(entries).items())
+    kinds = ", ".join(f"{n} {printable(str(kind))}" for kind, n in quarantine_counts(entries).items())
     return f"{len(entries)} quarantined" + (f" ({kinds})" if kinds else "")
 
 

@@ -37,7 +37,7 @@ INSTALL = {"nvimgcodec": "pip install nvidia-nvimgcodec-cu12 (-cu13 for CUDA 13)
 MEAN_TOL = 1.5  # uint8 levels: the mean absolute difference to the host decode, per image
 P999_TOL = 32.0  # uint8 levels: the 99.9th percentile of the absolute difference, per image
 
-_REWRITE = "rerun the same `datapipe build` to rewrite it"
+_REWRITE = "rerun the same `datapipe build` with --verify to rewrite it (a plain rerun checks sizes, not contents)"
 
 # Padding samples of varying shapes goes through a (strided) nested tensor, whose prototype warning says nothing to a user.
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage", category=UserWarning)

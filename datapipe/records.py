@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError, refused
+from .errors import PERMISSION_ADVICE, QUARANTINE_KINDS, CacheError, UnreadableFileError, refused
 from .files import FileTooLarge, NotRegularFile, read_regular
 from .text import one_line, show
 
@@ -450,7 +450,7 @@ def parse_manifest(doc: Any, path: Path | str) -> Manifest:
     if "classes" in config and config["classes"] != list(classes):  # a class list given to the build
         f.fail("differs from config.classes, the class list the build was given", "classes")
     src = f.obj("source")
-    source = SourceRecord(root=src.text("root"), kind=src.text("kind"))
+    source = SourceRecord(root=src.text("root"), kind=src.text("kind", _SOURCE_KINDS, expect="'folder' or 'csv'"))
     files = _files(f)
     shards = _shards(f, layout, config)
     total = sum(s.count for s in shards)
@@ -556,16 +556,21 @@ def parse_build_record(doc: Any, path: Path | str) -> BuildRecord:
     return BuildRecord(config=config, config_hash=chash, build_id=_build_id(f), source=source)
 
 
+_SOURCE_KINDS = re.compile("folder|csv")
+_STATUSES = re.compile("ok|failed")
+_QUARANTINE_KINDS = re.compile("|".join(map(re.escape, QUARANTINE_KINDS)))
+
+
 def parse_report(doc: Any, path: Path | str) -> ReportRecord:
     """Check the fields of ``report.json`` that ``datapipe info`` reads."""
     f = _Fields(doc, path)
-    status = f.text("status")
+    status = f.text("status", _STATUSES, expect="'ok' or 'failed'")
     quarantined = []
     for i, raw in enumerate(f.array("quarantined")):
         q = _Fields(raw, path, f"quarantined[{i}]", hint=f.hint)
         entry = {"path": q.text("path"), "reason": q.text("reason")}
         if q.has("error"):
-            entry["error"] = q.text("error")
+            entry["error"] = q.text("error", _QUARANTINE_KINDS, expect="a quarantine kind (" + ", ".join(QUARANTINE_KINDS) + ")")
         quarantined.append(entry)
     return ReportRecord(status=status, quarantined=tuple(quarantined),
                         images_per_second=f.number("images_per_second"), workers=f.integer("workers"),

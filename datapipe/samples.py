@@ -45,7 +45,7 @@ RESTART_INTERVAL = 1  # MCUs between restart markers in stored JPEG samples (in 
 INDEX_COLUMNS = ("offset", "nbytes", "height", "width")
 INDEX_ROW_BYTES = 8 * len(INDEX_COLUMNS)
 
-_REWRITE = "rerun the same `datapipe build` to rewrite it"
+_REWRITE = "rerun the same `datapipe build` with --verify to rewrite it (a plain rerun checks sizes, not contents)"
 
 
 class EncodedLike(Protocol):

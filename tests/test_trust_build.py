@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ from datapipe.errors import (
     SourceError,
     TooManyBadFilesError,
 )
+from datapipe.files import crc32c
 from datapipe.shards import images_path
 
 SIZE = 32
@@ -1346,3 +1348,63 @@ def test_the_report_is_written_before_the_manifest(tmp_path, monkeypatch):
     final = (out / "manifest.json").read_bytes()
     assert report.shards_built >= 1 and final != first
     assert len(seen) == 1 and seen[0] in (None, first)  # the earlier build's manifest, or none (retired), never this one's
+
+
+# ----------------------------------------------------------------------------- a shard's record taken as it is
+
+
+def _edit_record(shard: Path, edit: Callable[[dict], None]) -> None:
+    doc = json.loads((shard / "zarr.json").read_text())
+    edit(doc["attributes"]["datapipe"])
+    (shard / "zarr.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("edit", ["a file the source lacks", "an unknown kind", "listed twice", "a count off by one"])
+def test_a_shard_whose_record_does_not_account_for_its_files_is_built_again(small, tmp_path, edit):
+    """A shard's zarr.json listing a quarantined file the source never had was kept, its entry copied into the
+    report (60 scanned, 60 samples, 1 quarantined): within the budget the build failed over a file that never
+    failed, and the entry's kind reached the terminal raw. Each plan file must be a sample or quarantined once."""
+    out = tmp_path / "out"
+    first = build(small, out)
+    ghost = {"path": "a/ghost.jpg", "error": "corrupt", "reason": "corrupt: never in the source"}
+    edits = {
+        "a file the source lacks": lambda rec: rec["quarantined"].append(ghost),
+        "an unknown kind": lambda rec: (rec["quarantined"].append({**ghost, "path": rec["paths"][0],
+                                                                  "error": "corrupt\x1b[2J"}),
+                                        rec.update(count=rec["count"] - 1, paths=rec["paths"][1:])),
+        "listed twice": lambda rec: rec["quarantined"].extend([{**ghost, "path": rec["paths"][0]}] * 2),
+        "a count off by one": lambda rec: rec.update(count=rec["count"] + 1),
+    }
+    _edit_record(out / "shards" / "000000.zarr", edits[edit])
+    report = build(small, out)
+    assert report.shards_built == 1 and report.quarantined == [] and report.num_samples == first.num_samples == 10
+    assert report.scanned == report.num_samples + len(report.quarantined)
+    assert datapipe.open(out).verify() == []
+
+
+@pytest.mark.parametrize("damage", ["a row of no height", "offsets past int64"])
+def test_build_verify_rewrites_a_shard_whose_index_rows_are_impossible_though_its_checksums_agree(small, tmp_path, damage):
+    """Readers refuse such an index ("rerun ... to rewrite it"), but --verify compared only its checksum with the
+    shard's own record: kept (the advice could not be followed), or, with overflowing offsets, a raw zarr
+    ValueError from sizes computed from the unchecked rows."""
+    out = tmp_path / "out"
+    build(small, out, fit="short")
+    index = out / "shards" / "000000.zarr" / "index" / "c" / "0" / "0"
+    rows = np.frombuffer(index.read_bytes(), "<i8").reshape(-1, 4).copy()
+    if damage == "a row of no height":
+        rows[1, 2] = 0
+    else:
+        rows[-2, 1] = 2**62
+        rows[-1, 0], rows[-1, 1] = rows[-2, 0] + 2**62, 2**62
+    raw = rows.astype("<i8").tobytes()
+    index.write_bytes(raw)
+    checksum = f"{crc32c(raw):08x}"
+    _edit_record(out / "shards" / "000000.zarr", lambda rec: rec.update(index_crc32c=checksum))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["shards"][0]["index_crc32c"] = checksum
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CorruptShardError, match=r"the sample index .*; rerun the same `datapipe build` with --verify"):
+        datapipe.open(out)[0]
+    report = build(small, out, fit="short", verify=True)
+    assert report.shards_built == 1 and datapipe.open(out).verify() == []
+    assert datapipe.open(out)[0][0].shape[2] == 3

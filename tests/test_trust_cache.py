@@ -311,6 +311,8 @@ def test_the_advice_for_a_damaged_manifest_repairs_the_cache(cache_dir, capsys, 
     (_set(["workers"], 1.5), "workers"),
     (_set(["workers"], False), "workers"),
     (_delete(["workers"]), "workers"),
+    (_set(["status"], "ok\x1b[2J\nforged"), "status"),  # a terminal escape, a forged line: no status of ours
+    (_set(["quarantined"], [{"path": "x.jpg", "error": "corrupt\x1b]0;title\x07", "reason": "r"}]), "quarantined[0].error"),
 ])
 def test_malformed_report_is_one_line_from_info(cache_dir, capsys, change, field):
     edit_json(cache_dir / "report.json", change)
@@ -318,6 +320,23 @@ def test_malformed_report_is_one_line_from_info(cache_dir, capsys, change, field
     assert "report.json" in line and field in line
     assert capsys.readouterr().out == ""  # nothing half-printed before the error
     datapipe.open(cache_dir)  # the cache itself is still readable
+
+
+def test_info_prints_no_control_character_a_cache_file_holds(cache_dir, capsys):
+    """A cache from someone else drove the terminal through info: raw escapes in the source's kind, and C1 controls
+    and bidirectional overrides (which JSON leaves as they are) in the configuration."""
+    def tamper(doc: dict) -> dict:
+        doc["config"]["note"] = "\u202e\x9b31m\u2028"
+        doc["config_hash"] = config_hash(doc["config"])
+        return doc
+
+    edit_json(cache_dir / "manifest.json", tamper)
+    assert cli.main(["info", str(cache_dir)]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\u202e\x9b\u2028\x1b") and "\\u202e\\x9b" in out
+    edit_json(cache_dir / "manifest.json", _set(["source", "kind"], "folder\x1b]0;pwned\x07"))
+    line = one_line_error(capsys, ["info", str(cache_dir)])
+    assert "field 'source.kind' is 'folder\\x1b]0;pwned\\x07', expected 'folder' or 'csv'" in line, line
 
 
 def test_info_reads_a_valid_report(built, capsys):
