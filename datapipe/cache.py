@@ -47,6 +47,7 @@ import numpy as np
 from . import manifest as mf
 from . import native
 from ._threads import renew_after_fork
+from .environment import memory_limit
 from .errors import (
     PERMISSION_ADVICE,
     ArgumentError,
@@ -255,6 +256,18 @@ class EncodedBatch(Sequence[EncodedSample]):
         return self.buffer, self.starts, self.nbytes, self.shapes
 
 
+def _check_indexable(root: Path, num_samples: int) -> None:
+    """CacheError when the labels and one epoch's order of ``num_samples`` (8 bytes each) would not fit in the
+    memory this process can have: numpy's MemoryError names neither the cache nor the count, and a count the
+    allocator does grant fills the memory first."""
+    need, (have, what) = 16 * num_samples, memory_limit()
+    if have and need > have:
+        raise CacheError(f"{root}: the manifest declares {num_samples:,} samples, whose labels and order alone take "
+                         f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {what}; read a cache that "
+                         "large on a machine with more memory, or, if it is not that large, its manifest is damaged: "
+                         "move it away and rerun the same `datapipe build` to rewrite it")
+
+
 class Cache:
     """A finished cache, opened read-only.
 
@@ -305,6 +318,7 @@ class Cache:
         self.counts = np.array([s.count for s in m.shards], np.int64)
         self.starts = np.array([s.first for s in m.shards], np.int64)
         self.num_samples = m.num_samples
+        _check_indexable(self.root, self.num_samples)
         self._identities: dict[int, Identity] = {}  # shard -> identity of its data file at open
         self._records_checked: set[int] = set()  # shards whose zarr.json was found to be this cache's (_check_record)
         self._file_identities = {key: self._stat_identity(self.root / rec.name) for key, rec in m.files.items()}
@@ -417,9 +431,9 @@ class Cache:
 
     def _load_table(self) -> None:
         n = self.num_samples
-        if not self.indexed:
-            shapes = np.full((n, 2), self.size, np.int64)
-            nbytes = np.full(n, self.sample_bytes, np.int64)
+        if not self.indexed:  # one shape and size for all: views of one row, read-only
+            shapes = np.broadcast_to(np.array([self.size, self.size], np.int64), (n, 2))
+            nbytes = np.broadcast_to(np.array(self.sample_bytes, np.int64), (n,))
         else:
             shapes, nbytes = np.empty((n, 2), np.int64), np.empty(n, np.int64)
             if self.remote is not None:
@@ -512,6 +526,10 @@ class Cache:
         if not isinstance(paths, list) or len(paths) != self.num_samples or not all(isinstance(p, str) for p in paths):
             raise CorruptShardError(f"{path} is not a list of {self.num_samples:,} paths (one string per sample); "
                                     "rerun the same `datapipe build` to rewrite it")
+        for i, name in enumerate(paths):  # no build writes one: a reader that joins it to a source would leave it
+            if not name or "\x00" in name or name.startswith("/") or ".." in name.split("/"):
+                raise CorruptShardError(f"{path}: sample {i}'s path {show(name)} is no path inside a source (empty, "
+                                        "absolute, or going up with '..'); rerun the same `datapipe build` to rewrite it")
         return paths
 
     # ----------------------------------------------------------------- samples
@@ -1188,6 +1206,8 @@ class Cache:
         problems: list[str] = []
         labels = self._verify_step(problems, self._load_labels)
         paths = self._verify_step(problems, self._load_paths)
+        if labels is not None and paths is not None and self.manifest.source.kind == "folder":
+            problems.extend(self._misnamed(labels, paths))
         for key, rec in self.manifest.files.items():
             if key not in ("labels", "paths"):
                 path = self.root / rec.name
@@ -1204,6 +1224,19 @@ class Cache:
         if self.node_cache_of is None:
             self._check_not_rebuilt_meanwhile(found=bool(problems))
         return problems
+
+    def _misnamed(self, labels: np.ndarray, paths: list[str]) -> list[str]:
+        """A folder source's samples whose class folder (their path's first part) is not their class's name: the
+        manifest's class list edited (two names swapped) would name every sample of those classes wrongly."""
+        folders = np.array([p.split("/", 1)[0] for p in paths], dtype=object)
+        named = np.array(self.classes, dtype=object)[labels] if len(labels) else folders
+        wrong = np.flatnonzero(folders != named)
+        if not wrong.size:
+            return []
+        i = int(wrong[0])
+        return [f"manifest {self.root / mf.MANIFEST}: {len(wrong):,} samples' class folder is not their class's name "
+                f"(sample {i}, {show(paths[i])}, is labelled {show(str(named[i]))}): the class list is not the one the "
+                "build wrote; move the manifest away and rerun the same `datapipe build` to rewrite it"]
 
     def _check_not_rebuilt_meanwhile(self, *, found: bool) -> None:
         """Raise when the folder's manifest is no longer the one read at open (an incremental rebuild keeps the build

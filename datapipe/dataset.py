@@ -266,7 +266,8 @@ class StreamingDataset(IterableDataset):
         timeout: seconds without a byte arriving before a download raises RemoteStoreError; default 60.
 
     Iterating yields ``images`` uint8 [B, H, W, 3] and ``labels`` int64 [B] (and ``indices``
-    int64 [B]).
+    int64 [B]); for a cache whose samples vary in shape (``--fit short``), ``images`` is a list of B uint8
+    [H, W, 3] tensors, each at its own shape (a DeviceLoader's train or eval preset crops them to one size).
 
     Under torch.distributed the ranks check, in this process (never in DataLoader workers), without
     waiting for each other, that they read alike: ``set_epoch``, ``len()`` and an iteration begun

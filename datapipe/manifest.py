@@ -67,7 +67,8 @@ def read_manifest(cache: str | Path) -> Manifest:
     if not stat.S_ISDIR(found.st_mode):
         raise CacheError(f"cache {cache} is not a folder; pass the folder `datapipe build` wrote")
     if _stat(cache / MANIFEST, cache) is None:
-        hint = (" — a build was started here but did not finish; run the same `datapipe build` "
-                "again to resume it" if (cache / BUILD_LOCK).exists() else "")
-        raise CacheError(f"{cache} is not a finished datapipe cache (no {MANIFEST}){hint}")
+        hint = ("a build was started here but did not finish; run the same `datapipe build` again to resume it"
+                if (cache / BUILD_LOCK).exists() else
+                f"pass the folder `datapipe build` wrote, or build one here with `datapipe build SOURCE {cache}`")
+        raise CacheError(f"{cache} is not a finished datapipe cache (no {MANIFEST}) — {hint}")
     return _read_manifest(cache)

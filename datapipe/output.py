@@ -89,6 +89,11 @@ class BuildLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EISDIR):  # a link (never followed) or a folder at its name
+                    what = "a symbolic link" if exc.errno == errno.ELOOP else "a folder"
+                    raise OutputError(f"{self.path} is {what}, where a build keeps its lock file (a plain file it "
+                                      "makes and removes); datapipe does not delete what it did not write: move it "
+                                      "away and rerun") from None
                 kind = OutputNotWritable if exc.errno in NOT_WRITABLE else OutputError
                 raise kind(f"cannot write to output folder {self.path.parent}: {exc.strerror or exc}") from None
             if not _lock_within(fd, LOCK_PATIENCE_SECONDS):

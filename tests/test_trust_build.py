@@ -1408,3 +1408,29 @@ def test_build_verify_rewrites_a_shard_whose_index_rows_are_impossible_though_it
     report = build(small, out, fit="short", verify=True)
     assert report.shards_built == 1 and datapipe.open(out).verify() == []
     assert datapipe.open(out)[0][0].shape[2] == 3
+
+
+@pytest.mark.parametrize("what", ["link", "folder"])
+def test_something_else_at_the_lock_files_name_is_named_and_left_alone(small, tmp_path, what):
+    """A link there (never followed) gave 'cannot write to output folder: Too many levels of symbolic links', a
+    folder 'Is a directory': neither named the lock file nor what to do."""
+    out, target = tmp_path / "out", tmp_path / "elsewhere.txt"
+    build(small, out)
+    target.write_text("mine")
+    if what == "link":
+        (out / ".datapipe.lock").symlink_to(target)
+    else:
+        (out / ".datapipe.lock").mkdir()
+    kind = "a symbolic link" if what == "link" else "a folder"
+    with pytest.raises(OutputError, match=rf"\.datapipe\.lock is {kind}, where a build keeps its lock file .* move it "
+                                          "away and rerun"):
+        build(small, out, size=SIZE + 8, force=True)
+    assert target.read_text() == "mine" and os.path.lexists(out / ".datapipe.lock")
+    assert datapipe.open(out).verify() == []
+
+
+def test_opening_a_folder_that_holds_no_cache_says_what_to_pass(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CacheError, match=r"empty is not a finished datapipe cache \(no manifest.json\) — pass the folder "
+                                         r"`datapipe build` wrote, or build one here with `datapipe build SOURCE "):
+        datapipe.StreamingDataset(tmp_path / "empty", batch_size=4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -337,6 +338,55 @@ def test_info_prints_no_control_character_a_cache_file_holds(cache_dir, capsys):
     edit_json(cache_dir / "manifest.json", _set(["source", "kind"], "folder\x1b]0;pwned\x07"))
     line = one_line_error(capsys, ["info", str(cache_dir)])
     assert "field 'source.kind' is 'folder\\x1b]0;pwned\\x07', expected 'folder' or 'csv'" in line, line
+
+
+def _rewrite_index_file(cache_dir: Path, key: str, data: bytes) -> None:
+    """Replace labels.npy or paths.json with ``data``, its checksum and size in the manifest made to agree."""
+    from datapipe.files import crc32c
+
+    (cache_dir / ("paths.json" if key == "paths" else "labels.npy")).write_bytes(data)
+    edit_json(cache_dir / "manifest.json", lambda doc: doc["files"][key].update(
+        crc32c=f"{crc32c(data):08x}", **({"nbytes": len(data)} if "nbytes" in doc["files"][key] else {})))
+
+
+@pytest.mark.parametrize("name", ["../outside.jpg", "/etc/hostname", "a/../../x.jpg", ""])
+def test_a_sample_path_that_leaves_any_source_is_refused_by_every_reader(cache_dir, tmp_path, name):
+    """paths.json naming an absolute path or going up ('..') had the bench open that file outside --source (and
+    copy it into a peer's tar); no build writes one."""
+    paths = json.loads((cache_dir / "paths.json").read_text())
+    paths[1] = name
+    _rewrite_index_file(cache_dir, "paths", json.dumps(paths).encode())
+    with pytest.raises(CorruptShardError, match=r"paths.json: sample 1's path .* is no path inside a source"):
+        datapipe.open(cache_dir).path(0)
+    assert any("is no path inside a source" in p for p in datapipe.open(cache_dir).verify())
+
+
+def test_verify_finds_class_names_swapped_in_the_manifest_of_a_folder_source(cache_dir):
+    """Two names of the class list swapped: every sample of those classes read under the other's name, verify OK."""
+    cache = datapipe.open(cache_dir)
+    truth = {cache.path(i): cache.classes[cache[i][1]] for i in range(len(cache))}
+    assert all(path.split("/")[0] == name for path, name in truth.items())
+    edit_json(cache_dir / "manifest.json", lambda doc: doc["classes"].reverse())
+    problems = datapipe.open(cache_dir).verify()
+    assert len(problems) == 1 and "class folder is not their class's name" in problems[0], problems
+    assert re.search(r": \d+ samples' class folder", problems[0]) and "rerun the same `datapipe build`" in problems[0]
+
+
+def test_a_manifest_declaring_more_samples_than_memory_holds_is_one_line(cache_dir, capsys):
+    """5e10 samples declared by a 48 KiB cache: numpy's MemoryError traceback from info and the loader (or, for a
+    count the allocator grants, the memory filled first)."""
+    n = 50_000_000_000
+
+    def declare(doc: dict) -> None:
+        first = doc["shards"][0]
+        doc["shards"] = [dict(first, count=n, first=0, nbytes=n * (32 * 32 * 3 + 16) + 4)]  # samples, shard index
+        doc["num_samples"] = n
+
+    edit_json(cache_dir / "manifest.json", declare)
+    line = one_line_error(capsys, ["info", str(cache_dir)])
+    assert f"the manifest declares {n:,} samples, whose labels and order alone take 745.1 GiB, more than" in line, line
+    with pytest.raises(CacheError, match="whose labels and order alone take"):
+        datapipe.StreamingDataset(cache_dir, batch_size=8)
 
 
 def test_info_reads_a_valid_report(built, capsys):
