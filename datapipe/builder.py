@@ -41,9 +41,9 @@ from ._threads import torch_threads
 from .bounded import READ_AGAIN_ADVICE, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
+    QUARANTINE_KINDS,
     ArgumentError,
     BuildError,
-    QUARANTINE_KINDS,
     CacheError,
     CorruptShardError,
     DatapipeError,
@@ -1096,7 +1096,7 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
         with remote.store_errors(loc, "write the cache", OutputWriteError):
             plans = plan_shards(listing, spec.samples_per_shard)
             _log_plan(listing, plans, spec)
-            done = _finished_remote(target, plans, chash, verify=verify, side=spec.decode.max_side,
+            done = _finished_remote(target, plans, chash, verify=verify, side=spec.decode.max_side, encoding=spec.encoding,
                                     retry=_retries(force, verify, finished=mf.MANIFEST in target.objects
                                                    and not _report_failed(target)))
             if target.read_only is not None:  # checked, never written (see _check_up_to_date)
@@ -1121,7 +1121,7 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
 
 
 def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str, *, verify: bool,
-                     retry: bool, side: int) -> dict[int, dict]:
+                     retry: bool, side: int, encoding: str) -> dict[int, dict]:
     """The plans' shards already whole in the store, from the listing and their zarr.json records (with
     ``verify``, also their data's crc32c, streamed), but for those with a quarantined file to read again."""
     names = {shard_name(p["shard"]): p for p in plans}
@@ -1133,13 +1133,13 @@ def _finished_remote(target: remote.RemoteOutput, plans: list[dict], chash: str,
         if not _same_build(rec, plan, chash, target.build_id) or (retry and _reads_again(rec)) \
                 or not remote.whole(rec, objects):
             continue
-        if verify and rec["count"] and _remote_damaged(target.loc, target.objects, name, rec, plan, side):
+        if verify and rec["count"] and _remote_damaged(target.loc, name, rec, plan, side, encoding):
             continue
         done[plan["shard"]] = {**rec, "skipped": True, "seconds": 0.0}
     return done
 
 
-def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, rec: dict, plan: dict, side: int) -> bool:
+def _remote_damaged(loc: remote.Location, name: str, rec: dict, plan: dict, side: int, encoding: str) -> bool:
     """Whether a finished remote shard differs from what its build wrote, checked as ``datapipe verify`` checks it:
     its data's and sample index's crc32c (streamed), its paths and labels chunk against the plan's, its Zarr documents."""
     layout = shard_layout(rec)
@@ -1151,7 +1151,7 @@ def _remote_damaged(loc: remote.Location, objects: dict[str, int], name: str, re
         return True
     kept = _kept(plan, rec)
     return len(kept) != rec["count"] or bool(remote.shard_content_problems(
-        loc, name, rec, [label for _, label in kept], [path for path, _ in kept], side))
+        loc, name, rec, [label for _, label in kept], [path for path, _ in kept], side, encoding))
 
 
 def _publish_remote(target: remote.RemoteOutput, plans: list[dict], documents: dict[str, bytes], *, build_id: str,

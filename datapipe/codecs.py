@@ -597,28 +597,33 @@ def _white_is_zero_wide(img: Image.Image) -> bool:
     return isinstance(rawmode, str) and not rawmode.endswith(";I")
 
 
-# Raw modes of a big-endian TIFF that Pillow (up to 13 at least) gives its libtiff decoder, which returns every
-# sample in the machine's byte order: Pillow swaps the bytes of these once more (it makes only the ";16B" modes
-# native), so they come out as noise. Each is read in the native mode here.
-_LIBTIFF_NATIVE = {"F;32BF": "F;32NF", "I;16BS": "I;16NS", "I;32BS": "I;32NS"}
+# Raw modes of wide TIFF samples in a fixed byte order that Pillow (up to 13 at least) gives its libtiff decoder,
+# which returns every sample in the machine's byte order: Pillow makes only the ";16B"/";16L" modes native, so
+# these come out with their bytes swapped (the big-endian ones on little-endian machines, and the other way
+# round). Each is read in the native mode here.
+_LIBTIFF_NATIVE = {"F;32BF": "F;32NF", "I;16BS": "I;16NS", "I;32BS": "I;32NS",
+                   "F;32F": "F;32NF", "I;16S": "I;16NS", "I;32S": "I;32NS"}
 
 
 def _mend_tiff_tiles(img: Image.Image) -> None:
-    """Have Pillow read ``img`` (a TIFF, opened, not loaded) right where its tiles name the wrong raw mode:
-    a big-endian file on its libtiff path (:data:`_LIBTIFF_NATIVE`), and an uncompressed one of 16-bit samples
-    in separate planes (PlanarConfiguration 2), whose planes Pillow reads with the 8-bit raw modes ``R``, ``G``
-    and ``B`` (each 16-bit sample as two pixels).
+    """Have Pillow read ``img`` (a TIFF, opened, not loaded) right where its tiles name the wrong raw mode: a file
+    of wide samples on its libtiff path (:data:`_LIBTIFF_NATIVE`), and an uncompressed one of separate planes
+    (PlanarConfiguration 2), whose tiles Pillow gives the first letter of the raw mode only: ``R``, ``G`` and
+    ``B`` read each 16-bit sample as two 8-bit pixels, and a single plane loses its bit depth or byte order
+    (``I`` for ``I;16``) or its inversion (``L`` for ``L;I``).
 
     Raises:
-        DecodeError: ("unsupported") separate planes of wide samples in a layout with no 16-bit raw mode
-            for its planes here (CMYK, extra samples, gray, 32 bits).
+        DecodeError: ("unsupported") several planes of wide samples in a layout with no raw mode for its planes
+            here (CMYK, extra samples, 32 bits).
     """
     tags, tiles = getattr(img, "tag_v2", None), list(getattr(img, "tile", None) or ())
     if tags is None or not tiles:
         return
     bits = tags.get(258) or (1,)
     bits = bits if isinstance(bits, tuple) else (bits,)
-    separate = tags.get(284) == 2 and max(bits) > 8 and any(tile[0] == "raw" for tile in tiles)  # (codec, box, offset, args)
+    planar = tags.get(284) == 2 and any(tile[0] == "raw" for tile in tiles)  # (codec, box, offset, args)
+    whole = _single_plane_rawmode(img) if planar and tags.get(277, 1) == 1 else None
+    separate = planar and whole is None and max(bits) > 8
     if separate:
         band = f";16{'B' if tags.prefix == b'MM' else 'L'}"
         if img.mode not in ("RGB", "RGBA") or set(bits) != {16} or \
@@ -632,6 +637,8 @@ def _mend_tiff_tiles(img: Image.Image) -> None:
         rawmode = args[0] if args else None
         if codec == "libtiff" and rawmode in _LIBTIFF_NATIVE:
             rawmode = _LIBTIFF_NATIVE[rawmode]
+        elif whole is not None and codec == "raw":
+            rawmode = whole
         elif separate and codec == "raw" and isinstance(rawmode, str):
             rawmode += band
         else:
@@ -639,6 +646,21 @@ def _mend_tiff_tiles(img: Image.Image) -> None:
             continue
         mended.append(_with_rawmode(tile, rawmode))
     setattr(img, "tile", mended)  # noqa: B010 - an ImageFile's, which Image does not declare
+
+
+def _single_plane_rawmode(img: Image.Image) -> str | None:
+    """The raw mode Pillow's table gives a TIFF of one sample per pixel (its key as Pillow makes it), whose
+    PlanarConfiguration 2 is the same layout as 1; None when the table has none for it."""
+    from PIL import TiffImagePlugin
+
+    tags = img.tag_v2  # type: ignore[attr-defined]
+    sample_format = tuple(tags.get(339, (1,)))
+    if len(sample_format) > 1 and len(set(sample_format)) == 1:
+        sample_format = sample_format[:1]
+    key = (tags.prefix, tags.get(262), sample_format, tags.get(266, 1), tuple(tags.get(258, (1,)))[:1],
+           tuple(tags.get(338, ())))
+    found = TiffImagePlugin.OPEN_INFO.get(key)
+    return found[1] if found is not None and found[0] == img.mode else None
 
 
 def _with_rawmode(tile: Any, rawmode: str) -> Any:

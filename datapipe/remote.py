@@ -1414,7 +1414,7 @@ def verify(loc: Location, manifest: Manifest | None = None) -> list[str]:
             fix = f"`datapipe build SOURCE {loc.url} --verify` rewrites it"
             problems += [f"shard {shard.name}: {p}; {fix}" for p in shard_content_problems(
                 loc, shard.name, record, labels[shard.first : shard.first + shard.count],
-                paths[shard.first : shard.first + shard.count], manifest.max_side)]
+                paths[shard.first : shard.first + shard.count], manifest.max_side, manifest.encoding)]
     return problems
 
 
@@ -1440,12 +1440,14 @@ def _index_files(loc: Location, manifest: Manifest) -> tuple[Any, list[str] | No
 
 
 def shard_content_problems(loc: Location, name: str, record: dict[str, Any], labels: Any, paths: list[str],
-                           side: int) -> list[str]:
-    """What a remote shard holds beyond its data and sample index, against what its build wrote: the paths in
-    its record against ``paths``, its labels chunk against ``labels``, its Zarr documents against those the
-    build writes (``side``: a fixed-layout sample's side). One problem a line, naming the URL."""
+                           side: int, encoding: str) -> list[str]:
+    """What a remote shard holds beyond its data's and sample index's checksums, against what its build wrote: the
+    paths in its record against ``paths``, its labels chunk against ``labels``, its sample index's rows (possible
+    ones, as a reader checks them), its Zarr documents against those the build writes (``side``: a fixed-layout
+    sample's side, the longest side of an indexed one's). One problem a line, naming the URL."""
     import numpy as np
 
+    from .errors import CorruptShardError
     from .samples import SampleIndex
     from .shards import documents_differ
 
@@ -1463,8 +1465,13 @@ def shard_content_problems(loc: Location, name: str, record: dict[str, Any], lab
         problems.append(f"labels chunk {loc.url_of(base, labels_key)} differs from the cache's labels.npy")
     size: int | None = side if not indexed else 0
     if indexed and count:
-        raw = got.get(index_key)
-        size = SampleIndex.of(np.frombuffer(raw, "<i8")).data_size if raw and len(raw) == count * INDEX_ROW_BYTES else None
+        raw, size = got.get(index_key), None
+        if raw and len(raw) == count * INDEX_ROW_BYTES:  # else the sample index's own check names it
+            try:
+                size = SampleIndex.parse(raw, count=count, encoding=encoding, max_side=side,
+                                         where=loc.url_of(base, index_key)).data_size
+            except CorruptShardError as exc:
+                problems.append(str(exc).split("; ")[0])
     if size is not None:  # else the sample index's own check names it
         problems += documents_differ(got.get, count, size, indexed=indexed, name=lambda key: loc.url_of(base, key))
     return problems
@@ -1495,7 +1502,7 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
     :class:`datapipe.sources.Listing` whose ``root`` is the path of the folder its paths are relative
     to and ``url`` that folder's URL; workers read each object directly. ``timeout``: each request's deadline.
     ``exclude``: the build's output URL, never listed as part of the source (as a local build's output)."""
-    from .sources import IMAGE_EXTENSIONS, Listing, note_string_order
+    from .sources import IMAGE_EXTENSIONS, Listing, check_class_folders
 
     loc = open_location(url, storage_options, timeout=timeout)
     if loc.root.lower().endswith(".csv"):
@@ -1547,7 +1554,7 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
         raise SourceError(f"source {url} holds no image objects under class folders ({len(ignored) + len(outside)} "
                           f"other objects, e.g. {(outside + ignored)[:3]}); expected PREFIX/<class>/<image>")
     classes = sorted({c for _, c in records} | folders)
-    note_string_order(classes)
+    check_class_folders(classes, url)
     index = {c: i for i, c in enumerate(classes)}
     listing_ = Listing(root=Path(loc.root), kind="folder", classes=classes, paths=[k for k, _ in records],
                        labels=[index[c] for _, c in records], stats=[(objects[k], 0) for k, _ in records],

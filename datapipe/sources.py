@@ -115,9 +115,7 @@ def scan(source: str | os.PathLike, *, exclude: str | os.PathLike | None = None)
         listing = _scan_folder(src, exclude)
     else:
         raise SourceError(f"source {src} is neither a folder nor a CSV file")
-    # the identity: a folder resolved; a CSV as named in its resolved folder, the one its rows are read under
-    # (a link elsewhere to the same CSV reads other files)
-    listing.source = src.resolve() if listing.kind == "folder" else src.absolute().parent.resolve() / src.name
+    listing.source = src.resolve() if listing.kind == "folder" else _csv_identity(src)
     if fs_encoding() != "utf-8":  # names as the locale decoded them (a dropped one is as shown: shown())
         for name, text in (*((p, listing.kind == "csv") for p in listing.paths), *((e["path"], True) for e in listing.dropped)):
             if (wrong := locale_error(name, text=text)) is not None:
@@ -341,12 +339,7 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
             "text, and leaving the class out would renumber every class after it; rename the folder (e.g. "
             "`convmv -f latin1 -t utf8 -r --notest FOLDER`) and rerun")
     classes = [e.name for e in class_dirs]
-    if (twins := unicode_twins(classes)) is not None:
-        raise SourceError(f"source {shown(str(root))}: the class folders {ascii(twins[0])} and {ascii(twins[1])} are one "
-                          f"name in two Unicode forms ({_UNICODE_FORMS}), which would make two classes that print alike; "
-                          "move the images of one into the other (or rename one) and rerun")
-    note_number_twins(classes, shown(str(root)))
-    note_string_order(classes)
+    check_class_folders(classes, shown(str(root)))
     index = {name: i for i, name in enumerate(classes)}
     # Real class folders are read before linked ones, so a class linked to another is the one left empty.
     for entry in sorted(class_dirs, key=lambda e: (e.is_symlink(), e.name)):
@@ -405,6 +398,14 @@ def _is_comment(row: list[str], exists: Callable[[str], bool]) -> bool:
     file beside the CSV (an image named '#1.jpg' is data)."""
     cell = row[0].strip()
     return cell.startswith("#") and not exists(cell) and not exists(row[0])  # (a name may begin with spaces)
+
+
+def _csv_identity(csv_path: Path) -> Path:
+    """A CSV source's identity: the file it resolves to, when that lies in the folder its rows are read under (the
+    link's own, resolved); else the CSV as named in that folder: a link from another folder reads other files
+    than its target, and is another source."""
+    folder, target = csv_path.absolute().parent.resolve(), csv_path.resolve()
+    return target if target.parent == folder else folder / csv_path.name
 
 
 def _relative(cell: str, csv_path: Path, lineno: int) -> str:
@@ -512,6 +513,21 @@ def unicode_twins(names: Iterable[str]) -> tuple[str, str] | None:
         if one != name:
             return one, name
     return None
+
+
+def check_class_folders(classes: list[str], where: str) -> None:
+    """Refuse class folders (of a local or remote folder source ``where``) that are one name in two Unicode forms;
+    log numbers written two ways and numbers out of numeric order (:func:`note_string_order`).
+
+    Raises:
+        SourceError: naming both folders.
+    """
+    if (twins := unicode_twins(classes)) is not None:
+        raise SourceError(f"source {where}: the class folders {ascii(twins[0])} and {ascii(twins[1])} are one name in "
+                          f"two Unicode forms ({_UNICODE_FORMS}), which would make two classes that print alike; move "
+                          "the images of one into the other (or rename one) and rerun")
+    note_number_twins(classes, where)
+    note_string_order(classes)
 
 
 def note_number_twins(names: Iterable[str], where: object) -> None:

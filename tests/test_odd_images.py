@@ -524,3 +524,18 @@ def test_separate_planes_of_wide_samples_with_no_raw_mode_here_are_unsupported()
     with pytest.raises(DecodeError) as info:
         decode_rgb(_wide_tiff(values, "u2", planar=True, photometric=5))  # CMYK
     assert info.value.kind == "unsupported" and "separate planes" in str(info.value)
+
+
+@pytest.mark.parametrize(("dtype", "order", "photometric"), [
+    ("u2", "<", 1), ("u2", ">", 1), ("f4", "<", 1), ("u1", "<", 0), ("u2", "<", 0)],
+    ids=["16-bit", "16-bit-big-endian", "float32", "8-bit-white-is-zero", "16-bit-white-is-zero"])
+def test_one_sample_per_pixel_in_separate_planes_reads_as_its_contiguous_twin(dtype, order, photometric):
+    """PlanarConfiguration 2 of one sample is the contiguous layout; Pillow gave its tile the first letter of the raw
+    mode (`I` for `I;16`, `L` for `L;I`): 16-bit samples were refused, 8-bit WhiteIsZero left uninverted."""
+    ramp = np.tile(np.linspace(0, 1, 24), (5, 1))
+    values = ramp if dtype == "f4" else np.round(ramp * (255 if dtype == "u1" else 65535))
+    contiguous = decode_rgb(_wide_tiff(values, dtype, order=order, photometric=photometric))
+    planar = decode_rgb(_wide_tiff(values, dtype, order=order, photometric=photometric, planar=True))
+    np.testing.assert_array_equal(planar, contiguous)
+    expected = np.round(ramp * 255)
+    np.testing.assert_array_equal(contiguous[..., 0], 255 - expected if photometric == 0 else expected)

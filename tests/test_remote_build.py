@@ -1582,3 +1582,47 @@ def test_removing_a_lock_whose_object_became_garbage_leaves_it_without_an_error(
     fs.pipe_file(key, b"{not json")
     lock.remove()
     assert fs.cat_file(key) == b"{not json"
+
+
+def _small_source(root: Path, names: tuple[str, ...]) -> Path:
+    for k, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        for i in range(5):
+            pixels = np.random.default_rng(10 * k + i).integers(0, 255, (40, 44, 3), np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+def test_verify_in_a_store_finds_impossible_index_rows_whose_checksums_agree(s3, tmp_path):
+    """remote.verify and `build --verify` into a store compared the sample index's checksum only: a row of no height
+    with its checksums made to agree was kept (readers refuse it and say to run --verify)."""
+    src = _small_source(tmp_path / "src", ("a", "b"))
+    url = s3.bucket() + "/cache"
+    build(src, url, storage_options=s3.storage_options, fit="short", shard_size=4)
+    fs, base = s3.filesystem(), url.removeprefix("s3://")
+    key = base + "/shards/000000.zarr/index/c/0/0"
+    rows = np.frombuffer(fs.cat_file(key), "<i8").reshape(-1, 4).copy()
+    rows[1, 2] = 0
+    raw = rows.astype("<i8").tobytes()
+    fs.pipe_file(key, raw)
+    checksum = f"{datapipe.files.crc32c(raw):08x}"
+    for doc_key, edit in ((base + "/shards/000000.zarr/zarr.json", lambda d: d["attributes"]["datapipe"]),
+                          (base + "/manifest.json", lambda d: d["shards"][0])):
+        doc = json.loads(fs.cat_file(doc_key))
+        edit(doc)["index_crc32c"] = checksum
+        fs.pipe_file(doc_key, json.dumps(doc).encode())
+    problems = remote.verify(remote.open_location(url, s3.storage_options))
+    assert len(problems) == 1 and "gives sample 1 the shape 0x" in problems[0] and "--verify` rewrites it" in problems[0]
+    assert build(src, url, storage_options=s3.storage_options, fit="short", shard_size=4, verify=True).shards_built == 1
+    assert remote.verify(remote.open_location(url, s3.storage_options)) == []
+
+
+def test_class_prefixes_in_a_store_named_in_two_unicode_forms_are_refused(s3, tmp_path):
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    src = _small_source(tmp_path / "src", (nfc, nfd))
+    fs, bucket = s3.filesystem(), s3.bucket()
+    for path in sorted(src.rglob("*.png")):
+        fs.put_file(str(path), bucket.removeprefix("s3://") + "/src/" + path.relative_to(src).as_posix())
+    with pytest.raises(datapipe.errors.SourceError, match=r"the class folders 'cafe\\u0301' and 'caf\\xe9' are one name "
+                                                          r"in two Unicode forms"):
+        build(bucket + "/src", tmp_path / "out", storage_options=s3.storage_options)

@@ -697,3 +697,5 @@ def test_a_csv_reached_through_a_link_in_another_folder_is_another_source(tmp_pa
     build(a / "list.csv", out)  # the CSV itself, and through a linked folder, is the same source
     (tmp_path / "linked").symlink_to(a)
     build(tmp_path / "linked" / "list.csv", out)
+    (a / "current.csv").symlink_to("list.csv")  # a link beside its target reads the same files: the same source
+    build(a / "current.csv", out)
