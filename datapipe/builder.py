@@ -317,6 +317,11 @@ def _same_build(record: dict, plan: dict, config_hash: str, build_id: str) -> bo
             and _accounts_for(record, plan))
 
 
+# subprocess waits on a child with poll(), in milliseconds that must fit in a C int (24.8 days): a longer timeout (the
+# variables take up to errors.MAX_SECONDS) is that, which no decode reaches
+_LONGEST_CHILD_WAIT = (2**31 - 1) / 1000
+
+
 def _accounts_for(record: dict, plan: dict) -> bool:
     """Whether a shard's record accounts for each of its plan's files once, as a sample or as quarantined (of a
     known kind): a quarantine list edited (a file the plan lacks) would be copied into the report, counted, and
@@ -325,8 +330,9 @@ def _accounts_for(record: dict, plan: dict) -> bool:
     if not isinstance(quarantined, list) or not all(isinstance(q, dict) and q.get("path") in paths
                                                     and q.get("error") in QUARANTINE_KINDS for q in quarantined):
         return False
-    return len({q["path"] for q in quarantined}) == len(quarantined) and \
-        record.get("count") == len(plan["paths"]) - len(quarantined)
+    count = record.get("count")
+    return len({q["path"] for q in quarantined}) == len(quarantined) and type(count) is int and \
+        count == len(plan["paths"]) - len(quarantined)
 
 
 def finished_shard(plan: dict, *, output: str, config_hash: str, build_id: str, retry: bool = True) -> dict | None:
@@ -651,7 +657,8 @@ def _probe(file: str, spec: dict, source_options: dict | None = None, store_time
     timeout = env_seconds("DATAPIPE_PROBE_TIMEOUT", PROBE_TIMEOUT)
     try:
         proc = subprocess.run([sys.executable, "-m", "datapipe.probe", str(file), json.dumps(spec)],
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=min(timeout, _LONGEST_CHILD_WAIT))
     except subprocess.TimeoutExpired:
         return {"error": "timeout",
                 "reason": f"decoding did not finish within {timeout:g} s (isolated after its shard killed a worker)"}

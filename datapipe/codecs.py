@@ -621,6 +621,10 @@ def _mend_tiff_tiles(img: Image.Image) -> None:
         return
     bits = tags.get(258) or (1,)
     bits = bits if isinstance(bits, tuple) else (bits,)
+    if tags.get(284) == 2 and img.mode in ("LA", "La", "PA") and any(tile[0] == "libtiff" for tile in tiles):
+        raise DecodeError("unsupported TIFF: a gray or palette image with alpha in separate planes (PlanarConfiguration "
+                          "2), compressed, whose alpha Pillow reads as 0; convert the file (e.g. `tiffcp -p contig IN "
+                          "OUT`, or to a PNG)", "unsupported")
     planar = tags.get(284) == 2 and any(tile[0] == "raw" for tile in tiles)  # (codec, box, offset, args)
     whole = _single_plane_rawmode(img) if planar and tags.get(277, 1) == 1 else None
     separate = planar and whole is None and max(bits) > 8
@@ -648,6 +652,16 @@ def _mend_tiff_tiles(img: Image.Image) -> None:
     setattr(img, "tile", mended)  # noqa: B010 - an ImageFile's, which Image does not declare
 
 
+def _unsigned32(img: Image.Image) -> bool:
+    """Whether ``img`` (a TIFF, opened) holds unsigned 32-bit integer samples (SampleFormat 1, the default), which
+    Pillow reads into its signed 32-bit mode ``I``: 2**31 and above come out negative."""
+    tags = getattr(img, "tag_v2", None)
+    if tags is None or img.mode != "I":
+        return False
+    bits, sample_format = tuple(tags.get(258, (1,))), tuple(tags.get(339, (1,)))
+    return set(bits) == {32} and set(sample_format) == {1}
+
+
 def _single_plane_rawmode(img: Image.Image) -> str | None:
     """The raw mode Pillow's table gives a TIFF of one sample per pixel (its key as Pillow makes it), whose
     PlanarConfiguration 2 is the same layout as 1; None when the table has none for it."""
@@ -670,12 +684,13 @@ def _with_rawmode(tile: Any, rawmode: str) -> Any:
     return tile._replace(args=args) if hasattr(tile, "_replace") else (*tile[:3], args)
 
 
-def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
+def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, unsigned32: bool = False) -> np.ndarray:
     """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3.
 
     Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
-    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; inverted first
-    with ``white_is_zero``, see :func:`_white_is_zero_wide`); float is clipped to 0..255 unless all of it
+    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; from 0..2**32-1 with
+    ``unsigned32``, a TIFF's unsigned 32-bit samples; inverted first with ``white_is_zero``, see
+    :func:`_white_is_zero_wide`); float is clipped to 0..255 unless all of it
     lies in 0..1, then scaled (and inverted after, with ``white_is_zero``); anything with alpha or a
     ``transparency`` entry (palette, gray, RGB and 16-bit PNGs with tRNS, GIFs) is composited onto
     :data:`BACKGROUND`; every other mode (P, CMYK, YCbCr, LAB, HSV) takes Pillow's conversion to RGB.
@@ -684,12 +699,15 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False) -> np.ndarray:
     transparency = img.info.get("transparency")
     if mode in _WIDE:
         arr = np.asarray(img)
+        most = 65535
+        if unsigned32 and arr.dtype == np.int32:  # Pillow reads unsigned 32-bit samples as signed
+            arr, most = arr.view(np.uint32), 2**32 - 1
         gray = np.empty(arr.shape, np.uint8)
         for top, bottom in _bands(*arr.shape[:2]):  # int64 temporaries a band at a time
-            band = np.clip(arr[top:bottom].astype(np.int64), 0, 65535)
+            band = np.clip(arr[top:bottom].astype(np.int64), 0, most)
             if white_is_zero:
-                band = 65535 - band
-            gray[top:bottom] = (band * 255 + 32767) // 65535
+                band = most - band
+            gray[top:bottom] = (band * 255 + most // 2) // most
         alpha = None
         if isinstance(transparency, int) and not isinstance(transparency, bool):
             alpha = np.where(arr == transparency, 0, 255).astype(np.uint8)  # a 16-bit tRNS names one value
@@ -1110,6 +1128,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
                 _mend_tiff_tiles(img)
             key = _wide_colour_key(img, data) if fmt == "png" else None
             white_is_zero = fmt == "tiff" and _white_is_zero_wide(img)
+            unsigned32 = fmt == "tiff" and _unsigned32(img)
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
             orientation = jpeg_orientation(source or data) if fmt == "jpeg" else _pillow_orientation(img)
@@ -1118,7 +1137,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             if key is not None:
                 rgb = _over_background(np.asarray(img.convert("RGB")), _key_alpha(img, data, key))
             else:
-                rgb = _to_rgb(img, white_is_zero=white_is_zero)
+                rgb = _to_rgb(img, white_is_zero=white_is_zero, unsigned32=unsigned32)
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:  # only where Pillow has no check for _pillow_limit to wrap
@@ -1133,7 +1152,12 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
     except MemoryError as exc:  # the machine's state, not the file's: a rerun reads it again (decoder-crash)
         raise DecodeError(f"out of memory while decoding ({one_line(exc)}); nothing says the file is damaged",
                           "decoder-crash") from None
-    except (OSError, ValueError, SyntaxError, struct.error, EOFError, IndexError, KeyError, TypeError,
+    except ValueError as exc:
+        if "unknown raw mode" in str(exc):  # Pillow's table of layouts has none for these samples
+            raise DecodeError(f"unsupported {fmt.upper()}: a pixel layout Pillow has no raw mode for ({exc}); convert the "
+                              "file to 8- or 16-bit RGB or gray (or a PNG)", "unsupported") from None
+        raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
+    except (OSError, SyntaxError, struct.error, EOFError, IndexError, KeyError, TypeError,
             ZeroDivisionError, OverflowError) as exc:
         raise DecodeError(f"corrupt or truncated {fmt.upper()}: {type(exc).__name__}: {exc}") from None
     oriented = apply_orientation(rgb, orientation)
@@ -1267,8 +1291,8 @@ def _tiff_layout_unknown(data: bytes) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Corrupt EXIF data" and the like: only the exception matters here
             TiffImagePlugin.TiffImageFile(io.BytesIO(data))
-    except SyntaxError as exc:
-        return str(exc) == "unknown pixel mode"
+    except SyntaxError as exc:  # no mode for the layout; the planes' raw modes taken letter by letter run out
+        return str(exc) in ("unknown pixel mode", "string index out of range")
     except Exception:  # noqa: BLE001 - any other failure: the header is damaged
         return False
     return False

@@ -51,7 +51,15 @@ from torch import nn
 from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
 from .environment import memory_limit
-from .errors import MAX_SECONDS, ArgumentError, IterationSupersededError, thread_start_failed
+from .errors import (
+    MAX_SECONDS,
+    ArgumentError,
+    IterationSupersededError,
+    OutOfMemoryError,
+    allocation_failed,
+    one_line,
+    thread_start_failed,
+)
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
 from .stats import StallMeter
 from .text import show
@@ -163,8 +171,13 @@ class DeviceLoader:
 
     Raises:
         ArgumentError: an argument of the wrong type or out of range (the message names it), or an
-            augmentation whose one output batch is larger than the device's memory (its size and the
-            batch size named).
+            augmentation whose output batches the loader may hold at once (one per reader, the prefetched and
+            two more on the CPU; two on CUDA) are larger than the memory the process can have there (the
+            machine's, a container's limit, what ``ulimit -v`` leaves; their size and what to lower named).
+
+    Iterating raises :class:`~datapipe.errors.OutOfMemoryError` (a ``MemoryError``) when a batch cannot be made
+    for want of memory all the same (the samples read, the augmentation's temporaries), naming the batch and what
+    to lower.
 
     Iterating yields ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64
     [B] — or ``(images, labels, indices)`` when the dataset has ``return_index=True``.
@@ -338,16 +351,21 @@ class DeviceLoader:
                         submitted += 1
                     try:
                         (slot, batch, seed), waited = self._wait(gen, j, started)
-                    except BaseException:  # a timeout the loop may catch, a reader's error: it waited all the same
+                    except BaseException as exc:  # a timeout the loop may catch, a reader's error: it waited all the same
                         self.meter.add_wait(time.perf_counter() - started)
+                        self._raise_out_of_memory(exc)
                         raise
-                    if self.cuda:
-                        batch = self._on_device(slot, batch, seed)
-                    else:
-                        if not self._reader_transforms:  # a generic module: here, in order, one at a time
+                    try:
+                        if self.cuda:
+                            batch = self._on_device(slot, batch, seed)
+                        elif not self._reader_transforms:  # a generic module: here, in order, one at a time
                             t = time.perf_counter()
                             batch = self._transform(batch, seed)
                             waited += time.perf_counter() - t  # the loop's time on data, like a wait
+                    except (MemoryError, RuntimeError) as exc:
+                        self._raise_out_of_memory(exc)
+                        raise
+                    if not self.cuda:
                         if self.output == "uint8":
                             held, slot.held = slot, True
                         else:
@@ -366,6 +384,25 @@ class DeviceLoader:
             with self._cond:
                 if self._generation == gen:
                     self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
+
+    def _raise_out_of_memory(self, exc: BaseException) -> None:
+        """Raise OutOfMemoryError from ``exc`` when it is an allocation that failed (in a reader or here): torch's
+        message names neither the batch nor what to change."""
+        if not allocation_failed(exc):
+            return
+        batches, rows = self._held_batches(), self._slot_rows()
+        if self.augment is not None and self.augment.size:
+            itemsize = torch.empty((), dtype=self.augment.dtype).element_size()
+            one = rows * 3 * self.augment.size**2 * itemsize
+            what = (f"batches of {rows} x 3 x {self.augment.size} x {self.augment.size} {str(self.augment.dtype)[6:]} "
+                    f"({one / 2**30:,.2f} GiB each; it holds up to {batches}, beside the samples read and the "
+                    "augmentation's temporaries)")
+            lower = f"the augmentation's size ({self.augment.size}) or the batch size"
+        else:
+            what, lower = f"batches of {rows} samples", "the batch size"
+        limit = _device_memory(self.device)[1] or f"the memory of {self.device}"
+        raise OutOfMemoryError(f"the DeviceLoader ran out of {limit} making {what} ({one_line(exc)}): lower {lower}"
+                               f"{', or num_workers and prefetch' if not self.cuda else ''}") from exc
 
     def _check_current(self, gen: int, iteration: int) -> None:
         """Raise when the loader was closed or a newer iteration began since this one did (only the
@@ -732,7 +769,7 @@ def _check_batch_fits(aug: BatchAugment, batch_size: int, batches: int, device: 
         raise ArgumentError(f"the loader holds up to {batches} output batches of {batch_size} x 3 x {aug.size} x "
                             f"{aug.size} {str(aug.dtype)[6:]} ({one / 2**30:,.2f} GiB each), {one * batches / 2**30:,.1f} GiB "
                             f"in all, more than the {have / 2**30:,.1f} GiB of {what}: lower the augmentation's size "
-                            f"({aug.size}) or the batch size{'' if batches == 1 else ', or num_workers and prefetch'}")
+                            f"({aug.size}) or the batch size{', or num_workers and prefetch' if device.type != 'cuda' else ''}")
 
 
 def reads_mapped(cache: Cache, aug: BatchAugment) -> bool:

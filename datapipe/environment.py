@@ -39,8 +39,9 @@ def memory_limit() -> tuple[int, str]:
 
 
 def _cgroup_value(controller: str, name: str) -> int | None:
-    """The number in control group file ``name`` of this process's group in hierarchy ``controller`` ("" for v2);
-    None where there is none or it says "max" (no limit, as a v1 value past 2**60 does)."""
+    """The smallest number in control group file ``name`` of this process's group and the groups above it (a parent's
+    limit holds for its children) in hierarchy ``controller`` ("" for v2); None where none has one (no such file, or
+    "max": no limit, as a v1 value past 2**60 is)."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -51,13 +52,17 @@ def _cgroup_value(controller: str, name: str) -> int | None:
         if controller not in controllers.split(","):
             continue
         root = "/sys/fs/cgroup" + (f"/{controller}" if controller else "")
-        for folder in (root + group, root):  # the group's own, or the root of a container's namespace
+        parts = [p for p in group.split("/") if p]
+        found = []
+        for depth in range(len(parts), -1, -1):  # the group's own, each above it, the root (a container's namespace)
             try:
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                with open(os.path.join(root, *parts[:depth], name), encoding="utf-8") as f:
                     text = f.read().strip()
             except OSError:
                 continue
-            return int(text) if text.isdigit() and int(text) < 1 << 60 else None
+            if text.isdigit() and int(text) < 1 << 60:
+                found.append(int(text))
+        return min(found) if found else None
     return None
 
 

@@ -103,7 +103,8 @@ QUARANTINE_KINDS = {
     "empty": "a 0-byte file",
     "not-an-image": "content that is no image format datapipe reads",
     "corrupt": "an image that does not decode fully (truncated or damaged data, a bad header)",
-    "unsupported": "a valid image of a kind no decoder here reads (a 12- or 16-bit or a hierarchical JPEG)",
+    "unsupported": "a valid image of a kind no decoder here reads (a 12- or 16-bit or a hierarchical JPEG, a TIFF "
+                   "pixel layout Pillow has no mode for)",
     "too-large": "a header over max_pixels (a decompression bomb), checked before decoding",
     "unreadable": "the file cannot be opened or read (missing, permissions, I/O error), or was not the file the scan "
                   "saw when read (gone, or changed, while the build ran)",
@@ -244,6 +245,22 @@ class OutOfThreadsError(DatapipeError, RuntimeError):
     exits with 1: the machine, not the call."""
 
     exit_code = 1
+
+
+class OutOfMemoryError(DatapipeError, MemoryError):
+    """A loader ran out of memory making a batch (torch's "can't allocate memory", CUDA's out of memory): the
+    message says how large its batches are and what to lower."""
+
+    exit_code = 1
+
+
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: MemoryError, or torch's RuntimeError for one (on the CPU,
+    "DefaultCPUAllocator: can't allocate memory"; on CUDA, torch.cuda.OutOfMemoryError, "CUDA out of memory")."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
 def thread_start_failed(exc: BaseException, what: str = "") -> OutOfThreadsError | None:

@@ -551,14 +551,14 @@ class ShardFetcher:
         """``rel`` is in place and is the file this node downloaded (the record in the lock file, held;
         ``record``: that record, read already)."""
         entry = (_read_record(fd) if record is None else record).get(rel)
-        return entry is not None and _same_file(self.folder / rel, entry)
+        return entry is not None and _same_file(self.folder, rel, entry)
 
     def _in_place(self, shard: int, rel: str) -> bool:
         """``rel`` is the file this node downloaded, by its record read without the lock (a record being
         rewritten reads as empty: the caller then takes the lock and looks again)."""
         assert self.manifest is not None
         entry = _peek_record(self._lock_path(self.manifest.shards[shard].name)).get(rel)
-        return entry is not None and _same_file(self.folder / rel, entry) and _current(entry, self._want(shard, rel)[0])
+        return entry is not None and _same_file(self.folder, rel, entry) and _current(entry, self._want(shard, rel)[0])
 
     def _want(self, shard: int, rel: str) -> tuple[str, int, bool]:
         """(crc32c, size, evictable) the manifest gives the shard's data file or sample index ``rel``."""
@@ -613,7 +613,7 @@ class ShardFetcher:
                 continue
             record = _peek_record(self._lock_path(rec.name))
             for rel in self._shard_rels(shard):
-                if rel in found or (rel in record and _same_file(self.folder / rel, record[rel])):
+                if rel in found or (rel in record and _same_file(self.folder, rel, record[rel])):
                     continue
                 try:
                     st = os.lstat(self.folder / rel)
@@ -1522,7 +1522,7 @@ def _evict(lock_path: str, folder: Path, rel: str) -> int | None:
             return None
         files = _read_record(fd)
         entry = files.get(rel)
-        if entry is None or not entry.get("evict") or not _same_file(folder / rel, entry):
+        if entry is None or not entry.get("evict") or not _same_file(folder, rel, entry):
             return None
         os.unlink(folder / rel)
         del files[rel]
@@ -1576,7 +1576,7 @@ def _scan(root: Path) -> tuple[int, list[tuple[int, str, Path, str]]]:
                     for file in seen[1]:
                         rel = file["path"]
                         if rel not in seen[2]:
-                            if not _same_file(folder / rel, file):
+                            if not _same_file(folder, rel, file):
                                 continue
                             seen[2].add(rel)
                         usage += int(file["size"])
@@ -1628,10 +1628,16 @@ def _current(entry: dict, crc: str) -> bool:
     return entry.get("crc32c") == crc
 
 
-def _same_file(path: Path, entry: dict) -> bool:
-    """``path`` is still the file a record names (inode, size, mtime): never delete one datapipe did not write."""
+def _same_file(folder: Path, rel: str, entry: dict) -> bool:
+    """``folder / rel`` is still the file a record names (inode, size, mtime), reached through folders of the node's
+    cache itself (a folder linked in from elsewhere keeps the inode of a file moved behind it): never delete one
+    datapipe did not write."""
     if ".." in Path(str(entry.get("path", ""))).parts:
         return False
+    parts = Path(rel).parts
+    if ".." in parts or any(os.path.islink(folder.joinpath(*parts[:i])) for i in range(1, len(parts))):
+        return False
+    path = folder / rel
     try:
         st = os.lstat(path)
     except OSError:

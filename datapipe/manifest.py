@@ -69,6 +69,6 @@ def read_manifest(cache: str | Path) -> Manifest:
     if _stat(cache / MANIFEST, cache) is None:
         hint = ("a build was started here but did not finish; run the same `datapipe build` again to resume it"
                 if (cache / BUILD_LOCK).exists() else
-                f"pass the folder `datapipe build` wrote, or build one here with `datapipe build SOURCE {cache}`")
+                "pass the folder `datapipe build` wrote")
         raise CacheError(f"{cache} is not a finished datapipe cache (no {MANIFEST}) — {hint}")
     return _read_manifest(cache)

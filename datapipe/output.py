@@ -302,6 +302,11 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
                 raise busy(out, holder)
             raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
                               "or new folder (datapipe never deletes files it did not create)")
+        if os.path.islink(out / SHARDS_DIR):  # what a build writes and removes there would be behind the link
+            raise OutputError(f"{out / SHARDS_DIR} is a symbolic link (to {os.readlink(out / SHARDS_DIR)}); a build "
+                              "writes and removes shards only in a folder of its own, never behind a link (another "
+                              "cache's shards, maybe): make it a folder (to keep a cache on another disk, link the "
+                              "whole output folder instead)")
     except DatapipeError:
         raise
     except OSError as exc:  # it cannot be looked at: whether it is empty, or datapipe's, cannot be told

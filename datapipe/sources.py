@@ -454,16 +454,25 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
     reader = csv.reader(io.StringIO(text, newline=""))
     first_row = True
     first_line: dict[str, int] = {}  # each label's first row
+    last_line = text.count("\n") + (not text.endswith("\n"))
     try:
         start = 1  # the line the row begins on (a quoted cell may span lines): every message names it
         for row in reader:
             lineno, start, begins = reader.line_num, reader.line_num + 1, start
-            if not row or not "".join(row).strip() or _is_comment(row, exists):
+            if not row or not "".join(row).strip():
                 continue
-            if len(row) < 2:
-                if any("\n" in cell or "\r" in cell for cell in row):  # csv read on to the end for its closing quote
+            # A stray quote makes the lines after it one cell, until the next quote: those rows would vanish into
+            # it (a header's or a comment's too). Only a path naming a file may hold a line break.
+            if any(_breaks_line(cell) for cell in row[1:]) or (_breaks_line(row[0]) and not exists(row[0])):
+                if lineno >= last_line and row[-1].endswith(("\n", "\r")) or len(row) < 2:
                     raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is never closed; "
                                       "close it (a quote inside a cell is written twice: \"\")")
+                raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is closed only on line {lineno}, "
+                                  f"which makes the lines between one cell ({_clip(row)}); close it where its cell "
+                                  "ends (a quote inside a cell is written twice: \"\")")
+            if _is_comment(row, exists):
+                continue
+            if len(row) < 2:
                 raise SourceError(f"{csv_path}:{begins}: expected 'path,label', got {_clip(row)}")
             if any(cell.strip() for cell in row[2:]):  # refused, not silently dropped
                 raise SourceError(
@@ -478,11 +487,6 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
             label = row[1].strip()
             if not label:
                 raise SourceError(f"{csv_path}:{begins}: empty label for {row[0].strip()!r}; every row must be 'path,label'")
-            if _breaks_line(label) or (_breaks_line(row[0]) and not exists(row[0])):
-                # a stray quote: the cell runs on over the rows after it, which would silently vanish into it
-                raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is closed only on line {lineno}, "
-                                  f"which makes the lines between one cell ({_clip(row[:2])}); close it where its cell "
-                                  "ends (a quote inside a cell is written twice: \"\")")
             if "\x00" in label:
                 raise SourceError(f"{csv_path}:{begins}: the label holds a NUL character; write plain 'path,label' rows")
             first_line.setdefault(label, begins)
@@ -492,7 +496,7 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
     if (twins := unicode_twins(first_line)) is not None:
         one, other = twins
         raise SourceError(f"{csv_path}:{first_line[other]}: label {ascii(other)} is the label {ascii(one)} of line "
-                          f"{first_line[one]} in another Unicode form ({_UNICODE_FORMS}), which would make two classes "
+                          f"{first_line[one]} written another way ({_UNICODE_FORMS}), which would make two classes "
                           "that print alike; write the labels alike")
     note_number_twins(first_line, csv_path)
     return rows
@@ -502,14 +506,22 @@ def _breaks_line(cell: str) -> bool:
     return "\n" in cell or "\r" in cell
 
 
-_UNICODE_FORMS = "NFD and NFC write the same letters with other code points"
+_UNICODE_FORMS = ("in another Unicode form: NFD and NFC, or a compatibility character such as 'ﬁ', write the same "
+                  "letters with other code points; or with an invisible character such as a zero-width space")
+
+
+def spelling(name: str) -> str:
+    """What ``name`` looks like: its NFKC form (NFC and NFD alike, compatibility characters as the letters they
+    stand for: 'ﬁ' as 'fi') without invisible format characters (zero-width spaces and joiners, a BOM)."""
+    return "".join(c for c in unicodedata.normalize("NFKC", name) if unicodedata.category(c) != "Cf")
 
 
 def unicode_twins(names: Iterable[str]) -> tuple[str, str] | None:
-    """The first two ``names`` that are one name in two Unicode forms (NFC and NFD), in their order; None if none are."""
+    """The first two ``names`` that look alike, being one name written two ways (see :func:`spelling`), in their order;
+    None if none are."""
     forms: dict[str, str] = {}
     for name in names:
-        one = forms.setdefault(unicodedata.normalize("NFC", name), name)
+        one = forms.setdefault(spelling(name), name)
         if one != name:
             return one, name
     return None
@@ -523,8 +535,8 @@ def check_class_folders(classes: list[str], where: str) -> None:
         SourceError: naming both folders.
     """
     if (twins := unicode_twins(classes)) is not None:
-        raise SourceError(f"source {where}: the class folders {ascii(twins[0])} and {ascii(twins[1])} are one name in "
-                          f"two Unicode forms ({_UNICODE_FORMS}), which would make two classes that print alike; move "
+        raise SourceError(f"source {where}: the class folders {ascii(twins[0])} and {ascii(twins[1])} are one name "
+                          f"written two ways ({_UNICODE_FORMS}), which would make two classes that print alike; move "
                           "the images of one into the other (or rename one) and rerun")
     note_number_twins(classes, where)
     note_string_order(classes)
@@ -645,9 +657,9 @@ def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:
     missing = [name for name in listing.classes if name not in index]
     if missing:
         names = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        given = {unicodedata.normalize("NFC", name): name for name in classes}
-        twins = [(m, given[unicodedata.normalize("NFC", m)]) for m in missing if unicodedata.normalize("NFC", m) in given]
-        alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in its Unicode form "
+        given = {spelling(name): name for name in classes}
+        twins = [(m, given[spelling(m)]) for m in missing if spelling(m) in given]
+        alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in how it is written "
                  f"({_UNICODE_FORMS}): "
                  f"{'write the labels in the CSV' if listing.kind == 'csv' else 'rename the folders'} alike" if twins else "")
         raise SourceError(f"{shown(listing.url or str(listing.source or listing.root))}: "

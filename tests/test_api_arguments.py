@@ -4,6 +4,7 @@ never a bool taken for 1, never a raw TypeError from pathlib, numpy or torch."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import threading
@@ -278,3 +279,44 @@ def test_a_batch_size_past_the_samples_is_sized_by_the_samples_it_holds(cache):
     ds = datapipe.StreamingDataset(cache, batch_size=10**9, shuffle=False)
     with datapipe.DeviceLoader(ds, device="cpu", augment=augment.eval(32)) as loader:
         assert [b[0].shape for b in loader] == [(14, 3, 32, 32)]
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"/proc/self/cgroup": "0::/a/b\n", "/sys/fs/cgroup/a/b/memory.max": "max\n", "/sys/fs/cgroup/a/memory.max": "4294967296\n"},
+     4294967296),  # v2: the parent's limit holds for its child
+    ({"/proc/self/cgroup": "0::/a/b\n", "/sys/fs/cgroup/a/b/memory.max": "2147483648\n",
+      "/sys/fs/cgroup/a/memory.max": "4294967296\n"}, 2147483648),
+    ({"/proc/self/cgroup": "4:memory:/job\n0::/\n", "/sys/fs/cgroup/memory/job/memory.limit_in_bytes": "9223372036854771712\n",
+      "/sys/fs/cgroup/memory/memory.limit_in_bytes": "1073741824\n"}, 1073741824),  # v1: unlimited leaf, limited root
+    ({"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": "max\n"}, None),
+    ({}, None),
+])
+def test_the_memory_limit_is_the_smallest_of_the_process_group_and_those_above_it(monkeypatch, files, expected):
+    """Only the group's own file was read: a limit set on a parent group (a job's, a pod's) was missed."""
+    from datapipe import environment
+
+    def fake_open(path, *args, **kwargs):
+        if str(path) not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[str(path)])
+
+    monkeypatch.setattr(environment, "open", fake_open, raising=False)
+    limits = [environment._cgroup_value("", "memory.max"), environment._cgroup_value("memory", "memory.limit_in_bytes")]
+    assert next((v for v in limits if v is not None), None) == expected
+
+
+def test_a_batch_the_memory_cannot_hold_is_named_with_what_to_lower(cache):
+    """Past the check (which counts output batches only), the loop died of torch's "DefaultCPUAllocator: can't
+    allocate memory", naming neither the batch nor what to change."""
+    class Greedy(torch.nn.Module):  # a generic module's temporaries: 4 TiB
+        def forward(self, x):
+            return x + torch.empty(2**40, dtype=torch.float32)[:1]
+
+    ds = datapipe.StreamingDataset(cache, batch_size=4)
+    with datapipe.DeviceLoader(ds, device="cpu", augment=Greedy()) as loader, \
+            pytest.raises(datapipe.errors.OutOfMemoryError) as info:
+        next(iter(loader))
+    message = str(info.value)
+    assert message.startswith("the DeviceLoader ran out of ") and "making batches of 4 samples" in message, message
+    assert "can't allocate memory" in message and message.endswith("lower the batch size, or num_workers and prefetch")
+    assert isinstance(info.value, MemoryError)

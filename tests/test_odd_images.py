@@ -539,3 +539,23 @@ def test_one_sample_per_pixel_in_separate_planes_reads_as_its_contiguous_twin(dt
     np.testing.assert_array_equal(planar, contiguous)
     expected = np.round(ramp * 255)
     np.testing.assert_array_equal(contiguous[..., 0], 255 - expected if photometric == 0 else expected)
+
+
+@pytest.mark.parametrize(("channels", "extra", "deflate"), [(4, 1, False), (4, 0, False), (2, 2, False), (2, 2, True)],
+                         ids=["associated-alpha", "unspecified-extra", "gray-alpha", "gray-alpha-deflate"])
+def test_separate_planes_with_an_extra_sample_pillow_misreads_are_unsupported(channels, extra, deflate):
+    """Valid files: uncompressed ones were called corrupt (Pillow has no raw mode for their planes), and a compressed
+    gray+alpha one came out white (Pillow's libtiff path reads its alpha as 0). Their contiguous twins decode."""
+    values = np.random.default_rng(channels + extra).integers(0, 256, (4, 5, channels))
+    photometric = 2 if channels == 4 else 1
+    decode_rgb(_wide_tiff(values, "u1", extra=extra, deflate=deflate, photometric=photometric))
+    with pytest.raises(DecodeError) as info:
+        decode_rgb(_wide_tiff(values, "u1", extra=extra, deflate=deflate, photometric=photometric, planar=True))
+    assert info.value.kind == "unsupported", str(info.value)
+
+
+def test_unsigned_32_bit_gray_is_scaled_from_its_whole_range():
+    """Pillow reads unsigned 32-bit samples as signed: above 65,535 all white, from 2**31 black."""
+    ramp = np.linspace(0, 1, 9)[None, :]
+    decoded = decode_rgb(_wide_tiff(np.round(ramp * (2**32 - 1)), "u4"))
+    np.testing.assert_array_equal(decoded[0, :, 0], np.round(ramp[0] * 255))

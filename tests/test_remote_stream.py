@@ -11,6 +11,7 @@ store is a RemoteStoreError, not a hang.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -30,7 +31,7 @@ from s3_server import requires_s3
 
 import datapipe
 from datapipe import fetch, partition
-from datapipe.errors import ArgumentError, CacheError, CorruptShardError, RemoteStoreError
+from datapipe.errors import ArgumentError, CacheError, CorruptShardError, DatapipeError, RemoteStoreError
 from datapipe.testing import build_index_cache, index_map
 
 pytestmark = requires_s3
@@ -211,6 +212,27 @@ def test_eviction_keeps_the_limit_and_never_deletes_a_foreign_file(s3, built, tm
     assert sum(shard_downloads(folder).values()) > 15  # shards were evicted and downloaded again
     for f in foreign:
         assert f.read_bytes() == b"x" * 50_000
+
+
+def test_eviction_never_deletes_through_a_folder_linked_into_the_node_cache(s3, built, tmp_path):
+    """A shard's images/ moved out of the node cache and linked back keeps each file's inode, size and time: the
+    record matched, and eviction deleted the file behind the link, outside the node cache."""
+    url = upload(s3, built["fixed"])
+    local = tmp_path / "lc"
+    shard_bytes = datapipe.open(built["fixed"]).manifest.shards[0].nbytes
+    ds = open_remote(s3, url, local, cache_limit=5 * shard_bytes + 20_000, window=2, prefetch=1, shuffle=False)
+    next(iter(ds))  # shard 0 downloaded
+    images = next(p for p in ds.cache._shard_path(0).parents if p.name == "images")  # .../000000.zarr/images
+    elsewhere = tmp_path / "elsewhere"
+    images.rename(elsewhere)
+    images.symlink_to(elsewhere)
+    before = {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
+    assert before
+    with contextlib.suppress(DatapipeError):  # refusing the linked shard is fine; deleting behind the link is not
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            read_epoch(ds)
+    assert {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == before
 
 
 def test_a_foreign_file_at_a_shard_path_is_refused_not_replaced(s3, built, tmp_path):

@@ -478,13 +478,14 @@ def test_a_class_list_file_with_a_comment_a_header_or_of_another_kind(tmp_path, 
     (tmp_path / "manifest.json").write_text('{"classes": ["ant"]}')
     imaging.write_source(root / "train", {"ant": 1}, variety=False)
     for given, words in ((tmp_path / "manifest.json", "a JSON document, not a class list"),
-                         (root / "train", "no manifest.json) (--classes-from takes the training cache")):
+                         (root / "train",
+                          "no manifest.json) — pass the folder `datapipe build` wrote (--classes-from takes the training cache")):
         done = run(root / "val", tmp_path / "bad", "--classes-from", given)
         assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
     imaging.write_source(root / "nfd", {"cafe\u0301": 1}, variety=False)
     (tmp_path / "nfc.txt").write_text("caf\u00e9\n")
     done = run(root / "nfd", tmp_path / "bad", "--classes-from", tmp_path / "nfc.txt")
-    assert done.returncode == 2 and "only in its Unicode form" in done.stderr and "'cafe\\u0301'" in done.stderr
+    assert done.returncode == 2 and "only in how it is written (in another Unicode form" in done.stderr and "'cafe\\u0301'" in done.stderr
     (tmp_path / "c1.txt").write_text("".join(f"n{i:08d}\n" for i in range(1000)) + "bee\ncat\n")
     (tmp_path / "c2.txt").write_text("".join(f"n{i:08d}\n" for i in range(1001)) + "bee\ncat\n")
     assert run(root / "val", tmp_path / "big", "--classes-from", tmp_path / "c1.txt").returncode == 0
@@ -498,7 +499,7 @@ def test_a_class_list_file_with_a_comment_a_header_or_of_another_kind(tmp_path, 
 def test_a_class_in_another_unicode_form_is_told_how_its_source_names_it(tmp_path, kind, advice):
     """A CSV's label written in NFD against a class list in NFC was told to rename its folders: a CSV has none."""
     listing = Listing(root=tmp_path, kind=kind, classes=["cafe\u0301"], paths=["a.jpg"], labels=[0], stats=[(1, 1)])
-    with pytest.raises(SourceError, match=f"only in its Unicode form .*: {advice};"):
+    with pytest.raises(SourceError, match=f"only in how it is written .*: {advice};"):
         with_classes(listing, ["caf\u00e9"])
 
 
@@ -618,16 +619,20 @@ def _images(root, names, imaging):
 
 
 @pytest.mark.parametrize(("rows", "line", "to"), [
-    (['a.jpg,cat', 'b.jpg,"cat', 'c.jpg,dog', 'd.jpg,dog'], 2, 4),  # open to the end of the file
+    (['a.jpg,cat', 'b.jpg,"cat', 'c.jpg,dog', 'd.jpg,dog'], 2, None),  # open to the end of the file
+    (['path,"label', 'a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog'], 1, 3),  # in the header: its rows were dropped with it
+    (['#note,"see below', 'a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog'], 1, 3),  # in a comment, likewise
+    (['a.jpg,"cat', 'b.jpg",dog', 'c.jpg,dog'], 1, 2),  # closed in the next row's path: not "3 columns"
     (['a.jpg,"cat', 'b.jpg,cat', 'c.jpg,dog"', 'd.jpg,dog'], 1, 3),  # closed by a stray quote further down
     (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog', 'd.jpg",dog', 'e.jpg,eel'], 2, 4),  # in the path cell
-], ids=["label-to-the-end", "two-in-labels", "two-in-paths"])
+], ids=["label-to-the-end", "header", "comment", "into-a-path", "two-in-labels", "two-in-paths"])
 def test_a_stray_quote_that_joins_rows_into_one_cell_is_refused_naming_where_it_opens(tmp_path, imaging, rows, line, to):
     """csv read the rows after a stray quote into its cell: they vanished (30 rows gave 4 samples, a class named by
     the rest of the file) and the build said "ok"."""
     _images(tmp_path, "abcde", imaging)
     (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
-    with pytest.raises(SourceError, match=rf"list.csv:{line}: a quote opened on this line is closed only on line {to}"):
+    closed = "is never closed" if to is None else f"is closed only on line {to}"
+    with pytest.raises(SourceError, match=rf"list.csv:{line}: a quote opened on this line {closed}"):
         datapipe.sources.scan(tmp_path / "list.csv")
 
 
@@ -645,9 +650,23 @@ def test_a_quoted_cell_of_a_file_whose_name_holds_a_line_break_is_a_path(tmp_pat
 ])
 def test_a_bad_row_is_named_by_the_line_it_begins_on(tmp_path, text, words):
     (tmp_path / "x\ny.jpg").write_bytes(b"")
+    (tmp_path / "a\nb.jpg").write_bytes(b"")
     (tmp_path / "list.csv").write_text("path,label\n" + text.replace("{tmp}", str(tmp_path)))
     with pytest.raises(SourceError, match=f"list.csv:{words}"):
         datapipe.sources.scan(tmp_path / "list.csv")
+
+
+@pytest.mark.parametrize(("one", "other"), [("cat", "cat\u200b"), ("fish", "\ufb01sh"), ("cat", "\ufeffcat")],
+                         ids=["zero-width-space", "ligature", "byte-order-mark"])
+def test_labels_that_print_alike_are_refused_whatever_makes_them_differ(tmp_path, imaging, one, other):
+    _images(tmp_path, "ab", imaging)
+    (tmp_path / "list.csv").write_text(f"a.jpg,{one}\nb.jpg,{other}\n")
+    with pytest.raises(SourceError, match=r"list.csv:2: label .* is the label .* of line 1 written another way"):
+        datapipe.sources.scan(tmp_path / "list.csv")
+    folders = tmp_path / "folders"
+    _images(folders, [f"{one}/a.jpg", f"{other}/b.jpg"], imaging)
+    with pytest.raises(SourceError, match=r"are one name written two ways"):
+        datapipe.sources.scan(folders)
 
 
 def test_one_label_in_two_unicode_forms_is_refused_not_split_into_two_classes(tmp_path, imaging):
@@ -655,13 +674,13 @@ def test_one_label_in_two_unicode_forms_is_refused_not_split_into_two_classes(tm
     nfc, nfd = "caf\u00e9", "cafe\u0301"
     _images(tmp_path, "abc", imaging)
     (tmp_path / "list.csv").write_text(f"a.jpg,{nfc}\nb.jpg,dog\nc.jpg,{nfd}\n")
-    with pytest.raises(SourceError, match=r"list.csv:3: label 'cafe\\u0301' is the label 'caf\\xe9' of line 1 in "
-                                          r"another Unicode form"):
+    with pytest.raises(SourceError, match=r"list.csv:3: label 'cafe\\u0301' is the label 'caf\\xe9' of line 1 "
+                                          r"written another way \(in another Unicode form"):
         datapipe.sources.scan(tmp_path / "list.csv")
     folders = tmp_path / "folders"
     _images(folders, [f"{nfc}/a.jpg", f"{nfd}/b.jpg"], imaging)
-    with pytest.raises(SourceError, match=r"the class folders 'cafe\\u0301' and 'caf\\xe9' are one name in two "
-                                          r"Unicode forms"):
+    with pytest.raises(SourceError, match=r"the class folders 'cafe\\u0301' and 'caf\\xe9' are one name written two "
+                                          r"ways"):
         datapipe.sources.scan(folders)
 
 

@@ -1432,5 +1432,25 @@ def test_something_else_at_the_lock_files_name_is_named_and_left_alone(small, tm
 def test_opening_a_folder_that_holds_no_cache_says_what_to_pass(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CacheError, match=r"empty is not a finished datapipe cache \(no manifest.json\) — pass the folder "
-                                         r"`datapipe build` wrote, or build one here with `datapipe build SOURCE "):
+                                         r"`datapipe build` wrote$"):
         datapipe.StreamingDataset(tmp_path / "empty", batch_size=4)
+
+
+@pytest.mark.parametrize("how", ["force", "fewer shards", "no change"])
+def test_a_build_never_writes_or_removes_behind_a_linked_shards_folder(small, tmp_path, imaging, how):
+    """B's shards/ linked to cache A's: `--force` into B rewrote every shard of A, a rerun with fewer shards
+    removed one of A's."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    build(small, a)
+    b.mkdir()
+    for name in ("build.json", "manifest.json", "report.json", "labels.npy", "paths.json"):
+        shutil.copy(a / name, b / name)
+    (b / "shards").symlink_to(a / "shards")
+    before = imaging.tree_bytes(a / "shards", skip=())
+    if how == "fewer shards":
+        for victim in sorted(small.rglob("*.*"))[3:]:
+            victim.unlink()
+    with pytest.raises(OutputError, match=r"b/shards is a symbolic link \(to .*a/shards\); a build writes and removes "
+                                          r"shards only in a folder of its own"):
+        build(small, b, **({"size": SIZE + 8, "force": True} if how == "force" else {}))
+    assert imaging.tree_bytes(a / "shards", skip=()) == before and datapipe.open(a).verify() == []
