@@ -1919,10 +1919,11 @@ class _Isolation:
         files = first if first == last else f"one of its {len(plan['paths'])} files, {first} … {last}"
         if isolated:
             raise BuildError(
-                f"shard {plan['shard']} killed its Dask workers repeatedly (out of memory or "
-                f"a decoder crash) while decoding {files}, also with every file checked in a separate "
-                "process first. Finished shards are kept: remove or fix the offending file (a lower "
-                "--max-pixels catches huge images) and rerun to resume.") from None
+                f"shard {plan['shard']} killed its Dask workers repeatedly while decoding {files}, also with every file "
+                "checked in a separate process first: out of memory, a decoder crash, or a file over "
+                f"DATAPIPE_FILE_TIMEOUT ({file_timeout():g} s; a worker ended by it says so in its log). Finished shards "
+                "are kept: remove or fix the offending file (a lower --max-pixels catches huge images, a higher "
+                "DATAPIPE_FILE_TIMEOUT slow ones) and rerun to resume.") from None
         log.warning(f"datapipe build: shard {plan['shard']} killed its worker; decoding {files} one by one in "
                     "separate processes to quarantine the culprit")
         retry_key = f"{key}-isolated"

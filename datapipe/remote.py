@@ -1008,10 +1008,15 @@ class RemoteLock:
         if how:
             return OutputBusyError(f"output {self.loc.url} is being written by another datapipe build ({holder}), which "
                                    f"took its lock {how}; wait for it to finish, or build into another prefix")
+        try:
+            age = time.time() - float(held.get("refreshed", 0)) if isinstance(held, dict) else None
+        except (TypeError, ValueError):
+            age = None
+        when = ("" if age is None else f", refreshed {age:.0f} s ago" if 0 <= age <= self.ttl else
+                ", refreshing it while watched (its host's clock differs from this one's)")
         return OutputBusyError(
-            f"output {self.loc.url} is being written by another datapipe build ({holder}, refreshed "
-            f"{time.time() - float(held.get('refreshed', 0)):.0f} s ago); wait for it to finish or stop it, or build "
-            f"into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
+            f"output {self.loc.url} is being written by another datapipe build ({holder}{when}); wait for it to finish "
+            f"or stop it, or build into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
 
     def _held(self) -> Any:
         try:
@@ -1113,23 +1118,43 @@ class RemoteLock:
             raise _Unconditional
         return str(etag)
 
-    def alive(self, held: dict[str, Any]) -> bool:
-        """Whether the lock object ``held`` is a living build's: refreshed within the TTL, and, on this host, its
-        process still there."""
+    def alive(self, held: dict[str, Any], *, watch: bool = True) -> bool:
+        """Whether the lock object ``held`` is a living build's. On this host (one clock): refreshed within the TTL
+        and its process still there. Another host's ``refreshed`` is its own clock's, which may differ from this
+        one's by any amount: a lock it refreshed within the TTL by this clock is alive; any other (older, or in
+        this clock's future) is judged by whether it is refreshed while ``watch``-ed for one and a half refresh
+        intervals (a living build refreshes it every TTL / 4), never by the two clocks alone."""
         try:
             age = time.time() - float(held.get("refreshed", 0))
         except (TypeError, ValueError):
             return False
-        if age > self.ttl:
-            return False
-        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
-            try:
-                os.kill(held["pid"], 0)
-            except ProcessLookupError:
+        if held.get("host") == socket.gethostname():
+            if age > self.ttl:
                 return False
-            except PermissionError:
-                return True
-        return True
+            if isinstance(held.get("pid"), int):
+                try:
+                    os.kill(held["pid"], 0)
+                except ProcessLookupError:
+                    return False
+                except PermissionError:
+                    return True
+            return True
+        if 0 <= age <= self.ttl:
+            return True
+        return watch and self._refreshed_within(held, self.ttl * 3 / 8)
+
+    def _refreshed_within(self, held: dict[str, Any], seconds: float) -> bool:
+        """Whether the lock object changes from ``held`` (refreshed, or taken by another build) within ``seconds``
+        of this process's monotonic clock."""
+        deadline = time.monotonic() + seconds
+        while True:
+            time.sleep(min(max(0.0, deadline - time.monotonic()), seconds / 6))
+            now = self._held()
+            if not isinstance(now, dict) or (now.get("token"), now.get("refreshed")) != \
+                    (held.get("token"), held.get("refreshed")):
+                return isinstance(now, dict)  # gone: its build ended (no holder); rewritten: someone holds it
+            if time.monotonic() >= deadline:
+                return False
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl / 4):
@@ -1371,7 +1396,7 @@ def no_manifest(loc: Location) -> CacheError:
             held = read_doc(loc, LOCK_OBJECT) if started else None
         except CacheError:
             held = None  # a damaged lock object holds nobody
-    if isinstance(held, dict) and RemoteLock(loc).alive(held):
+    if isinstance(held, dict) and RemoteLock(loc).alive(held, watch=False):
         return CacheError(f"{loc.url} is not a finished datapipe cache yet: a datapipe build is writing it now (pid "
                           f"{held.get('pid')} on host {held.get('host')}); open it once that build has finished")
     hint = (" — a build was started here but did not finish; run the same `datapipe build` again" if started else

@@ -44,6 +44,7 @@ class StallMeter:
             self.last: float | None = None  # when the last batch was received
             self.done: float | None = None  # when the loop was done with the batches received, when known
             self.asked: float | None = None  # when stats() was first called after the last batch (done unknown)
+            self.waited: float | None = None  # when the latest wait outside a delivered batch ended (add_wait)
             self.recent.clear()
 
     def begin(self) -> float:
@@ -62,6 +63,7 @@ class StallMeter:
         with self._lock:
             self.wait += seconds
             self.pending += seconds
+            self.waited = time.perf_counter()  # the wall time runs at least to here: no batch may follow
 
     def finish(self) -> None:
         """The loop is done with the last batch it received (it asked for one more, and the epoch had none, or it
@@ -102,6 +104,8 @@ class StallMeter:
             return self._figures(end)
 
     def _figures(self, end: float | None) -> dict:
+        if self.waited is not None and (end is None or end < self.waited):
+            end = self.waited  # waits that ended in an error after the last batch (or with none): waited all the same
         wall = (end - self.first) if self.first is not None and end is not None else 0.0
         r_wait = sum(w for w, _, _ in self.recent) + self.pending
         r_wall = sum(i for _, i, _ in self.recent)

@@ -678,6 +678,21 @@ def test_a_wait_that_ended_in_a_timeout_and_the_wait_for_the_readers_count_as_wa
         loader.close()
 
 
+def test_waits_that_ended_in_a_timeout_with_no_batch_are_the_loops_whole_time(index_cache, monkeypatch):
+    """With no batch received, the wall time was 0: after three caught timeouts the meter said 0 % waiting."""
+    loader, release = held_reader_loader(index_cache, monkeypatch, timeout=0.3)
+    try:
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                next(iter(loader))
+        stats = loader.stats()
+        assert stats["batches"] == 0 and stats["wait_s"] >= 0.9
+        assert stats["seconds"] >= stats["wait_s"] and stats["wait_share"] > 0.5, stats
+    finally:
+        release.set()
+        loader.close()
+
+
 def readers_alive() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("datapipe-reader-")]
 

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -362,6 +363,39 @@ def test_a_fresh_lock_of_another_build_is_refused_and_a_dead_one_taken_over(s3, 
     import socket
 
     fs.pipe_file(lock, json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "refreshed": time.time()}).encode())
+    assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
+
+
+@pytest.mark.parametrize("skew", [-600, 86400], ids=["holder-clock-10-min-behind", "holder-clock-a-day-ahead"])
+def test_another_hosts_lock_is_judged_by_its_refreshes_not_by_the_two_clocks(s3, source, monkeypatch, skew):
+    """A lock's 'refreshed' is its host's clock: a living build on a host 10 minutes behind looked dead (taken over),
+    a dead one from a host a day ahead blocked every build for a day ("refreshed -86399 s ago")."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")  # refreshed every 0.5 s, watched for 0.75 s
+    url = s3.bucket() + "/cache"
+    fs = s3.filesystem()
+    lock = url.removeprefix("s3://") + "/.datapipe.lock"
+
+    def write() -> None:
+        doc = {"host": "elsewhere", "pid": 1, "token": "elsewhere:1:1", "refreshed": time.time() + skew}
+        fs.pipe_file(lock, json.dumps(doc).encode())
+
+    write()
+    stop = threading.Event()
+
+    def beat() -> None:  # the living build on the other host: a refresh every TTL / 4
+        while not stop.wait(0.5):
+            write()
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        with pytest.raises(datapipe.errors.OutputBusyError, match=r"elsewhere, refreshing it while watched \(its host's "
+                                                                   r"clock differs from this one's\)"):
+            build(source[0], url, storage_options=s3.storage_options)
+    finally:
+        stop.set()
+        beating.join()
+    write()  # its build has died: the same lock, no longer refreshed, is taken over after the watch
     assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
 
 
