@@ -55,9 +55,7 @@ from .errors import (
     MAX_SECONDS,
     ArgumentError,
     IterationSupersededError,
-    OutOfMemoryError,
     allocation_failed,
-    one_line,
     thread_start_failed,
 )
 from .gpu_decode import GpuJpegDecoder, jpeg_decoder, pad_batch
@@ -175,9 +173,9 @@ class DeviceLoader:
             two more on the CPU; two on CUDA) are larger than the memory the process can have there (the
             machine's, a container's limit, what ``ulimit -v`` leaves; their size and what to lower named).
 
-    Iterating raises :class:`~datapipe.errors.OutOfMemoryError` (a ``MemoryError``) when a batch cannot be made
-    for want of memory all the same (the samples read, the augmentation's temporaries), naming the batch and what
-    to lower.
+    When a batch cannot be made for want of memory all the same (the samples read, the augmentation's
+    temporaries), torch's error (a ``RuntimeError``; ``torch.cuda.OutOfMemoryError`` on CUDA) is raised as it is,
+    with a note naming the batch and what to lower.
 
     Iterating yields ``(images, labels)`` on the device — images float [B, 3, h, w], labels int64
     [B] — or ``(images, labels, indices)`` when the dataset has ``return_index=True``.
@@ -353,7 +351,7 @@ class DeviceLoader:
                         (slot, batch, seed), waited = self._wait(gen, j, started)
                     except BaseException as exc:  # a timeout the loop may catch, a reader's error: it waited all the same
                         self.meter.add_wait(time.perf_counter() - started)
-                        self._raise_out_of_memory(exc)
+                        self._explain_out_of_memory(exc)
                         raise
                     try:
                         if self.cuda:
@@ -363,7 +361,7 @@ class DeviceLoader:
                             batch = self._transform(batch, seed)
                             waited += time.perf_counter() - t  # the loop's time on data, like a wait
                     except (MemoryError, RuntimeError) as exc:
-                        self._raise_out_of_memory(exc)
+                        self._explain_out_of_memory(exc)
                         raise
                     if not self.cuda:
                         if self.output == "uint8":
@@ -385,24 +383,25 @@ class DeviceLoader:
                 if self._generation == gen:
                     self._generation += 1  # queued jobs of an abandoned iteration are skipped, not read
 
-    def _raise_out_of_memory(self, exc: BaseException) -> None:
-        """Raise OutOfMemoryError from ``exc`` when it is an allocation that failed (in a reader or here): torch's
-        message names neither the batch nor what to change."""
-        if not allocation_failed(exc):
+    def _explain_out_of_memory(self, exc: BaseException) -> None:
+        """Add to ``exc``, when it is an allocation that failed (in a reader or here), a note naming the batch and
+        what to lower: torch's message names neither. The exception keeps its type (torch's RuntimeError, CUDA's
+        OutOfMemoryError), which batch-size finders catch to retry with a smaller batch."""
+        if not allocation_failed(exc) or any(note.startswith("datapipe:") for note in getattr(exc, "__notes__", ())):
             return
-        batches, rows = self._held_batches(), self._slot_rows()
+        rows = self._slot_rows()
         if self.augment is not None and self.augment.size:
             itemsize = torch.empty((), dtype=self.augment.dtype).element_size()
             one = rows * 3 * self.augment.size**2 * itemsize
             what = (f"batches of {rows} x 3 x {self.augment.size} x {self.augment.size} {str(self.augment.dtype)[6:]} "
-                    f"({one / 2**30:,.2f} GiB each; it holds up to {batches}, beside the samples read and the "
-                    "augmentation's temporaries)")
+                    f"({one / 2**30:,.2f} GiB each; it holds up to {self._held_batches()}, beside the samples read and "
+                    "the augmentation's temporaries)")
             lower = f"the augmentation's size ({self.augment.size}) or the batch size"
         else:
             what, lower = f"batches of {rows} samples", "the batch size"
         limit = _device_memory(self.device)[1] or f"the memory of {self.device}"
-        raise OutOfMemoryError(f"the DeviceLoader ran out of {limit} making {what} ({one_line(exc)}): lower {lower}"
-                               f"{', or num_workers and prefetch' if not self.cuda else ''}") from exc
+        exc.add_note(f"datapipe: the DeviceLoader ran out of {limit} making {what}: lower {lower}"
+                     f"{', or num_workers and prefetch' if not self.cuda else ''}")
 
     def _check_current(self, gen: int, iteration: int) -> None:
         """Raise when the loader was closed or a newer iteration began since this one did (only the

@@ -247,13 +247,6 @@ class OutOfThreadsError(DatapipeError, RuntimeError):
     exit_code = 1
 
 
-class OutOfMemoryError(DatapipeError, MemoryError):
-    """A loader ran out of memory making a batch (torch's "can't allocate memory", CUDA's out of memory): the
-    message says how large its batches are and what to lower."""
-
-    exit_code = 1
-
-
 def allocation_failed(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocation that failed: MemoryError, or torch's RuntimeError for one (on the CPU,
     "DefaultCPUAllocator: can't allocate memory"; on CUDA, torch.cuda.OutOfMemoryError, "CUDA out of memory")."""

@@ -1012,7 +1012,7 @@ class RemoteLock:
             age = time.time() - float(held.get("refreshed", 0)) if isinstance(held, dict) else None
         except (TypeError, ValueError):
             age = None
-        when = ("" if age is None else f", refreshed {age:.0f} s ago" if 0 <= age <= self.ttl else
+        when = ("" if age is None else f", refreshed {max(0.0, age):.0f} s ago" if -self.ttl / 4 <= age <= self.ttl else
                 ", refreshing it while watched (its host's clock differs from this one's)")
         return OutputBusyError(
             f"output {self.loc.url} is being written by another datapipe build ({holder}{when}); wait for it to finish "
@@ -1139,7 +1139,7 @@ class RemoteLock:
                 except PermissionError:
                     return True
             return True
-        if 0 <= age <= self.ttl:
+        if -self.ttl / 4 <= age <= self.ttl:  # a clock a little ahead: as fresh as one in step
             return True
         return watch and self._refreshed_within(held, self.ttl * 3 / 8)
 

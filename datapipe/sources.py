@@ -454,7 +454,7 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
     reader = csv.reader(io.StringIO(text, newline=""))
     first_row = True
     first_line: dict[str, int] = {}  # each label's first row
-    last_line = text.count("\n") + (not text.endswith("\n"))
+    physical: list[str] | None = None  # the text's lines as the reader counts them, split once it is needed
     try:
         start = 1  # the line the row begins on (a quoted cell may span lines): every message names it
         for row in reader:
@@ -464,7 +464,8 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
             # A stray quote makes the lines after it one cell, until the next quote: those rows would vanish into
             # it (a header's or a comment's too). Only a path naming a file may hold a line break.
             if any(_breaks_line(cell) for cell in row[1:]) or (_breaks_line(row[0]) and not exists(row[0])):
-                if lineno >= last_line and row[-1].endswith(("\n", "\r")) or len(row) < 2:
+                physical = physical if physical is not None else io.StringIO(text, newline="").readlines()
+                if len(row) < 2 or (lineno >= len(physical) and "".join(physical[begins - 1:]).count('"') % 2):
                     raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is never closed; "
                                       "close it (a quote inside a cell is written twice: \"\")")
                 raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is closed only on line {lineno}, "
@@ -499,6 +500,7 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
                           f"{first_line[one]} written another way ({_UNICODE_FORMS}), which would make two classes "
                           "that print alike; write the labels alike")
     note_number_twins(first_line, csv_path)
+    note_compatibility_twins(first_line, csv_path)
     return rows
 
 
@@ -506,25 +508,41 @@ def _breaks_line(cell: str) -> bool:
     return "\n" in cell or "\r" in cell
 
 
-_UNICODE_FORMS = ("in another Unicode form: NFD and NFC, or a compatibility character such as 'ﬁ', write the same "
-                  "letters with other code points; or with an invisible character such as a zero-width space")
+_UNICODE_FORMS = ("in another Unicode form: NFD and NFC write the same letters with other code points; or with an "
+                  "invisible character, a zero-width space, word joiner or byte-order mark")
+# Characters that show nothing and mean nothing in a name (unlike a zero-width joiner in an emoji or a non-joiner in
+# Persian, which change how it prints)
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u2060\ufeff"))
 
 
 def spelling(name: str) -> str:
-    """What ``name`` looks like: its NFKC form (NFC and NFD alike, compatibility characters as the letters they
-    stand for: 'ﬁ' as 'fi') without invisible format characters (zero-width spaces and joiners, a BOM)."""
-    return "".join(c for c in unicodedata.normalize("NFKC", name) if unicodedata.category(c) != "Cf")
+    """What ``name`` prints as: its NFC form (NFC and NFD alike) without the characters that show nothing
+    (:data:`_INVISIBLE`)."""
+    return unicodedata.normalize("NFC", name).translate(_INVISIBLE)
 
 
 def unicode_twins(names: Iterable[str]) -> tuple[str, str] | None:
-    """The first two ``names`` that look alike, being one name written two ways (see :func:`spelling`), in their order;
-    None if none are."""
+    """The first two ``names`` that print alike, being one name written two ways (see :func:`spelling`), in their
+    order; None if none are. (Names alike only under NFKC, such as ``m2`` and ``m²``, print otherwise: see
+    :func:`note_compatibility_twins`.)"""
     forms: dict[str, str] = {}
     for name in names:
         one = forms.setdefault(spelling(name), name)
         if one != name:
             return one, name
     return None
+
+
+def note_compatibility_twins(names: Iterable[str], where: object) -> None:
+    """Log when two class names are one name under Unicode's compatibility forms (NFKC: ``ﬁsh`` and ``fish``,
+    ``１`` and ``1``, ``m²`` and ``m2``): two classes, which they may well be, but seldom where a file was written
+    by two tools."""
+    forms: dict[str, str] = {}
+    for name in names:
+        if (one := forms.setdefault(unicodedata.normalize("NFKC", spelling(name)), name)) != name:
+            log.warning("datapipe build: %s: the labels %s and %s are one name in Unicode's compatibility forms (NFKC), "
+                        "and so two classes; if they are one class, write them alike", where, show(one), show(name))
+            return
 
 
 def check_class_folders(classes: list[str], where: str) -> None:
@@ -539,6 +557,7 @@ def check_class_folders(classes: list[str], where: str) -> None:
                           f"written two ways ({_UNICODE_FORMS}), which would make two classes that print alike; move "
                           "the images of one into the other (or rename one) and rerun")
     note_number_twins(classes, where)
+    note_compatibility_twins(classes, where)
     note_string_order(classes)
 
 

@@ -111,6 +111,8 @@ class StallMeter:
         r_wall = sum(i for _, i, _ in self.recent)
         if self.recent and end is not None and self.last is not None:
             r_wall += max(0.0, end - self.last)  # the latest batch's step (and any wait since)
+        elif not self.recent and end is not None and self.first is not None:
+            r_wall = end - self.first  # no batch yet: waits that ended in an error, all of the time so far
         r_img = sum(n for _, _, n in self.recent)
         return {
             "batches": self.batches,

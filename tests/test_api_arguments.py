@@ -313,10 +313,9 @@ def test_a_batch_the_memory_cannot_hold_is_named_with_what_to_lower(cache):
             return x + torch.empty(2**40, dtype=torch.float32)[:1]
 
     ds = datapipe.StreamingDataset(cache, batch_size=4)
-    with datapipe.DeviceLoader(ds, device="cpu", augment=Greedy()) as loader, \
-            pytest.raises(datapipe.errors.OutOfMemoryError) as info:
+    with datapipe.DeviceLoader(ds, device="cpu", augment=Greedy()) as loader, pytest.raises(RuntimeError) as info:
         next(iter(loader))
-    message = str(info.value)
-    assert message.startswith("the DeviceLoader ran out of ") and "making batches of 4 samples" in message, message
-    assert "can't allocate memory" in message and message.endswith("lower the batch size, or num_workers and prefetch")
-    assert isinstance(info.value, MemoryError)
+    assert "can't allocate memory" in str(info.value)  # torch's own error, of its own type: batch-size finders catch it
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and notes[0].startswith("datapipe: the DeviceLoader ran out of ") and \
+        "making batches of 4 samples" in notes[0] and notes[0].endswith("lower the batch size, or num_workers and prefetch")

@@ -688,6 +688,7 @@ def test_waits_that_ended_in_a_timeout_with_no_batch_are_the_loops_whole_time(in
         stats = loader.stats()
         assert stats["batches"] == 0 and stats["wait_s"] >= 0.9
         assert stats["seconds"] >= stats["wait_s"] and stats["wait_share"] > 0.5, stats
+        assert stats["recent"]["wait_share"] == stats["wait_share"], stats
     finally:
         release.set()
         loader.close()

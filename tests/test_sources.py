@@ -620,17 +620,22 @@ def _images(root, names, imaging):
 
 @pytest.mark.parametrize(("rows", "line", "to"), [
     (['a.jpg,cat', 'b.jpg,"cat', 'c.jpg,dog', 'd.jpg,dog'], 2, None),  # open to the end of the file
+    (['a.jpg,cat', 'b.jpg,"cat', 'c.jpg,dog'], 2, None),  # the same, with no line break at the end (see below)
     (['path,"label', 'a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog'], 1, 3),  # in the header: its rows were dropped with it
     (['#note,"see below', 'a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog'], 1, 3),  # in a comment, likewise
     (['a.jpg,"cat', 'b.jpg",dog', 'c.jpg,dog'], 1, 2),  # closed in the next row's path: not "3 columns"
+    (['a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog"'], 2, 3),  # closed on the last line, which has no line break
+    (['a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog', 'd.jpg,"eel'], 2, 4),  # closed by the next stray one
     (['a.jpg,"cat', 'b.jpg,cat', 'c.jpg,dog"', 'd.jpg,dog'], 1, 3),  # closed by a stray quote further down
     (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog', 'd.jpg",dog', 'e.jpg,eel'], 2, 4),  # in the path cell
-], ids=["label-to-the-end", "header", "comment", "into-a-path", "two-in-labels", "two-in-paths"])
-def test_a_stray_quote_that_joins_rows_into_one_cell_is_refused_naming_where_it_opens(tmp_path, imaging, rows, line, to):
+], ids=["label-to-the-end", "to-the-end-no-last-line-break", "header", "comment", "into-a-path",
+        "closed-on-the-last-line", "closed-then-another", "two-in-labels", "two-in-paths"])
+def test_a_stray_quote_that_joins_rows_into_one_cell_is_refused_naming_where_it_opens(tmp_path, imaging, rows, line, to,
+                                                                                     request):
     """csv read the rows after a stray quote into its cell: they vanished (30 rows gave 4 samples, a class named by
     the rest of the file) and the build said "ok"."""
     _images(tmp_path, "abcde", imaging)
-    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "list.csv").write_text("\n".join(rows) + ("\n" if "last-line" not in request.node.name else ""))
     closed = "is never closed" if to is None else f"is closed only on line {to}"
     with pytest.raises(SourceError, match=rf"list.csv:{line}: a quote opened on this line {closed}"):
         datapipe.sources.scan(tmp_path / "list.csv")
@@ -656,8 +661,8 @@ def test_a_bad_row_is_named_by_the_line_it_begins_on(tmp_path, text, words):
         datapipe.sources.scan(tmp_path / "list.csv")
 
 
-@pytest.mark.parametrize(("one", "other"), [("cat", "cat\u200b"), ("fish", "\ufb01sh"), ("cat", "\ufeffcat")],
-                         ids=["zero-width-space", "ligature", "byte-order-mark"])
+@pytest.mark.parametrize(("one", "other"), [("cat", "cat\u200b"), ("cat", "\u2060cat"), ("cat", "\ufeffcat")],
+                         ids=["zero-width-space", "word-joiner", "byte-order-mark"])
 def test_labels_that_print_alike_are_refused_whatever_makes_them_differ(tmp_path, imaging, one, other):
     _images(tmp_path, "ab", imaging)
     (tmp_path / "list.csv").write_text(f"a.jpg,{one}\nb.jpg,{other}\n")
@@ -667,6 +672,21 @@ def test_labels_that_print_alike_are_refused_whatever_makes_them_differ(tmp_path
     _images(folders, [f"{one}/a.jpg", f"{other}/b.jpg"], imaging)
     with pytest.raises(SourceError, match=r"are one name written two ways"):
         datapipe.sources.scan(folders)
+
+
+@pytest.mark.parametrize(("one", "other"), [("fish", "\ufb01sh"), ("m2", "m\u00b2"), ("1", "\uff11"),
+                                            ("\U0001f469\u200d\U0001f4bb", "\U0001f469\U0001f4bb")],
+                         ids=["ligature", "superscript", "full-width", "emoji-joined-or-not"])
+def test_labels_that_print_otherwise_are_two_classes_and_the_log_says_when_nfkc_makes_them_one(tmp_path, imaging,
+                                                                                             caplog, one, other):
+    """Names alike only under NFKC (m2 and m², H2O and H₂O) may well be two classes: they are, and the log says so;
+    a zero-width joiner changes how an emoji prints: not a twin at all."""
+    _images(tmp_path, "ab", imaging)
+    (tmp_path / "list.csv").write_text(f"a.jpg,{one}\nb.jpg,{other}\n")
+    with caplog.at_level("WARNING", logger="datapipe"):
+        assert len(datapipe.sources.scan(tmp_path / "list.csv").classes) == 2
+    warned = [r.getMessage() for r in caplog.records if "compatibility forms" in r.getMessage()]
+    assert len(warned) == (0 if "\u200d" in one else 1), warned
 
 
 def test_one_label_in_two_unicode_forms_is_refused_not_split_into_two_classes(tmp_path, imaging):
