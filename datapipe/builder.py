@@ -39,7 +39,7 @@ from . import __version__, remote, samples
 from . import manifest as mf
 from ._threads import torch_threads
 from .bounded import READ_AGAIN_ADVICE, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
-from .codecs import DecodeSpec, Fit, decode_fitted, plain_int
+from .codecs import DECODE_RULES, DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
     QUARANTINE_KINDS,
     ArgumentError,
@@ -600,7 +600,7 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
                 capped += loaded[1]
         attributes: dict[str, Any] = {
             "shard": plan["shard"], "inputs_hash": plan["inputs_hash"], "config_hash": config_hash,
-            "build_id": build_id, "quarantined": _gone_since_scan(quarantined, plan),
+            "build_id": build_id, "quarantined": _gone_since_scan(quarantined, plan), "decode_rules": DECODE_RULES,
         }
         if decode_spec.fit == "short":
             attributes["aspect_capped"] = capped
@@ -1026,6 +1026,20 @@ def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, 
     return done
 
 
+def _note_earlier_rules(done: dict[int, dict], total: int) -> None:
+    """Log how many of the finished shards a build keeps an earlier datapipe decoded, by other rules (see
+    codecs.DECODE_RULES): they are kept as they are (nothing says any of their files decodes otherwise now), and
+    the shards built now follow the current rules."""
+    earlier = sorted({rec.get("decode_rules", 1) for rec in done.values() if rec.get("decode_rules", 1) != DECODE_RULES},
+                     key=str)
+    if earlier:
+        count = sum(rec.get("decode_rules", 1) != DECODE_RULES for rec in done.values())
+        log.warning(f"datapipe build: {count:,} of the {total:,} shards kept were decoded by an earlier datapipe's rules "
+                    f"(decode rules {', '.join(map(str, earlier))}; now {DECODE_RULES}: rare image kinds may decode "
+                    "otherwise, see docs/build.md); they are kept as they are, and the shards built now follow the "
+                    "current rules: a build into a new folder decodes every file by them")
+
+
 def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], config: dict, chash: str, *,
                       verify: bool, retry: bool, max_bad_fraction: float, t0: float, side: int,
                       encoding: str) -> BuildReport:
@@ -1037,6 +1051,7 @@ def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], confi
                            encoding=encoding)
     if len(done) < len(plans):
         raise target.cannot_write()
+    _note_earlier_rules(done, len(plans))
     records = [done[p["shard"]] for p in plans]
     timing = {"scan": time.perf_counter() - t0, "shards": 0.0, "cluster": 0.0}
     return _finish(target.path, listing, plans, records, config, chash, max_bad_fraction, seconds=timing, workers=0,
@@ -1055,6 +1070,7 @@ def _build_todo(out: Path | remote.RemoteOutput, listing: Listing, plans: list[d
                 config: dict, chash: str, *, cluster: Cluster, progress: bool, max_bad_fraction: float, t0: float,
                 t_scan: float, build_id: str) -> BuildReport:
     """Build the shards not ``done`` and finish the cache."""
+    _note_earlier_rules(done, len(plans))
     todo = [p for p in plans if p["shard"] not in done]
     timing = {"scan": t_scan, "shards": 0.0}
     t1 = time.perf_counter()

@@ -768,6 +768,11 @@ def _bands(height: int, width: int, pixels: int = 1 << 20) -> Iterator[tuple[int
 # ----------------------------------------------------------------------------- decode
 
 
+# The decode's rules, numbered: raised whenever what a file decodes to changes (a rule fixed or added), so that a
+# cache tells the shards an earlier datapipe decoded. 1: the shards that carry no number; 2: 16-bit TIFF planes,
+# big-endian wide TIFF samples, float and 16-bit WhiteIsZero, unsigned 32-bit gray, a 16-bit RGB PNG's tRNS key.
+DECODE_RULES = 2
+
 _scratch = threading.local()
 
 

@@ -27,6 +27,7 @@ from .records import (
     Manifest,
     config_hash,
     parse_manifest,
+    read_build_record,
     version_of,
 )
 from .records import read_manifest as _read_manifest
@@ -53,6 +54,19 @@ def _stat(path: Path, cache: Path) -> os.stat_result | None:
         raise UnreadableFileError(f"cache {cache} cannot be read ({exc.strerror or exc}); {PERMISSION_ADVICE}") from None
 
 
+def _unfinished_hint(cache: Path) -> str:
+    """What to do with a folder a build began and did not finish: run it again, unless an earlier datapipe wrote
+    it, whose build a rerun cannot resume (its build.json has no build id)."""
+    try:
+        record = read_build_record(cache)
+    except CacheError:
+        record = None
+    if record is not None and not record.build_id:
+        return ("a build of an earlier datapipe was started here but did not finish, and this one cannot resume it "
+                "(its build.json has no build id): build into a new folder, or remove this one yourself")
+    return "a build was started here but did not finish; run the same `datapipe build` again to resume it"
+
+
 def read_manifest(cache: str | Path) -> Manifest:
     """Read and check a cache's manifest.
 
@@ -67,8 +81,6 @@ def read_manifest(cache: str | Path) -> Manifest:
     if not stat.S_ISDIR(found.st_mode):
         raise CacheError(f"cache {cache} is not a folder; pass the folder `datapipe build` wrote")
     if _stat(cache / MANIFEST, cache) is None:
-        hint = ("a build was started here but did not finish; run the same `datapipe build` again to resume it"
-                if (cache / BUILD_LOCK).exists() else
-                "pass the folder `datapipe build` wrote")
+        hint = (_unfinished_hint(cache) if (cache / BUILD_LOCK).exists() else "pass the folder `datapipe build` wrote")
         raise CacheError(f"{cache} is not a finished datapipe cache (no {MANIFEST}) — {hint}")
     return _read_manifest(cache)

@@ -450,7 +450,10 @@ def _describe(source: dict) -> str:
 
 def _diff(old: dict, new: dict) -> str:
     parts = [_change(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    return ", ".join(parts) or "unknown configuration"
+    unrecorded = sorted(set(new) - set(old))
+    earlier = (f"; the earlier build's datapipe did not record {', '.join(unrecorded)}: an earlier datapipe wrote it"
+               if unrecorded else "")
+    return (", ".join(parts) or "unknown configuration") + earlier
 
 
 def _change(key: str, old: Any, new: Any) -> str:

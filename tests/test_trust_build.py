@@ -1454,3 +1454,43 @@ def test_a_build_never_writes_or_removes_behind_a_linked_shards_folder(small, tm
                                           r"shards only in a folder of its own"):
         build(small, b, **({"size": SIZE + 8, "force": True} if how == "force" else {}))
     assert imaging.tree_bytes(a / "shards", skip=()) == before and datapipe.open(a).verify() == []
+
+
+def test_a_rerun_says_how_many_shards_it_keeps_were_decoded_by_an_earlier_datapipes_rules(small, tmp_path, caplog):
+    """A rule of the decode changed (a --fit short sample one pixel longer) and an upgraded rerun said 'nothing to
+    do', then wrote new shards by the new rule beside the old: one picture at two shapes in one cache, unsaid."""
+    out = tmp_path / "out"
+    build(small, out)
+    assert all(json.loads(p.read_text())["attributes"]["datapipe"]["decode_rules"] == builder.DECODE_RULES
+               for p in (out / "shards").glob("*/zarr.json"))
+    _edit_record(out / "shards" / "000001.zarr", lambda rec: rec.pop("decode_rules"))  # as an earlier datapipe wrote it
+    with caplog.at_level("WARNING", logger="datapipe"):
+        report = build(small, out)
+    assert report.shards_built == 0
+    warned = [r.getMessage() for r in caplog.records if "earlier datapipe's rules" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("datapipe build: 1 of the 3 shards kept were decoded by an "
+                                                     f"earlier datapipe's rules (decode rules 1; now {builder.DECODE_RULES}")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="datapipe"):
+        build(small, tmp_path / "fresh")
+    assert not [r for r in caplog.records if "earlier datapipe's rules" in r.getMessage()]
+
+
+def test_a_folder_an_earlier_datapipe_began_is_named_as_such(small, tmp_path):
+    """Opening one said "run the same datapipe build again to resume it", which the build refuses (no build id), and
+    the build's refusal named a setting the user never gave ("restart_interval: None -> 1")."""
+    out = tmp_path / "out"
+    build(small, out)
+    (out / "manifest.json").unlink()
+    doc = json.loads((out / "build.json").read_text())
+    without_id = {k: v for k, v in doc.items() if k != "build_id"}
+    (out / "build.json").write_text(json.dumps(without_id))
+    with pytest.raises(CacheError, match=r"a build of an earlier datapipe was started here but did not finish, and this "
+                                         r"one cannot resume it \(its build.json has no build id\): build into a new folder"):
+        datapipe.open(out)
+    config = {k: v for k, v in doc["config"].items() if k != "max_pixels"}
+    older = dict(doc, config=config, config_hash=datapipe.records.config_hash(config))
+    (out / "build.json").write_text(json.dumps(older))
+    with pytest.raises(ConfigMismatchError, match=r"the earlier build's datapipe did not record max_pixels: an earlier "
+                                                  r"datapipe wrote it"):
+        build(small, out)

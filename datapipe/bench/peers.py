@@ -137,7 +137,8 @@ def cache_samples(cache: Cache, source: str | os.PathLike, *, check: int = 8) ->
     for i in sorted({round(k * (len(rel) - 1) / max(check - 1, 1)) for k in range(check)} if rel else ()):
         if not _same_pixels(cache, i, root / rel[i]):
             raise SourceError(f"--source {src}: {rel[i]} is not the file sample {i} of the cache was built from (its "
-                              f"pixels differ); pass the source the cache was built from ({built_from}), or rebuild")
+                              f"pixels differ); pass the source the cache was built from ({built_from}), or rebuild (into "
+                              "a new folder, if an earlier datapipe built the cache: its decode rules may differ)")
     return SampleList(root=root, samples=tuple((root / p, lab) for p, lab in zip(rel, labels, strict=True)))
 
 
