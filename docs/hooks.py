@@ -7,6 +7,7 @@ A page that contains the line ``<!-- cli-reference -->`` gets, in its place, the
 from __future__ import annotations
 
 import argparse
+import re
 
 MARKER = "<!-- cli-reference -->"
 
@@ -28,3 +29,13 @@ def on_page_markdown(markdown: str, **_: object) -> str:
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, _reference())
     return markdown
+
+
+# The docstrings cross-reference in Sphinx's roles (:class:`Cache`, :meth:`~Cache.verify`), which the Google-style
+# handler renders as text before the name's code: the role goes, and a leading ~ shows the last part, as in Sphinx.
+_ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj|const):(?=<code>)")
+_TILDE = re.compile(r"<code>~(?:[\w.]+\.)?([\w]+)</code>")
+
+
+def on_page_content(html: str, **_: object) -> str:
+    return _TILDE.sub(r"<code>\1</code>", _ROLE.sub("", html))
