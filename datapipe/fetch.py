@@ -872,6 +872,10 @@ class ShardFetcher:
                 if fd >= 0:
                     _close_step_lock(fd)
             self.download(shard)
+        linked = next((link for rel in rels if (link := _link_on_the_way(self.folder, rel)) is not None), None)
+        if linked is not None:  # the download lands behind the link, which is never taken for the node's own file
+            raise CacheError(f"{linked} is a symbolic link inside the node cache {self.folder}, where datapipe writes and "
+                             "removes only files of its own: remove the link (what it leads to is left as it is)")
         raise RemoteStoreError(f"shard {rec.name}: evicted from {self.folder} again and again before it could be read; "
                                "raise cache_limit (other processes on this node fill it)")
 
@@ -1628,14 +1632,20 @@ def _current(entry: dict, crc: str) -> bool:
     return entry.get("crc32c") == crc
 
 
+def _link_on_the_way(folder: Path, rel: str) -> Path | None:
+    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link; None if none is."""
+    parts = Path(rel).parts
+    return next((folder.joinpath(*parts[:i]) for i in range(1, len(parts)) if os.path.islink(folder.joinpath(*parts[:i]))),
+                None)
+
+
 def _same_file(folder: Path, rel: str, entry: dict) -> bool:
     """``folder / rel`` is still the file a record names (inode, size, mtime), reached through folders of the node's
     cache itself (a folder linked in from elsewhere keeps the inode of a file moved behind it): never delete one
     datapipe did not write."""
     if ".." in Path(str(entry.get("path", ""))).parts:
         return False
-    parts = Path(rel).parts
-    if ".." in parts or any(os.path.islink(folder.joinpath(*parts[:i])) for i in range(1, len(parts))):
+    if ".." in Path(rel).parts or _link_on_the_way(folder, rel) is not None:
         return False
     path = folder / rel
     try:
