@@ -65,7 +65,7 @@ from .errors import (
     unreadable,
 )
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, holds, read_regular
-from .output import LOCK_FILE, Output, prepare, remove_shards, shard_build_id, still_held
+from .output import LOCK_FILE, Output, linked_shards, prepare, remove_shards, shard_build_id, still_held
 from .records import INDEX_ROW_BYTES, FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
 from .shards import (
     GROUP_META,
@@ -992,6 +992,8 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
         return _check_up_to_date(target, listing, plans, config, chash, verify=verify, retry=retry,
                                  max_bad_fraction=max_bad_fraction, t0=t0, side=spec.decode.max_side,
                                  encoding=spec.encoding)
+    if linked_shards(out) is not None:  # behind the link, only a rerun that finds nothing to do
+        _refuse_linked_shards(out, plans, chash, target.build_id, retry=retry, verify=verify, spec=spec)
     _retire_stale_manifest(out, plans, chash, target.build_id, retry=retry)
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
@@ -1004,6 +1006,20 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
                                              side=spec.decode.max_side, encoding=spec.encoding)
     return _build_todo(out, listing, plans, done, kwargs, config, chash, cluster=cluster, progress=progress,
                        max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
+
+
+def _refuse_linked_shards(out: Path, plans: list[dict], chash: str, build_id: str, *, retry: bool, verify: bool,
+                          spec: BuildSpec) -> None:
+    """Raise linked_shards' refusal, before anything is written, unless every planned shard is finished and no
+    other shard of this build is there to remove: then the build writes nothing behind the link."""
+    done = _finished_local(out, plans, chash, build_id, verify=verify, retry=retry, side=spec.decode.max_side,
+                           encoding=spec.encoding)
+    planned = {shard_name(p["shard"]) for p in plans}
+    others = [e for e in (out / SHARDS_DIR).iterdir() if e.name.endswith(".zarr") and e.name not in planned
+              and shard_build_id(e) == build_id]
+    refusal = linked_shards(out)
+    if refusal is not None and (len(done) < len(plans) or others):
+        raise refusal
 
 
 def _retries(force: bool, verify: bool, *, finished: bool) -> bool:
@@ -1027,17 +1043,20 @@ def _finished_local(out: Path, plans: list[dict], chash: str, build_id: str, *, 
 
 
 def _note_earlier_rules(done: dict[int, dict], total: int) -> None:
-    """Log how many of the finished shards a build keeps an earlier datapipe decoded, by other rules (see
-    codecs.DECODE_RULES): they are kept as they are (nothing says any of their files decodes otherwise now), and
-    the shards built now follow the current rules."""
-    earlier = sorted({rec.get("decode_rules", 1) for rec in done.values() if rec.get("decode_rules", 1) != DECODE_RULES},
-                     key=str)
-    if earlier:
-        count = sum(rec.get("decode_rules", 1) != DECODE_RULES for rec in done.values())
-        log.warning(f"datapipe build: {count:,} of the {total:,} shards kept were decoded by an earlier datapipe's rules "
-                    f"(decode rules {', '.join(map(str, earlier))}; now {DECODE_RULES}: rare image kinds may decode "
-                    "otherwise, see docs/build.md); they are kept as they are, and the shards built now follow the "
-                    "current rules: a build into a new folder decodes every file by them")
+    """Log how many of the finished shards a build keeps another datapipe decoded, by other rules (see
+    codecs.DECODE_RULES; a shard without the number is of rules 1): they are kept as they are (nothing says any of
+    their files decodes otherwise now), and the shards built now follow this datapipe's rules."""
+    def rules(rec: dict) -> int | None:  # None: a number of no kind (the record edited)
+        value = rec.get("decode_rules", 1)
+        return value if type(value) is int else None
+
+    others = [r for r in map(rules, done.values()) if r != DECODE_RULES]
+    if others:
+        named = ", ".join(sorted({"unknown" if r is None else str(r) for r in others}))
+        log.warning(f"datapipe build: {len(others):,} of the {total:,} shards kept were decoded by another datapipe's "
+                    f"rules (decode rules {named}; this one's: {DECODE_RULES}: rare image kinds may decode otherwise, see "
+                    "docs/build.md); they are kept as they are, and the shards built now follow this one's rules: a "
+                    "build into a new folder decodes every file by them")
 
 
 def _check_up_to_date(target: Output, listing: Listing, plans: list[dict], config: dict, chash: str, *,

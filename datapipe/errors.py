@@ -250,10 +250,10 @@ class OutOfThreadsError(DatapipeError, RuntimeError):
 def allocation_failed(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocation that failed: MemoryError, or torch's RuntimeError for one (on the CPU,
     "DefaultCPUAllocator: can't allocate memory"; on CUDA, torch.cuda.OutOfMemoryError, "CUDA out of memory")."""
-    if isinstance(exc, MemoryError):
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
         return True
     text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "CUDA out of memory" in text)
 
 
 def thread_start_failed(exc: BaseException, what: str = "") -> OutOfThreadsError | None:

@@ -302,15 +302,13 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
                 raise busy(out, holder)
             raise OutputError(f"output {out} is not empty and is not a datapipe cache; choose an empty "
                               "or new folder (datapipe never deletes files it did not create)")
-        if os.path.islink(out / SHARDS_DIR):  # what a build writes and removes there would be behind the link
-            raise OutputError(f"{out / SHARDS_DIR} is a symbolic link (to {os.readlink(out / SHARDS_DIR)}); a build "
-                              "writes and removes shards only in a folder of its own, never behind a link (another "
-                              "cache's shards, maybe): make it a folder (to keep a cache on another disk, link the "
-                              "whole output folder instead)")
     except DatapipeError:
         raise
     except OSError as exc:  # it cannot be looked at: whether it is empty, or datapipe's, cannot be told
         raise _unreadable(out, exc) from None
+    if not existed and os.path.islink(out):  # mkdir would say "File exists" of a name that shows no file
+        raise OutputError(f"output {out} is a symbolic link to {os.readlink(out)}, which does not exist: create the "
+                          "folder it names (a build writes into it), or remove the link, and rerun")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -498,9 +496,27 @@ def shard_build_id(shard_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def linked_shards(out: Path) -> OutputError | None:
+    """The refusal of a build that would write or remove shards in ``out`` whose ``shards/`` is a symbolic link
+    (another cache's shards, maybe); None when it is a folder. Reading such a cache, and a rerun that finds nothing
+    to do, go through the link."""
+    if not os.path.islink(out / SHARDS_DIR):
+        return None
+    return OutputError(f"{out / SHARDS_DIR} is a symbolic link (to {os.readlink(out / SHARDS_DIR)}), and this build "
+                       "would write or remove shards there; a build does so only in a folder of its own, never behind a "
+                       "link (another cache's shards, maybe): make it a folder (to keep a cache on another disk, link "
+                       "the whole output folder instead). Nothing was changed")
+
+
 def remove_build(out: Path, build_id: str) -> None:
     """Remove what the build ``build_id`` wrote here, and nothing else; nothing when a shard cannot be read
-    (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were."""
+    (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were.
+
+    Raises:
+        OutputError: ``shards/`` is a link (see :func:`linked_shards`), or a shard holds what no build wrote.
+    """
+    if (refusal := linked_shards(out)) is not None:
+        raise refusal
     doomed = _shards_of(out, build_id, keep=())
     foreign = [(shard, entry) for shard in doomed for entry in foreign_entries(shard)]
     if foreign:  # refused before anything goes: the cache stays whole, as it was
@@ -537,8 +553,9 @@ def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:
 
 
 def _remove_shards(out: Path, doomed: list[Path]) -> None:
-    """Remove these shard folders (see _shards_of) and the writer's temporary folders."""
-    if not (out / SHARDS_DIR).is_dir():
+    """Remove these shard folders (see _shards_of) and the writer's temporary folders; nothing behind a linked
+    ``shards/`` (see :func:`linked_shards`)."""
+    if not (out / SHARDS_DIR).is_dir() or os.path.islink(out / SHARDS_DIR):
         return
     remove_stale_temps(out / SHARDS_DIR)
     for entry in doomed:

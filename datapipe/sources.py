@@ -493,6 +493,10 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
             first_line.setdefault(label, begins)
             rows.append((relative(row[0], begins), label, begins))
     except csv.Error as exc:
+        if "field larger than field limit" in str(exc):  # a quote left open: the rest of the file taken as one cell
+            raise SourceError(f"{csv_path}:{start}: a quote opened on this line is not closed within "
+                              f"{csv.field_size_limit():,} characters, which makes the lines after it one cell; close it "
+                              "(a quote inside a cell is written twice: \"\")") from None
         raise SourceError(f"{csv_path}:{reader.line_num}: not a CSV row ({exc}); write plain 'path,label' rows") from None
     if (twins := unicode_twins(first_line)) is not None:
         one, other = twins
@@ -509,10 +513,15 @@ def _breaks_line(cell: str) -> bool:
 
 
 _UNICODE_FORMS = ("in another Unicode form: NFD and NFC write the same letters with other code points; or with an "
-                  "invisible character, a zero-width space, word joiner or byte-order mark")
-# Characters that show nothing and mean nothing in a name (unlike a zero-width joiner in an emoji or a non-joiner in
-# Persian, which change how it prints)
-_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u2060\ufeff"))
+                  "invisible character, such as a zero-width space, a soft hyphen or a direction mark")
+# Characters that show nothing in a name: Unicode's default-ignorable code points, but for the zero-width joiner and
+# non-joiner (which change how an emoji or a Persian word prints) and the tag characters (which tell flags apart)
+_INVISIBLE = dict.fromkeys(
+    c for first, last in ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+                          (0x180B, 0x180F), (0x200B, 0x200B), (0x200E, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F),
+                          (0x3164, 0x3164), (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0x1BCA0, 0x1BCA3),
+                          (0x1D173, 0x1D17A), (0xE0100, 0xE01EF))
+    for c in range(first, last + 1))
 
 
 def spelling(name: str) -> str:
