@@ -387,13 +387,17 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     loc = remote.open_location(output, output_options, timeout=store_timeout or remote.STORE_TIMEOUT)
     name = shard_name(plan["shard"])
     staging, held = _staging_folder()
-    upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}",
-                                before=lambda: _claim_remote_shard(loc, name, build_id, plan["shard"]))
+    def claim() -> None:
+        _check_remote_lock(loc, name, lock_token)
+        _claim_remote_shard(loc, name, build_id, plan["shard"])
+
+    upload = remote.ShardUpload(loc, f"{SHARDS_DIR}/{name}", before=claim)
     try:
         record = _build_shard(plan, root=root, output=str(staging), spec=spec, config_hash=config_hash,
                               build_id=build_id, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
                               source_options=source_options, store_timeout=store_timeout, opened=upload.follow,
                               durable=False)
+        _check_remote_lock(loc, name, lock_token)  # the zarr.json that makes it whole comes last
         with _outside_the_pool(serial):
             upload.finish(staging / SHARDS_DIR / name)
     except BaseException:
@@ -506,6 +510,26 @@ def _outside_the_pool(serial: bool) -> Iterator[None]:
         yield
     finally:
         _WAITING_FOR_THE_STORE.release()
+
+
+def _check_remote_lock(loc: remote.Location, name: str, token: str | None) -> None:
+    """A task of a build into object storage writes only while that build holds the prefix's lock (read from the
+    store): a build paused past the lock's TTL (SIGSTOP, a frozen VM) whose lock another build took over meanwhile
+    would otherwise overwrite that build's shards when it runs on.
+
+    Raises:
+        BuildError: the lock object is not the build's (``token``), or gone.
+    """
+    if not token:
+        return
+    try:
+        held = remote.read_doc(loc, remote.LOCK_OBJECT)
+    except CacheError:
+        held = None
+    if not (isinstance(held, dict) and held.get("token") == token):
+        holder = f" (pid {held.get('pid')} on host {held.get('host')} holds it)" if isinstance(held, dict) else ""
+        raise BuildError(f"shard {name} was not written: the build that asked for it no longer holds the lock of "
+                         f"{loc.url}{holder}: another build took it over, or the build ended; rerun the build to resume")
 
 
 def _claim_remote_shard(loc: remote.Location, name: str, build_id: str, shard: int) -> None:
@@ -1151,7 +1175,7 @@ def _build_remote(loc: remote.Location, listing: Listing, config: dict, chash: s
                 remote.delete(loc, [mf.MANIFEST])  # a half-rebuilt cache must not read as finished
             kwargs = {"root": listing.location, "output": loc.url, "spec": asdict(spec.decode), "config_hash": chash,
                       "build_id": target.build_id, "encoding": spec.encoding, "quality": spec.quality,
-                      "output_options": loc.storage_options, **options}
+                      "output_options": loc.storage_options, "lock_token": target.lock.token, **options}
             report = _build_todo(target, listing, plans, done, kwargs, config, chash, cluster=cluster,
                                  progress=progress, max_bad_fraction=max_bad_fraction, t0=t0,
                                  t_scan=time.perf_counter() - t0, build_id=target.build_id)
@@ -1202,7 +1226,7 @@ def _publish_remote(target: remote.RemoteOutput, plans: list[dict], documents: d
     and paths.json, then the manifest, unless they already are what it would upload (a rerun with nothing to do
     writes nothing); whether it uploaded."""
     loc = target.loc
-    if target.lock.lost:  # its shards may be another build's by now: a manifest must not vouch for them
+    if not target.lock.held_now():  # its shards may be another build's by now: a manifest must not vouch for them
         raise OutputBusyError(f"output {loc.url}: another datapipe build took over this build's lock while it ran "
                               f"(its lock object was replaced or removed, and not refreshed for "
                               f"{target.lock.ttl:g} s); no manifest was written: wait for that build, then rerun")

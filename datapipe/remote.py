@@ -1028,7 +1028,7 @@ class RemoteLock:
         if not self._acquire_conditionally():
             held = self._held()
             if isinstance(held, dict) and self.alive(held):
-                raise self._busy(held)
+                raise self._busy(self._holder(held))
             write_doc(self.loc, LOCK_OBJECT, self._doc())
         time.sleep(env_seconds("DATAPIPE_REMOTE_LOCK_SETTLE", LOCK_SETTLE))
         now = self._held()
@@ -1061,7 +1061,7 @@ class RemoteLock:
             self._etag = etag  # this build's own write, whose answer was lost (and the client's retry refused)
             return True
         if isinstance(held, dict) and self.alive(held):
-            raise self._busy(held)
+            raise self._busy(self._holder(held))
         try:
             self._etag = self._put(if_match=etag) if etag else self._put(if_none_match=True)
         except _Unconditional:
@@ -1118,6 +1118,21 @@ class RemoteLock:
             raise _Unconditional
         return str(etag)
 
+    def held_now(self) -> bool:
+        """Whether the lock object is this build's now (read from the store, not the heartbeat's last word: a build
+        paused past the TTL, SIGSTOP or a frozen VM, runs on at once while its heartbeat has not looked yet);
+        ``lost`` when it is not."""
+        held = self._held()
+        if not (isinstance(held, dict) and held.get("token") == self.token):
+            self.lost = True
+        return not self.lost
+
+    def _holder(self, held: dict[str, Any]) -> dict[str, Any]:
+        """The lock object as it is now, for a message naming its holder (``held`` if it cannot be read): after a
+        watch, another build may have taken it over from the one read first."""
+        now = self._held()
+        return now if isinstance(now, dict) else held
+
     def alive(self, held: dict[str, Any], *, watch: bool = True) -> bool:
         """Whether the lock object ``held`` is a living build's. On this host (one clock): refreshed within the TTL
         and its process still there. Another host's ``refreshed`` is its own clock's, which may differ from this
@@ -1157,11 +1172,19 @@ class RemoteLock:
                 return False
 
     def _beat(self) -> None:
+        refreshed = time.monotonic()  # this build's last refresh (or its taking of the lock), by this process's clock
         while not self._stop.wait(self.ttl / 4):
             with contextlib.suppress(Exception):
+                # Not refreshed for the TTL (the process paused: SIGSTOP, a frozen VM): another build was entitled to
+                # take the lock over, and may have finished and removed it since. A lock object gone or another's is
+                # then lost for good, never put back.
+                stale = time.monotonic() - refreshed > self.ttl
                 if self._etag is not None:
                     try:
+                        if stale:
+                            raise _Lost
                         self._etag = self._put(if_match=self._etag)
+                        refreshed = time.monotonic()
                         continue
                     except _Unconditional:
                         self._etag = None  # refreshed as elsewhere from now on
@@ -1170,20 +1193,25 @@ class RemoteLock:
                             held, etag = self._get()
                         except FileNotFoundError:
                             held, etag = None, None
-                        if isinstance(held, dict) and held.get("token") != self.token:
+                        if (isinstance(held, dict) and held.get("token") != self.token) or (stale and not isinstance(held, dict)):
                             self.lost = True  # another build took the lock over (this one's refreshes failed for
                             return  # LOCK_TTL), never undone: the build ends before its manifest
                         if isinstance(held, dict):
                             self._etag = etag
+                            if stale:  # still this build's after all: refreshed now
+                                self._etag = self._put(if_match=etag)
+                                refreshed = time.monotonic()
                             continue
                         with contextlib.suppress(_Lost):  # removed or damaged: put back (unless written meanwhile)
                             self._etag = self._put(if_match=etag) if etag else self._put(if_none_match=True)
+                            refreshed = time.monotonic()
                         continue
                 held = self._held()
-                if isinstance(held, dict) and held.get("token") != self.token:
+                if (isinstance(held, dict) and held.get("token") != self.token) or (stale and not isinstance(held, dict)):
                     self.lost = True  # another build took the lock over (this one's refreshes failed for LOCK_TTL)
                     return
                 write_doc(self.loc, LOCK_OBJECT, self._doc())
+                refreshed = time.monotonic()
 
     def release(self) -> None:
         """Stop refreshing the lock and remove its object if it is still this build's (for at most

@@ -29,6 +29,7 @@ from PIL import Image
 from s3_server import MISSING, REASON, free_port
 
 import datapipe
+import datapipe.builder as builder
 from datapipe import remote
 from datapipe.errors import ArgumentError, ConfigMismatchError, OutputError
 
@@ -502,6 +503,70 @@ def test_a_lock_object_removed_or_damaged_under_a_build_is_put_back_and_one_take
         with pytest.raises(datapipe.errors.OutputBusyError, match=f"pid {os.getpid()}"):
             remote.RemoteLock(loc).acquire()
     lock.remove()
+
+
+def test_a_build_refused_after_watching_a_lock_names_the_build_that_holds_it_now(s3, source, monkeypatch):
+    """Of builds racing for a dead build's lock, the losers named the dead build ('refreshing it while watched')."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")
+    url = s3.bucket() + "/cache"
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://") + "/.datapipe.lock"
+    fs.pipe_file(key, json.dumps({"host": "deadhost", "pid": 1, "token": "dead", "refreshed": time.time() - 600}).encode())
+    winner = json.dumps({"host": "winner", "pid": 2, "token": "won", "refreshed": time.time()}).encode()
+    taker = threading.Timer(0.2, lambda: fs.pipe_file(key, winner))  # another build takes it over during the watch
+    taker.start()
+    try:
+        with pytest.raises(datapipe.errors.OutputBusyError, match=r"\(pid 2 on host winner, refreshed 0 s ago\)"):
+            build(source[0], url, storage_options=s3.storage_options)
+    finally:
+        taker.join()
+
+
+@pytest.mark.parametrize("still_there", [False, True], ids=["gone", "still-this-builds"])
+def test_a_build_paused_past_the_ttl_never_takes_its_lock_back(s3, monkeypatch, still_there):
+    """Paused past the TTL (Ctrl-Z, a frozen VM), a build whose lock another build took over, finished and removed
+    put the lock object back on resuming, and rewrote that build's cache (exit 0). A lock object gone after such a
+    pause is lost for good; one still this build's is refreshed."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")
+    loc, fs, key, lock = _held_lock(s3, monkeypatch)
+    if not still_there:
+        fs.rm(key)  # taken over, finished, removed while this build was paused
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 60)  # the pause, as this process's clock sees it
+    time.sleep(1.5)  # three refreshes
+    monkeypatch.setattr(time, "monotonic", real)
+    try:
+        if still_there:
+            assert not lock.lost and json.loads(fs.cat_file(key))["token"] == lock.token and lock.held_now()
+        else:
+            assert lock.lost and not fs.exists(key) and not lock.held_now()
+    finally:
+        lock.remove()
+
+
+def test_a_build_whose_lock_another_took_over_writes_no_further_shard_nor_a_manifest(s3, source, monkeypatch):
+    """A build paused past the TTL (SIGSTOP, a frozen VM) ran on at once when resumed, before its heartbeat looked:
+    it overwrote the shards of the build that had taken its lock over, and published its own manifest (exit 0).
+    Each shard's task and the publish now read the lock from the store first."""
+    url = s3.bucket() + "/cache"
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://") + "/.datapipe.lock"
+    claimed = []
+    real = builder._claim_remote_shard
+
+    def claim(loc, name, build_id, shard):
+        claimed.append(name)
+        real(loc, name, build_id, shard)
+        if len(claimed) == 1:  # after the first shard is claimed, another build takes the lock over
+            fs.pipe_file(key, json.dumps({"host": "elsewhere", "pid": 1, "token": "other", "refreshed": time.time()}).encode())
+
+    monkeypatch.setattr(builder, "_claim_remote_shard", claim)
+    with pytest.raises(datapipe.errors.BuildError, match=r"was not written: the build that asked for it no longer holds "
+                                                          r"the lock of .*\(pid 1 on host elsewhere holds it\)"):
+        build(source[0], url, storage_options=s3.storage_options, shard_size=4)
+    assert len(claimed) == 1  # no further shard was begun
+    assert not fs.exists(url.removeprefix("s3://") + "/manifest.json")
+    assert json.loads(fs.cat_file(key))["token"] == "other"  # the other build's lock is left as it is
 
 
 def test_keys_with_an_empty_folder_name_are_named_not_merged_and_an_output_so_spelled_is_not_a_class(s3, imaging,
