@@ -400,6 +400,7 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
         _check_remote_lock(loc, name, lock_token)  # the zarr.json that makes it whole comes last
         with _outside_the_pool(serial):
             upload.finish(staging / SHARDS_DIR / name)
+        _check_remote_lock(loc, name, lock_token, written=True)  # a pause between the check and the writes
     except BaseException:
         upload.abort()
         raise
@@ -512,7 +513,7 @@ def _outside_the_pool(serial: bool) -> Iterator[None]:
         _WAITING_FOR_THE_STORE.release()
 
 
-def _check_remote_lock(loc: remote.Location, name: str, token: str | None) -> None:
+def _check_remote_lock(loc: remote.Location, name: str, token: str | None, *, written: bool = False) -> None:
     """A task of a build into object storage writes only while that build holds the prefix's lock (read from the
     store): a build paused past the lock's TTL (SIGSTOP, a frozen VM) whose lock another build took over meanwhile
     would otherwise overwrite that build's shards when it runs on.
@@ -528,6 +529,11 @@ def _check_remote_lock(loc: remote.Location, name: str, token: str | None) -> No
         held = None
     if not (isinstance(held, dict) and held.get("token") == token):
         holder = f" (pid {held.get('pid')} on host {held.get('host')} holds it)" if isinstance(held, dict) else ""
+        if written:  # paused between its check and its writes: it may have written over the other build's shard
+            raise BuildError(f"shard {name} was written by a build that no longer holds the lock of {loc.url}{holder} "
+                             "(it was paused past the lock's TTL, and another build took it over): if that build "
+                             f"finished, its shard {name} may be this one's now; `datapipe verify {loc.url}` names it "
+                             f"and `datapipe build SOURCE {loc.url} --verify` rewrites it")
         raise BuildError(f"shard {name} was not written: the build that asked for it no longer holds the lock of "
                          f"{loc.url}{holder}: another build took it over, or the build ended; rerun the build to resume")
 
