@@ -65,7 +65,17 @@ from .errors import (
     unreadable,
 )
 from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, holds, read_regular
-from .output import LOCK_FILE, Output, linked_shards, prepare, remove_shards, shard_build_id, still_held
+from .output import (
+    LOCK_FILE,
+    Output,
+    linked_shards,
+    not_ours,
+    prepare,
+    remove_shards,
+    shard_build_id,
+    shards_of,
+    still_held,
+)
 from .records import INDEX_ROW_BYTES, FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
 from .shards import (
     GROUP_META,
@@ -523,10 +533,7 @@ def _check_remote_lock(loc: remote.Location, name: str, token: str | None, *, wr
     """
     if not token:
         return
-    try:
-        held = remote.read_doc(loc, remote.LOCK_OBJECT)
-    except CacheError:
-        held = None
+    held = remote.read_lock(loc)
     if not (isinstance(held, dict) and held.get("token") == token):
         holder = f" (pid {held.get('pid')} on host {held.get('host')} holds it)" if isinstance(held, dict) else ""
         if written:  # paused between its check and its writes: it may have written over the other build's shard
@@ -580,10 +587,7 @@ def _build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash:
     if os.path.lexists(final):  # a shard of this build from other inputs, or a damaged one: replace it
         foreign = [] if final.is_symlink() or not final.is_dir() else foreign_entries(final)
         if foreign:
-            more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-            raise BuildError(f"{foreign[0]}{more} is in shard folder {final}, which this build writes, and no datapipe "
-                             "build wrote it; datapipe does not delete what it did not write: move it out and rerun "
-                             "(finished shards are kept)")
+            raise not_ours(foreign, final, "writes", "finished shards are kept")
         if not final.is_symlink() and final.is_dir() and not any(f for _, _, f in os.walk(final)):
             remove_shard(final)  # empty folders only (a shard removed but for a file since moved out of it)
         elif shard_build_id(final) != build_id or final.is_symlink():
@@ -1022,8 +1026,9 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
         return _check_up_to_date(target, listing, plans, config, chash, verify=verify, retry=retry,
                                  max_bad_fraction=max_bad_fraction, t0=t0, side=spec.decode.max_side,
                                  encoding=spec.encoding)
-    if linked_shards(out) is not None:  # behind the link, only a rerun that finds nothing to do
-        _refuse_linked_shards(out, plans, chash, target.build_id, retry=retry, verify=verify, spec=spec)
+    refusal = linked_shards(out)  # behind the link, only a rerun that finds nothing to do; refused before it writes
+    if refusal is not None and _changes_shards(out, plans, chash, target.build_id, retry=retry, verify=verify, spec=spec):
+        raise refusal
     _retire_stale_manifest(out, plans, chash, target.build_id, retry=retry)
     t_scan = time.perf_counter() - t0
     _log_plan(listing, plans, spec)
@@ -1038,18 +1043,13 @@ def _build_locked(target: Output, listing: Listing, config: dict, chash: str, sp
                        max_bad_fraction=max_bad_fraction, t0=t0, t_scan=t_scan, build_id=target.build_id)
 
 
-def _refuse_linked_shards(out: Path, plans: list[dict], chash: str, build_id: str, *, retry: bool, verify: bool,
-                          spec: BuildSpec) -> None:
-    """Raise linked_shards' refusal, before anything is written, unless every planned shard is finished and no
-    other shard of this build is there to remove: then the build writes nothing behind the link."""
+def _changes_shards(out: Path, plans: list[dict], chash: str, build_id: str, *, retry: bool, verify: bool,
+                    spec: BuildSpec) -> bool:
+    """Whether a build would write or remove a shard: a planned one not finished, or one of this build no longer
+    planned."""
     done = _finished_local(out, plans, chash, build_id, verify=verify, retry=retry, side=spec.decode.max_side,
                            encoding=spec.encoding)
-    planned = {shard_name(p["shard"]) for p in plans}
-    others = [e for e in (out / SHARDS_DIR).iterdir() if e.name.endswith(".zarr") and e.name not in planned
-              and shard_build_id(e) == build_id]
-    refusal = linked_shards(out)
-    if refusal is not None and (len(done) < len(plans) or others):
-        raise refusal
+    return len(done) < len(plans) or bool(shards_of(out, build_id, keep={shard_name(p["shard"]) for p in plans}))
 
 
 def _retries(force: bool, verify: bool, *, finished: bool) -> bool:

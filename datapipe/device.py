@@ -391,11 +391,9 @@ class DeviceLoader:
             return
         rows = self._slot_rows()
         if self.augment is not None and self.augment.size:
-            itemsize = torch.empty((), dtype=self.augment.dtype).element_size()
-            one = rows * 3 * self.augment.size**2 * itemsize
-            what = (f"batches of {rows} x 3 x {self.augment.size} x {self.augment.size} {str(self.augment.dtype)[6:]} "
-                    f"({one / 2**30:,.2f} GiB each; it holds up to {self._held_batches()}, beside the samples read and "
-                    "the augmentation's temporaries)")
+            one, shape = _output_batch(self.augment, rows)
+            what = (f"batches of {shape} ({one / 2**30:,.2f} GiB each; it holds up to {self._held_batches()}, beside "
+                    "the samples read and the augmentation's temporaries)")
             lower = f"the augmentation's size ({self.augment.size}) or the batch size"
         else:
             what, lower = f"batches of {rows} samples", "the batch size"
@@ -761,14 +759,20 @@ def _check_batch_fits(aug: BatchAugment, batch_size: int, batches: int, device: 
     calculation overflowed"), or the kernel's out-of-memory kill, names neither the size nor what to change."""
     if not aug.size:
         return
-    itemsize = torch.empty((), dtype=aug.dtype).element_size()
-    one = batch_size * 3 * aug.size * aug.size * itemsize
+    one, shape = _output_batch(aug, batch_size)
     have, what = _device_memory(device)
     if have and one * batches > have:
-        raise ArgumentError(f"the loader holds up to {batches} output batches of {batch_size} x 3 x {aug.size} x "
-                            f"{aug.size} {str(aug.dtype)[6:]} ({one / 2**30:,.2f} GiB each), {one * batches / 2**30:,.1f} GiB "
-                            f"in all, more than the {have / 2**30:,.1f} GiB of {what}: lower the augmentation's size "
-                            f"({aug.size}) or the batch size{', or num_workers and prefetch' if device.type != 'cuda' else ''}")
+        raise ArgumentError(f"the loader holds up to {batches} output batches of {shape} ({one / 2**30:,.2f} GiB each), "
+                            f"{one * batches / 2**30:,.1f} GiB in all, more than the {have / 2**30:,.1f} GiB of {what}: "
+                            f"lower the augmentation's size ({aug.size}) or the batch size"
+                            f"{', or num_workers and prefetch' if device.type != 'cuda' else ''}")
+
+
+def _output_batch(aug: BatchAugment, rows: int) -> tuple[int, str]:
+    """The bytes of one output batch of ``rows`` samples of ``aug`` (a fixed size), and its shape and dtype in words."""
+    assert aug.size
+    itemsize = torch.empty((), dtype=aug.dtype).element_size()
+    return rows * 3 * aug.size * aug.size * itemsize, f"{rows} x 3 x {aug.size} x {aug.size} {str(aug.dtype)[6:]}"
 
 
 def reads_mapped(cache: Cache, aug: BatchAugment) -> bool:

@@ -78,7 +78,7 @@ from .errors import (
     local_os_error,
     one_line,
 )
-from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, free_mib, make_dirs
+from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, free_mib, link_on_the_way, make_dirs
 from .records import INDEX_ROW_BYTES, MANIFEST, Manifest, parse_json, parse_manifest
 from .remote import connect, is_s3fs, past_the_end
 from .shards import SHARDS_DIR, images_path, index_path
@@ -872,7 +872,7 @@ class ShardFetcher:
                 if fd >= 0:
                     _close_step_lock(fd)
             self.download(shard)
-        linked = next((link for rel in rels if (link := _link_on_the_way(self.folder, rel)) is not None), None)
+        linked = next((link for rel in rels if (link := link_on_the_way(self.folder, rel)) is not None), None)
         if linked is not None:  # the download lands behind the link, which is never taken for the node's own file
             raise CacheError(f"{linked} is a symbolic link inside the node cache {self.folder}, where datapipe writes and "
                              "removes only files of its own: remove the link (what it leads to is left as it is)")
@@ -1632,20 +1632,13 @@ def _current(entry: dict, crc: str) -> bool:
     return entry.get("crc32c") == crc
 
 
-def _link_on_the_way(folder: Path, rel: str) -> Path | None:
-    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link; None if none is."""
-    parts = Path(rel).parts
-    return next((folder.joinpath(*parts[:i]) for i in range(1, len(parts)) if os.path.islink(folder.joinpath(*parts[:i]))),
-                None)
-
-
 def _same_file(folder: Path, rel: str, entry: dict) -> bool:
     """``folder / rel`` is still the file a record names (inode, size, mtime), reached through folders of the node's
     cache itself (a folder linked in from elsewhere keeps the inode of a file moved behind it): never delete one
     datapipe did not write."""
     if ".." in Path(str(entry.get("path", ""))).parts:
         return False
-    if ".." in Path(rel).parts or _link_on_the_way(folder, rel) is not None:
+    if ".." in Path(rel).parts or link_on_the_way(folder, rel) is not None:
         return False
     path = folder / rel
     try:

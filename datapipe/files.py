@@ -213,6 +213,14 @@ def make_dirs(folder: str | os.PathLike) -> None:
                 raise
 
 
+def link_on_the_way(folder: Path, rel: str) -> Path | None:
+    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link (what is behind it lies
+    elsewhere, in a folder datapipe did not make: never written or deleted through); None if none is."""
+    parts = Path(rel).parts
+    return next((folder.joinpath(*parts[:i]) for i in range(1, len(parts)) if os.path.islink(folder.joinpath(*parts[:i]))),
+                None)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a temporary name beside ``path``, fsync it and rename it over ``path``:
     a reader sees the old file or the new one, never half of one."""

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import ArgumentError, CorruptShardError
-from .samples import decode_jpeg, encode
+from .samples import REWRITE_ADVICE, decode_jpeg, encode
 
 ENV = "DATAPIPE_GPU_DECODE"
 DECODERS = ("nvimgcodec", "torchvision")  # in the order the automatic choice tries them
@@ -37,7 +37,6 @@ INSTALL = {"nvimgcodec": "pip install nvidia-nvimgcodec-cu12 (-cu13 for CUDA 13)
 MEAN_TOL = 1.5  # uint8 levels: the mean absolute difference to the host decode, per image
 P999_TOL = 32.0  # uint8 levels: the 99.9th percentile of the absolute difference, per image
 
-_REWRITE = "rerun the same `datapipe build` with --verify to rewrite it (a plain rerun checks sizes, not contents)"
 
 # Padding samples of varying shapes goes through a (strided) nested tensor, whose prototype warning says nothing to a user.
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage", category=UserWarning)
@@ -87,7 +86,7 @@ class GpuJpegDecoder:
         for x, (h, w), where in zip(decoded, shapes, wheres, strict=True):
             if tuple(x.shape) != (h, w, 3):
                 raise CorruptShardError(f"{where}: the stored JPEG decodes ({self.name}) to {tuple(x.shape)}, "
-                                        f"the sample index says {h}x{w}x3; {_REWRITE}")
+                                        f"the sample index says {h}x{w}x3; {REWRITE_ADVICE}")
         return decoded
 
     def _decode(self, data: Sequence[np.ndarray], device: torch.device, stream: torch.cuda.Stream) -> list[torch.Tensor | None]:

@@ -508,6 +508,14 @@ def linked_shards(out: Path) -> OutputError | None:
                        "the whole output folder instead). Nothing was changed")
 
 
+def not_ours(found: list[Path], shard: Path, does: str, kept: str) -> BuildError:
+    """The refusal of a build that ``does`` (writes, replaces) the shard folder ``shard``, which holds ``found``:
+    entries no build wrote (see :func:`datapipe.shards.foreign_entries`); ``kept`` says what is left as it was."""
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return BuildError(f"{found[0]}{more} is in shard folder {shard}, which this build {does}, and no datapipe build wrote "
+                      f"it; datapipe does not delete what it did not write: move it out and rerun ({kept})")
+
+
 def remove_build(out: Path, build_id: str) -> None:
     """Remove what the build ``build_id`` wrote here, and nothing else; nothing when a shard cannot be read
     (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were.
@@ -517,13 +525,10 @@ def remove_build(out: Path, build_id: str) -> None:
     """
     if (refusal := linked_shards(out)) is not None:
         raise refusal
-    doomed = _shards_of(out, build_id, keep=())
+    doomed = shards_of(out, build_id, keep=())
     foreign = [(shard, entry) for shard in doomed for entry in foreign_entries(shard)]
     if foreign:  # refused before anything goes: the cache stays whole, as it was
-        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-        raise BuildError(f"{foreign[0][1]}{more} is in shard folder {foreign[0][0]}, which this build replaces, and no "
-                         "datapipe build wrote it; datapipe does not delete what it did not write: move it out and rerun "
-                         "(nothing was removed)")
+        raise not_ours([entry for _, entry in foreign], foreign[0][0], "replaces", "nothing was removed")
     manifest_ours = _doc_build_id(out / records.MANIFEST) == build_id
     for name in (records.MANIFEST, records.REPORT):
         if _doc_build_id(out / name) == build_id:
@@ -536,7 +541,7 @@ def remove_build(out: Path, build_id: str) -> None:
     _remove_shards(out, doomed)
 
 
-def _shards_of(out: Path, build_id: str, keep: Collection[str]) -> list[Path]:
+def shards_of(out: Path, build_id: str, keep: Collection[str]) -> list[Path]:
     """The shard folders of ``out`` carrying ``build_id`` whose names are not in ``keep``."""
     shards = out / SHARDS_DIR
     if not shards.is_dir():
@@ -549,11 +554,11 @@ def _shards_of(out: Path, build_id: str, keep: Collection[str]) -> list[Path]:
 def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:
     """Remove the shard folders carrying ``build_id`` whose names are not in ``keep``, and the
     writer's temporary folders; other entries of ``shards/`` stay."""
-    _remove_shards(out, _shards_of(out, build_id, keep))
+    _remove_shards(out, shards_of(out, build_id, keep))
 
 
 def _remove_shards(out: Path, doomed: list[Path]) -> None:
-    """Remove these shard folders (see _shards_of) and the writer's temporary folders; nothing behind a linked
+    """Remove these shard folders (see shards_of) and the writer's temporary folders; nothing behind a linked
     ``shards/`` (see :func:`linked_shards`)."""
     if not (out / SHARDS_DIR).is_dir() or os.path.islink(out / SHARDS_DIR):
         return

@@ -551,6 +551,15 @@ def read_doc(loc: Location, key: str) -> Any | None:
     return None if data is None else parse_json(data, loc.url_of(key))  # a URL, never a Path (s3:// -> s3:/)
 
 
+def read_lock(loc: Location) -> Any | None:
+    """The lock object's document (see :class:`RemoteLock`); None when there is none, or it is damaged (a damaged
+    lock object holds nobody)."""
+    try:
+        return read_doc(loc, LOCK_OBJECT)
+    except CacheError:
+        return None
+
+
 def read_docs(loc: Location, keys: list[str]) -> dict[str, bytes]:
     """Several small objects at once (the filesystem fetches them concurrently); missing ones left out."""
     if not keys:
@@ -1019,10 +1028,12 @@ class RemoteLock:
             f"or stop it, or build into another prefix (a lock not refreshed for {self.ttl:g} s is taken over)")
 
     def _held(self) -> Any:
-        try:
-            return read_doc(self.loc, LOCK_OBJECT)
-        except CacheError:
-            return None  # a damaged lock object holds nobody
+        return read_lock(self.loc)
+
+    def _taken_over(self, held: Any, stale: bool = False) -> bool:
+        """Whether the lock object ``held`` says another build holds the lock, or, ``stale`` (this build did not
+        refresh it for the TTL), that none does: another may have taken it over and removed it since."""
+        return (held.get("token") != self.token) if isinstance(held, dict) else stale
 
     def acquire(self) -> None:
         if not self._acquire_conditionally():
@@ -1122,8 +1133,7 @@ class RemoteLock:
         """Whether the lock object is this build's now (read from the store, not the heartbeat's last word: a build
         paused past the TTL, SIGSTOP or a frozen VM, runs on at once while its heartbeat has not looked yet);
         ``lost`` when it is not."""
-        held = self._held()
-        if not (isinstance(held, dict) and held.get("token") == self.token):
+        if self._taken_over(self._held(), stale=True):
             self.lost = True
         return not self.lost
 
@@ -1193,7 +1203,7 @@ class RemoteLock:
                             held, etag = self._get()
                         except FileNotFoundError:
                             held, etag = None, None
-                        if (isinstance(held, dict) and held.get("token") != self.token) or (stale and not isinstance(held, dict)):
+                        if self._taken_over(held, stale):
                             self.lost = True  # another build took the lock over (this one's refreshes failed for
                             return  # LOCK_TTL), never undone: the build ends before its manifest
                         if isinstance(held, dict):
@@ -1207,7 +1217,7 @@ class RemoteLock:
                             refreshed = time.monotonic()
                         continue
                 held = self._held()
-                if (isinstance(held, dict) and held.get("token") != self.token) or (stale and not isinstance(held, dict)):
+                if self._taken_over(held, stale):
                     self.lost = True  # another build took the lock over (this one's refreshes failed for LOCK_TTL)
                     return
                 write_doc(self.loc, LOCK_OBJECT, self._doc())
@@ -1420,10 +1430,7 @@ def no_manifest(loc: Location) -> CacheError:
             loc.read("call_s3", "list_objects_v2", what=f"{loc.url}/ (list)", Bucket=bucket,
                      Prefix=f"{key.rstrip('/')}/" if key else "", MaxKeys=1)
         started = read_bytes(loc, BUILD_LOCK, 1 << 20) is not None
-        try:
-            held = read_doc(loc, LOCK_OBJECT) if started else None
-        except CacheError:
-            held = None  # a damaged lock object holds nobody
+        held = read_lock(loc) if started else None
     if isinstance(held, dict) and RemoteLock(loc).alive(held, watch=False):
         return CacheError(f"{loc.url} is not a finished datapipe cache yet: a datapipe build is writing it now (pid "
                           f"{held.get('pid')} on host {held.get('host')}); open it once that build has finished")

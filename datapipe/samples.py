@@ -45,7 +45,7 @@ RESTART_INTERVAL = 1  # MCUs between restart markers in stored JPEG samples (in 
 INDEX_COLUMNS = ("offset", "nbytes", "height", "width")
 INDEX_ROW_BYTES = 8 * len(INDEX_COLUMNS)
 
-_REWRITE = "rerun the same `datapipe build` with --verify to rewrite it (a plain rerun checks sizes, not contents)"
+REWRITE_ADVICE = "rerun the same `datapipe build` with --verify to rewrite it (a plain rerun checks sizes, not contents)"
 
 
 class EncodedLike(Protocol):
@@ -119,7 +119,7 @@ class SampleIndex:
             CorruptShardError: the index's size, offsets, sizes or shapes are impossible for the cache.
         """
         def fail(what: str) -> CorruptShardError:
-            return CorruptShardError(f"{where}: the sample index {what}; {_REWRITE}")
+            return CorruptShardError(f"{where}: the sample index {what}; {REWRITE_ADVICE}")
 
         if len(raw) != count * INDEX_ROW_BYTES:
             raise fail(f"has {len(raw)} bytes, expected {count * INDEX_ROW_BYTES} for {count} samples")
@@ -148,7 +148,7 @@ class SampleIndex:
 
 
 def _decode_error(where: str, exc: BaseException) -> CorruptShardError:
-    return CorruptShardError(f"{where}: the stored JPEG does not decode ({type(exc).__name__}: {exc}); {_REWRITE}")
+    return CorruptShardError(f"{where}: the stored JPEG does not decode ({type(exc).__name__}: {exc}); {REWRITE_ADVICE}")
 
 
 def decode_jpeg(data: bytes | np.ndarray, height: int, width: int, *, where: str, out: np.ndarray | None = None) -> np.ndarray:

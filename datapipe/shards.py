@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError, thread_start_failed
-from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, read_regular
+from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, link_on_the_way, read_regular
 from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
 SHARDS_DIR = "shards"
@@ -110,20 +110,13 @@ def foreign_entries(shard_dir: Path) -> list[Path]:
     return found
 
 
-def _beneath_link(shard_dir: Path, name: str) -> bool:
-    """Whether a folder on the way from ``shard_dir`` to its file ``name`` is a symlink: the file is then elsewhere,
-    in a folder no build made (a user's own store linked in), and never deleted."""
-    parts = name.split("/")[:-1]
-    return any(os.path.islink(shard_dir.joinpath(*parts[:i + 1])) for i in range(len(parts)))
-
-
 def remove_shard(shard_dir: Path) -> list[Path]:
     """Delete a shard's files (its group's ``zarr.json`` first, so it is never whole-looking while half
     deleted), then its folders once empty; what no build writes stays (returned: see :func:`foreign_entries`),
     and with it the folder."""
     for name in sorted(SHARD_FILES, key=lambda n: n != GROUP_META):
         path = shard_dir / name
-        if path.is_file() and not path.is_symlink() and not _beneath_link(shard_dir, name):
+        if path.is_file() and not path.is_symlink() and link_on_the_way(shard_dir, name) is None:
             path.unlink()
     for name in sorted(_SHARD_FOLDERS, key=lambda n: -n.count("/")):
         with contextlib.suppress(OSError):

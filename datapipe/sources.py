@@ -530,28 +530,29 @@ def spelling(name: str) -> str:
     return unicodedata.normalize("NFC", name).translate(_INVISIBLE)
 
 
+def _twins(names: Iterable[str], key: Callable[[str], object]) -> tuple[str, str] | None:
+    """The first two ``names`` of one ``key`` (None: a name left out), in their order; None if none are."""
+    seen: dict[object, str] = {}
+    for name in names:
+        if (k := key(name)) is not None and (one := seen.setdefault(k, name)) != name:
+            return one, name
+    return None
+
+
 def unicode_twins(names: Iterable[str]) -> tuple[str, str] | None:
     """The first two ``names`` that print alike, being one name written two ways (see :func:`spelling`), in their
     order; None if none are. (Names alike only under NFKC, such as ``m2`` and ``m²``, print otherwise: see
     :func:`note_compatibility_twins`.)"""
-    forms: dict[str, str] = {}
-    for name in names:
-        one = forms.setdefault(spelling(name), name)
-        if one != name:
-            return one, name
-    return None
+    return _twins(names, spelling)
 
 
 def note_compatibility_twins(names: Iterable[str], where: object) -> None:
     """Log when two class names are one name under Unicode's compatibility forms (NFKC: ``ﬁsh`` and ``fish``,
     ``１`` and ``1``, ``m²`` and ``m2``): two classes, which they may well be, but seldom where a file was written
     by two tools."""
-    forms: dict[str, str] = {}
-    for name in names:
-        if (one := forms.setdefault(unicodedata.normalize("NFKC", spelling(name)), name)) != name:
-            log.warning("datapipe build: %s: the labels %s and %s are one name in Unicode's compatibility forms (NFKC), "
-                        "and so two classes; if they are one class, write them alike", where, show(one), show(name))
-            return
+    if (twins := _twins(names, lambda name: unicodedata.normalize("NFKC", spelling(name)))) is not None:
+        log.warning("datapipe build: %s: the labels %s and %s are one name in Unicode's compatibility forms (NFKC), "
+                    "and so two classes; if they are one class, write them alike", where, *map(show, twins))
 
 
 def check_class_folders(classes: list[str], where: str) -> None:
@@ -573,12 +574,9 @@ def check_class_folders(classes: list[str], where: str) -> None:
 def note_number_twins(names: Iterable[str], where: object) -> None:
     """Log when two class names are one whole number written two ways (``1`` and ``01``): two classes, as
     torchvision's ImageFolder makes them, which is seldom what was meant."""
-    numbers: dict[tuple[int, str], str] = {}
-    for name in names:
-        if _is_number(name) and (one := numbers.setdefault(_numeric(name), name)) != name:
-            log.warning("datapipe build: %s: the labels %s and %s are one number written two ways, and so two classes; "
-                        "if they are one class, write them alike", where, show(one), show(name))
-            return
+    if (twins := _twins(names, lambda name: _numeric(name) if _is_number(name) else None)) is not None:
+        log.warning("datapipe build: %s: the labels %s and %s are one number written two ways, and so two classes; "
+                    "if they are one class, write them alike", where, *map(show, twins))
 
 
 def _clip(row: list[str]) -> str:
