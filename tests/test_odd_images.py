@@ -271,16 +271,6 @@ def _tiff(tags: list[tuple[int, int, int | list[int]]], payload: bytes, order: s
     return magic + struct.pack(order + "IH", ifd_at, len(tags)) + entries + struct.pack(order + "I", 0) + extra + payload
 
 
-def _gray_tiff(values: np.ndarray, *, bits: int, photometric: int, order: str = "<", deflate: bool = False) -> bytes:
-    """A one-strip gray TIFF of ``values`` written field by field (Pillow writes no 16-bit WhiteIsZero)."""
-    height, width = values.shape
-    strip = values.astype(np.dtype(f"{order}u{bits // 8}")).tobytes()
-    if deflate:
-        strip = zlib.compress(strip)
-    return _tiff([(256, 3, width), (257, 3, height), (258, 3, bits), (259, 3, 8 if deflate else 1),
-                  (262, 3, photometric), (273, 4, -1), (277, 3, 1), (278, 3, height), (279, 4, len(strip))], strip, order)
-
-
 @pytest.mark.parametrize("order", ["<"])  # Pillow opens no big-endian 16-bit WhiteIsZero TIFF: quarantined
 @pytest.mark.parametrize("deflate", [False, True], ids=["raw", "deflate"])
 def test_a_16_bit_white_is_zero_tiff_is_inverted_as_an_8_bit_one_is(order, deflate):
@@ -288,12 +278,12 @@ def test_a_16_bit_white_is_zero_tiff_is_inverted_as_an_8_bit_one_is(order, defla
     8-bit file and reads the 16-bit one as stored; the sample of either is the same picture (and a 16-bit
     BlackIsZero file, big-endian too, is not inverted)."""
     ramp = np.tile(np.arange(0, 256, 4, dtype=np.int64), (8, 1))
-    eight = decode_rgb(_gray_tiff(ramp, bits=8, photometric=0, order=order, deflate=deflate))
-    sixteen = decode_rgb(_gray_tiff(ramp * 257, bits=16, photometric=0, order=order, deflate=deflate))
+    eight = decode_rgb(_wide_tiff(ramp, "u1", photometric=0, order=order, deflate=deflate))
+    sixteen = decode_rgb(_wide_tiff(ramp * 257, "u2", photometric=0, order=order, deflate=deflate))
     np.testing.assert_array_equal(eight[..., 0], 255 - ramp)
     np.testing.assert_array_equal(sixteen, eight)
     for endian in "<>":
-        black_is_zero = decode_rgb(_gray_tiff(ramp * 257, bits=16, photometric=1, order=endian, deflate=deflate))
+        black_is_zero = decode_rgb(_wide_tiff(ramp * 257, "u2", photometric=1, order=endian, deflate=deflate))
         np.testing.assert_array_equal(black_is_zero[..., 0], ramp)
 
 
