@@ -652,14 +652,23 @@ def _mend_tiff_tiles(img: Image.Image) -> None:
     setattr(img, "tile", mended)  # noqa: B010 - an ImageFile's, which Image does not declare
 
 
-def _unsigned32(img: Image.Image) -> bool:
-    """Whether ``img`` (a TIFF, opened) holds unsigned 32-bit integer samples (SampleFormat 1, the default), which
-    Pillow reads into its signed 32-bit mode ``I``: 2**31 and above come out negative."""
+def _tiff_samples(img: Image.Image) -> tuple[int | None, bool]:
+    """How the integer samples of ``img`` (a TIFF, opened) are to be read where Pillow's mode says otherwise: the
+    largest value they hold when that is not their mode's (unsigned 32-bit samples, SampleFormat 1, which Pillow
+    reads into its signed mode ``I``: 2**31 and above come out negative; 12-bit ones in ``I;16``, 0..4095), and
+    whether they are signed bytes (SampleFormat 2 at 8 bits, which Pillow reads as unsigned ``L``: -1 as 255)."""
     tags = getattr(img, "tag_v2", None)
-    if tags is None or img.mode != "I":
-        return False
-    bits, sample_format = tuple(tags.get(258, (1,))), tuple(tags.get(339, (1,)))
-    return set(bits) == {32} and set(sample_format) == {1}
+    if tags is None:
+        return None, False
+    bits, sample_format = set(tuple(tags.get(258, (1,)))), set(tuple(tags.get(339, (1,))))
+    if len(bits) != 1:
+        return None, False
+    depth = bits.pop()
+    if img.mode == "I" and depth == 32 and sample_format == {1}:
+        return 2**32 - 1, False
+    if img.mode in _WIDE and img.mode != "I" and depth < 16 and sample_format == {1}:
+        return 2**depth - 1, False
+    return None, img.mode == "L" and depth == 8 and sample_format == {2}
 
 
 def _single_plane_rawmode(img: Image.Image) -> str | None:
@@ -684,12 +693,14 @@ def _with_rawmode(tile: Any, rawmode: str) -> Any:
     return tile._replace(args=args) if hasattr(tile, "_replace") else (*tile[:3], args)
 
 
-def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, unsigned32: bool = False) -> np.ndarray:
+def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, top: int | None = None,
+            signed_bytes: bool = False) -> np.ndarray:
     """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3.
 
-    Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
-    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; from 0..2**32-1 with
-    ``unsigned32``, a TIFF's unsigned 32-bit samples; inverted first with ``white_is_zero``, see
+    Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are (``signed_bytes``: a
+    TIFF's signed 8-bit gray, negatives clipped to 0 as signed 16-bit ones are); 1-bit becomes
+    0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; from 0..``top`` when
+    a TIFF's samples span another range, see :func:`_tiff_samples`; inverted first with ``white_is_zero``, see
     :func:`_white_is_zero_wide`); float is clipped to 0..255 unless all of it
     lies in 0..1, then scaled (and inverted after, with ``white_is_zero``); anything with alpha or a
     ``transparency`` entry (palette, gray, RGB and 16-bit PNGs with tRNS, GIFs) is composited onto
@@ -699,9 +710,9 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, unsigned32: bool =
     transparency = img.info.get("transparency")
     if mode in _WIDE:
         arr = np.asarray(img)
-        most = 65535
-        if unsigned32 and arr.dtype == np.int32:  # Pillow reads unsigned 32-bit samples as signed
-            arr, most = arr.view(np.uint32), 2**32 - 1
+        most = top or 65535
+        if most > 2**31 - 1 and arr.dtype == np.int32:  # Pillow reads unsigned 32-bit samples as signed
+            arr = arr.view(np.uint32)
         gray = np.empty(arr.shape, np.uint8)
         for top, bottom in _bands(*arr.shape[:2]):  # int64 temporaries a band at a time
             band = np.clip(arr[top:bottom].astype(np.int64), 0, most)
@@ -739,7 +750,10 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, unsigned32: bool =
     if mode == "RGB":
         return np.asarray(img)
     if mode == "L":
-        return np.repeat(np.asarray(img)[..., None], 3, axis=2)
+        gray = np.asarray(img)
+        if signed_bytes:
+            gray = np.maximum(gray.view(np.int8), 0).view(np.uint8)
+        return np.repeat(gray[..., None], 3, axis=2)
     if mode == "1":
         return np.repeat(np.asarray(img).astype(np.uint8)[..., None] * np.uint8(255), 3, axis=2)
     return np.asarray(img.convert("RGB"))
@@ -770,8 +784,9 @@ def _bands(height: int, width: int, pixels: int = 1 << 20) -> Iterator[tuple[int
 
 # The decode's rules, numbered: raised whenever what a file decodes to changes (a rule fixed or added), so that a
 # cache tells the shards an earlier datapipe decoded. 1: the shards that carry no number; 2: 16-bit TIFF planes,
-# big-endian wide TIFF samples, float and 16-bit WhiteIsZero, unsigned 32-bit gray, a 16-bit RGB PNG's tRNS key.
-DECODE_RULES = 2
+# big-endian wide TIFF samples, float and 16-bit WhiteIsZero, unsigned 32-bit gray, a 16-bit RGB PNG's tRNS key;
+# 3: 12-bit TIFF gray scaled from its own range, signed 8-bit TIFF gray.
+DECODE_RULES = 3
 
 _scratch = threading.local()
 
@@ -1133,7 +1148,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
                 _mend_tiff_tiles(img)
             key = _wide_colour_key(img, data) if fmt == "png" else None
             white_is_zero = fmt == "tiff" and _white_is_zero_wide(img)
-            unsigned32 = fmt == "tiff" and _unsigned32(img)
+            top, signed_bytes = _tiff_samples(img) if fmt == "tiff" else (None, False)
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
             orientation = jpeg_orientation(source or data) if fmt == "jpeg" else _pillow_orientation(img)
@@ -1142,12 +1157,15 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             if key is not None:
                 rgb = _over_background(np.asarray(img.convert("RGB")), _key_alpha(img, data, key))
             else:
-                rgb = _to_rgb(img, white_is_zero=white_is_zero, unsigned32=unsigned32)
+                rgb = _to_rgb(img, white_is_zero=white_is_zero, top=top, signed_bytes=signed_bytes)
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:  # only where Pillow has no check for _pillow_limit to wrap
         raise DecodeError(f"decompression bomb: {exc}", "too-large") from None
     except UnidentifiedImageError:  # Pillow's message names only its in-memory buffer
+        if fmt == "tiff" and data.startswith(_BIG_ENDIAN_BIGTIFF):  # Pillow reads none (13 at least)
+            raise DecodeError("unsupported TIFF: a big-endian BigTIFF, which Pillow does not read; convert the file "
+                              "to a little-endian TIFF (or a PNG)", "unsupported") from None
         if fmt == "tiff" and _tiff_layout_unknown(data):
             raise DecodeError("unsupported TIFF: a valid header, but a pixel layout (its PhotometricInterpretation, "
                               "BitsPerSample, SampleFormat and ExtraSamples together) that Pillow does not read; "
@@ -1285,6 +1303,9 @@ def _scale_low_depth_gray_trns(img: Image.Image, data: bytes) -> None:
         img.info["transparency"] = value * (255 // (2**depth - 1))
 
 
+_BIG_ENDIAN_BIGTIFF = b"MM\x00+"
+
+
 def _tiff_layout_unknown(data: bytes) -> bool:
     """Whether Pillow's TIFF reader refuses ``data`` for its pixel layout alone ("unknown pixel mode": its
     tags parse, their combination is one Pillow has no mode for), not for a damaged header."""
@@ -1298,6 +1319,7 @@ def _tiff_layout_unknown(data: bytes) -> bool:
             TiffImagePlugin.TiffImageFile(io.BytesIO(data))
     except SyntaxError as exc:  # no mode for the layout; the planes' raw modes taken letter by letter run out
         return str(exc) in ("unknown pixel mode", "string index out of range")
+
     except Exception:  # noqa: BLE001 - any other failure: the header is damaged
         return False
     return False

@@ -549,3 +549,55 @@ def test_unsigned_32_bit_gray_is_scaled_from_its_whole_range():
     ramp = np.linspace(0, 1, 9)[None, :]
     decoded = decode_rgb(_wide_tiff(np.round(ramp * (2**32 - 1)), "u4"))
     np.testing.assert_array_equal(decoded[0, :, 0], np.round(ramp[0] * 255))
+
+
+def _packed_gray_tiff(values: np.ndarray, bits: int) -> bytes:
+    """A one-strip gray TIFF of ``bits``-bit samples (not a whole byte), packed most significant bit first,
+    each row padded to a byte, as TIFF stores them."""
+    height, width = values.shape
+    rows = b""
+    for row in values:
+        text = "".join(format(int(v), f"0{bits}b") for v in row)
+        text += "0" * (-len(text) % 8)
+        rows += int(text, 2).to_bytes(len(text) // 8, "big")
+    tags = [(256, 3, width), (257, 3, height), (258, 3, bits), (259, 3, 1), (262, 3, 1), (273, 4, -1),
+            (277, 3, 1), (278, 3, height), (279, 4, len(rows))]
+    return _tiff(tags, rows)
+
+
+def test_12_bit_gray_is_scaled_from_its_own_range():
+    """Pillow reads 12-bit samples (0..4095) into its 16-bit mode: scaled from 0..65535 they came out 16 times
+    too dark (white as 16)."""
+    ramp = np.tile(np.linspace(0, 1, 16), (3, 1))
+    decoded = decode_rgb(_packed_gray_tiff(np.round(ramp * 4095), 12))
+    np.testing.assert_array_equal(decoded[..., 0], np.round(ramp * 255))
+    np.testing.assert_array_equal(decoded, decode_rgb(_wide_tiff(np.round(ramp * 65535), "u2")))
+
+
+def test_signed_8_bit_gray_keeps_its_order_as_signed_16_bit_gray_does():
+    """Pillow reads signed bytes as unsigned: -1 came out as 255, -128 as 128. Negatives are 0, as those of
+    signed 16-bit samples are, and 0..127 are kept."""
+    values = np.tile(np.arange(-128, 128, 17), (2, 1))
+    decoded = decode_rgb(_wide_tiff(values, "i1"))
+    np.testing.assert_array_equal(decoded[..., 0], np.maximum(values, 0))
+    assert (np.diff(decoded[0, :, 0].astype(int)) >= 0).all()
+    np.testing.assert_array_equal(decoded, decode_rgb(_wide_tiff(values * 256, "i2")))
+
+
+def _big_endian_bigtiff(values: np.ndarray) -> bytes:
+    """An uncompressed 8-bit gray BigTIFF (version 43: 8-byte offsets, 20-byte entries) in big-endian order."""
+    height, width = values.shape
+    tags = [(256, width), (257, height), (258, 8), (259, 1), (262, 1), (273, None), (277, 1), (278, height),
+            (279, values.size)]
+    ifd_at = 16
+    pixels_at = ifd_at + 8 + 20 * len(tags) + 8
+    entries = b"".join(struct.pack(">HHQQ", tag, 16, 1, pixels_at if value is None else value) for tag, value in tags)
+    header = b"MM\x00\x2b" + struct.pack(">HHQ", 8, 0, ifd_at)
+    return header + struct.pack(">Q", len(tags)) + entries + struct.pack(">Q", 0) + values.astype(np.uint8).tobytes()
+
+
+def test_a_big_endian_bigtiff_is_unsupported_not_corrupt():
+    """Pillow reads no big-endian BigTIFF (its little-endian twin decodes): a valid file, called damaged before."""
+    with pytest.raises(DecodeError) as info:
+        decode_rgb(_big_endian_bigtiff(np.arange(48).reshape(6, 8)))
+    assert info.value.kind == "unsupported" and "big-endian BigTIFF" in str(info.value)
