@@ -1119,7 +1119,6 @@ def _build_todo(out: Path | remote.RemoteOutput, listing: Listing, plans: list[d
                 config: dict, chash: str, *, cluster: Cluster, progress: bool, max_bad_fraction: float, t0: float,
                 t_scan: float, build_id: str) -> BuildReport:
     """Build the shards not ``done`` and finish the cache."""
-    _note_earlier_rules(done, len(plans))
     todo = [p for p in plans if p["shard"] not in done]
     timing = {"scan": t_scan, "shards": 0.0}
     t1 = time.perf_counter()
@@ -1129,6 +1128,8 @@ def _build_todo(out: Path | remote.RemoteOutput, listing: Listing, plans: list[d
         if isinstance(out, Path):
             _check_visible(out, built, cluster)
         done.update((rec["shard"], rec) for rec in built)
+    # the shards kept: those found finished here, and those the tasks found whole (all of them with --verify)
+    _note_earlier_rules({k: rec for k, rec in done.items() if rec.get("skipped")}, len(plans))
     timing["cluster"] = time.perf_counter() - t1 - timing["shards"]
     records = [done[p["shard"]] for p in plans]
     return _finish(out, listing, plans, records, config, chash, max_bad_fraction, seconds=timing,

@@ -1461,16 +1461,19 @@ def test_a_build_never_writes_or_removes_behind_a_linked_shards_folder(small, tm
         assert len(datapipe.open(b)) == 10
 
 
-def test_a_rerun_says_how_many_shards_it_keeps_were_decoded_by_an_earlier_datapipes_rules(small, tmp_path, caplog):
+@pytest.mark.parametrize("verify", [False, True], ids=["rerun", "verify"])
+def test_a_rerun_says_how_many_shards_it_keeps_were_decoded_by_an_earlier_datapipes_rules(small, tmp_path, caplog,
+                                                                                          verify):
     """A rule of the decode changed (a --fit short sample one pixel longer) and an upgraded rerun said 'nothing to
-    do', then wrote new shards by the new rule beside the old: one picture at two shapes in one cache, unsaid."""
+    do', then wrote new shards by the new rule beside the old: one picture at two shapes in one cache, unsaid (with
+    --verify, whose tasks find the shards whole, it still said nothing)."""
     out = tmp_path / "out"
     build(small, out)
     assert all(json.loads(p.read_text())["attributes"]["datapipe"]["decode_rules"] == builder.DECODE_RULES
                for p in (out / "shards").glob("*/zarr.json"))
     _edit_record(out / "shards" / "000001.zarr", lambda rec: rec.pop("decode_rules"))  # as an earlier datapipe wrote it
     with caplog.at_level("WARNING", logger="datapipe"):
-        report = build(small, out)
+        report = build(small, out, verify=verify)
     assert report.shards_built == 0
     warned = [r.getMessage() for r in caplog.records if "another datapipe's rules" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("datapipe build: 1 of the 3 shards kept were decoded by another "
@@ -1479,7 +1482,7 @@ def test_a_rerun_says_how_many_shards_it_keeps_were_decoded_by_an_earlier_datapi
         _edit_record(out / "shards" / "000001.zarr", lambda rec, odd=odd: rec.update(decode_rules=odd))
         caplog.clear()
         with caplog.at_level("WARNING", logger="datapipe"):
-            assert build(small, out).shards_built == 0
+            assert build(small, out, verify=verify).shards_built == 0
         assert any("(decode rules unknown;" in r.getMessage() for r in caplog.records), odd
     caplog.clear()
     with caplog.at_level("WARNING", logger="datapipe"):
