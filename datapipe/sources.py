@@ -465,7 +465,7 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
             # it (a header's or a comment's too). Only a path naming a file may hold a line break.
             if any(_breaks_line(cell) for cell in row[1:]) or (_breaks_line(row[0]) and not exists(row[0])):
                 physical = physical if physical is not None else io.StringIO(text, newline="").readlines()
-                if len(row) < 2 or (lineno >= len(physical) and "".join(physical[begins - 1:]).count('"') % 2):
+                if _quote_left_open("".join(physical[begins - 1:lineno])):  # the reader took the rest of the text
                     raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is never closed; "
                                       "close it (a quote inside a cell is written twice: \"\")")
                 raise SourceError(f"{csv_path}:{begins}: a quote opened on this line is closed only on line {lineno}, "
@@ -512,6 +512,28 @@ def _breaks_line(cell: str) -> bool:
     return "\n" in cell or "\r" in cell
 
 
+def _quote_left_open(text: str) -> bool:
+    """Whether a quoted cell is still open at the end of ``text`` (rows of a CSV), read as :mod:`csv`'s default
+    dialect reads it: a quote opens a cell only at its start, two in one stand for one, and what follows the
+    closing quote up to the next comma joins the cell."""
+    start, quoted, closing = True, False, False  # at a cell's start; in a quoted cell; just after a quote in it
+    for char in text:
+        if quoted:
+            if closing:
+                closing = False
+                if char == '"':  # a quote written twice
+                    continue
+                quoted, start = False, char in ",\r\n"
+            elif char == '"':
+                closing = True
+            continue
+        if start and char == '"':
+            quoted, start = True, False
+        else:
+            start = char in ",\r\n"
+    return quoted and not closing
+
+
 _UNICODE_FORMS = ("in another Unicode form: NFD and NFC write the same letters with other code points; or with an "
                   "invisible character, such as a zero-width space, a soft hyphen or a direction mark")
 # Characters that show nothing in a name: Unicode's default-ignorable code points, but for the zero-width joiner and
@@ -525,9 +547,9 @@ _INVISIBLE = dict.fromkeys(
 
 
 def spelling(name: str) -> str:
-    """What ``name`` prints as: its NFC form (NFC and NFD alike) without the characters that show nothing
-    (:data:`_INVISIBLE`)."""
-    return unicodedata.normalize("NFC", name).translate(_INVISIBLE)
+    """What ``name`` prints as: without the characters that show nothing (:data:`_INVISIBLE`), in its NFC form
+    (NFC and NFD alike; taken last, for an invisible character between a letter and its accent keeps them apart)."""
+    return unicodedata.normalize("NFC", name.translate(_INVISIBLE))
 
 
 def _twins(names: Iterable[str], key: Callable[[str], object]) -> tuple[str, str] | None:

@@ -628,8 +628,15 @@ def _images(root, names, imaging):
     (['a.jpg,cat', 'b.jpg,"dog', 'c.jpg,dog', 'd.jpg,"eel'], 2, 4),  # closed by the next stray one
     (['a.jpg,"cat', 'b.jpg,cat', 'c.jpg,dog"', 'd.jpg,dog'], 1, 3),  # closed by a stray quote further down
     (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog', 'd.jpg",dog', 'e.jpg,eel'], 2, 4),  # in the path cell
+    (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog"', 'd.jpg,dog'], 2, 3),  # one cell in all, closed on the next line
+    (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog"'], 2, 3),  # the same on the last line, which has no line break
+    (['a.jpg,cat', 'b.jpg,"cat', 'c.jpg,dog', '"d.jpg",dog'], 2, 4),  # closed on the last line, a quoted path after
+    (['a.jpg,cat', '"b.jpg,cat', 'c.jpg,dog'], 2, None),  # a path's never closed
+    (['a.jpg,cat', 'b.jpg,"cat""s', 'c.jpg,dog'], 2, None),  # a quote written twice does not close it
 ], ids=["label-to-the-end", "to-the-end-no-last-line-break", "header", "comment", "into-a-path",
-        "closed-on-the-last-line", "closed-then-another", "two-in-labels", "two-in-paths"])
+        "closed-on-the-last-line", "closed-then-another", "two-in-labels", "two-in-paths", "path-one-cell",
+        "path-one-cell-closed-on-the-last-line", "closed-on-the-last-line-by-a-quoted-path", "path-to-the-end",
+        "doubled-quote-inside"])
 def test_a_stray_quote_that_joins_rows_into_one_cell_is_refused_naming_where_it_opens(tmp_path, imaging, rows, line, to,
                                                                                      request):
     """csv read the rows after a stray quote into its cell: they vanished (30 rows gave 4 samples, a class named by
@@ -674,9 +681,12 @@ def test_a_bad_row_is_named_by_the_line_it_begins_on(tmp_path, text, words):
 
 @pytest.mark.parametrize(("one", "other"), [("cat", "cat\u200b"), ("cat", "\u2060cat"), ("cat", "\ufeffcat"),
                                             ("cat", "c\u00adat"), ("cat", "cat\u200e"), ("cat", "ca\u034ft"),
-                                            ("cat", "cat\ufe0f"), ("cat", "\u3164cat")],
+                                            ("cat", "cat\ufe0f"), ("cat", "\u3164cat"),
+                                            ("cafe\u0301", "cafe\u034f\u0301"), ("cafe\u0301", "cafe\u200b\u0301"),
+                                            ("caf\u00e9", "cafe\u00ad\u0301")],
                          ids=["zero-width-space", "word-joiner", "byte-order-mark", "soft-hyphen", "direction-mark",
-                              "grapheme-joiner", "variation-selector", "hangul-filler"])
+                              "grapheme-joiner", "variation-selector", "hangul-filler", "between-letter-and-accent",
+                              "zero-width-space-before-accent", "soft-hyphen-before-accent-nfc-twin"])
 def test_labels_that_print_alike_are_refused_whatever_makes_them_differ(tmp_path, imaging, one, other):
     _images(tmp_path, "ab", imaging)
     (tmp_path / "list.csv").write_text(f"a.jpg,{one}\nb.jpg,{other}\n")
