@@ -63,7 +63,16 @@ from .files import FileTooLarge, NotRegularFile, describe_mode, file_crc32c, ope
 from .output import lock_holder
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
-from .shards import MOVE_AWAY, SHARDS_DIR, document_problems, images_path, index_path, read_shard_metadata, shard_labels_path
+from .shards import (
+    MOVE_AWAY,
+    SHARDS_DIR,
+    document_problems,
+    foreign_entries,
+    images_path,
+    index_path,
+    read_shard_metadata,
+    shard_labels_path,
+)
 from .text import progress_bar, show
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -969,6 +978,27 @@ class Cache:
                     "the store's objects) and run again")
         return "rerun the same `datapipe build` with --verify to rewrite the shard (a plain rerun checks sizes, not contents)"
 
+    def _in_the_way(self, s: int) -> str | None:
+        """What must be moved before a build rewrites shard ``s`` of this folder (a build never deletes what it did
+        not write, nor a shard whose zarr.json names no build of this cache: zarr-python recreated the group,
+        another cache's shard was copied in), as advice; None when a rerun rewrites it as it is."""
+        shard_dir = self.root / SHARDS_DIR / self.manifest.shards[s].name
+        foreign = foreign_entries(shard_dir) if shard_dir.is_dir() and not shard_dir.is_symlink() else []
+        if foreign:
+            more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+            return (f"{foreign[0]}{more} in the shard's folder is no file a build writes: move it out (datapipe never "
+                    "deletes what it did not write), then rerun the same `datapipe build` with --verify to rewrite "
+                    "the shard")
+        try:
+            build_id = read_shard_metadata(shard_dir).get("build_id")
+        except UnreadableFileError:
+            raise
+        except CacheError:
+            build_id = None
+        if shard_dir.is_symlink() or (os.path.lexists(shard_dir) and build_id != (self.build_id or build_id)):
+            return MOVE_AWAY
+        return None
+
     def _rebuilt(self) -> bool:
         """Whether the cache on disk is no longer the build this reader opened: its manifest is gone, cannot
         be read, or is another (a rebuild writes a new one, ``--force`` under a new build id). Asked only
@@ -1192,9 +1222,8 @@ class Cache:
                     "write)")
             if actual != rec.nbytes:
                 what = "missing" if actual == -1 else f"{actual:,} bytes, expected {rec.nbytes:,}"
-                raise CorruptShardError(
-                    f"shard {rec.name} ({path}) is {what}: truncated or altered after the build. "
-                    "Rerun the same `datapipe build` to rewrite damaged shards.")
+                raise CorruptShardError(f"shard {rec.name} ({path}) is {what}: truncated or altered after the build; "
+                                        f"{self._in_the_way(s) or 'rerun the same `datapipe build` to rewrite it'}")
             self._identities[s] = _identity(st)
 
     # ----------------------------------------------------------------- verify
@@ -1309,19 +1338,22 @@ class Cache:
         rec = self.manifest.shards[s]
         shard_dir = self.root / SHARDS_DIR / rec.name
         name = f"shard {rec.name}"
+        foreign = [f"{name}: {entry} is no file a build writes (zarr-python, or someone, added it); move it out of the "
+                   "shard's folder (datapipe never deletes what it did not write), then `datapipe build SOURCE OUTPUT "
+                   "--verify` rewrites the shard" for entry in foreign_entries(shard_dir)]
         try:
             meta = read_shard_metadata(shard_dir)
         except CacheError as exc:
-            return [f"{name}: {exc}"]
+            return [*foreign, f"{name}: {exc}"]
         if self.build_id and meta.get("build_id") != self.build_id:  # a build leaves another build's shard alone
-            return [f"{name}: {shard_dir / 'zarr.json'} says build_id {show(meta.get('build_id'))}, the manifest "
+            return [*foreign, f"{name}: {shard_dir / 'zarr.json'} says build_id {show(meta.get('build_id'))}, the manifest "
                     f"{show(self.build_id)} (a shard of another cache or build in its place); {MOVE_AWAY}"]
         keys = [("shard", s), ("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c)]
         if self.indexed:
             keys.append(("index_crc32c", rec.index_crc32c))
-        problems = [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
-                    "`datapipe build SOURCE OUTPUT --verify` rewrites it"
-                    for key, want in keys if meta.get(key) != want]
+        problems = foreign + [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
+                              "`datapipe build SOURCE OUTPUT --verify` rewrites it"
+                              for key, want in keys if meta.get(key) != want]
         if paths is not None and meta.get("paths") != paths[rec.first : rec.first + rec.count]:
             problems.append(f"{name}: the paths in {shard_dir / 'zarr.json'} differ from paths.json; "
                             "`datapipe build SOURCE OUTPUT --verify` rewrites it")

@@ -369,6 +369,51 @@ def test_a_shard_whose_zarr_documents_another_zarr_release_wrote_is_whole(source
     assert any("labels/zarr.json" in p for p in datapipe.open(out).verify())
 
 
+@pytest.mark.parametrize(("encoding", "fit"), [("raw", "crop"), ("jpeg", "short")])
+def test_a_shard_zarr_python_appended_to_names_the_files_it_added_and_what_to_do(source, tmp_path, imaging, encoding,
+                                                                                   fit):
+    """verify named only the changed documents and advised `build --verify`, which then refused the chunk files
+    zarr wrote (verify had not named them): every file no build writes is named, with "move it out"."""
+    import zarr
+
+    out = tmp_path / "cache"
+    options = {"size": SIZE, "shard_size": SHARD, "fit": fit, "encoding": encoding}
+    build(source, out, **options)
+    before = imaging.tree_bytes(out)
+    shard = out / "shards" / "000001.zarr"
+    group = zarr.open_group(shard, mode="a")
+    group["labels"].append(np.array([0]))
+    added = sorted(p for p in shard.rglob("*") if p.is_file() and str(p.relative_to(out)) not in before)
+    assert added
+    problems = datapipe.open(out).verify()
+    for path in added:
+        assert any(p.startswith(f"shard 000001.zarr: {path} is no file a build writes") and "move it out" in p
+                   for p in problems), (path, problems)
+    for path in added:  # as told: moved out, then build --verify
+        path.rename(tmp_path / path.name)
+    assert build(source, out, **options, verify=True).shards_built == 1
+    assert imaging.tree_bytes(out) == before and datapipe.open(out).verify() == []
+
+
+def test_a_shard_whose_group_zarr_python_recreated_says_to_move_it_away(source, tmp_path, imaging):
+    """`zarr.open_group(shard, mode="w")` leaves a group of no datapipe record, without the data file: the readers
+    said "rerun the same datapipe build", which refuses the folder as not its own; they say to move it away."""
+    import zarr
+
+    out = tmp_path / "cache"
+    build(source, out, size=SIZE, shard_size=SHARD)
+    before = imaging.tree_bytes(out)
+    shard = out / "shards" / "000001.zarr"
+    zarr.open_group(shard, mode="w")
+    for attempt in (lambda: datapipe.open(out), lambda: datapipe.StreamingDataset(out, batch_size=2)):
+        with pytest.raises(CacheError, match=r"000001.zarr .* is missing: .*; move the shard's folder away and rerun "
+                                             r"the same `datapipe build`"):
+            attempt()
+    shard.rename(tmp_path / "moved")
+    assert build(source, out, size=SIZE, shard_size=SHARD).shards_built == 1
+    assert imaging.tree_bytes(out) == before
+
+
 @pytest.mark.parametrize("change", [{"encoding": "raw"}, {"quality": 80}, {"fit": "crop"}, {"max_aspect": 3.0}])
 def test_another_encoding_or_quality_is_another_configuration(source, tmp_path, change):
     out = tmp_path / "cache"
