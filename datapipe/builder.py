@@ -144,6 +144,11 @@ class BuildSpec(DecodeSpec):
             if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names \
                     or not all(isinstance(c, str) and c for c in names):
                 raise ArgumentError(f"classes must be a non-empty list of class names, got {show(names)}")
+            for c in names:  # the manifest holds them as UTF-8 text
+                if not valid_utf8(c) or "\x00" in c:
+                    raise ArgumentError(f"classes: the class name {c!r} holds "
+                                        f"{'a NUL character' if valid_utf8(c) else 'what is not valid UTF-8 text'} "
+                                        "(a folder name the file system gave undecoded?); give names of plain text")
             if len(set(names)) != len(names):
                 twice = next(c for c in names if names.count(c) > 1)
                 raise ArgumentError(f"classes names {twice!r} more than once; each class name must be given once")

@@ -280,6 +280,12 @@ def _check_indexable(root: Path, num_samples: int) -> None:
                          "move it away and rerun the same `datapipe build` to rewrite it")
 
 
+def _holds_exactly(dtype: np.dtype) -> int:
+    """The largest count every whole number up to which a number type ``dtype`` holds exactly (an integer type's
+    largest value; a float's 2**(mantissa bits + 1): float16 writes 2049 as 2048)."""
+    return int(np.iinfo(dtype).max) if dtype.kind in "iu" else 2 ** (np.finfo(dtype).nmant + 1)
+
+
 class Cache:
     """A finished cache, opened read-only.
 
@@ -774,7 +780,7 @@ class Cache:
                 continue
             largest = max(len(self.classes), self.num_samples) if name == "index_out" else len(self.classes)
             if (not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.shape[0] < n or not buf.flags.writeable
-                    or buf.dtype.kind not in "iuf" or (buf.dtype.kind in "iu" and np.iinfo(buf.dtype).max < largest)):
+                    or buf.dtype.kind not in "iuf" or _holds_exactly(buf.dtype) < largest):
                 got = f"{buf.shape} {buf.dtype}" if isinstance(buf, np.ndarray) else type(buf).__name__
                 raise ValueError(f"{name} must be a writable 1-D numpy array of at least {n} (one per index) of a type "
                                  f"that holds {largest:,} (int64), got {got}")

@@ -38,7 +38,7 @@ from .errors import (
 from .fetch import is_url, open_cache
 from .remote import local_path
 from .text import printable, show
-from .world import World, detect_ranks, detect_worker, distributed_ranks, first_published, forget
+from .world import MAX_WORLD_SIZE, World, detect_ranks, detect_worker, distributed_ranks, first_published, forget
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.data._utils.worker import WorkerInfo
@@ -52,6 +52,7 @@ SHARD_STATE_KEYS = ("order", "window", "nodes")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
+MAX_BATCH_SIZE = 2**32  # a batch per rank; × MAX_WORLD_SIZE, a step of positions well within int64
 # Each process numbers the datasets it splits over ranks in the order it creates them: the n-th on every rank
 # is one dataset, whose cache, settings and positions the ranks compare (see StreamingDataset._agree). Every
 # rank must create the same split datasets in the same order (one made on some ranks only, an evaluation of
@@ -289,14 +290,14 @@ class StreamingDataset(IterableDataset):
         super().__init__()
         if not isinstance(cache, (str, PathLike, Cache)):
             raise ArgumentError(f"cache must be a cache folder or a datapipe.Cache, got {type(cache).__name__}")
-        self.batch_size = check_int(batch_size, "batch_size", 1)
+        self.batch_size = check_int(batch_size, "batch_size", 1, MAX_BATCH_SIZE)
         self.shuffle = check_bool(shuffle, "shuffle")
         self.seed = check_int(seed, "seed", 0, ORDER_LIMIT - 1)
         self.drop_last = check_bool(drop_last, "drop_last")
         self.return_index = check_bool(return_index, "return_index")
         for name, value, least in (("rank", rank, 0), ("world_size", world_size, 1)):
             if value is not None:
-                check_int(value, name, least)
+                check_int(value, name, least, MAX_WORLD_SIZE - (name == "rank"))
         self._detected = (rank is None, world_size is None)  # checked against torch.distributed when used
         try:
             self.rank, self.world_size = detect_ranks(rank, world_size)

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# The most processes a job may read with: more than any job runs, and few enough that a rank's arithmetic (positions
+# of batch_size × world_size samples, a list of one entry per rank) stays within int64 and in memory.
+MAX_WORLD_SIZE = 1 << 20
+
+
 @dataclass(frozen=True)
 class World:
     """One reader's place: ``rank`` of ``world_size`` processes, ``worker`` of ``num_workers``.
@@ -26,6 +31,8 @@ class World:
     num_workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must be at most {MAX_WORLD_SIZE:,}, got {self.world_size:,}")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}")
         if self.num_workers < 1 or not 0 <= self.worker < self.num_workers:

@@ -5,6 +5,7 @@ never a bool taken for 1, never a raw TypeError from pathlib, numpy or torch."""
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import threading
@@ -131,6 +132,20 @@ def test_read_batch_checks_its_buffers_before_writing_any(cache):
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="out must be a writable"):
         opened.read_batch(np.arange(4), frozen, labels)
+
+
+def test_read_batch_refuses_a_float_buffer_that_cannot_hold_every_index_exactly(tmp_path):
+    """A float16 index_out wrote sample 2049 as 2048 and 2051 as 2052, without a word."""
+    opened = datapipe.open(build_index_cache(tmp_path, 2100, classes=2, size=8, shard_size=1024))
+    wanted = np.arange(2047, 2052)
+    out = np.empty((5, *opened.shape), np.uint8)
+    for kind in (np.float16, np.int8):
+        with pytest.raises(ValueError, match="index_out must be .* of a type that holds 2,100"):
+            opened.read_batch(wanted, out, np.zeros(5, np.int64), np.zeros(5, kind))
+    for kind in (np.float32, np.float64, np.int16):  # every index exactly: as before
+        index = np.zeros(5, kind)
+        opened.read_batch(wanted, out, np.zeros(5, np.float16), index)
+        assert index.tolist() == wanted.tolist()
 
 
 def test_the_sample_refuses_what_the_machine_cannot_hold_before_writing(tmp_path):
@@ -319,3 +334,36 @@ def test_a_batch_the_memory_cannot_hold_is_named_with_what_to_lower(cache):
     notes = getattr(info.value, "__notes__", [])
     assert len(notes) == 1 and notes[0].startswith("datapipe: the DeviceLoader ran out of ") and \
         "making batches of 4 samples" in notes[0] and notes[0].endswith("lower the batch size, or num_workers and prefetch")
+
+
+@pytest.mark.parametrize(("classes", "words"), [
+    ("cat", "classes must be a non-empty list"), ([], "classes must be a non-empty list"),
+    (["cat", ""], "classes must be a non-empty list"), (["cat", 1], "classes must be a non-empty list"),
+    (["cat", "cat"], "classes names 'cat' more than once"),
+    (["cat", "caf\udce9"], "holds what is not valid UTF-8 text"), (["cat", "d\x00g"], "holds a NUL character"),
+], ids=["text", "empty", "empty-name", "number", "twice", "undecoded-folder-name", "nul"])
+def test_a_class_list_the_manifest_cannot_hold_is_refused_before_any_work(classes, words):
+    """A name with a lone surrogate (a folder name os.listdir gave undecoded) was accepted: every shard was written,
+    then the manifest could not be encoded, on every rerun."""
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        datapipe.BuildSpec(classes=classes)
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    ({"batch_size": 2**63}, "batch_size must be 1 <= batch_size <= 4294967296"),
+    ({"batch_size": 2**40, "world_size": 2**20, "rank": 1}, "batch_size must be 1 <= batch_size <= 4294967296"),
+    ({"batch_size": 4, "world_size": 10**11, "rank": 5}, "world_size must be 1 <= world_size <= 1048576"),
+], ids=["batch", "batch-times-ranks", "ranks"])
+def test_a_batch_or_world_too_large_for_any_job_is_refused_when_the_dataset_is_made(cache, given, words):
+    """Accepted, with len() 1, then the first iteration died of numpy's OverflowError (positions past int64) or a
+    MemoryError (one entry per rank)."""
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        datapipe.StreamingDataset(cache, **given)
+
+
+def test_a_world_size_too_large_from_the_environment_is_refused(cache, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", str(10**11))
+    with pytest.raises(ArgumentError, match=r"world_size must be at most 1,048,576, got 100,000,000,000 \(from the "
+                                            r"arguments, torch.distributed or RANK/WORLD_SIZE\)"):
+        datapipe.StreamingDataset(cache, batch_size=4)
