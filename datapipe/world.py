@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-
 # The most processes a job may read with: more than any job runs, and few enough that a rank's arithmetic (positions
 # of batch_size × world_size samples, a list of one entry per rank) stays within int64 and in memory.
 MAX_WORLD_SIZE = 1 << 20
