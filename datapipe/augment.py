@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from . import native, samples
-from .dataset import check_int
+from .dataset import check_int, is_int
 from .errors import ArgumentError, check_bool
 from .samples import decode_crop, decode_jpeg
 from .text import show
@@ -246,6 +246,10 @@ def sample_resized_crops(batch: int, height: int | torch.Tensor, width: int | to
     (int64 [B]). The random draws are the same either way, so a tensor of equal sizes gives the
     crops of the int form: one generator stream, whatever the samples' shapes.
     """
+    batch = check_int(batch, "batch", 0)
+    scale, ratio = _range_pair(scale, "scale"), _range_pair(ratio, "ratio")
+    if not isinstance(generator, torch.Generator):
+        raise ArgumentError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if batch == 0:
         return torch.empty((0, 4), dtype=torch.int64)
     per_sample = isinstance(height, torch.Tensor) or isinstance(width, torch.Tensor)
@@ -275,6 +279,8 @@ def sample_resized_crops(batch: int, height: int | torch.Tensor, width: int | to
 def _sizes(size: int | torch.Tensor, batch: int, what: str) -> torch.Tensor:
     """An image side as int64 [batch]: an int for every sample, or each sample's own."""
     if not isinstance(size, torch.Tensor):
+        if not is_int(size):  # never truncated (2.7 as 2) nor parsed ("10")
+            raise ArgumentError(f"{what} must be an integer or an int64 tensor [{batch}], got {show(size)}")
         return torch.full((batch,), int(size), dtype=torch.int64)
     if size.shape != (batch,) or size.dtype != torch.int64:
         raise ValueError(f"{what} must be an int or an int64 tensor [{batch}], got {tuple(size.shape)} {size.dtype}")
@@ -479,11 +485,15 @@ def _numbers(values: object, count: int) -> list[float] | None:
     return None if None in numbers else numbers  # type: ignore[return-value]
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the draws are float32: a larger bound is none there
+
+
 def _range_pair(values: object, what: str) -> tuple[float, float]:
     """RandomResizedCrop's ``scale`` or ``ratio``: (min, max), two finite numbers with 0 < min <= max."""
     pair = _numbers(values, 2)
-    if pair is None or not 0 < pair[0] <= pair[1]:
-        raise ArgumentError(f"{what} must be (min, max): two numbers with 0 < min <= max, got {show(values)}")
+    if pair is None or not 0 < pair[0] <= pair[1] <= _FLOAT32_MAX:
+        raise ArgumentError(f"{what} must be (min, max): two numbers with 0 < min <= max (and max float32's "
+                            f"{_FLOAT32_MAX:.3g} at most), got {show(values)}")
     return pair[0], pair[1]
 
 
@@ -497,9 +507,9 @@ def _probability(value: object, what: str) -> float:
 def _jitter_ranges(values: object) -> tuple[float, float, float, float]:
     """ColorJitter's (brightness, contrast, saturation, hue): numbers >= 0, the hue at most 0.5 (torchvision's rule)."""
     four = _numbers(values, 4)
-    if four is None or min(four) < 0 or four[3] > 0.5:
+    if four is None or min(four) < 0 or four[3] > 0.5 or max(four) > _FLOAT32_MAX / 2:  # 1 + a factor: in float32
         raise ArgumentError("color_jitter must be a number >= 0 or four numbers >= 0 (brightness, contrast, saturation, "
-                            f"hue; the hue at most 0.5), got {show(values)}")
+                            f"hue; the hue at most 0.5, the others {_FLOAT32_MAX / 2:.3g} at most), got {show(values)}")
     return four[0], four[1], four[2], four[3]
 
 

@@ -75,6 +75,35 @@ def test_augment_takes_numpy_numbers_and_refuses_unordered_channels():
     assert augment.train(32, color_jitter=np.array(0.4)).color_jitter == augment.train(32, color_jitter=0.4).color_jitter
 
 
+@pytest.mark.parametrize(("given", "words"), [
+    ({"color_jitter": 1e39}, "color_jitter must be"), ({"color_jitter": (0, 1e39, 0, 0)}, "color_jitter must be"),
+    ({"scale": (0.5, 1e39)}, "scale must be (min, max)"), ({"ratio": (0.5, 1e39)}, "ratio must be (min, max)"),
+], ids=["jitter", "contrast", "scale", "ratio"])
+def test_augment_refuses_bounds_float32_cannot_hold_when_made(given, words):
+    """Finite in Python, infinite in float32: accepted, then the first batch raised torch's "to is out of bounds"."""
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        augment.train(32, **given)
+
+
+@pytest.mark.parametrize(("args", "kwargs", "words"), [
+    ((4, 10, 10), {"scale": (0.9, 0.1)}, "scale must be (min, max)"),
+    ((4, 10, 10), {"ratio": (0, 0)}, "ratio must be (min, max)"),
+    ((4, 10, 10), {"ratio": (-1, 1)}, "ratio must be (min, max)"),
+    ((4, 10, 10), {"scale": (float("nan"), 1)}, "scale must be (min, max)"),
+    ((4, 10, 10), {"scale": (-1, 1)}, "scale must be (min, max)"),
+    ((-1, 10, 10), {}, "batch must be >= 0"), ((2.5, 10, 10), {}, "batch must be an integer"),
+    ((4, 2.7, 10), {}, "height must be an integer"), ((4, 10, "10"), {}, "width must be an integer"),
+    ((4, 0, 10), {}, "at least 1 pixel"),
+], ids=["scale-reversed", "ratio-zero", "ratio-negative", "scale-nan", "scale-negative", "batch-negative",
+        "batch-float", "height-float", "width-text", "height-zero"])
+def test_sample_resized_crops_checks_its_arguments_as_train_does(args, kwargs, words):
+    """The public sampler raised torch's uniform_ error, a math domain error, or used -1 and 2.7 (as 2) silently."""
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        augment.sample_resized_crops(*args, generator=torch.Generator(), **kwargs)
+    with pytest.raises(ArgumentError, match="generator must be a torch.Generator"):
+        augment.sample_resized_crops(4, 10, 10, generator=7)
+
+
 @pytest.mark.parametrize("path", [None, 5, b"cache", ""])
 def test_a_cache_or_sample_path_of_another_type_is_an_argument_error(tmp_path, path):
     """datapipe.open(None) and make_sample_dataset(None) raised pathlib's TypeError; "" is the working folder."""
@@ -169,7 +198,7 @@ def test_a_rank_variable_that_is_no_number_is_named(cache, monkeypatch, value):
 @pytest.mark.parametrize("world_size", [0, -1])
 def test_a_world_of_no_rank_is_refused_as_such(cache, world_size):
     """world_size=-1 was refused as "must be >= 0", and 0, which that allowed, then as a rank out of range."""
-    with pytest.raises(ArgumentError, match=rf"world_size must be >= 1, got {world_size}"):
+    with pytest.raises(ArgumentError, match=rf"world_size must be 1 <= world_size <= 1048576, got {world_size}"):
         datapipe.StreamingDataset(cache, batch_size=4, rank=0, world_size=world_size)
 
 
