@@ -60,6 +60,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -196,9 +197,9 @@ def parse_size(value: object, what: str) -> int:
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= 0:
         return int(value)
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{0,30})?|\.\d{1,30})\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:  # (more digits are no size: float() of 400 is infinite)
+            return int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])  # exact, as a decimal is written
     raise ArgumentError(f"{what} must be a number of bytes or a size such as '200GB' or '1.5TiB', got {show(value)}")
 
 

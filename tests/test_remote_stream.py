@@ -405,12 +405,13 @@ def test_open_reads_a_cache_in_object_storage_through_a_node_local_folder(s3, bu
 
 
 @pytest.mark.parametrize(("text", "value"), [("200GB", 200 * 10**9), ("1.5 GiB", 3 * 2**29), ("500mb", 500 * 10**6),
-                                             ("1024", 1024), (4096, 4096), ("0", 0)])
+                                             ("1024", 1024), (4096, 4096), ("0", 0), ("0.1 KB", 100),
+                                             ("9" * 30 + "GB", int("9" * 30) * 10**9)])
 def test_sizes_parse(text, value):
     assert fetch.parse_size(text, "cache_limit") == value
 
 
-@pytest.mark.parametrize("bad", ["-1GB", "GB", "1 parsec", True, 1.5, None, -5])
+@pytest.mark.parametrize("bad", ["-1GB", "GB", "1 parsec", True, 1.5, None, -5, "9" * 400 + "GB", "1" * 5000])
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ArgumentError, match="cache_limit"):
         fetch.parse_size(bad, "cache_limit")
