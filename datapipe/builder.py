@@ -56,6 +56,7 @@ from .errors import (
     TooManyBadFilesError,
     TooManyOpenFilesError,
     check_bool,
+    check_path,
     describe_quarantine,
     env_seconds,
     one_line,
@@ -876,6 +877,7 @@ def build(
     for name, value in (("source", source), ("output", output)):
         if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):  # "" would be the working folder
             raise ArgumentError(f"{name} must be a path or a URL, got {value!r}")
+        check_path(value, name)
     source, output = remote.local_path(source), remote.local_path(output)  # file:// URLs: the folders they name
     _check_utf8_path("source", source, SourceError)
     _check_utf8_path("output", output, OutputError)

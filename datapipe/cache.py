@@ -56,6 +56,7 @@ from .errors import (
     MappedReadError,
     UnreadableFileError,
     check_bool,
+    check_path,
     refused,
     refused_error,
 )
@@ -309,7 +310,7 @@ class Cache:
     def __init__(self, path: str | Path, *, check_sizes: bool = True, remote: Any = None) -> None:
         from .remote import is_url, local_path
 
-        path = local_path(path)  # a file:// URL is the folder it names
+        path = local_path(check_path(path, "the cache"))  # a file:// URL is the folder it names
         if is_url(path) and remote is None:
             raise ArgumentError(f"Cache opens a local folder, got the URL {show(path)}: open a cache in object "
                                 f"storage with datapipe.open({show(path)}, local_cache=...) or read it with "

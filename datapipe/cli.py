@@ -42,6 +42,13 @@ def _positive_int(text: str) -> int:
     return _whole_number(text, 1, "a positive integer")
 
 
+def _path(text: str) -> str:
+    """A path argument: an empty one (an unset shell variable) would be the working folder, never what was meant."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty (an unset variable?); give a path: \"\" would be the working folder")
+    return text
+
+
 def _nonnegative_int(text: str) -> int:
     return _whole_number(text, 0, "a whole number >= 0")
 
@@ -98,9 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its options)")
 
     b = _command(sub, "build", help="decode a folder of images (or a CSV list) into a sharded cache")
-    b.add_argument("source", help="folder of class folders (ImageNet layout) or a CSV of path,label; either may "
+    b.add_argument("source", type=_path, help="folder of class folders (ImageNet layout) or a CSV of path,label; either may "
                                   "be an s3:// (gs://, az://) URL")
-    b.add_argument("output", help="cache folder to write (a rerun resumes or is a no-op), or an s3:// (gs://, az://) URL")
+    b.add_argument("output", type=_path, help="cache folder to write (a rerun resumes or is a no-op), or an s3:// (gs://, az://) URL")
     _storage_option_flag(b)
     b.add_argument("--size", type=_positive_int, default=256,
                    help="side of the square samples, or the shorter side with --fit short, 8 to 8192 (default 256)")
@@ -126,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="rebuild an output built with another configuration or source; with the same ones, read "
                         "again the files an earlier build quarantined for a reason their bytes do not decide "
                         "(timeouts, unreadable files, decoder crashes)")
-    b.add_argument("--classes-from", default=None, metavar="CACHE_OR_FILE",
+    b.add_argument("--classes-from", type=_path, default=None, metavar="CACHE_OR_FILE",
                    help="label with this class list instead of the source's own: a datapipe cache's (folder or URL; "
                         "e.g. the training cache, for a validation set missing some classes) or a text file of "
                         "one class name per line; every class of the source must be in it")
@@ -135,34 +142,34 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress bar")
 
     i = _command(sub, "info", help="describe a cache, or the environment with --env")
-    i.add_argument("cache", nargs="?", help="cache folder, or the s3:// (gs://, az://) URL of one")
+    i.add_argument("cache", nargs="?", type=_path, help="cache folder, or the s3:// (gs://, az://) URL of one")
     i.add_argument("--env", action="store_true", help="print the active decoders and library versions")
     _storage_option_flag(i)
 
     v = _command(sub, "verify", help="check every shard's size and checksum against the manifest")
-    v.add_argument("cache", help="cache folder, or the s3:// (gs://, az://) URL of one")
+    v.add_argument("cache", type=_path, help="cache folder, or the s3:// (gs://, az://) URL of one")
     _storage_option_flag(v)
 
     s = _command(sub, "sample", help="generate an ImageNet-like sample image folder")
-    s.add_argument("output", help="folder to write (new or empty; a rerun with the same options completes it)")
+    s.add_argument("output", type=_path, help="folder to write (new or empty; a rerun with the same options completes it)")
     s.add_argument("--images", type=_positive_int, default=2000, help="number of images (default 2000)")
     s.add_argument("--classes", type=_positive_int, default=10, help="number of class folders (default 10)")
     s.add_argument("--seed", type=_nonnegative_int, default=0,
                    help="a whole number >= 0; the output is a pure function of the options and this (default 0)")
 
     d = _command(sub, "demo", help="generate a sample dataset, build it on a LocalCluster, read it back, bench it")
-    d.add_argument("--dir", default="datapipe-demo", help="working folder (default ./datapipe-demo)")
+    d.add_argument("--dir", type=_path, default="datapipe-demo", help="working folder (default ./datapipe-demo)")
     d.add_argument("--images", type=_positive_int, default=2000,
                    help="sample images to generate, at least 10 (the sample's classes) (default 2000)")
     d.add_argument("--workers", type=_positive_int, default=None, help="LocalCluster worker processes (default: one per core)")
     d.add_argument("--skip-bench", action="store_true", help="stop after reading the cache back")
 
     k = _command(sub, "bench", help="measure the loader stage by stage and against other loaders")
-    k.add_argument("cache", help="cache folder written by `datapipe build`")
+    k.add_argument("cache", type=_path, help="cache folder written by `datapipe build`")
     k.add_argument("--also", nargs="+", action="extend", default=[], metavar="CACHE",
                    help="more caches (the same source built with another --encoding or --fit), each measured as one "
                         "more datapipe system in the same rounds")
-    k.add_argument("--source", default=None, help="the source image folder, for the peers that read it")
+    k.add_argument("--source", type=_path, default=None, help="the source image folder, for the peers that read it")
     k.add_argument("--against", default="", help="comma-separated peers: dataloader,webdataset,litdata,streaming or 'all'")
     k.add_argument("--batch-size", type=_positive_int, default=256, help="samples per batch for every system (default 256)")
     k.add_argument("--workers", type=_positive_int, default=2, help="loader workers for every system (default 2)")
@@ -173,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--step-ms", type=float, default=0.0,
                    help="also run a synthetic model step of this many ms and report the share spent waiting")
     k.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
-    k.add_argument("--work-dir", default=None,
+    k.add_argument("--work-dir", type=_path, default=None,
                    help="where peers write their shards, each in a folder of its own that datapipe marks as its "
                         "(default: CACHE-bench-work beside the cache); not inside the cache or the source. A peer's "
                         "folder that datapipe did not write is refused, never deleted")

@@ -298,3 +298,28 @@ def check_bool(value: object, what: str, *, error: type[DatapipeError] = Argumen
 
         raise error(f"{what} must be True or False, got {show(value)} ({kind.__name__})")
     return bool(value)
+
+
+def check_path(value: object, what: str, *, error: type[DatapipeError] = ArgumentError) -> str:
+    """``value`` (a str or os.PathLike naming a path) as text, else ``error`` naming ``what``: an empty one (an unset
+    variable) would be the working folder, and a NUL ends a path for the system, which refuses it with a ValueError."""
+    from .text import show
+
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise error(f"{what} must be a path (a str or os.PathLike), got {show(value)} ({type(value).__name__})")
+    if not text:
+        raise error(f"{what} is empty (an unset variable?); give a path: \"\" would be the working folder")
+    if "\x00" in text:
+        raise error(f"{what} {show(text)} holds a NUL character, which no path can; give the path without it")
+    if "://" not in text:  # a URL's keys are the store's, of other limits
+        longest = max(text.split(os.sep), key=lambda part: len(part.encode("utf-8", "surrogateescape")))
+        size = len(longest.encode("utf-8", "surrogateescape"))
+        if size > NAME_MAX or len(text.encode("utf-8", "surrogateescape")) > PATH_MAX:
+            what_is = f"a name of {size:,} bytes" if size > NAME_MAX else f"{len(text):,} characters"
+            raise error(f"{what} {show(text[:60] + '…')} holds {what_is}, longer than a file system takes "
+                        f"({NAME_MAX} bytes a name, {PATH_MAX:,} a path); give a shorter path")
+    return text
+
+
+NAME_MAX, PATH_MAX = 255, 4095  # Linux's (and most file systems'): longer raises ENAMETOOLONG wherever it is used

@@ -76,6 +76,7 @@ from .errors import (
     CorruptShardError,
     DatapipeError,
     RemoteStoreError,
+    check_path,
     local_os_error,
     one_line,
 )
@@ -174,6 +175,7 @@ def open_cache(path: str | Path, *, local_cache: str | os.PathLike | None = None
 
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ArgumentError(f"the cache must be a folder or a URL (a str or path), got {show(path)}")
+    check_path(path, "the cache")
     named = {"local_cache": local_cache, "cache_limit": cache_limit, "storage_options": storage_options,
              "prefetch": prefetch, "timeout": timeout}
     given: dict[str, Any] = {name: value for name, value in named.items() if value is not None}
@@ -360,7 +362,7 @@ class ShardFetcher:
             raise ArgumentError(f"retries must be an integer >= 1, got {show(retries)}")
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
-        self.local_root = Path(local_cache).expanduser().absolute()
+        self.local_root = Path(check_path(local_cache, "local_cache")).expanduser().absolute()
         self.limit: int | None = None if cache_limit is None else parse_size(cache_limit, "cache_limit")
         if isinstance(prefetch, str):
             self._prefetch_bytes: int | None = parse_size(prefetch, "prefetch")

@@ -396,3 +396,43 @@ def test_a_world_size_too_large_from_the_environment_is_refused(cache, monkeypat
     with pytest.raises(ArgumentError, match=r"world_size must be at most 1,048,576, got 100,000,000,000 \(from the "
                                             r"arguments, torch.distributed or RANK/WORLD_SIZE\)"):
         datapipe.StreamingDataset(cache, batch_size=4)
+
+
+_BAD_PATHS = {"nul": ("{d}/cache\x00x", "holds a NUL character"),
+              "long-name": ("{d}/" + "x" * 300, "holds a name of 300 bytes, longer than a file system takes"),
+              "long-path": ("{d}/" + "/".join(["y" * 200] * 21), "characters, longer than a file system takes")}
+
+
+@pytest.mark.parametrize("bad", sorted(_BAD_PATHS))
+@pytest.mark.parametrize("entry", ["open", "Cache", "StreamingDataset", "local_cache", "build-source", "build-output"])
+def test_a_path_no_file_system_takes_is_one_argument_error_at_every_entry(cache, tmp_path, entry, bad):
+    """A NUL gave ValueError 'embedded null byte', a name over 255 bytes OSError ENAMETOOLONG, from deep inside."""
+    path, words = _BAD_PATHS[bad]
+    path = path.format(d=tmp_path)
+    sync = datapipe.Cluster(scheduler="sync")
+    call = {"open": lambda: datapipe.open(path), "Cache": lambda: datapipe.Cache(path),
+            "StreamingDataset": lambda: datapipe.StreamingDataset(path),
+            "local_cache": lambda: datapipe.StreamingDataset(f"file://{cache}", local_cache=path),
+            "build-source": lambda: datapipe.build(path, tmp_path / "out", cluster=sync, progress=False),
+            "build-output": lambda: datapipe.build(cache, path, cluster=sync, progress=False)}[entry]
+    with pytest.raises(ArgumentError, match=re.escape(words)):
+        call()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["build", "{src}", "{d}/o", "--classes-from", ""], ["build", "", "{d}/o"],
+                                  ["build", "{src}", ""], ["info", ""], ["verify", ""], ["bench", "{cache}", "--source", ""],
+                                  ["bench", "", "--repeats", "1"], ["sample", ""]],
+                         ids=["classes-from", "source", "output", "info", "verify", "bench-source", "bench-cache", "sample"])
+def test_an_empty_path_flag_is_refused_not_taken_as_the_working_folder(cache, tmp_path, capsys, monkeypatch, argv):
+    """`--classes-from "$TRAIN"` with TRAIN unset, run from inside another cache, labelled the new cache with that
+    cache's classes; the others named a '.' the user never typed."""
+    from datapipe import cli
+
+    monkeypatch.chdir(cache)  # inside a cache: the working folder would be taken for it
+    args = [a.format(src=cache, d=tmp_path, cache=cache) for a in argv]
+    with pytest.raises(SystemExit) as done:
+        cli.main(args)
+    assert done.value.code == 2
+    assert "is empty (an unset variable?)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
