@@ -1130,6 +1130,8 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
         with warnings.catch_warnings(), _pillow_limit(spec.max_pixels):
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data": EXIF is optional
+            if fmt == "png":
+                data = _png_text_within_limits(data)
             img = Image.open(io.BytesIO(data), formats=[_PILLOW_FORMATS[fmt]])
             # Pillow's load reads its input in blocks of this size and joins them (b = b + s) while its decoder
             # waits for a whole row: quadratic in a long row (an 80 s decode of a 94-byte WebP, whose frame Pillow
@@ -1323,6 +1325,50 @@ def _tiff_layout_unknown(data: bytes) -> bool:
     except Exception:  # noqa: BLE001 - any other failure: the header is damaged
         return False
     return False
+
+
+def _png_text_within_limits(data: bytes) -> bytes:
+    """``data`` (a PNG) without the metadata chunks Pillow refuses for their size alone, failing the whole image: an
+    ICC profile or a compressed text that inflates past ``PngImagePlugin.MAX_TEXT_CHUNK`` (1 MiB; an ImageMagick
+    "Raw profile type icc" of 700 KB does), and the text chunks past ``MAX_TEXT_MEMORY`` (64 MiB) in all. The decode
+    applies no ICC profile and reads no text but an orientation, which such a chunk Pillow would not give either;
+    the pixels are intact. ``data`` itself when it has none (the common case: nothing is copied)."""
+    from PIL import PngImagePlugin
+
+    chunk_limit, text_limit = PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
+    kept, dropped, text, at = [data[:8]], False, 0, 8
+    while at + 8 <= len(data):
+        (length,), kind = struct.unpack(">I", data[at : at + 4]), data[at + 4 : at + 8]
+        end = at + 12 + length
+        if end > len(data):
+            break  # cut short: Pillow says so
+        body = data[at + 8 : end - 4]
+        size = -1  # the text's or profile's inflated size; -1: not metadata Pillow measures
+        if kind in (b"iCCP", b"zTXt", b"iTXt", b"tEXt"):
+            name, _, rest = body.partition(b"\0")
+            compressed = rest[1:] if kind in (b"iCCP", b"zTXt") else None
+            if kind == b"iTXt" and len(rest) >= 2 and rest[0] == 1 and rest[1] == 0:
+                compressed = rest[2:].split(b"\0", 2)[-1]
+            if compressed is not None:
+                inflater = zlib.decompressobj()
+                try:
+                    size = len(inflater.decompress(compressed, chunk_limit))
+                except zlib.error:
+                    size = 0  # Pillow reads such a chunk as empty
+                if inflater.unconsumed_tail:
+                    size = chunk_limit + 1
+            else:
+                size = len(rest)
+        too_large = size > chunk_limit or (kind != b"iCCP" and size >= 0 and text + size > text_limit)
+        if too_large:
+            dropped = True
+        else:
+            text += max(size, 0) if kind != b"iCCP" else 0
+            kept.append(data[at:end])
+        at = end
+        if kind == b"IEND":
+            break
+    return b"".join(kept) + data[at:] if dropped else data
 
 
 def _wide_colour_key(img: Image.Image, data: bytes) -> tuple[int, int, int] | None:

@@ -264,6 +264,45 @@ def test_png_chunk_after_the_image_data_is_checked_too(imaging):
         decode_rgb(bytes(bad), FULL)
 
 
+_BIG = bytes(1_200_000)  # inflates past Pillow's 1 MiB per chunk; deflates to about 1 KB
+
+
+@pytest.mark.parametrize(("where", "kind", "body"), [
+    ("before", b"iCCP", b"big profile\0\0" + zlib.compress(_BIG)),
+    ("before", b"zTXt", b"Raw profile type icc\0\0" + zlib.compress(_BIG)),
+    ("after", b"zTXt", b"Comment\0\0" + zlib.compress(_BIG)),
+    ("before", b"iTXt", b"XML:com.adobe.xmp\0\1\0\0\0" + zlib.compress(_BIG)),
+], ids=["icc-profile", "imagemagick-icc-text", "text-after-the-image", "compressed-xmp"])
+def test_a_png_whose_metadata_inflates_past_pillows_limit_decodes_as_without_it(imaging, where, kind, body):
+    """Pillow refuses the whole image for a metadata chunk over 1 MiB inflated: valid pictures were quarantined as
+    corrupt (never read again until they change). The decode uses no such chunk; the orientation still applies."""
+    arr = imaging.gradient(40, 56)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    png = imaging.encode(arr, "PNG")
+    plain = png[:33] + _png_chunk(b"eXIf", exif.tobytes()[6:]) + png[33:]  # after IHDR
+    extra = _png_chunk(kind, body)
+    data = plain[:33] + extra + plain[33:] if where == "before" else plain[:-12] + extra + plain[-12:]
+    with pytest.raises(ValueError, match="MAX_TEXT_CHUNK"):  # Pillow's own refusal
+        Image.open(io.BytesIO(data)).load()
+    np.testing.assert_array_equal(decode_rgb(data, FULL), np.rot90(arr, -1))
+    np.testing.assert_array_equal(decode_rgb(data, FULL), decode_rgb(plain, FULL))
+
+
+def test_png_text_chunks_past_pillows_total_are_left_out_and_the_rest_kept(imaging):
+    """70 uncompressed text chunks of 1 MB: past Pillow's 64 MiB of text in all ("Too much memory used in text
+    chunks"); the image decodes, and a small chunk holding the orientation (XMP) still counts."""
+    arr = imaging.gradient(24, 32)
+    png = imaging.encode(arr, "PNG")
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+           b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="3"/></rdf:RDF></x:xmpmeta>')
+    texts = b"".join(_png_chunk(b"tEXt", b"note%d\0" % i + bytes(1_000_000)) for i in range(70))
+    data = png[:33] + _png_chunk(b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + xmp) + texts + png[33:]
+    with pytest.raises(ValueError, match="Too much memory used in text chunks"):
+        Image.open(io.BytesIO(data)).load()
+    np.testing.assert_array_equal(decode_rgb(data, FULL), np.rot90(arr, 2))
+
+
 @pytest.mark.parametrize("compression", ["tiff_adobe_deflate", "tiff_deflate"])
 def test_deflate_tiff_whose_data_fails_its_check_is_quarantined(imaging, compression):
     """A damaged byte in a deflate strip: libtiff stops inflating once it has the strip's pixels and says
