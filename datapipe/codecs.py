@@ -785,7 +785,7 @@ def _bands(height: int, width: int, pixels: int = 1 << 20) -> Iterator[tuple[int
 # The decode's rules, numbered: raised whenever what a file decodes to changes (a rule fixed or added), so that a
 # cache tells the shards an earlier datapipe decoded. 1: the shards that carry no number; 2: 16-bit TIFF planes,
 # big-endian wide TIFF samples, float and 16-bit WhiteIsZero, unsigned 32-bit gray, a 16-bit RGB PNG's tRNS key;
-# 3: 12-bit TIFF gray scaled from its own range, signed 8-bit TIFF gray.
+# 3: 12-bit TIFF gray scaled from its own range, signed 8-bit TIFF gray, PNGs of metadata past Pillow's limits.
 DECODE_RULES = 3
 
 _scratch = threading.local()
