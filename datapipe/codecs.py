@@ -210,12 +210,13 @@ def jpeg_orientation(data: bytes) -> int:
     """
     found: int | str = _ABSENT
     first: int | str = _ABSENT
-    exif_segments, xmp = 0, None
+    exif_segments, xmp, segments = 0, None, []
     for marker_payload in _jpeg_app1(data):
         if marker_payload.startswith(_XMP_ID):
             xmp = marker_payload[len(_XMP_ID) :]
             continue
         exif_segments += 1
+        segments.append(marker_payload)
         if exif_segments == 1:
             first = _exif_orientation(marker_payload)
             found = _ABSENT if first == _CUT else first  # alone, a first IFD cut short is read as far as it goes
@@ -227,7 +228,35 @@ def jpeg_orientation(data: bytes) -> int:
             return _TRANSPOSING.get(found, 1)
     if found == _ABSENT and (xmp is None or b"tiff:Orientation" not in xmp):
         return 1
+    if exif_segments > 1:  # Pillow joins them in quadratic time (60,000 small segments: 20 s)
+        return _joined_exif_orientation(segments, xmp)
     return _pillow_jpeg_orientation(data)
+
+
+def _joined_exif_orientation(segments: list[bytes], xmp: bytes | None) -> int:
+    """:func:`_pillow_jpeg_orientation` of a JPEG whose APP1 ``Exif`` segments are ``segments`` and whose last XMP
+    segment holds ``xmp``, by Pillow's rules, in linear time: its EXIF data the segments joined as its parser joins
+    them (the first whole, the others without their ``Exif`` header), read by Pillow's ``Exif``; the XMP's
+    ``tiff:Orientation`` when that has none."""
+    import warnings
+
+    from PIL import Image
+
+    joined = segments[0] + b"".join(segment[6:] for segment in segments[1:])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Corrupt EXIF data": EXIF is optional
+            exif = Image.Exif()
+            exif.load(joined)
+            value = exif.get(0x0112)
+    except Exception:  # noqa: BLE001 - broken metadata is tolerated (exif_transpose would raise), the image is not
+        return 1
+    if value is None and xmp is not None and (match := re.search(rb'tiff:Orientation(="|>)([0-9])', xmp)):
+        value = int(match[2])
+    try:
+        return _TRANSPOSING.get(value, 1)  # type: ignore[arg-type]
+    except TypeError:  # a value of no hashable kind: exif_transpose's lookup raises
+        return 1
 
 
 def _jpeg_app1(data: bytes) -> Iterator[bytes]:
@@ -652,23 +681,24 @@ def _mend_tiff_tiles(img: Image.Image) -> None:
     setattr(img, "tile", mended)  # noqa: B010 - an ImageFile's, which Image does not declare
 
 
-def _tiff_samples(img: Image.Image) -> tuple[int | None, bool]:
-    """How the integer samples of ``img`` (a TIFF, opened) are to be read where Pillow's mode says otherwise: the
-    largest value they hold when that is not their mode's (unsigned 32-bit samples, SampleFormat 1, which Pillow
-    reads into its signed mode ``I``: 2**31 and above come out negative; 12-bit ones in ``I;16``, 0..4095), and
-    whether they are signed bytes (SampleFormat 2 at 8 bits, which Pillow reads as unsigned ``L``: -1 as 255)."""
+def _tiff_samples(img: Image.Image) -> int | None:
+    """The largest value the integer samples of ``img`` (a TIFF, opened) hold, where it is not their Pillow mode's:
+    unsigned 32-bit samples (SampleFormat 1), which Pillow reads into its signed mode ``I`` (2**31 and above come
+    out negative), and 12-bit ones, which it reads into ``I;16`` as 0..4095 (ImageMagick's reading: 4095 is white).
+    None for every other image. (Signed 8-bit gray is read as Pillow reads it, as unsigned bytes: Pillow's own
+    sample files of that SampleFormat are pictures of unsigned values.)"""
     tags = getattr(img, "tag_v2", None)
     if tags is None:
-        return None, False
+        return None
     bits, sample_format = set(tuple(tags.get(258, (1,)))), set(tuple(tags.get(339, (1,))))
-    if len(bits) != 1:
-        return None, False
+    if len(bits) != 1 or sample_format != {1}:
+        return None
     depth = bits.pop()
-    if img.mode == "I" and depth == 32 and sample_format == {1}:
-        return 2**32 - 1, False
-    if img.mode in _WIDE and img.mode != "I" and depth < 16 and sample_format == {1}:
-        return 2**depth - 1, False
-    return None, img.mode == "L" and depth == 8 and sample_format == {2}
+    if img.mode == "I" and depth == 32:
+        return 2**32 - 1
+    if img.mode in _WIDE and img.mode != "I" and depth < 16:
+        return 2**depth - 1
+    return None
 
 
 def _single_plane_rawmode(img: Image.Image) -> str | None:
@@ -693,12 +723,10 @@ def _with_rawmode(tile: Any, rawmode: str) -> Any:
     return tile._replace(args=args) if hasattr(tile, "_replace") else (*tile[:3], args)
 
 
-def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, top: int | None = None,
-            signed_bytes: bool = False) -> np.ndarray:
+def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, top: int | None = None) -> np.ndarray:
     """Turn a loaded Pillow image of any mode into uint8 RGB H×W×3.
 
-    Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are (``signed_bytes``: a
-    TIFF's signed 8-bit gray, negatives clipped to 0 as signed 16-bit ones are); 1-bit becomes
+    Every mode takes one of these paths: 8-bit RGB and gray are expanded as they are; 1-bit becomes
     0/255; integer modes are scaled from 0..65535 (16-bit data, never clipped at 255; from 0..``top`` when
     a TIFF's samples span another range, see :func:`_tiff_samples`; inverted first with ``white_is_zero``, see
     :func:`_white_is_zero_wide`); float is clipped to 0..255 unless all of it
@@ -750,10 +778,7 @@ def _to_rgb(img: Image.Image, *, white_is_zero: bool = False, top: int | None = 
     if mode == "RGB":
         return np.asarray(img)
     if mode == "L":
-        gray = np.asarray(img)
-        if signed_bytes:
-            gray = np.maximum(gray.view(np.int8), 0).view(np.uint8)
-        return np.repeat(gray[..., None], 3, axis=2)
+        return np.repeat(np.asarray(img)[..., None], 3, axis=2)
     if mode == "1":
         return np.repeat(np.asarray(img).astype(np.uint8)[..., None] * np.uint8(255), 3, axis=2)
     return np.asarray(img.convert("RGB"))
@@ -785,7 +810,7 @@ def _bands(height: int, width: int, pixels: int = 1 << 20) -> Iterator[tuple[int
 # The decode's rules, numbered: raised whenever what a file decodes to changes (a rule fixed or added), so that a
 # cache tells the shards an earlier datapipe decoded. 1: the shards that carry no number; 2: 16-bit TIFF planes,
 # big-endian wide TIFF samples, float and 16-bit WhiteIsZero, unsigned 32-bit gray, a 16-bit RGB PNG's tRNS key;
-# 3: 12-bit TIFF gray scaled from its own range, signed 8-bit TIFF gray, PNGs of metadata past Pillow's limits.
+# 3: 12-bit TIFF gray scaled from its own range, PNGs of metadata past Pillow's limits.
 DECODE_RULES = 3
 
 _scratch = threading.local()
@@ -1150,7 +1175,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
                 _mend_tiff_tiles(img)
             key = _wide_colour_key(img, data) if fmt == "png" else None
             white_is_zero = fmt == "tiff" and _white_is_zero_wide(img)
-            top, signed_bytes = _tiff_samples(img) if fmt == "tiff" else (None, False)
+            top = _tiff_samples(img) if fmt == "tiff" else None
             img.load()  # a full decode of the first frame: truncated and corrupt data fail here
             # read after load(): a TIFF decoded by libtiff comes out already oriented, its tag removed
             orientation = jpeg_orientation(source or data) if fmt == "jpeg" else _pillow_orientation(img)
@@ -1159,7 +1184,7 @@ def _decode_pillow(data: bytes, fmt: str, spec: DecodeSpec, source: bytes | None
             if key is not None:
                 rgb = _over_background(np.asarray(img.convert("RGB")), _key_alpha(img, data, key))
             else:
-                rgb = _to_rgb(img, white_is_zero=white_is_zero, top=top, signed_bytes=signed_bytes)
+                rgb = _to_rgb(img, white_is_zero=white_is_zero, top=top)
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:  # only where Pillow has no check for _pillow_limit to wrap
@@ -1345,20 +1370,20 @@ def _png_text_within_limits(data: bytes) -> bytes:
         body = data[at + 8 : end - 4]
         size = -1  # the text's or profile's inflated size; -1: not metadata Pillow measures
         if kind in (b"iCCP", b"zTXt", b"iTXt", b"tEXt"):
-            name, _, rest = body.partition(b"\0")
-            compressed = rest[1:] if kind in (b"iCCP", b"zTXt") else None
+            _, _, rest = body.partition(b"\0")
+            compressed = rest[1:] if kind in (b"iCCP", b"zTXt") and rest[:1] in (b"\0", b"") else None
             if kind == b"iTXt" and len(rest) >= 2 and rest[0] == 1 and rest[1] == 0:
                 compressed = rest[2:].split(b"\0", 2)[-1]
             if compressed is not None:
                 inflater = zlib.decompressobj()
                 try:
                     size = len(inflater.decompress(compressed, chunk_limit))
+                    if inflater.unconsumed_tail:
+                        size = chunk_limit + 1
                 except zlib.error:
                     size = 0  # Pillow reads such a chunk as empty
-                if inflater.unconsumed_tail:
-                    size = chunk_limit + 1
-            else:
-                size = len(rest)
+            elif kind in (b"tEXt", b"iTXt"):
+                size = len(rest)  # (another compression method: Pillow refuses the file, and so it stays)
         too_large = size > chunk_limit or (kind != b"iCCP" and size >= 0 and text + size > text_limit)
         if too_large:
             dropped = True

@@ -56,7 +56,20 @@ DECODE_SECONDS = 60  # a decode running this long is a hang (each takes millisec
 
 def pillow_canonical(data: bytes, factor: int = 1) -> np.ndarray:
     """Pillow's reading of a file as datapipe defines the canonical sample (see the module docstring);
-    a JPEG decoded at 1/``factor`` scale by libjpeg's DCT scaling (Pillow's ``draft``) when asked."""
+    a JPEG decoded at 1/``factor`` scale by libjpeg's DCT scaling (Pillow's ``draft``) when asked. Pillow's limits
+    on PNG metadata, which refuse the whole picture for an ICC profile or a text over 1 MiB, are lifted: datapipe
+    decodes such a picture without that metadata (docs/build.md)."""
+    from PIL import PngImagePlugin
+
+    limits = PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
+    PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = 1 << 26, 1 << 30
+    try:
+        return _pillow_canonical(data, factor)
+    finally:
+        PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY = limits
+
+
+def _pillow_canonical(data: bytes, factor: int) -> np.ndarray:
     with Image.open(io.BytesIO(data)) as opened:
         if factor > 1:
             opened.draft(opened.mode, (max(1, opened.width // factor), max(1, opened.height // factor)))
