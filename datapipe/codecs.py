@@ -80,6 +80,22 @@ def sniff(head: bytes) -> str | None:
     return None
 
 
+# Formats of pictures datapipe does not decode, by their first bytes: ISO-BMFF image brands (HEIF/HEIC, AVIF),
+# JPEG 2000 (its file format and a bare codestream), JPEG XL (a bare codestream and its container)
+_HEIF_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"heim": "HEIC", b"heis": "HEIC", b"hevc": "HEIC", b"hevx": "HEIC",
+                b"mif1": "HEIF", b"msf1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}
+_UNDECODED_MAGIC = ((b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"), (b"\xff\x4f\xff\x51", "JPEG 2000"),
+                    (b"\xff\x0a", "JPEG XL"), (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"))
+
+
+def undecoded_format(head: bytes) -> str | None:
+    """The name of the picture format ``head`` (a file's first 16 bytes) starts, when it is one datapipe does not
+    decode (HEIC, HEIF, AVIF, JPEG 2000, JPEG XL); None otherwise (another format, or no picture)."""
+    if head[4:8] == b"ftyp":
+        return _HEIF_BRANDS.get(head[8:12])
+    return next((name for magic, name in _UNDECODED_MAGIC if head.startswith(magic)), None)
+
+
 def _is_dib(head: bytes) -> bool:
     """A bare device-independent bitmap (a .dib, a BMP without its 14-byte file header).
 
@@ -1442,6 +1458,10 @@ def _decode(data: bytes, spec: DecodeSpec | None = None, *, reuse: bool = False)
     if not data:
         raise DecodeError("empty file (0 bytes)", "empty")
     fmt = sniff(data[:16])
+    if fmt is None and (named := undecoded_format(data[:16])) is not None:
+        article = "an" if named.startswith("A") else "a"
+        raise DecodeError(f"unsupported: {article} {named} picture, a format datapipe does not decode; convert it to JPEG or "
+                          "PNG (for instance with ImageMagick: magick FILE out.jpg)", "unsupported")
     if fmt is None:
         raise DecodeError(f"not an image: unrecognised content (starts with {data[:8]!r})", "not-an-image")
     if fmt == "jpeg":

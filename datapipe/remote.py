@@ -1562,7 +1562,7 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
     :class:`datapipe.sources.Listing` whose ``root`` is the path of the folder its paths are relative
     to and ``url`` that folder's URL; workers read each object directly. ``timeout``: each request's deadline.
     ``exclude``: the build's output URL, never listed as part of the source (as a local build's output)."""
-    from .sources import IMAGE_EXTENSIONS, Listing, check_class_folders
+    from .sources import LISTED_EXTENSIONS, Listing, check_class_folders
 
     loc = open_location(url, storage_options, timeout=timeout)
     if loc.root.lower().endswith(".csv"):
@@ -1590,7 +1590,7 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
         if not parts or parts[0] in caches or (output is not None and f"{key}/".startswith(f"{output}/")):
             continue
         if key.startswith("/") or "//" in key.rstrip("/"):  # a path of folders would name another object
-            if os.path.splitext(key)[1].lower() in IMAGE_EXTENSIONS:
+            if os.path.splitext(key)[1].lower() in LISTED_EXTENSIONS:
                 dropped.append({"path": key, "error": "unreadable", "reason": "its key has an empty folder name "
                                 "('//'), which a path of class folders cannot name; rename the object"})
             elif not key.endswith("/"):
@@ -1605,7 +1605,7 @@ def scan(url: str, storage_options: dict[str, Any] | None = None, timeout: float
             continue
         if key.endswith("/"):
             continue
-        image = os.path.splitext(key)[1].lower() in IMAGE_EXTENSIONS
+        image = os.path.splitext(key)[1].lower() in LISTED_EXTENSIONS
         if len(parts) < 2 or not image:
             (outside if image else ignored).append(key)
             continue

@@ -47,6 +47,10 @@ log = logging.getLogger("datapipe.build")
 IMAGE_EXTENSIONS = frozenset(
     [".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".bmp", ".dib", ".tif", ".tiff", ".webp"]
 )
+# Pictures of formats datapipe does not decode (HEIF/HEIC, AVIF, JPEG 2000, JPEG XL): listed with the images, so
+# that each is quarantined as `unsupported`, saying to convert it, not left out as a note beside them would be.
+UNDECODED_EXTENSIONS = frozenset([".heic", ".heif", ".hif", ".avif", ".jp2", ".j2k", ".j2c", ".jpx", ".jpf", ".jxl"])
+LISTED_EXTENSIONS = IMAGE_EXTENSIONS | UNDECODED_EXTENSIONS  # what a folder source's scan takes for an image file
 # A CSV's first row is a header when its first cell (stripped, case-folded) is one of these names
 # and no file of that name exists beside the CSV.
 HEADER_NAMES = frozenset(
@@ -261,7 +265,7 @@ class _Walker:
             if self.enter(entry.path, rel, is_link=is_link):
                 stack.append((entry.path, rel))
             return
-        if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+        if os.path.splitext(entry.name)[1].lower() not in LISTED_EXTENSIONS:
             self.ignored.append(shown(rel))
         elif not valid_utf8(rel):
             self.dropped.append(bad_name(rel))
@@ -322,7 +326,7 @@ def _scan_folder(root: Path, exclude: str | os.PathLike | None = None) -> Listin
         except OSError:
             is_dir = False
         if not is_dir:
-            image = os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS
+            image = os.path.splitext(entry.name)[1].lower() in LISTED_EXTENSIONS
             (walker.outside if image else walker.ignored).append(shown(entry.name))
         elif walker.excluded is not None and _identity(entry.path) == walker.excluded:
             walker.ignored.append(shown(entry.name) + "/ (the build's output folder)")

@@ -18,10 +18,11 @@ from build_fixtures import (
 )
 
 import datapipe
-from datapipe.codecs import DecodeSpec, decode_sample
+from datapipe.codecs import DecodeSpec, decode_rgb, decode_sample
 from datapipe.errors import (
     ArgumentError,
     ConfigMismatchError,
+    DecodeError,
     SourceError,
 )
 from datapipe.sources import Listing, with_classes
@@ -355,6 +356,34 @@ def test_images_at_the_top_of_a_folder_source_are_named_not_dropped_silently(tmp
     assert on_disk["outside_classes"] == ["cover.jpg", "z.PNG"]
     assert "2 image files at the source's top level not used (no class folder" in report.summary()
     assert report.num_samples == 6 and report.scanned == 6
+
+
+_UNDECODED = {"heic": b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", "avif": b"\x00\x00\x00\x1cftypavif" + bytes(16),
+              "jp2": b"\x00\x00\x00\x0cjP  \r\n\x87\n" + bytes(16), "jxl": b"\xff\x0a" + bytes(16)}
+
+
+def test_pictures_of_formats_not_decoded_are_quarantined_saying_so_not_left_out_as_notes(tmp_path, imaging):
+    """An iPhone's .HEIC photos (and AVIF, JPEG 2000, JPEG XL ones) were counted with the notes beside the images
+    ('ignored'): the build said "ok" with none of them, and nothing said to convert them."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 3, "b": 3}, variety=False)
+    for kind, head in _UNDECODED.items():
+        (src / "a" / f"photo.{kind.upper()}").write_bytes(head)
+    (src / "b" / "avif-named.jpg").write_bytes(_UNDECODED["avif"])  # the content decides, not the name
+    (src / "b" / "notes.txt").write_text("x")
+    report = build(src, tmp_path / "out", max_bad_fraction=1.0)
+    assert report.ignored == 1 and report.num_samples == 6
+    reasons = {q["path"]: (q["error"], q["reason"]) for q in report.quarantined}
+    names = {"heic": "a HEIC", "avif": "an AVIF", "jp2": "a JPEG 2000", "jxl": "a JPEG XL"}
+    for kind, named in names.items():
+        error, reason = reasons[f"a/photo.{kind.upper()}"]
+        assert error == "unsupported" and reason.startswith(f"unsupported: {named} picture, a format datapipe does "
+                                                            "not decode; convert it to JPEG or PNG"), reason
+    assert reasons["b/avif-named.jpg"][0] == "unsupported"
+    mp4 = b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2"  # ISO-BMFF of no picture brand: no picture
+    with pytest.raises(DecodeError) as info:
+        decode_rgb(mp4)
+    assert info.value.kind == "not-an-image"
 
 
 def test_a_source_of_only_top_level_images_says_why_nothing_is_used(tmp_path, imaging):
