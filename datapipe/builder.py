@@ -905,7 +905,8 @@ def build(
         return _build_remote(loc, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,
                              force=force, verify=verify, progress=progress, t0=t0, options=options)
     out = Path(output).expanduser().absolute()
-    target = prepare(out, config, chash, listing.identity, force)
+    writes = [shard_name(p["shard"]) for p in plan_shards(listing, spec.samples_per_shard)]
+    target = prepare(out, config, chash, listing.identity, force, writes)
     try:
         with _write_errors(out):
             return _build_locked(target, listing, config, chash, spec, cluster=cluster, max_bad_fraction=max_bad_fraction,

@@ -1345,22 +1345,18 @@ class Cache:
         rec = self.manifest.shards[s]
         shard_dir = self.root / SHARDS_DIR / rec.name
         name = f"shard {rec.name}"
-        foreign = [f"{name}: {entry} is no file a build writes (zarr-python, or someone, added it); move it out of the "
-                   "shard's folder (datapipe never deletes what it did not write), then `datapipe build SOURCE OUTPUT "
-                   "--verify` rewrites the shard" for entry in foreign_entries(shard_dir)]
         try:
             meta = read_shard_metadata(shard_dir)
         except CacheError as exc:
-            return [*foreign, f"{name}: {exc}"]
+            return [f"{name}: {exc}"]
         if self.build_id and meta.get("build_id") != self.build_id:  # a build leaves another build's shard alone
-            return [*foreign, f"{name}: {shard_dir / 'zarr.json'} says build_id {show(meta.get('build_id'))}, the manifest "
+            return [f"{name}: {shard_dir / 'zarr.json'} says build_id {show(meta.get('build_id'))}, the manifest "
                     f"{show(self.build_id)} (a shard of another cache or build in its place); {MOVE_AWAY}"]
         keys = [("shard", s), ("count", rec.count), ("nbytes", rec.nbytes), ("crc32c", rec.crc32c)]
         if self.indexed:
             keys.append(("index_crc32c", rec.index_crc32c))
-        problems = foreign + [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
-                              "`datapipe build SOURCE OUTPUT --verify` rewrites it"
-                              for key, want in keys if meta.get(key) != want]
+        problems = [f"{name}: {shard_dir / 'zarr.json'} says {key} {meta.get(key)!r}, the manifest {want!r}; "
+                    "`datapipe build SOURCE OUTPUT --verify` rewrites it" for key, want in keys if meta.get(key) != want]
         if paths is not None and meta.get("paths") != paths[rec.first : rec.first + rec.count]:
             problems.append(f"{name}: the paths in {shard_dir / 'zarr.json'} differ from paths.json; "
                             "`datapipe build SOURCE OUTPUT --verify` rewrites it")
@@ -1378,6 +1374,10 @@ class Cache:
         if size is not None:
             problems.extend(f"{name}: {problem}; `datapipe build SOURCE OUTPUT --verify` rewrites it"
                             for problem in document_problems(shard_dir, rec.count, size, indexed=self.indexed))
+        if problems:  # the rewrite advised refuses a folder holding what no build wrote (kept with a whole shard)
+            problems[:0] = [f"{name}: {entry} is no file a build writes (zarr-python, or someone, added it); move it "
+                            "out of the shard's folder (datapipe never deletes what it did not write), then `datapipe "
+                            "build SOURCE OUTPUT --verify` rewrites the shard" for entry in foreign_entries(shard_dir)]
         return problems
 
     def _verify_shard_labels(self, s: int, labels: np.ndarray | None) -> list[str]:

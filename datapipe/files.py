@@ -214,11 +214,40 @@ def make_dirs(folder: str | os.PathLike) -> None:
 
 
 def link_on_the_way(folder: Path, rel: str) -> Path | None:
-    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link (what is behind it lies
-    elsewhere, in a folder datapipe did not make: never written or deleted through); None if none is."""
+    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link or a mount point of
+    another file system (what is behind it lies elsewhere, in a folder datapipe did not make: never written or deleted
+    through); None if none is."""
     parts = Path(rel).parts
-    return next((folder.joinpath(*parts[:i]) for i in range(1, len(parts)) if os.path.islink(folder.joinpath(*parts[:i]))),
-                None)
+    mounts: frozenset[str] | None = None
+    for i in range(1, len(parts)):
+        path = folder.joinpath(*parts[:i])
+        if os.path.islink(path):
+            return path
+        mounts = mount_points() if mounts is None else mounts
+        if is_mount(path, mounts):
+            return path
+    return None
+
+
+def mount_points() -> frozenset[str]:
+    """The mount points of this process's file systems (Linux's /proc/self/mountinfo; empty where it cannot be read):
+    a folder bound there from the same file system has its device, which ``os.path.ismount`` alone misses."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return frozenset()
+    found = set()
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:  # the mount point, its spaces and the like written in octal (\040)
+            found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
+    return frozenset(found)
+
+
+def is_mount(path: str | os.PathLike, mounts: frozenset[str]) -> bool:
+    """Whether the folder ``path`` (no link itself) is a mount point: of another device, or one of ``mounts``."""
+    return os.path.ismount(path) or os.path.realpath(path) in mounts
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -276,8 +276,10 @@ def _entries(out: Path) -> list[str]:
     return [e.name for e in os.scandir(out) if e.name != LOCK_FILE]
 
 
-def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> Output:
-    """Create or reopen ``out`` for a build of ``config`` from ``source``, holding its lock.
+def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: bool,
+            shards: Collection[str] = ()) -> Output:
+    """Create or reopen ``out`` for a build of ``config`` from ``source``, holding its lock; ``shards`` names the
+    shard folders the build writes (one it cannot replace stops ``force`` before anything is removed).
 
     A folder whose lock file cannot be written (no permission, a read-only file system), or whose lock
     another build holds, that holds this very build gives an Output without the lock, marked
@@ -331,14 +333,14 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
     if output.lock.created:
         output.created.append(output.lock.path)
     try:
-        output.build_id = _claim(out, config, chash, source, force)
+        output.build_id = _claim(out, config, chash, source, force, shards)
         build_json = out / records.BUILD_LOCK
         if not build_json.exists():
             output.created.append(build_json)
-        shards = out / SHARDS_DIR
-        if not shards.exists():
-            shards.mkdir()
-            output.created.append(shards)
+        folder = out / SHARDS_DIR
+        if not folder.exists():
+            folder.mkdir()
+            output.created.append(folder)
         text = _build_json(config, chash, output.build_id, source)
         if not holds(build_json, text.encode()):  # an unchanged one is left as it is: a rerun with nothing to do writes nothing
             atomic_write_text(build_json, text)
@@ -397,7 +399,7 @@ def _read_only(out: Path, config: dict, chash: str, source: dict[str, str], forc
     return Output(out, previous.build_id, BuildLock(out), read_only=error)
 
 
-def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: bool) -> str:
+def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: bool, shards: Collection[str]) -> str:
     """The build id to build under, checked under the lock: the earlier build's when it is the same
     build (a resume), a new one for a fresh or forced output."""
     if not _entries(out):
@@ -415,7 +417,7 @@ def _claim(out: Path, config: dict, chash: str, source: dict[str, str], force: b
     _check_owned(out, records.REPORT, previous.build_id)
     if resumes(previous, config, chash, source, force=force, where=str(out), place="folder"):
         return previous.build_id
-    remove_build(out, previous.build_id)
+    remove_build(out, previous.build_id, writes=shards)
     return new_build_id()
 
 
@@ -516,12 +518,14 @@ def not_ours(found: list[Path], shard: Path, does: str, kept: str) -> BuildError
                       f"it; datapipe does not delete what it did not write: move it out and rerun ({kept})")
 
 
-def remove_build(out: Path, build_id: str) -> None:
+def remove_build(out: Path, build_id: str, writes: Collection[str] = ()) -> None:
     """Remove what the build ``build_id`` wrote here, and nothing else; nothing when a shard cannot be read
-    (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were.
+    (OSError: no permission), which would otherwise leave the cache without its manifest, its shards as they were,
+    or when one of the shard folders named in ``writes`` (those the next build writes) is in its way.
 
     Raises:
-        OutputError: ``shards/`` is a link (see :func:`linked_shards`), or a shard holds what no build wrote.
+        OutputError: ``shards/`` is a link (see :func:`linked_shards`), a shard holds what no build wrote, or one of
+            ``writes`` is no shard of ``build_id`` (a link, another build's, one of no record).
     """
     if (refusal := linked_shards(out)) is not None:
         raise refusal
@@ -529,6 +533,12 @@ def remove_build(out: Path, build_id: str) -> None:
     foreign = [(shard, entry) for shard in doomed for entry in foreign_entries(shard)]
     if foreign:  # refused before anything goes: the cache stays whole, as it was
         raise not_ours([entry for _, entry in foreign], foreign[0][0], "replaces", "nothing was removed")
+    if in_the_way := _other_shards(out, doomed, writes):  # the next build would refuse them, the cache gone by then
+        more = f" (and {len(in_the_way) - 1} more)" if len(in_the_way) > 1 else ""
+        raise OutputError(f"{in_the_way[0]}{more} in {out / SHARDS_DIR} is no shard of the build this one replaces (a "
+                          "symbolic link, another cache's shard, or a folder whose zarr.json is gone: a removal cut "
+                          "short), and a build writes its shards only where none of those is; datapipe does not "
+                          "delete what it did not write: move it away and rerun. Nothing was removed")
     manifest_ours = _doc_build_id(out / records.MANIFEST) == build_id
     for name in (records.MANIFEST, records.REPORT):
         if _doc_build_id(out / name) == build_id:
@@ -549,6 +559,15 @@ def shards_of(out: Path, build_id: str, keep: Collection[str]) -> list[Path]:
     return [entry for entry in shards.iterdir()
             if entry.name.endswith(".zarr") and entry.name not in keep and not entry.name.startswith(TMP_PREFIX)
             and not entry.is_symlink() and entry.is_dir() and shard_build_id(entry) == build_id]
+
+
+def _other_shards(out: Path, ours: list[Path], names: Collection[str]) -> list[Path]:
+    """The entries of ``out``'s ``shards/`` of these ``names`` that are not among ``ours`` (a link, a file, a folder
+    of another build or of no readable record), sorted; a folder holding no file is none (a build removes it)."""
+    keep = set(ours)
+    found = [out / SHARDS_DIR / name for name in sorted(names)]
+    return [entry for entry in found if entry not in keep and os.path.lexists(entry)
+            and (entry.is_symlink() or not entry.is_dir() or any(files for _, _, files in os.walk(entry)))]
 
 
 def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:

@@ -387,6 +387,65 @@ def test_a_users_file_inside_a_shard_folder_survives_every_rebuild(small, tmp_pa
         assert datapipe.open(out).verify() == [] and len(datapipe.open(out)) == 10
 
 
+@pytest.mark.parametrize("what", ["linked shard", "shard of no record", "another build's shard", "a file"])
+def test_force_refuses_a_shard_it_could_not_replace_before_it_removes_anything(small, tmp_path, imaging, what):
+    """--force removed the manifest, the index files and every shard of its own, then refused the one in its way (a
+    linked shard, a folder whose zarr.json a removal cut short had taken): the cache was gone, nothing built."""
+    out = tmp_path / "out"
+    build(small, out)
+    shard = out / "shards" / "000000.zarr"
+    if what == "linked shard":  # deduplicated against a copy of the cache
+        copy = tmp_path / "copy"
+        shutil.copytree(shard, copy)
+        shutil.rmtree(shard)
+        shard.symlink_to(copy)
+    elif what == "shard of no record":
+        (shard / "zarr.json").unlink()
+    elif what == "another build's shard":
+        other = tmp_path / "other"
+        build(small, other)
+        shutil.rmtree(shard)
+        shutil.copytree(other / "shards" / "000000.zarr", shard)
+    else:
+        shutil.rmtree(shard)
+        shard.write_text("mine")
+    before = imaging.tree_bytes(out, skip=())
+    with pytest.raises(datapipe.errors.OutputError, match=r"000000\.zarr in .*shards is no shard of the build this one "
+                                                        r"replaces .* move it away and rerun. Nothing was removed"):
+        build(small, out, size=SIZE + 8, force=True)
+    assert imaging.tree_bytes(out, skip=()) == before
+    moved = tmp_path / "moved"
+    shard.rename(moved)  # as told
+    assert build(small, out, size=SIZE + 8, force=True).shards_built == 3 and datapipe.open(out).verify() == []
+
+
+def _bind_mounts_allowed() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True, timeout=60).returncode == 0
+
+
+@pytest.mark.skipif(not _bind_mounts_allowed(), reason="needs unshare -rm (a user and mount namespace) to bind-mount")
+def test_force_never_deletes_through_a_folder_bind_mounted_into_a_shard(small, tmp_path, imaging):
+    """A shard's images/ moved to another disk and bind-mounted back: --force walked into the mount point (a plain
+    folder to a symlink check) and deleted the files on the other disk, then failed on the emptied folder."""
+    out = tmp_path / "out"
+    build(small, out)
+    images = out / "shards" / "000001.zarr" / "images"
+    elsewhere = tmp_path / "elsewhere"
+    images.rename(elsewhere)
+    images.mkdir()
+    outside = imaging.tree_bytes(elsewhere, skip=())
+    code = (f"import datapipe; datapipe.build({str(small)!r}, {str(out)!r}, size={SIZE + 8}, force=True, progress=False, "
+            "cluster=datapipe.Cluster(scheduler='sync'))")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount --bind "$1" "$2" && exec "$3" -c "$4"', "sh",
+                           str(elsewhere), str(images), sys.executable, code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and "000001.zarr/images is in shard folder" in done.stderr, done.stderr[-2000:]
+    assert "Nothing was removed" in done.stderr or "nothing was removed" in done.stderr
+    assert imaging.tree_bytes(elsewhere, skip=()) == outside
+    assert (out / "manifest.json").exists()
+
+
 @pytest.mark.parametrize("how", ["force", "changed input", "fewer shards"])
 def test_files_behind_a_linked_folder_of_a_shard_survive_every_rebuild(small, tmp_path, imaging, how):
     """A shard's images/ and labels/ moved elsewhere and linked back in (the cache still verifies): --force deleted
