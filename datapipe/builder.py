@@ -41,6 +41,7 @@ from ._threads import torch_threads
 from .bounded import READ_AGAIN_ADVICE, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DECODE_RULES, DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
+    MAX_SECONDS,
     QUARANTINE_KINDS,
     ArgumentError,
     BuildError,
@@ -1677,7 +1678,7 @@ def _connect(scheduler: str) -> Client:
     # distributed bounds the connection by the timeout but not its handshake: something else that listens at the
     # address (a web server, a socket that never answers) would be waited on for ever
     thread, made = _in_thread(lambda: Client(scheduler, timeout=f"{float(wait):g}s"), "datapipe-connect")
-    thread.join(float(wait) + 10)
+    thread.join(min(float(wait) + 10, MAX_SECONDS))
     if made and isinstance(made[0], BaseException):
         # the Client whose constructor failed lingers, held by the error's frames and a reference cycle: collected
         # at the interpreter's exit only, it waited 40 s there to close and printed a traceback, after the build had
