@@ -201,7 +201,8 @@ class DeviceLoader:
         # the batch transform (None with output="uint8"): a generic module is wrapped in a conversion
         self.augment: BatchAugment | None = None if output == "uint8" else _batch_transform(augment)
         if self.augment is not None:  # the largest batch there is: batch_size may exceed the samples (one eval batch)
-            _check_batch_fits(self.augment, self._slot_rows(), self._held_batches(), self.device)
+            _check_batch_fits(self.augment, self._slot_rows(), self._held_batches(), self.device,
+                              scratch=self._scratch_batches())
         self.output = output
         self.timeout = _positive_seconds(timeout)
         self.meter = StallMeter(log_every=check_int(log_every, "log_every", 0))
@@ -392,8 +393,10 @@ class DeviceLoader:
         rows = self._slot_rows()
         if self.augment is not None and self.augment.size:
             one, shape = _output_batch(self.augment, rows)
-            what = (f"batches of {shape} ({one / 2**30:,.2f} GiB each; it holds up to {self._held_batches()}, beside "
-                    "the samples read and the augmentation's temporaries)")
+            scratch = self._scratch_batches()
+            made = f", and {scratch} of float32 it converts" if scratch else ""
+            what = (f"batches of {shape} ({one / 2**30:,.2f} GiB each; it holds up to {self._held_batches()}{made}, "
+                    "beside the samples read and the augmentation's temporaries)")
             lower = f"the augmentation's size ({self.augment.size}) or the batch size"
         else:
             what, lower = f"batches of {rows} samples", "the batch size"
@@ -427,6 +430,13 @@ class DeviceLoader:
         """Output batches the loader may hold at once: on the CPU its pool (see :class:`_OutputPool`), on CUDA the one
         being made and the one the loop holds."""
         return self._num_slots() + 2 if not self.cuda else 2
+
+    def _scratch_batches(self) -> int:
+        """float32 batches made beside the output batches: on the CPU a preset of another dtype (bfloat16, float16)
+        fills a pooled float32 buffer, then converts it, one in each reader at a time (see :class:`_OutputPool`)."""
+        if self.cuda or self.augment is None or self.augment.dtype == torch.float32 or not _fills_out(self.augment):
+            return 0
+        return max(1, self.num_workers)
 
     def _slot_rows(self) -> int:
         """Samples a buffer holds: a batch never holds more than the cache does."""
@@ -753,17 +763,22 @@ def _device_memory(device: torch.device) -> tuple[int, str]:
         return 0, ""
 
 
-def _check_batch_fits(aug: BatchAugment, batch_size: int, batches: int, device: torch.device) -> None:
-    """ArgumentError when the ``batches`` output batches of ``aug`` (a fixed size) the loader may hold at once are larger
-    than ``device``'s memory: torch's own error for such an allocation ("can't allocate memory", "Storage size
-    calculation overflowed"), or the kernel's out-of-memory kill, names neither the size nor what to change."""
+def _check_batch_fits(aug: BatchAugment, batch_size: int, batches: int, device: torch.device, *,
+                      scratch: int = 0) -> None:
+    """ArgumentError when the ``batches`` output batches of ``aug`` (a fixed size) the loader may hold at once, and the
+    ``scratch`` float32 batches it converts them from, are larger than ``device``'s memory: torch's own error for such
+    an allocation ("can't allocate memory", "Storage size calculation overflowed"), or the kernel's out-of-memory kill,
+    names neither the size nor what to change."""
     if not aug.size:
         return
     one, shape = _output_batch(aug, batch_size)
+    wide = batch_size * 3 * aug.size * aug.size * 4  # a float32 batch
+    total = one * batches + wide * scratch
     have, what = _device_memory(device)
-    if have and one * batches > have:
-        raise ArgumentError(f"the loader holds up to {batches} output batches of {shape} ({one / 2**30:,.2f} GiB each), "
-                            f"{one * batches / 2**30:,.1f} GiB in all, more than the {have / 2**30:,.1f} GiB of {what}: "
+    if have and total > have:
+        made = f" and {scratch} float32 batches it converts them from" if scratch else ""
+        raise ArgumentError(f"the loader holds up to {batches} output batches of {shape} ({one / 2**30:,.2f} GiB each)"
+                            f"{made}, {total / 2**30:,.1f} GiB in all, more than the {have / 2**30:,.1f} GiB of {what}: "
                             f"lower the augmentation's size ({aug.size}) or the batch size"
                             f"{', or num_workers and prefetch' if device.type != 'cuda' else ''}")
 

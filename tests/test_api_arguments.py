@@ -308,6 +308,37 @@ print("fits")
     assert lines[1] == "fits"
 
 
+def test_the_memory_check_counts_the_float32_batches_a_narrower_output_is_converted_from(cache):
+    """A bfloat16 preset on the CPU fills a float32 buffer in each reader, then converts it: the check counted the
+    bfloat16 batches alone, passed, and the loop ran out of memory (killed, under a container's limit)."""
+    code = """
+import resource, sys
+import torch
+import datapipe
+from datapipe import augment
+from datapipe.errors import ArgumentError
+ds = datapipe.StreamingDataset(sys.argv[1], batch_size=20)
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + 2 * 2**30, resource.RLIM_INFINITY))  # 2 GiB more
+half = augment.eval(1600, dtype=torch.bfloat16)  # 0.20 GiB a batch, made from 0.40 GiB of float32
+try:
+    datapipe.DeviceLoader(ds, device="cpu", augment=half, num_workers=3, prefetch=1)  # 6 + 3 of float32: 2.4 GiB
+except ArgumentError as exc:
+    print(exc)
+else:
+    print("accepted")
+datapipe.DeviceLoader(ds, device="cpu", augment=half, num_workers=0).close()  # 3 + 1 of float32: 1.0 GiB
+print("fits")
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(cache)], capture_output=True, text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stdout + done.stderr
+    assert lines[0].startswith("the loader holds up to 6 output batches of 14 x 3 x 1600 x 1600 bfloat16 (0.20 GiB "
+                               "each) and 3 float32 batches it converts them from, 2.4 GiB in all"), lines[0]
+    assert lines[1] == "fits"
+
+
 @pytest.mark.parametrize("timeout", [1e10, float("inf"), 0])
 def test_a_loader_timeout_past_the_longest_wait_is_named(cache, timeout):
     """timeout=1e10 was taken, and the first batch raised OverflowError ("timestamp out of range") from threading."""
