@@ -435,6 +435,10 @@ class ShardFetcher:
             self.local_root.mkdir(parents=True, exist_ok=True)
             _write_marker(self.local_root, {"format": "datapipe-local-cache"})
             self.folder = self.local_root / build
+            if os.path.islink(self.folder):  # its files would be neither counted against cache_limit nor its own
+                raise CacheError(f"{self.folder} is a symbolic link (to {os.readlink(self.folder)}): a node cache keeps "
+                                 "its shards, and its limit, in a folder of its own; remove the link and give "
+                                 "local_cache= the folder on the other disk instead")
             (self.folder / LOCKS).mkdir(parents=True, exist_ok=True)
             _write_marker(self.folder, {"format": "datapipe-local-cache", "url": self.url, "build_id": manifest.build_id})
         except OSError as exc:
@@ -875,12 +879,18 @@ class ShardFetcher:
                 if fd >= 0:
                     _close_step_lock(fd)
             self.download(shard)
-        linked = next((link for rel in rels if (link := link_on_the_way(self.folder, rel)) is not None), None)
-        if linked is not None:  # the download lands behind the link, which is never taken for the node's own file
-            raise CacheError(f"{linked} is a symbolic link inside the node cache {self.folder}, where datapipe writes and "
-                             "removes only files of its own: remove the link (what it leads to is left as it is)")
+        self._refuse_links(rels)
         raise RemoteStoreError(f"shard {rec.name}: evicted from {self.folder} again and again before it could be read; "
                                "raise cache_limit (other processes on this node fill it)")
+
+    def _refuse_links(self, rels: list[str]) -> None:
+        """CacheError when a folder on the way to one of ``rels`` is a symbolic link or a mount point (see
+        :func:`datapipe.files.link_on_the_way`): the node cache never writes or removes behind one."""
+        linked = next((link for rel in rels if (link := link_on_the_way(self.folder, rel)) is not None), None)
+        if linked is not None:
+            raise CacheError(f"{linked} is a symbolic link or a mount point inside the node cache {self.folder}, where "
+                             "datapipe writes and removes only files of its own: remove it (what it leads to is left as "
+                             "it is)")
 
     def ensure_index(self, shard: int) -> None:
         """Make an indexed shard's sample index local (the data file is left to :meth:`hold`)."""
@@ -959,6 +969,7 @@ class ShardFetcher:
             RemoteStoreError: the store did not answer (nothing arrived for ``timeout`` seconds).
         """
         final = self.folder / rel
+        self._refuse_links([rel, PARTIAL + "/-"])
         url = f"{self.url}/{rel}"
         mismatch = ""
         started = time.monotonic()

@@ -15,6 +15,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -227,11 +228,45 @@ def test_eviction_never_deletes_through_a_folder_linked_into_the_node_cache(s3, 
     images.symlink_to(elsewhere)
     before = {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
     assert before
-    with pytest.raises(CacheError, match=r"images is a symbolic link inside the node cache .* remove the link"):
+    with pytest.raises(CacheError, match=r"images is a symbolic link or a mount point inside the node cache .* remove it"):
         for epoch in range(2):
             ds.set_epoch(epoch)
             read_epoch(ds)
     assert {p: p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()} == before
+
+
+def test_the_node_cache_never_downloads_into_a_folder_behind_a_link(s3, built, tmp_path):
+    """The node cache's shards/ linked to a folder elsewhere: each shard was downloaded behind the link (written into
+    the user's folder, eight times over), then refused as a link."""
+    url = upload(s3, built["fixed"])
+    local = tmp_path / "lc"
+    ds = open_remote(s3, url, local, shuffle=False, prefetch=0)
+    shards = ds.cache.root / "shards"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("mine")
+    if shards.exists():
+        shutil.rmtree(shards)
+    shards.symlink_to(elsewhere)
+    with pytest.raises(CacheError, match=r"shards is a symbolic link or a mount point inside the node cache"):
+        read_epoch(ds)
+    assert sorted(p.name for p in elsewhere.rglob("*")) == ["mine.txt"]  # nothing written behind the link
+
+
+def test_a_node_cache_build_folder_linked_elsewhere_is_refused_not_left_out_of_its_limit(s3, built, tmp_path):
+    """local_cache/<build> moved to another disk and linked back: eviction skipped it (a link), and the node cache
+    held 185 KB against a cache_limit of 119 KB."""
+    url = upload(s3, built["fixed"])
+    local = tmp_path / "lc"
+    ds = open_remote(s3, url, local, shuffle=False, prefetch=0)
+    next(iter(ds))
+    folder = ds.cache.root
+    moved = tmp_path / "other-disk"
+    folder.rename(moved)
+    folder.symlink_to(moved)
+    with pytest.raises(CacheError, match=r"is a symbolic link \(to .*other-disk\): a node cache keeps its shards, and "
+                                         r"its limit, in a folder of its own"):
+        open_remote(s3, url, local, shuffle=False, prefetch=0)
 
 
 def test_a_foreign_file_at_a_shard_path_is_refused_not_replaced(s3, built, tmp_path):
