@@ -735,10 +735,11 @@ class Cache:
             self._release_checked(s, entry)
 
     def _release_checked(self, shard: int, entry: _Shard | None) -> None:
-        """Release a shard after copies out of it; they count only if the file is still the one seen at
-        open (a file truncated during a copy may have read as zeros in its last page instead of faulting)."""
+        """Release a shard after copies or reads out of it; they count only if the file is still the one seen at
+        open (a file truncated during a copy may have read as zeros in its last page instead of faulting, and one
+        written over in place between the check before a read and the read gave the new bytes)."""
         try:
-            if entry is not None and entry.mapping is not None:
+            if entry is not None:
                 self._check_fd(shard, entry.fd)
         finally:
             self._files.release(shard)
@@ -800,19 +801,22 @@ class Cache:
         shards = shard_of.tolist()
         flat = out.reshape(-1).data.cast("B")  # n >= 1 samples: never empty
         per = self.sample_bytes
-        held, fd = -1, -1
+        held, entry = -1, None
         try:
             for a, b in zip(begins, ends, strict=True):
                 s = shards[a]
                 if s != held:
                     if held >= 0:
-                        self._files.release(held)
-                        held = -1
-                    fd = self._acquire(s).fd
+                        done, held = held, -1
+                        self._release_checked(done, entry)  # the reads count only from the file checked before them
+                    entry = self._acquire(s)
                     held = s
                 want = (b - a) * per
-                if _pread_full(fd, flat[a * per : b * per], local[a] * per) != want:
+                if _pread_full(entry.fd, flat[a * per : b * per], local[a] * per) != want:
                     raise CorruptShardError(self._shard_changed(s, "ends early"))
+            if held >= 0:
+                done, held = held, -1
+                self._release_checked(done, entry)
         finally:
             if held >= 0:
                 self._files.release(held)

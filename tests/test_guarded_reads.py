@@ -503,3 +503,38 @@ def test_mapped_and_positioned_reads_give_the_same_samples_and_crops(built):
     assert np.array_equal(a, b) and np.array_equal(la, lb)
     assert torch.equal(crops, augment.train(24)(copies, seed=5))
     assert torch.equal(torch.stack(copies), torch.from_numpy(b[np.sort(order[:16])]))  # both sorted by index
+
+
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
+def test_positioned_reads_of_a_shard_written_over_during_the_read_are_an_error(built, tmp_path, monkeypatch, encoding):
+    """Without maps (no compiler, DATAPIPE_NATIVE=0) the file was checked before each read only: a shard written over
+    in place between that check and the read gave a batch of the new bytes, and only the next read said so."""
+    import datapipe.cache as cache_module
+
+    if encoding == "raw":
+        folder = Path(shutil.copytree(built, tmp_path / "cache"))
+    else:
+        folder = tmp_path / "cache"
+        datapipe.build(built.parent / "source", folder, size=32, shard_size=SHARD, encoding="jpeg", progress=False,
+                       cluster=datapipe.Cluster(scheduler="sync"))
+    cache = datapipe.open(folder)
+    cache.mapped = False  # positioned reads from the start
+    n = 5
+    out, labels = np.empty((n, *cache.shape), np.uint8), np.empty(n, np.int64)
+    cache.read_batch(np.arange(n), out, labels)  # shard 0 opened and checked
+    shard = cache._shard_path(0)
+    reads = cache_module._pread_full
+    written = []
+
+    def read_after_another_writer(fd, buf, offset):  # another process writes the shard over, after the check
+        if not written:
+            with open(shard, "r+b") as f:
+                f.write(bytes(4096))
+            os.utime(shard, ns=(os.stat(shard).st_atime_ns, os.stat(shard).st_mtime_ns + 1_000_000))
+            written.append(1)
+        return reads(fd, buf, offset)
+
+    monkeypatch.setattr(cache_module, "_pread_full", read_after_another_writer)
+    with pytest.raises(CorruptShardError, match=r"shard 000000\.zarr .* was truncated or altered"):
+        cache.read_batch(np.arange(n), out, labels)
+    assert written
