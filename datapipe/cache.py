@@ -153,8 +153,11 @@ class _ShardFiles:
         with _ShardFiles._lock:
             _ShardFiles._live.add(self)
 
-    def acquire(self, shard: int, opener: Callable[[], _Shard]) -> _Shard:
-        """The open shard (its user count raised; pair with :meth:`release`); ``opener()`` makes one."""
+    def acquire(self, shard: int, opener: Callable[[], _Shard],
+                opened: Callable[[int, _Shard], None] | None = None) -> _Shard:
+        """The open shard (its user count raised; pair with :meth:`release`); ``opener()`` makes one, and
+        ``opened(shard, entry)`` is told of the one kept (two threads may open a shard at once: the other's is
+        closed), before it is returned: its user count holds it open meanwhile."""
         with self._lock:
             entry = self._open.get(shard)
             if entry is not None:
@@ -174,7 +177,9 @@ class _ShardFiles:
             fresh.used = next(self._clock)
             self._open[shard] = fresh
             self._evict()
-            return fresh
+        if opened is not None:  # outside the lock: the caller's may take its own locks
+            opened(shard, fresh)
+        return fresh
 
     def release(self, shard: int) -> None:
         with self._lock:
@@ -801,7 +806,7 @@ class Cache:
         shards = shard_of.tolist()
         flat = out.reshape(-1).data.cast("B")  # n >= 1 samples: never empty
         per = self.sample_bytes
-        held, entry = -1, None
+        held, entry, fd = -1, None, -1
         try:
             for a, b in zip(begins, ends, strict=True):
                 s = shards[a]
@@ -810,9 +815,9 @@ class Cache:
                         done, held = held, -1
                         self._release_checked(done, entry)  # the reads count only from the file checked before them
                     entry = self._acquire(s)
-                    held = s
+                    held, fd = s, entry.fd
                 want = (b - a) * per
-                if _pread_full(entry.fd, flat[a * per : b * per], local[a] * per) != want:
+                if _pread_full(fd, flat[a * per : b * per], local[a] * per) != want:
                     raise CorruptShardError(self._shard_changed(s, "ends early"))
             if held >= 0:
                 done, held = held, -1
@@ -845,7 +850,7 @@ class Cache:
 
     def _acquire(self, shard: int) -> _Shard:
         """The open shard (release it with ``self._files.release``), checked (one fstat) to be the file seen at open."""
-        entry = self._files.acquire(shard, lambda: self._open_shard(shard))
+        entry = self._files.acquire(shard, lambda: self._open_shard(shard), self._note_map)
         try:
             self._check_fd(shard, entry.fd)
         except BaseException:
@@ -1191,15 +1196,21 @@ class Cache:
         if size < 1 or os.fstat(fd).st_size < size:  # a short file: short reads name it
             return None
         try:
-            mapping = native.Mapping(fd, size)
+            return native.Mapping(fd, size)
         except OSError:
             return None
+
+    def _note_map(self, shard: int, entry: _Shard) -> None:
+        """Record the address range of the map of ``entry``, the open shard kept (see :meth:`shard_error`): that of a
+        shard another thread opened at the same time is closed, and names no shard."""
+        if entry.mapping is None:
+            return
+        mapping = entry.mapping
         with self._lock:  # forget maps of other shards that were unmapped from this address range
             for s, (address, length) in list(self._map_ranges.items()):
                 if address < mapping.address + mapping.length and mapping.address < address + length:
                     del self._map_ranges[s]
             self._map_ranges[shard] = (mapping.address, mapping.length)
-        return mapping
 
     def _check_fd(self, shard: int, fd: int) -> None:
         """The open file is still the one seen at open: same size and modification time."""

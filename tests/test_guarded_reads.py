@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 
 import datapipe
 from datapipe import augment, native
-from datapipe.errors import CorruptShardError
+from datapipe.errors import CorruptShardError, MappedReadError
 from datapipe.shards import images_path
 from datapipe.testing import build_index_cache
 
@@ -538,3 +539,35 @@ def test_positioned_reads_of_a_shard_written_over_during_the_read_are_an_error(b
     with pytest.raises(CorruptShardError, match=r"shard 000000\.zarr .* was truncated or altered"):
         cache.read_batch(np.arange(n), out, labels)
     assert written
+
+
+@needs_guard
+def test_a_shard_two_threads_opened_at_once_is_named_when_it_shrinks(cache_dir, monkeypatch):
+    """Two reader threads opened one shard at once, each mapping it; the one whose map was kept could have recorded
+    the other's (closed) address range: a shard truncated under a read then raised a MappedReadError naming none."""
+    cache = datapipe.open(cache_dir)
+    opens = cache._open_shard
+    both = threading.Barrier(2)
+
+    def open_together(shard):  # each thread maps the file before either keeps its entry
+        entry = opens(shard)
+        both.wait(timeout=30)
+        return entry
+
+    monkeypatch.setattr(cache, "_open_shard", open_together)
+    threads = [threading.Thread(target=lambda: cache._files.release(cache._acquire(0) and 0)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    monkeypatch.undo()
+    entry = cache._acquire(0)  # the map kept
+    try:
+        os.truncate(cache._shard_path(0), 0)
+        with pytest.raises(MappedReadError) as fault:
+            native.gather(np.empty(SHARD * 32 * 32 * 3, np.uint8).ctypes.data, entry.mapping,
+                          np.arange(SHARD, dtype=np.int64) * 32 * 32 * 3, 32 * 32 * 3)
+    finally:
+        cache._files.release(0)
+    named = cache.shard_error(fault.value)
+    assert isinstance(named, CorruptShardError) and "000000.zarr" in str(named), named
