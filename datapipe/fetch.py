@@ -648,6 +648,13 @@ class ShardFetcher:
         try:
             yield
         except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST) and self._inside(exc.filename):
+                # the node cache's own folders removed (rm -rf local_cache) or replaced by a file while it ran
+                happened = "is in the way (a file where a folder of it belongs)" if exc.errno == errno.EEXIST else \
+                    "is gone"
+                raise CacheError(f"local_cache {self.local_root}: {exc.filename} {happened} while {what} was made "
+                                 "local: its folders were removed or replaced while readers used it; leave them to "
+                                 "datapipe (cache_limit bounds its size) and run again") from None
             if not local_os_error(exc):
                 raise
             reason = exc.strerror or one_line(exc)
@@ -663,6 +670,12 @@ class ShardFetcher:
                      f"its cache_limit of {self.limit:,} bytes is more than its disk holds: lower it")
             raise CacheError(f"local_cache {self.local_root}: {reason} while {what} was downloaded into it{free}; "
                              f"{limit}, or free space there, and run again") from None
+
+    def _inside(self, path: object) -> bool:
+        """Whether ``path`` (an OSError's file name) lies in this node cache's folder."""
+        if not isinstance(path, (str, os.PathLike)):
+            return False
+        return os.path.abspath(path).startswith(os.path.join(os.path.abspath(self.local_root), ""))
 
     def _lock_path(self, name: str) -> Path:
         return self.folder / LOCKS / f"{name}.lock"

@@ -269,6 +269,31 @@ def test_a_node_cache_build_folder_linked_elsewhere_is_refused_not_left_out_of_i
         open_remote(s3, url, local, shuffle=False, prefetch=0)
 
 
+@pytest.mark.parametrize("damage", ["local_cache removed", "locks removed", "partial made a file"])
+def test_a_node_cache_removed_under_a_running_reader_is_one_line_saying_so(s3, built, tmp_path, damage):
+    """`rm -rf local_cache` (or of its lock folder) mid-epoch ended the loop with a raw FileNotFoundError of a lock
+    file, and a file where its download folder belongs with a raw FileExistsError."""
+    url = upload(s3, built["fixed"])
+    local = tmp_path / "lc"
+    ds = open_remote(s3, url, local, shuffle=False, prefetch=0)
+    it = iter(ds)
+    next(it)
+    folder = ds.cache.root
+    if damage == "local_cache removed":
+        shutil.rmtree(local)
+    elif damage == "locks removed":
+        shutil.rmtree(folder / ".datapipe-locks")
+    else:
+        shutil.rmtree(folder / ".datapipe-partial", ignore_errors=True)
+        (folder / ".datapipe-partial").write_text("x")
+    with pytest.raises(CacheError, match=r"(is gone|is in the way \(a file where a folder of it belongs\)) while shard "
+                                         r"\d+\.zarr was made local: its folders were removed or replaced while readers "
+                                         r"used it"):
+        for _ in it:
+            pass
+    assert len(read_epoch(open_remote(s3, url, tmp_path / "fresh", shuffle=False, prefetch=0))) == len(ds.cache)
+
+
 def test_a_foreign_file_at_a_shard_path_is_refused_not_replaced(s3, built, tmp_path):
     url = upload(s3, built["fixed"])
     ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
