@@ -1096,6 +1096,9 @@ class Cache:
                                     f"{self._rewrite_hint}")
 
     def _shard_changed(self, shard: int, what: str) -> str:
+        if self.remote is not None:  # a node's copy: the store's cache is not in question, and no build mends it
+            return (f"shard {self.shard_names[shard]} ({self._shard_path(shard)}) {what}: this node's copy changed "
+                    f"since it was read; {self._rewrite_hint}")
         return _changed(self._shard_path(shard), f"shard {self.shard_names[shard]}", what)
 
     def _open_shard(self, shard: int) -> _Shard:

@@ -928,6 +928,20 @@ def test_a_cache_rebuilt_under_a_reader_says_so_and_to_reopen_it(s3, built, tmp_
     assert shard_downloads(ds.cache.remote.folder)["shard 000000.zarr"] == 0
 
 
+def test_a_shard_of_a_node_cache_cut_short_under_a_reader_says_to_drop_the_nodes_copy(s3, built, tmp_path):
+    """The advice was the one for a cache in a folder ("rerun the same datapipe build if it is damaged"): the store's
+    objects are sound, and no build mends a node's copy."""
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    read_epoch(ds)
+    path = ds.cache._shard_path(0)
+    os.truncate(path, os.path.getsize(path) // 2)
+    ds.set_epoch(1)
+    with pytest.raises(CorruptShardError, match=r"shard 000000\.zarr .* this node's copy changed since it was read; "
+                                                r"remove the folder .*lc.* \(this node's copy of s3://"):
+        read_epoch(ds)
+
+
 def test_an_index_altered_in_a_node_cache_says_to_drop_the_nodes_copy(s3, built, tmp_path):
     """A sample index altered in place in a node's copy (its size and times kept, so still recorded as
     downloaded) is caught by its checksum on open; the advice is to remove that node's copy, not to
