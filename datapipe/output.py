@@ -308,9 +308,12 @@ def prepare(out: Path, config: dict, chash: str, source: dict[str, str], force: 
         raise
     except OSError as exc:  # it cannot be looked at: whether it is empty, or datapipe's, cannot be told
         raise _unreadable(out, exc) from None
-    if not existed and os.path.islink(out):  # mkdir would say "File exists" of a name that shows no file
-        raise OutputError(f"output {out} is a symbolic link to {os.readlink(out)}, which does not exist: create the "
-                          "folder it names (a build writes into it), or remove the link, and rerun")
+    dangling = next((p for p in (out, *out.parents) if os.path.islink(p) and not p.exists()), None) \
+        if not existed else None
+    if dangling is not None:  # mkdir would say "File exists" of a name that shows no file
+        which = "output" if dangling == out else f"output {out}: the folder on its way"
+        raise OutputError(f"{which} {dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist: "
+                          "create the folder it names (a build writes into it), or remove the link, and rerun")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -1576,3 +1576,7 @@ def test_an_output_named_by_a_dangling_link_says_so(small, tmp_path):
         build(small, tmp_path / "out")
     (tmp_path / "nowhere").mkdir()
     assert build(small, tmp_path / "out").num_samples == 10
+    (tmp_path / "way").symlink_to(tmp_path / "gone")  # a dangling link on the way to the output
+    with pytest.raises(OutputError, match=r"output .*way/sub/out: the folder on its way .*way is a symbolic link to "
+                                          r".*gone, which does not exist"):
+        build(small, tmp_path / "way" / "sub" / "out")
