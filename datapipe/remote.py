@@ -71,6 +71,7 @@ from .shards import (
     shard_attributes,
     shard_layout,
 )
+from .text import show
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 INSTALL = "pip install 'datapipe[remote]'"
@@ -1073,13 +1074,22 @@ class RemoteLock:
             return True
         if isinstance(held, dict) and self.alive(held):
             raise self._busy(self._holder(held))
-        try:
-            self._etag = self._put(if_match=etag) if etag else self._put(if_none_match=True)
-        except _Unconditional:
-            return False
-        except _Lost:
-            raise self._busy(self._held(), "first") from None
-        return True
+        for _ in range(2):  # a lock object removed while it was watched (its build ended): written anew, once
+            try:
+                self._etag = self._put(if_match=etag) if etag else self._put(if_none_match=True)
+                return True
+            except _Unconditional:
+                return False
+            except _Lost:
+                if not etag:
+                    break
+                try:
+                    _, etag = self._get()
+                except FileNotFoundError:
+                    etag = None  # gone: the next build to write it holds it
+                    continue
+                break
+        raise self._busy(self._held(), "first") from None
 
     def _get(self) -> tuple[Any, str]:
         """The lock object's document (None when damaged) and its ETag, in one GET."""
@@ -1436,6 +1446,11 @@ def no_manifest(loc: Location) -> CacheError:
                           f"{held.get('pid')} on host {held.get('host')}); open it once that build has finished")
     hint = (" — a build was started here but did not finish; run the same `datapipe build` again" if started else
             f"; build it with `datapipe build SOURCE {loc.url}`")
+    if isinstance(held, dict) and held.get("host") != socket.gethostname():  # its refreshes tell, not the clocks
+        hint = (f" — a build was started here and did not finish, unless the one on host {show(held.get('host'))} (pid "
+                f"{show(held.get('pid'))}) that holds its lock is writing it now by a clock other than this one's; "
+                "open it once no build runs, or run the same `datapipe build` again (it watches the lock to tell: it "
+                "resumes a build that ended, and refuses one still running)")
     return CacheError(f"{loc.url} is not a finished datapipe cache (no {MANIFEST}){hint}")
 
 

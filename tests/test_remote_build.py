@@ -400,6 +400,27 @@ def test_another_hosts_lock_is_judged_by_its_refreshes_not_by_the_two_clocks(s3,
     assert build(source[0], url, storage_options=s3.storage_options).status == "ok"
 
 
+def test_a_lock_removed_while_it_is_watched_is_free_not_another_builds(s3, monkeypatch):
+    """Another host's lock, stale by this clock, is watched before it is taken over; its build ended and removed it
+    meanwhile: the takeover was conditional on the removed object, which the store refused, and the build was
+    refused as busy ("holder unknown, which took its lock first") with no build holding the prefix."""
+    monkeypatch.setenv("DATAPIPE_REMOTE_LOCK_TTL", "2")  # watched for 0.75 s
+    loc = remote.open_location(s3.bucket() + "/cache", s3.storage_options)
+    fs = s3.filesystem()
+    key = loc.url.removeprefix("s3://") + "/.datapipe.lock"
+    fs.pipe_file(key, json.dumps({"host": "elsewhere", "pid": 1, "token": "elsewhere:1:1",
+                                  "refreshed": time.time() - 1000}).encode())
+    ends = threading.Timer(0.3, lambda: fs.rm(key))  # the other build ends during the watch
+    ends.start()
+    lock = remote.RemoteLock(loc)
+    try:
+        lock.acquire()
+        assert json.loads(fs.cat_file(key))["token"] == lock.token
+    finally:
+        ends.join()
+        lock.remove()
+
+
 def test_the_lock_is_written_with_conditions_so_one_of_builds_that_found_it_free_or_dead_holds_it(s3, monkeypatch):
     """Builds that read the lock free (or dead), then wrote it one after the other, each more than the settle time
     after the other read it back: both read their own token and went on. On S3 the lock is created only where none
@@ -727,6 +748,13 @@ def test_a_cache_in_the_store_that_a_build_is_writing_says_so_rather_than_unfini
                                                       "refreshed": time.time()}).encode())
     with pytest.raises(datapipe.errors.CacheError, match="did not finish; run the same `datapipe build` again"):
         datapipe.StreamingDataset(url, local_cache=tmp_path / "node", storage_options=s3.storage_options)
+    # another host's lock, old by this clock: a dead build, or a living one on a host whose clock is behind (a watch
+    # tells, which only a build waits for): both are named, not "did not finish" alone
+    fs.pipe_file(key + "/.datapipe.lock", json.dumps({"host": "elsewhere", "pid": 4242, "token": "elsewhere:4242:1",
+                                                      "refreshed": time.time() - 1000}).encode())
+    done = cli("info", url, env=s3.env)
+    assert done.returncode == 2 and "did not finish, unless the one on host 'elsewhere' (pid 4242) that holds its lock " \
+        "is writing it now by a clock other than this one's" in done.stderr, done.stderr
 
 
 def test_classes_from_a_cache_or_a_text_object_in_the_store(s3, source, tmp_path):
