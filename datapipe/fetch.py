@@ -792,8 +792,14 @@ class ShardFetcher:
                         f"still reads it (it holds {self._lock_path(rec.name)}), so it cannot be replaced; restart the "
                         "jobs that opened the cache before the rebuild (or close() their datasets), or give this one "
                         "another local_cache")
+                if not all(os.path.exists(self.folder / rel) for rel in rels):  # removed under its readers
+                    raise CacheError(f"{what}: this node's copy of it was removed from {self.folder} while another "
+                                     f"process reads it (it holds {self._lock_path(rec.name)}), and it cannot be "
+                                     "downloaded again until that process lets go: the node cache's files are "
+                                     "datapipe's; stop the readers and run again")
                 raise RemoteStoreError(f"{what}: its lock {self._lock_path(rec.name)} was never free to download it "
-                                       f"in {self.timeout:g} s; raise timeout=")
+                                       f"in {self.timeout:g} s (other processes on this node read the shard all that "
+                                       "time); raise timeout=")
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 

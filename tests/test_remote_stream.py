@@ -294,6 +294,27 @@ def test_a_node_cache_removed_under_a_running_reader_is_one_line_saying_so(s3, b
     assert len(read_epoch(open_remote(s3, url, tmp_path / "fresh", shuffle=False, prefetch=0))) == len(ds.cache)
 
 
+def test_a_node_copy_removed_under_another_processs_reader_is_named_not_blamed_on_the_lock(s3, built, tmp_path):
+    """The shards of a node cache removed while a DataLoader worker read one: its sibling waited the whole timeout for
+    the lock, then said "never free to download it; raise timeout=", which cannot help."""
+    url = upload(s3, built["fixed"])
+    local = tmp_path / "lc"
+    reader = open_remote(s3, url, local, shuffle=False, prefetch=0)
+    read_epoch(reader)
+    held = reader.cache.remote.hold(0)  # another reader's hold (a lock of its own open file, as another process's)
+    try:
+        os.unlink(reader.cache._shard_path(0))
+        other = open_remote(s3, url, local, shuffle=False, prefetch=0, timeout=1)
+        with pytest.raises(CacheError, match=r"shard 000000\.zarr: this node's copy of it was removed from .* while "
+                                             r"another process reads it .* stop the readers and run again"):
+            read_epoch(other)
+    finally:
+        held.release()
+    size = len(reader.cache)
+    reader.close()  # the readers stopped, as told: the next run downloads it again
+    assert len(read_epoch(open_remote(s3, url, local, shuffle=False, prefetch=0, timeout=5))) == size
+
+
 def test_a_foreign_file_at_a_shard_path_is_refused_not_replaced(s3, built, tmp_path):
     url = upload(s3, built["fixed"])
     ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
