@@ -52,7 +52,7 @@ SHARD_STATE_KEYS = ("order", "window", "nodes")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
-MAX_BATCH_SIZE = 2**32  # a batch per rank; × MAX_WORLD_SIZE, a step of positions well within int64
+MAX_BATCH_SIZE = 2**42  # a batch per rank (more than any cache holds); × MAX_WORLD_SIZE, a step within int64
 # Each process numbers the datasets it splits over ranks in the order it creates them: the n-th on every rank
 # is one dataset, whose cache, settings and positions the ranks compare (see StreamingDataset._agree). Every
 # rank must create the same split datasets in the same order (one made on some ranks only, an evaluation of

@@ -410,8 +410,8 @@ def test_a_class_list_the_manifest_cannot_hold_is_refused_before_any_work(classe
 
 
 @pytest.mark.parametrize(("given", "words"), [
-    ({"batch_size": 2**63}, "batch_size must be 1 <= batch_size <= 4294967296"),
-    ({"batch_size": 2**40, "world_size": 2**20, "rank": 1}, "batch_size must be 1 <= batch_size <= 4294967296"),
+    ({"batch_size": 2**63}, "batch_size must be 1 <= batch_size <= 4398046511104"),
+    ({"batch_size": 2**62, "world_size": 2, "rank": 1}, "batch_size must be 1 <= batch_size <= 4398046511104"),
     ({"batch_size": 4, "world_size": 10**11, "rank": 5}, "world_size must be 1 <= world_size <= 1048576"),
 ], ids=["batch", "batch-times-ranks", "ranks"])
 def test_a_batch_or_world_too_large_for_any_job_is_refused_when_the_dataset_is_made(cache, given, words):
