@@ -547,15 +547,36 @@ def test_a_shard_two_threads_opened_at_once_is_named_when_it_shrinks(cache_dir, 
     the other's (closed) address range: a shard truncated under a read then raised a MappedReadError naming none."""
     cache = datapipe.open(cache_dir)
     opens = cache._open_shard
-    both = threading.Barrier(2)
+    first_opened, second_opened, first_kept = threading.Event(), threading.Event(), threading.Event()
+    order = iter(["first", "second"])
+    lock = threading.Lock()
 
-    def open_together(shard):  # each thread maps the file before either keeps its entry
+    def open_interleaved(shard):  # the first maps the file, then the second; the first's entry is kept
+        with lock:
+            me = next(order)
+        if me == "first":
+            entry = opens(shard)
+            first_opened.set()
+            second_opened.wait(timeout=30)
+            return entry
+        first_opened.wait(timeout=30)
         entry = opens(shard)
-        both.wait(timeout=30)
+        second_opened.set()
+        first_kept.wait(timeout=30)  # then finds the first's entry, and closes its own
         return entry
 
-    monkeypatch.setattr(cache, "_open_shard", open_together)
-    threads = [threading.Thread(target=lambda: cache._files.release(cache._acquire(0) and 0)) for _ in range(2)]
+    def first() -> None:
+        cache._acquire(0)
+        first_kept.set()
+        cache._files.release(0)
+
+    def second() -> None:
+        first_opened.wait(timeout=30)
+        cache._acquire(0)
+        cache._files.release(0)
+
+    monkeypatch.setattr(cache, "_open_shard", open_interleaved)
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for t in threads:
         t.start()
     for t in threads:
