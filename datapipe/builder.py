@@ -92,7 +92,17 @@ from .shards import (
     shard_layout,
     shard_name,
 )
-from .sources import Listing, locale_error, note_numeric_labels, plan_shards, scan, shown, valid_utf8, with_classes
+from .sources import (
+    Listing,
+    locale_error,
+    note_numeric_labels,
+    plan_shards,
+    repeats_a_row,
+    scan,
+    shown,
+    valid_utf8,
+    with_classes,
+)
 from .text import plural, printable, progress_bar, show
 from .writer import ShardWriter
 
@@ -2079,16 +2089,18 @@ def _finish(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict]
     built_images = sum(r["count"] + len(r["quarantined"]) for r in built)
     report.page_faults_per_image = sum(r.get("page_faults", 0) for r in built) / max(built_images, 1)
     report.images_per_second = built_images / seconds["shards"] if built and seconds["shards"] > 0 else 0.0
-    bad_fraction = len(quarantined) / max(total, 1)
+    lost = [q for q in quarantined if not repeats_a_row(q)]  # a row repeated exactly loses nothing: its file is used
+    files = total - (len(quarantined) - len(lost))
+    bad_fraction = len(lost) / max(files, 1)
     if bad_fraction > max_bad_fraction:
         report.status = "failed"
         report.seconds = {**seconds, "total": time.perf_counter() - t0}
         if read_only is None:
             _write_report(out, report)
         first = "; ".join(f"{printable(q['path'])} ({printable(str(q.get('error', 'unknown')))}): {printable(q['reason'])}"
-                          for q in quarantined[:3])
+                          for q in lost[:3])
         raise TooManyBadFilesError(
-            f"{len(quarantined)} of {total} files ({bad_fraction:.1%}) could not be used, over "
+            f"{len(lost)} of {files} files ({bad_fraction:.1%}) could not be used, over "
             f"--max-bad-fraction {max_bad_fraction:g}. First: {first}. Every file and its reason "
             f"is in {_report_location(out)}; finished shards are kept, and a rerun reads again every file "
             "that changed or could not be read, timed out or crashed its decoder, so fixing the files or "

@@ -628,6 +628,15 @@ def _scan_csv(csv_path: Path) -> Listing:
                    stats=[_stat(root / p) for p in paths], dropped=dropped)
 
 
+# The reason of a row that repeats an earlier one (same path, same label): its file is used, with that label.
+REPEATED_ROW = "duplicate path in list source (kept the first row)"
+
+
+def repeats_a_row(entry: dict) -> bool:
+    """Whether a quarantine ``entry`` is a list source's row repeating an earlier one exactly: nothing is lost."""
+    return entry.get("error") == "duplicate" and entry.get("reason") == REPEATED_ROW
+
+
 def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dict | None] | None = None,
                    ) -> tuple[dict[str, str], list[dict], set[str]]:
     """A CSV's (path, label) rows in file order as ``path -> label`` (the first row of a duplicated path
@@ -640,8 +649,8 @@ def csv_first_rows(rows: Iterable[tuple[str, str]], refused: Callable[[str], dic
         named.add(label)
         if rel in seen:
             other = "" if label == seen[rel] else f" with another label ({label!r}; the first row's {seen[rel]!r} is kept)"
-            dropped.append({"path": rel, "error": "duplicate",
-                            "reason": f"duplicate path in list source{other or ' (kept the first row)'}"})
+            dropped.append({"path": rel, "error": "duplicate", "reason": f"duplicate path in list source{other}"
+                            if other else REPEATED_ROW})
             continue
         bad = refused(rel) if refused is not None else None
         if bad is not None:

@@ -175,6 +175,20 @@ def test_a_path_listed_twice_with_two_labels_names_both(tmp_path, imaging):
     assert datapipe.open(tmp_path / "out").classes == ["cat", "dog"]
 
 
+def test_rows_repeated_exactly_lose_no_file_and_are_not_counted_against_the_budget(tmp_path, imaging):
+    """A CSV with two rows repeated (same path, same label) failed: "2 of 8 files (25.0%) could not be used",
+    though every file was used. A repeat with another label loses that label: it counts."""
+    files = sorted(imaging.write_source(tmp_path / "pics", {"x": 6}, variety=False))
+    rows = [f"pics/{name},{'cat' if i % 2 else 'dog'}" for i, name in enumerate(files)]
+    (tmp_path / "list.csv").write_text("\n".join([*rows, rows[0], rows[1]]) + "\n")
+    report = build(tmp_path / "list.csv", tmp_path / "out", max_bad_fraction=0.1)
+    assert report.num_samples == 6 and len(report.quarantined) == 2 and report.status == "ok"
+    other = rows[2].replace(",dog", ",cat") if rows[2].endswith("dog") else rows[2].replace(",cat", ",dog")
+    (tmp_path / "list.csv").write_text("\n".join([*rows, rows[0], other]) + "\n")
+    with pytest.raises(datapipe.errors.TooManyBadFilesError, match=r"^1 of 7 files \(14\.3%\) could not be used"):
+        build(tmp_path / "list.csv", tmp_path / "out2", max_bad_fraction=0.1)
+
+
 @pytest.mark.parametrize("codec,name", [("utf-16", "UTF-16"), ("utf-16-be", None), ("utf-32", "UTF-32")])
 def test_csv_in_another_encoding_is_refused_by_name(tmp_path, codec, name):
     data = "path,label\na.jpg,cat\n".encode(codec)
