@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import stat
 import sys
 import unicodedata
@@ -55,8 +56,12 @@ LISTED_EXTENSIONS = IMAGE_EXTENSIONS | UNDECODED_EXTENSIONS  # what a folder sou
 # and no file of that name exists beside the CSV.
 HEADER_NAMES = frozenset(
     ["path", "paths", "file", "files", "filename", "file_name", "filepath", "file_path", "image", "images", "image_path",
-     "image_name", "img", "relpath", "rel_path", "relative_path", "name", "fname"]
+     "image_name", "img", "relpath", "rel_path", "relative_path", "name", "fname", "id", "image_id", "imageid", "img_id",
+     "img_name", "image_file"]
 )
+# A label of four or more numbers after its name (Pascal/ImageNet boxes: "n01440764 102 107 200 180") is a row of
+# targets, not a class name: a cache holds one class label per image.
+_BOX_LABEL = re.compile(r"\S+(\s+[-+]?\d+(\.\d+)?){4,}(\s.*)?", re.DOTALL)
 MAX_CSV_BYTES = 1 << 30  # a listing of ~10 M rows; anything larger is not a path,label list
 
 # Byte-order marks of encodings a CSV of path,label rows is refused in (checked longest first).
@@ -459,6 +464,7 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
     first_row = True
     first_line: dict[str, int] = {}  # each label's first row
     physical: list[str] | None = None  # the text's lines as the reader counts them, split once it is needed
+    first_cells: list[list[str]] = []  # the first two data rows' cells
     try:
         start = 1  # the line the row begins on (a quoted cell may span lines): every message names it
         for row in reader:
@@ -494,6 +500,13 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
                 raise SourceError(f"{csv_path}:{begins}: empty label for {row[0].strip()!r}; every row must be 'path,label'")
             if "\x00" in label:
                 raise SourceError(f"{csv_path}:{begins}: the label holds a NUL character; write plain 'path,label' rows")
+            if _BOX_LABEL.fullmatch(label):
+                raise SourceError(f"{csv_path}:{begins}: the label {_clip([label])} holds numbers after a name: boxes or "
+                                  "other targets (ImageNet's LOC_val_solution.csv), which would make a class of every "
+                                  "row; a datapipe cache holds one class label per image: write 'path,label' rows "
+                                  "with the class name alone (keep the boxes in a file of your own, keyed by path)")
+            if len(rows) < 2:
+                first_cells.append(row)
             first_line.setdefault(label, begins)
             rows.append((relative(row[0], begins), label, begins))
     except csv.Error as exc:
@@ -507,9 +520,24 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
         raise SourceError(f"{csv_path}:{first_line[other]}: label {ascii(other)} is the label {ascii(one)} of line "
                           f"{first_line[one]} written another way ({_UNICODE_FORMS}), which would make two classes "
                           "that print alike; write the labels alike")
+    if len(rows) > 2 and sum(1 for _, label, _ in rows if label == rows[0][1]) == 1 and not _names_file(
+            first_cells[0][0], exists) and _names_file(first_cells[1][0], exists):
+        # a header of a name not in HEADER_NAMES (`ImageId,PredictionString`): its label would be a class of no
+        # sample, numbered among the others, and every class after it would be another label than another cache's
+        raise SourceError(f"{csv_path}:{rows[0][2]}: the first row ({_clip(first_cells[0])}) looks like a header: its path "
+                          f"names no file, the next row's does, and no other row has its label {rows[0][1]!r}, which "
+                          "would be a class of no sample and renumber every class after it. If it is a header, name "
+                          "its first cell 'path' (a "
+                          "header's first cell is one of: path, file, filename, image, id, name, ...); if it is data, "
+                          "put its file in place or remove the row")
     note_number_twins(first_line, csv_path)
     note_compatibility_twins(first_line, csv_path)
     return rows
+
+
+def _names_file(cell: str, exists: Callable[[str], bool]) -> bool:
+    """Whether a path cell names a file beside the CSV, as written or without the spaces around it."""
+    return exists(cell.strip()) or exists(cell)
 
 
 def _breaks_line(cell: str) -> bool:

@@ -759,10 +759,53 @@ def test_one_label_in_two_unicode_forms_is_refused_not_split_into_two_classes(tm
         datapipe.sources.scan(folders)
 
 
+@pytest.mark.parametrize("header", ["Photo,PredictionString", "sample,breed", "picture,label"])
+def test_a_header_of_another_name_is_refused_not_made_a_class_that_renumbers_the_rest(tmp_path, imaging, header):
+    """`ImageId,label` was data: 'label' became a class of no sample (its path quarantined as missing, within the
+    budget), and every class after it was numbered one more than the train cache's, the build saying "ok"."""
+    _images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"], imaging)
+    (tmp_path / "list.csv").write_text(f"{header}\na.jpg,n01\nb.jpg,n02\nc.jpg,n01\n")
+    with pytest.raises(SourceError, match=rf"list.csv:1: the first row \({re.escape(repr(header.split(',')))}\) looks like "
+                                          r"a header: its path names no file, the next row's does, and no other row has "
+                                          r"its label .* name its first cell 'path'"):
+        datapipe.sources.scan(tmp_path / "list.csv")
+    (tmp_path / "list.csv").write_text("path," + header.split(",")[1] + "\na.jpg,n01\nb.jpg,n02\nc.jpg,n01\n")
+    assert datapipe.sources.scan(tmp_path / "list.csv").classes == ["n01", "n02"]
+
+
+@pytest.mark.parametrize("header", ["id,label", "image_id,label", "ImageId,label", "img_id,class", "image_file,label"])
+def test_more_header_names_are_headers(tmp_path, imaging, header):
+    _images(tmp_path, ["a.jpg", "b.jpg"], imaging)
+    (tmp_path / "list.csv").write_text(f"{header}\na.jpg,cat\nb.jpg,dog\n")
+    assert datapipe.sources.scan(tmp_path / "list.csv").classes == ["cat", "dog"]
+
+
+def test_a_first_row_whose_file_is_missing_is_data_when_its_label_recurs(tmp_path, imaging):
+    _images(tmp_path, ["b.jpg", "c.jpg"], imaging)
+    (tmp_path / "list.csv").write_text("a.jpg,cat\nb.jpg,cat\nc.jpg,dog\n")  # a.jpg gone: quarantined by the build
+    assert datapipe.sources.scan(tmp_path / "list.csv").classes == ["cat", "dog"]
+
+
+@pytest.mark.parametrize("label", ["n01440764 102 107 200 180", "n01440764 3 4 90 99 n01440764 1 2 3 4",
+                                   "dog 0.1 0.2 0.5 0.5"])
+def test_a_label_of_boxes_is_refused_not_made_a_class_per_row(tmp_path, imaging, label):
+    """ImageNet's LOC_val_solution.csv ('synset x y x y ...') built "ok" with a class per row."""
+    _images(tmp_path, ["a.jpg", "b.jpg"], imaging)
+    (tmp_path / "list.csv").write_text(f"a.jpg,{label}\nb.jpg,cat\n")
+    with pytest.raises(SourceError, match=r"list.csv:1: the label .* holds numbers after a name: boxes or other targets"):
+        datapipe.sources.scan(tmp_path / "list.csv")
+
+
+def test_labels_with_spaces_and_a_number_stay_names(tmp_path, imaging):
+    _images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"], imaging)
+    (tmp_path / "list.csv").write_text("a.jpg,golden retriever\nb.jpg,route 66\nc.jpg,type 2 diabetes\n")
+    assert datapipe.sources.scan(tmp_path / "list.csv").classes == ["golden retriever", "route 66", "type 2 diabetes"]
+
+
 @pytest.mark.parametrize("kind", ["csv", "folder"])
 def test_one_number_written_two_ways_is_two_classes_and_the_log_says_so(tmp_path, imaging, caplog, kind):
     if kind == "csv":
-        _images(tmp_path, "abc", imaging)
+        _images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"], imaging)
         (tmp_path / "list.csv").write_text("a.jpg,1\nb.jpg,01\nc.jpg,2\n")
         source = tmp_path / "list.csv"
     else:
