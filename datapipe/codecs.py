@@ -1371,9 +1371,10 @@ def _tiff_layout_unknown(data: bytes) -> bool:
 def _png_text_within_limits(data: bytes) -> bytes:
     """``data`` (a PNG) without the metadata chunks Pillow refuses for their size alone, failing the whole image: an
     ICC profile or a compressed text that inflates past ``PngImagePlugin.MAX_TEXT_CHUNK`` (1 MiB; an ImageMagick
-    "Raw profile type icc" of 700 KB does), and the text chunks past ``MAX_TEXT_MEMORY`` (64 MiB) in all. The decode
-    applies no ICC profile and reads no text but an orientation, which such a chunk Pillow would not give either;
-    the pixels are intact. ``data`` itself when it has none (the common case: nothing is copied)."""
+    "Raw profile type icc" of 700 KB does), and the text chunks past ``MAX_TEXT_MEMORY`` (64 MiB) in all, counted as
+    Pillow counts them. The decode applies no ICC profile and reads no text but an orientation (an XMP or EXIF text
+    dropped so loses its orientation, which Pillow does not read either: it refuses the file); the pixels are
+    intact. ``data`` itself when it has none (the common case: nothing is copied)."""
     from PIL import PngImagePlugin
 
     chunk_limit, text_limit = PngImagePlugin.MAX_TEXT_CHUNK, PngImagePlugin.MAX_TEXT_MEMORY
@@ -1383,33 +1384,51 @@ def _png_text_within_limits(data: bytes) -> bytes:
         end = at + 12 + length
         if end > len(data):
             break  # cut short: Pillow says so
-        body = data[at + 8 : end - 4]
-        size = -1  # the text's or profile's inflated size; -1: not metadata Pillow measures
-        if kind in (b"iCCP", b"zTXt", b"iTXt", b"tEXt"):
-            _, _, rest = body.partition(b"\0")
-            compressed = rest[1:] if kind in (b"iCCP", b"zTXt") and rest[:1] in (b"\0", b"") else None
-            if kind == b"iTXt" and len(rest) >= 2 and rest[0] == 1 and rest[1] == 0:
-                compressed = rest[2:].split(b"\0", 2)[-1]
-            if compressed is not None:
-                inflater = zlib.decompressobj()
-                try:
-                    size = len(inflater.decompress(compressed, chunk_limit))
-                    if inflater.unconsumed_tail:
-                        size = chunk_limit + 1
-                except zlib.error:
-                    size = 0  # Pillow reads such a chunk as empty
-            elif kind in (b"tEXt", b"iTXt"):
-                size = len(rest)  # (another compression method: Pillow refuses the file, and so it stays)
-        too_large = size > chunk_limit or (kind != b"iCCP" and size >= 0 and text + size > text_limit)
-        if too_large:
+        inflated, counted = _png_metadata_size(kind, data[at + 8 : end - 4], chunk_limit)
+        if inflated > chunk_limit or text + counted > text_limit:
             dropped = True
         else:
-            text += max(size, 0) if kind != b"iCCP" else 0
+            text += counted
             kept.append(data[at:end])
         at = end
         if kind == b"IEND":
             break
     return b"".join(kept) + data[at:] if dropped else data
+
+
+def _png_metadata_size(kind: bytes, body: bytes, limit: int) -> tuple[int, int]:
+    """(bytes a PNG chunk's compressed metadata inflates to, past ``limit`` as ``limit + 1``; bytes of text it adds
+    to Pillow's count of text chunks) as Pillow's PngImagePlugin reads them: 0 for what it does not inflate or
+    count (another compression method, which it refuses or skips; a chunk of no metadata)."""
+    def inflate(stream: bytes) -> int:
+        inflater = zlib.decompressobj()
+        try:
+            size = len(inflater.decompress(stream, limit))
+        except zlib.error:
+            return 0  # Pillow reads such a text as empty (an ICC profile as none)
+        return limit + 1 if inflater.unconsumed_tail else size
+
+    if kind not in (b"iCCP", b"zTXt", b"iTXt", b"tEXt"):
+        return 0, 0
+    keyword, _, rest = body.partition(b"\0")
+    if kind == b"tEXt":
+        return 0, len(rest) if keyword else 0
+    if kind in (b"iCCP", b"zTXt"):
+        if rest[:1] not in (b"\0", b""):
+            return 0, 0  # another method: Pillow refuses the file, and so it stays
+        size = inflate(rest[1:])
+        return size, (size if kind == b"zTXt" and keyword else 0)
+    if len(rest) < 2:
+        return 0, 0
+    flag, method, fields = rest[0], rest[1], rest[2:].split(b"\0", 2)
+    if len(fields) < 3:
+        return 0, 0
+    if flag == 0:
+        return 0, len(fields[2])
+    if method != 0:
+        return 0, 0  # Pillow keeps such a chunk's text unread
+    size = inflate(fields[2])
+    return size, size
 
 
 def _wide_colour_key(img: Image.Image, data: bytes) -> tuple[int, int, int] | None:

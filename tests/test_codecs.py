@@ -289,6 +289,41 @@ def test_a_png_whose_metadata_inflates_past_pillows_limit_decodes_as_without_it(
     np.testing.assert_array_equal(decode_rgb(data, FULL), decode_rgb(plain, FULL))
 
 
+def _xmp_orientation(value: int, padding: int = 0) -> bytes:
+    return (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+            b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="%d"/></rdf:RDF>'
+            b'</x:xmpmeta>' % value) + b" " * padding
+
+
+@pytest.mark.parametrize("kind", ["iTXt", "tEXt"])
+def test_an_uncompressed_text_over_a_mib_is_kept_with_the_orientation_it_holds(imaging, kind):
+    """Pillow limits compressed chunks only: a Photoshop XMP of 1.2 MB, uncompressed, was dropped with its
+    orientation (the picture cached unrotated), though Pillow reads and applies it."""
+    arr = imaging.gradient(24, 32)
+    png = imaging.encode(arr, "PNG")
+    if kind == "iTXt":
+        body = b"XML:com.adobe.xmp\0\0\0\0\0" + _xmp_orientation(6, 1_200_000)
+    else:  # ImageMagick's "Raw profile type exif": the EXIF in hex, after a name line and a length line
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        raw = exif.tobytes()
+        body = b"Raw profile type exif\0\nexif\n%8d\n" % len(raw) + raw.hex().encode() + b" " * 1_200_000
+    data = png[:33] + _png_chunk(kind.encode(), body) + png[33:]
+    with Image.open(io.BytesIO(data)) as img:
+        assert ImageOps.exif_transpose(img).size == (24, 32)  # Pillow rotates it
+    np.testing.assert_array_equal(decode_rgb(data, FULL), np.rot90(arr, -1))
+
+
+@pytest.mark.parametrize("flag", [1, 2, 255])
+def test_a_compressed_itxt_of_any_flag_past_the_limit_is_left_out(imaging, flag):
+    """Pillow inflates an iTXt whose compression flag is anything but 0; only flag 1 was measured."""
+    arr = imaging.gradient(24, 32)
+    png = imaging.encode(arr, "PNG")
+    body = b"Note\0" + bytes([flag, 0]) + b"\0\0" + zlib.compress(_BIG)
+    data = png[:33] + _png_chunk(b"iTXt", body) + png[33:]
+    np.testing.assert_array_equal(decode_rgb(data, FULL), arr)
+
+
 def test_png_text_chunks_past_pillows_total_are_left_out_and_the_rest_kept(imaging):
     """70 uncompressed text chunks of 1 MB: past Pillow's 64 MiB of text in all ("Too much memory used in text
     chunks"); the image decodes, and a small chunk holding the orientation (XMP) still counts."""
