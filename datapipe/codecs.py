@@ -410,7 +410,7 @@ def _exif_orientation(segment: bytes) -> int | str:
     tiff = segment[6:]
     order = {b"II*\x00": "<", b"MM\x00*": ">"}.get(tiff[:4])
     if order is None or len(tiff) < 8:
-        return _ABSENT if not tiff else _ASK_PILLOW
+        return _CUT if not tiff else _ASK_PILLOW  # an empty segment: the next one's data is all Pillow reads
     ifd = struct.unpack(order + "I", tiff[4:8])[0]
     if ifd + 2 > len(tiff):
         return _CUT  # Pillow reads no entry of this segment alone

@@ -462,6 +462,23 @@ def test_a_first_ifd_cut_short_among_many_exif_segments_is_read_as_pillow_reads_
     assert jpeg_orientation(data) == expected
 
 
+def test_an_empty_first_exif_segment_leaves_the_next_ones_orientation_to_apply():
+    """A first APP1 holding only its 'Exif' header: Pillow joins the next segment's data to it and reads its
+    orientation; it was taken for no EXIF at all."""
+    from datapipe.codecs import jpeg_orientation
+
+    main = _jpeg(_picture(16, 24))
+    whole = b"II*\x00" + struct.pack("<I", 8) + struct.pack("<H", 1) + struct.pack("<HHIHH", 0x0112, 3, 1, 6, 0) \
+        + struct.pack("<I", 0)
+    data = main[:2] + _exif_segment(b"") + _exif_segment(whole) + main[2:]
+    with Image.open(io.BytesIO(data)) as img:
+        assert img.getexif().get(0x0112) == 6
+    assert jpeg_orientation(data) == 6
+    np.testing.assert_array_equal(decode_rgb(data), np.rot90(decode_rgb(main), -1))
+    alone = main[:2] + _exif_segment(b"") + main[2:]
+    assert jpeg_orientation(alone) == 1
+
+
 def _wide_tiff(values: np.ndarray, dtype: str, *, order: str = "<", deflate: bool = False, planar: bool = False,
                photometric: int | None = None, extra: int | None = None) -> bytes:
     """A one-strip (one per plane with ``planar``) TIFF of ``values`` (H×W or H×W×C) as ``dtype`` samples ('u2', 'i2',
