@@ -312,11 +312,16 @@ def check_path(value: object, what: str, *, error: type[DatapipeError] = Argumen
         raise error(f"{what} is empty (an unset variable?); give a path: \"\" would be the working folder")
     if "\x00" in text:
         raise error(f"{what} {show(text)} holds a NUL character, which no path can; give the path without it")
-    if "://" not in text:  # a URL's keys are the store's, of other limits
-        longest = max(text.split(os.sep), key=lambda part: len(part.encode("utf-8", "surrogateescape")))
-        size = len(longest.encode("utf-8", "surrogateescape"))
-        if size > NAME_MAX or len(text.encode("utf-8", "surrogateescape")) > PATH_MAX:
-            what_is = f"a name of {size:,} bytes" if size > NAME_MAX else f"{len(text):,} characters"
+    local = text[len("file://"):] if text.startswith("file://") else None if "://" in text else text
+    if local is not None:  # a URL's keys are the store's, of other limits
+        try:
+            sizes = [len(os.fsencode(part)) for part in local.split(os.sep)]
+            whole = len(os.fsencode(local))
+        except UnicodeEncodeError:  # a lone surrogate that is no undecodable byte: no file name holds it
+            raise error(f"{what} {show(text)} holds a character no file name can (a lone surrogate); give the path as "
+                        "the file system spells it") from None
+        if max(sizes) > NAME_MAX or whole > PATH_MAX:
+            what_is = f"a name of {max(sizes):,} bytes" if max(sizes) > NAME_MAX else f"{whole:,} bytes"
             raise error(f"{what} {show(text[:60] + '…')} holds {what_is}, longer than a file system takes "
                         f"({NAME_MAX} bytes a name, {PATH_MAX:,} a path); give a shorter path")
     return text
