@@ -281,10 +281,17 @@ def _sizes(size: int | torch.Tensor, batch: int, what: str) -> torch.Tensor:
     if not isinstance(size, torch.Tensor):
         if not is_int(size):  # never truncated (2.7 as 2) nor parsed ("10")
             raise ArgumentError(f"{what} must be an integer or an int64 tensor [{batch}], got {show(size)}")
+        if size > MAX_SIDE:  # its area's arithmetic would pass int64
+            raise ArgumentError(f"{what} must be at most {MAX_SIDE:,} pixels, got {show(size)}")
         return torch.full((batch,), int(size), dtype=torch.int64)
     if size.shape != (batch,) or size.dtype != torch.int64:
         raise ValueError(f"{what} must be an int or an int64 tensor [{batch}], got {tuple(size.shape)} {size.dtype}")
+    if batch and int(size.max()) > MAX_SIDE:
+        raise ArgumentError(f"{what} must be at most {MAX_SIDE:,} pixels, got {int(size.max()):,}")
     return size.cpu()
+
+
+MAX_SIDE = 2**31 - 1  # an image side sample_resized_crops takes: height × width within int64
 
 
 def _fallback_crops(hs: torch.Tensor, ws: torch.Tensor, ratio: Sequence[float]) -> torch.Tensor:
@@ -294,8 +301,9 @@ def _fallback_crops(hs: torch.Tensor, ws: torch.Tensor, ratio: Sequence[float]) 
     hf, wf = hs.to(torch.float64), ws.to(torch.float64)
     in_ratio = wf / hf
     narrow, wide = in_ratio < ratio[0], in_ratio > ratio[1]
-    fh = torch.where(narrow, torch.round(wf / ratio[0]).to(torch.int64), hs)
-    fw = torch.where(wide & ~narrow, torch.round(hf * ratio[1]).to(torch.int64), ws)
+    # at least a pixel: a ratio far from the image's would round a side to none (torchvision's crop then fails)
+    fh = torch.where(narrow, torch.round(wf / ratio[0]).clamp(min=1).to(torch.int64), hs)
+    fw = torch.where(wide & ~narrow, torch.round(hf * ratio[1]).clamp(min=1).to(torch.int64), ws)
     return torch.stack([(hs - fh) // 2, (ws - fw) // 2, fh, fw], dim=1)
 
 
@@ -472,13 +480,18 @@ class BatchAugment(nn.Module):
 
 def _number(value: object) -> float | None:
     """A finite real number given as an int or float, numpy's too (not a bool, not a string), or None."""
+    if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 0 and value.dtype not in (np.bool_, torch.bool):
+        value = value.item()  # a 0-d array or tensor is the number it holds
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         return None
     return float(value)
 
 
 def _numbers(values: object, count: int) -> list[float] | None:
-    """``values`` as ``count`` finite numbers (a tuple or list of ints and floats), or None."""
+    """``values`` as ``count`` finite numbers (a tuple or list of ints and floats, or a 1-D array or tensor of them),
+    or None."""
+    if isinstance(values, (np.ndarray, torch.Tensor)) and values.ndim == 1:
+        values = list(values)
     if not isinstance(values, (tuple, list)) or len(values) != count:
         return None
     numbers = [_number(v) for v in values]
@@ -486,14 +499,15 @@ def _numbers(values: object, count: int) -> list[float] | None:
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the draws are float32: a larger bound is none there
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # nor is a smaller positive one (it is 0 there)
 
 
 def _range_pair(values: object, what: str) -> tuple[float, float]:
     """RandomResizedCrop's ``scale`` or ``ratio``: (min, max), two finite numbers with 0 < min <= max."""
     pair = _numbers(values, 2)
-    if pair is None or not 0 < pair[0] <= pair[1] <= _FLOAT32_MAX:
-        raise ArgumentError(f"{what} must be (min, max): two numbers with 0 < min <= max (and max float32's "
-                            f"{_FLOAT32_MAX:.3g} at most), got {show(values)}")
+    if pair is None or not _FLOAT32_TINY <= pair[0] <= pair[1] <= _FLOAT32_MAX:
+        raise ArgumentError(f"{what} must be (min, max): two numbers with 0 < min <= max (float32's {_FLOAT32_TINY:.3g} "
+                            f"to {_FLOAT32_MAX:.3g}), got {show(values)}")
     return pair[0], pair[1]
 
 

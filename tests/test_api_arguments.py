@@ -94,14 +94,38 @@ def test_augment_refuses_bounds_float32_cannot_hold_when_made(given, words):
     ((-1, 10, 10), {}, "batch must be >= 0"), ((2.5, 10, 10), {}, "batch must be an integer"),
     ((4, 2.7, 10), {}, "height must be an integer"), ((4, 10, "10"), {}, "width must be an integer"),
     ((4, 0, 10), {}, "at least 1 pixel"),
+    ((2, 10**20, 10), {}, "height must be at most 2,147,483,647 pixels"),
+    ((2, 10, torch.full((2,), 2**62)), {}, "width must be at most 2,147,483,647 pixels"),
+    ((4, 10, 10), {"ratio": (1e-300, 1e-299)}, "ratio must be (min, max)"),
 ], ids=["scale-reversed", "ratio-zero", "ratio-negative", "scale-nan", "scale-negative", "batch-negative",
-        "batch-float", "height-float", "width-text", "height-zero"])
+        "batch-float", "height-float", "width-text", "height-zero", "height-past-int64", "widths-past-int64",
+        "ratio-no-float32-holds"])
 def test_sample_resized_crops_checks_its_arguments_as_train_does(args, kwargs, words):
     """The public sampler raised torch's uniform_ error, a math domain error, or used -1 and 2.7 (as 2) silently."""
     with pytest.raises(ArgumentError, match=re.escape(words)):
         augment.sample_resized_crops(*args, generator=torch.Generator(), **kwargs)
     with pytest.raises(ArgumentError, match="generator must be a torch.Generator"):
         augment.sample_resized_crops(4, 10, 10, generator=7)
+
+
+@pytest.mark.parametrize("given", [np.array([0.08, 1.0]), torch.tensor([0.08, 1.0]), (torch.tensor(0.08), 1.0),
+                                   (np.float64(0.08), np.array(1.0))], ids=["array", "tensor", "0-d-tensor", "0-d-array"])
+def test_scale_and_ratio_take_arrays_and_tensors_of_numbers(given):
+    """A range given as a numpy array or a torch tensor (as a config loader hands it) was refused with "got
+    array([0.08, 1.])", the very pair it asks for."""
+    crops = augment.sample_resized_crops(4, 32, 32, scale=given, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(crops, augment.sample_resized_crops(4, 32, 32, scale=(0.08, 1.0),
+                                                           generator=torch.Generator().manual_seed(0)))
+    assert augment.train(32, scale=given).scale == pytest.approx((0.08, 1.0))
+
+
+def test_a_ratio_far_from_the_images_falls_back_to_a_crop_of_a_pixel_at_least():
+    """ratio=(1e-30, 1e-29): the fallback crop rounded its width to 0 pixels, and the first batch failed with "crop
+    (top 0, left 16, 32x0) outside a sample"."""
+    crops = augment.sample_resized_crops(3, 32, 32, ratio=(1e-30, 1e-29), generator=torch.Generator().manual_seed(0))
+    assert (crops[:, 2:] >= 1).all()
+    out = augment.train(16, ratio=(1e-30, 1e-29))(torch.zeros(3, 32, 32, 3, dtype=torch.uint8), seed=0)
+    assert out.shape == (3, 3, 16, 16)
 
 
 @pytest.mark.parametrize("path", [None, 5, b"cache", ""])
