@@ -157,7 +157,8 @@ class _ShardFiles:
                 opened: Callable[[int, _Shard], None] | None = None) -> _Shard:
         """The open shard (its user count raised; pair with :meth:`release`); ``opener()`` makes one, and
         ``opened(shard, entry)`` is told of the one kept (two threads may open a shard at once: the other's is
-        closed), before it is returned: its user count holds it open meanwhile."""
+        closed), under the lock, before any other thread can take it (it must take no lock of the caller's that
+        is ever held around this call)."""
         with self._lock:
             entry = self._open.get(shard)
             if entry is not None:
@@ -175,11 +176,11 @@ class _ShardFiles:
                 entry.used = next(self._clock)
                 return entry
             fresh.used = next(self._clock)
+            if opened is not None:  # before another thread can take the entry (and fault in its map)
+                opened(shard, fresh)
             self._open[shard] = fresh
             self._evict()
-        if opened is not None:  # outside the lock: the caller's may take its own locks
-            opened(shard, fresh)
-        return fresh
+            return fresh
 
     def release(self, shard: int) -> None:
         with self._lock:
@@ -374,11 +375,12 @@ class Cache:
         """New locks (at open, and in a child made by fork, where a reader thread of the parent may hold one)."""
         self._lock = threading.Lock()
         self._index_lock = threading.Lock()
+        self._map_lock = threading.Lock()  # _map_ranges only: taken under _ShardFiles' lock, never the other way
 
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_indexes", "_index_lock",
+        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_indexes", "_index_lock", "_map_lock",
                     "_shapes", "_nbytes", "_range", "_shard_files"):
             state.pop(key, None)
         return state
@@ -961,7 +963,7 @@ class Cache:
 
     def shard_error(self, exc: MappedReadError) -> CorruptShardError:
         """The error naming the shard whose map a guarded read faulted in (``exc.address``)."""
-        with self._lock:
+        with self._map_lock:
             ranges = list(self._map_ranges.items())
         for s, (address, length) in ranges:
             if address <= exc.address < address + length:
@@ -999,6 +1001,8 @@ class Cache:
         not write, nor a shard whose zarr.json names no build of this cache: zarr-python recreated the group,
         another cache's shard was copied in), as advice; None when a rerun rewrites it as it is."""
         shard_dir = self.root / SHARDS_DIR / self.manifest.shards[s].name
+        if self.node_cache_of is not None:  # a node's copy of a cache in a store: no build writes here
+            return f"delete {self._shard_path(s)}: the next reader of {self.node_cache_of} downloads it again"
         foreign = foreign_entries(shard_dir) if shard_dir.is_dir() and not shard_dir.is_symlink() else []
         if foreign:
             more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
@@ -1209,7 +1213,7 @@ class Cache:
         if entry.mapping is None:
             return
         mapping = entry.mapping
-        with self._lock:  # forget maps of other shards that were unmapped from this address range
+        with self._map_lock:  # forget maps of other shards that were unmapped from this address range
             for s, (address, length) in list(self._map_ranges.items()):
                 if address < mapping.address + mapping.length and mapping.address < address + length:
                     del self._map_ranges[s]

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -214,40 +215,75 @@ def make_dirs(folder: str | os.PathLike) -> None:
 
 
 def link_on_the_way(folder: Path, rel: str) -> Path | None:
-    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link or a mount point of
-    another file system (what is behind it lies elsewhere, in a folder datapipe did not make: never written or deleted
-    through); None if none is."""
+    """The first folder on the way from ``folder`` to its file ``rel`` that is a symbolic link or a mount point (of
+    another device, or a folder bound from the same one: see :func:`mount_points`): what is behind it lies elsewhere,
+    in a folder datapipe did not make, never written or deleted through. None if none is (or the way ends before)."""
     parts = Path(rel).parts
-    mounts: frozenset[str] | None = None
+    if len(parts) < 2:
+        return None
+    mounts, base = mount_points(), _resolved(folder)  # the folders below it are no links: each is checked first
+    try:
+        device = os.stat(folder).st_dev
+    except OSError:
+        return None
     for i in range(1, len(parts)):
         path = folder.joinpath(*parts[:i])
-        if os.path.islink(path):
-            return path
-        mounts = mount_points() if mounts is None else mounts
-        if is_mount(path, mounts):
+        try:
+            st = os.lstat(path)  # one call a folder: a link, or another device than its parent's
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode) or st.st_dev != device or os.path.join(base, *parts[:i]) in mounts:
             return path
     return None
 
 
+_RESOLVED: dict[str, tuple[float, str]] = {}  # folder -> (when resolved, its real path): see _resolved
+
+
+def _resolved(folder: Path) -> str:
+    """``os.path.realpath(folder)``, resolved again at most every :data:`MOUNTS_FRESH` seconds."""
+    now, key = time.monotonic(), str(folder)
+    known = _RESOLVED.get(key)
+    if known is not None and now - known[0] < MOUNTS_FRESH:
+        return known[1]
+    if len(_RESOLVED) > 64:
+        _RESOLVED.clear()
+    real = os.path.realpath(folder)
+    _RESOLVED[key] = (now, real)
+    return real
+
+
+_MOUNTS: tuple[float, frozenset[str]] | None = None  # (when read, the mount points): see mount_points
+MOUNTS_FRESH = 1.0  # seconds a reading of the mount table serves: a scan of thousands of files reads it once
+
+
 def mount_points() -> frozenset[str]:
     """The mount points of this process's file systems (Linux's /proc/self/mountinfo; empty where it cannot be read):
-    a folder bound there from the same file system has its device, which ``os.path.ismount`` alone misses."""
+    a folder bound there from the same file system has its device, which ``os.path.ismount`` alone misses. Read
+    again at most every :data:`MOUNTS_FRESH` seconds (a node with thousands of mounts takes milliseconds)."""
+    global _MOUNTS
+    now = time.monotonic()
+    known = _MOUNTS
+    if known is not None and now - known[0] < MOUNTS_FRESH:
+        return known[1]
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             lines = f.read().splitlines()
     except OSError:
-        return frozenset()
+        lines = []
     found = set()
     for line in lines:
         fields = line.split(" ")
         if len(fields) > 4:  # the mount point, its spaces and the like written in octal (\040)
             found.add(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4]))
-    return frozenset(found)
+    _MOUNTS = (now, frozenset(found))
+    return _MOUNTS[1]
 
 
-def is_mount(path: str | os.PathLike, mounts: frozenset[str]) -> bool:
-    """Whether the folder ``path`` (no link itself) is a mount point: of another device, or one of ``mounts``."""
-    return os.path.ismount(path) or os.path.realpath(path) in mounts
+def is_mount(path: str | os.PathLike) -> bool:
+    """Whether the folder ``path`` (no link itself) is a mount point: of another device, or one of
+    :func:`mount_points` (a folder bound from the same file system)."""
+    return os.path.ismount(path) or os.path.realpath(path) in mount_points()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

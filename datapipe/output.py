@@ -46,7 +46,7 @@ from .errors import (
     OutputWriteError,
     UnreadableFileError,
 )
-from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, remove_stale_temps
+from .files import OUTPUT_TEMPS, TMP_PREFIX, atomic_write_text, fsync_dir, holds, is_mount, remove_stale_temps
 from .shards import GROUP_META, SHARDS_DIR, foreign_entries, remove_shard, shard_attributes
 from .text import plural, show
 
@@ -539,7 +539,7 @@ def remove_build(out: Path, build_id: str, writes: Collection[str] = ()) -> None
     if in_the_way := _other_shards(out, doomed, writes):  # the next build would refuse them, the cache gone by then
         more = f" (and {len(in_the_way) - 1} more)" if len(in_the_way) > 1 else ""
         raise OutputError(f"{in_the_way[0]}{more} in {out / SHARDS_DIR} is no shard of the build this one replaces (a "
-                          "symbolic link, another cache's shard, or a folder whose zarr.json is gone: a removal cut "
+                          "symbolic link, a mount point, another cache's shard, or a folder whose zarr.json is gone: a removal cut "
                           "short), and a build writes its shards only where none of those is; datapipe does not "
                           "delete what it did not write: move it away and rerun. Nothing was removed")
     manifest_ours = _doc_build_id(out / records.MANIFEST) == build_id
@@ -561,7 +561,7 @@ def shards_of(out: Path, build_id: str, keep: Collection[str]) -> list[Path]:
         return []
     return [entry for entry in shards.iterdir()
             if entry.name.endswith(".zarr") and entry.name not in keep and not entry.name.startswith(TMP_PREFIX)
-            and not entry.is_symlink() and entry.is_dir() and shard_build_id(entry) == build_id]
+            and not entry.is_symlink() and entry.is_dir() and not is_mount(entry) and shard_build_id(entry) == build_id]
 
 
 def _other_shards(out: Path, ours: list[Path], names: Collection[str]) -> list[Path]:
@@ -570,7 +570,8 @@ def _other_shards(out: Path, ours: list[Path], names: Collection[str]) -> list[P
     keep = set(ours)
     found = [out / SHARDS_DIR / name for name in sorted(names)]
     return [entry for entry in found if entry not in keep and os.path.lexists(entry)
-            and (entry.is_symlink() or not entry.is_dir() or any(files for _, _, files in os.walk(entry)))]
+            and (entry.is_symlink() or not entry.is_dir() or is_mount(entry)
+                 or any(files for _, _, files in os.walk(entry)))]
 
 
 def remove_shards(out: Path, build_id: str, keep: Collection[str]) -> None:

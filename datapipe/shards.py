@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PERMISSION_ADVICE, CacheError, UnreadableFileError, thread_start_failed
-from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, is_mount, link_on_the_way, mount_points, read_regular
+from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, is_mount, link_on_the_way, read_regular
 from .records import CHUNK_BYTES, INDEX_ROW_BYTES, indexed_chunks, read_json
 
 SHARDS_DIR = "shards"
@@ -92,7 +92,6 @@ def foreign_entries(shard_dir: Path) -> list[Path]:
     """What a shard folder holds that no build writes (a file someone put there), sorted; a folder that
     holds none of a shard's files is named itself, not what is in it."""
     found: list[Path] = []
-    mounts = mount_points()
 
     def walk(folder: Path, rel: str) -> None:
         try:
@@ -102,7 +101,7 @@ def foreign_entries(shard_dir: Path) -> list[Path]:
             return
         for entry in entries:
             name = f"{rel}{entry.name}"
-            if entry.is_dir(follow_symlinks=False) and name in _SHARD_FOLDERS and not is_mount(entry.path, mounts):
+            if entry.is_dir(follow_symlinks=False) and name in _SHARD_FOLDERS and not is_mount(entry.path):
                 walk(Path(entry.path), f"{name}/")  # (a file system mounted there is another's: named, never entered)
             elif name not in SHARD_FILES or not entry.is_file(follow_symlinks=False):
                 found.append(Path(entry.path))

@@ -963,6 +963,19 @@ def test_a_shard_of_a_node_cache_cut_short_under_a_reader_says_to_drop_the_nodes
         read_epoch(ds)
 
 
+def test_a_node_copy_opened_as_a_folder_with_a_shard_cut_short_says_to_delete_it(s3, built, tmp_path):
+    """The advice was a local cache's ("move the shard's folder away and rerun the same datapipe build"): a node's
+    copy has no build, and its reader downloads a deleted shard again."""
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0)
+    read_epoch(ds)
+    path = ds.cache._shard_path(0)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CacheError, match=rf"is .* bytes, expected .*: truncated or altered after the build; delete "
+                                         rf".*000000\.zarr.*: the next reader of {url} downloads it again"):
+        datapipe.open(ds.cache.root)
+
+
 def test_an_index_altered_in_a_node_cache_says_to_drop_the_nodes_copy(s3, built, tmp_path):
     """A sample index altered in place in a node's copy (its size and times kept, so still recorded as
     downloaded) is caught by its checksum on open; the advice is to remove that node's copy, not to
