@@ -63,7 +63,8 @@ _MAGIC = (
     (b"MM*\x00", "tiff"),
 )
 # Pillow's plugin for each sniffed format: a file is only ever opened as what its content says.
-_PILLOW_FORMATS = {"jpeg": "JPEG", "png": "PNG", "gif": "GIF", "bmp": "BMP", "dib": "DIB", "tiff": "TIFF", "webp": "WEBP"}
+_PILLOW_FORMATS = {"jpeg": "JPEG", "png": "PNG", "gif": "GIF", "bmp": "BMP", "dib": "DIB", "tiff": "TIFF", "webp": "WEBP",
+                   "ppm": "PPM"}
 _DIB_HEADERS = (12, 40, 52, 56, 64, 108, 124)  # BITMAPCOREHEADER, BITMAPINFOHEADER ... BITMAPV5HEADER
 _DIB_DEPTHS = (1, 2, 4, 8, 16, 24, 32)
 
@@ -75,6 +76,9 @@ def sniff(head: bytes) -> str | None:
             return name
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "webp"
+    if len(head) >= 3 and head[:1] == b"P" and head[1:2] in (b"1", b"2", b"3", b"4", b"5", b"6") \
+            and head[2:3] in (b" ", b"\t", b"\n", b"\r", b"#"):
+        return "ppm"  # Netpbm: PBM, PGM, PPM, plain or raw (GTSRB's pictures)
     if _is_dib(head):
         return "dib"
     return None
@@ -826,7 +830,7 @@ def _bands(height: int, width: int, pixels: int = 1 << 20) -> Iterator[tuple[int
 # The decode's rules, numbered: raised whenever what a file decodes to changes (a rule fixed or added), so that a
 # cache tells the shards an earlier datapipe decoded. 1: the shards that carry no number; 2: 16-bit TIFF planes,
 # big-endian wide TIFF samples, float and 16-bit WhiteIsZero, unsigned 32-bit gray, a 16-bit RGB PNG's tRNS key;
-# 3: 12-bit TIFF gray scaled from its own range, PNGs of metadata past Pillow's limits.
+# 3: 12-bit TIFF gray scaled from its own range, PNGs of metadata past Pillow's limits, Netpbm pictures.
 DECODE_RULES = 3
 
 _scratch = threading.local()

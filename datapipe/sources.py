@@ -46,7 +46,8 @@ from .text import printable, show
 log = logging.getLogger("datapipe.build")
 
 IMAGE_EXTENSIONS = frozenset(
-    [".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".bmp", ".dib", ".tif", ".tiff", ".webp"]
+    [".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".bmp", ".dib", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm",
+     ".pnm"]
 )
 # Pictures of formats datapipe does not decode (HEIF/HEIC, AVIF, JPEG 2000, JPEG XL): listed with the images, so
 # that each is quarantined as `unsupported`, saying to convert it, not left out as a note beside them would be.

@@ -244,6 +244,35 @@ def test_png_whose_image_data_fails_its_crc_is_quarantined(imaging):
     assert wrong_but_kept_by_pillow > 5
 
 
+@pytest.mark.parametrize("kind", ["P6", "P5", "P5-16-bit", "P4", "P3-plain", "P1-plain"])
+def test_netpbm_pictures_decode_as_pillow_reads_them(kind):
+    """GTSRB's .ppm (and .pgm, .pbm) pictures, which torchvision's ImageFolder lists, were left out of a folder source
+    without a word and called 'not an image' in a CSV."""
+    rng = np.random.default_rng(3)
+    rgb = rng.integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    gray = rgb[..., 0]
+    data = {"P6": b"P6\n7 5\n255\n" + rgb.tobytes(), "P5": b"P5 7 5 255\n" + gray.tobytes(),
+            "P5-16-bit": b"P5\n7 5\n1023\n" + (gray.astype(np.uint16) * 4).astype(">u2").tobytes(),
+            "P4": b"P4\n8 2\n" + bytes([0b10110000, 0b00001111]),
+            "P3-plain": b"P3\n# a comment\n2 1\n255\n255 0 0  0 0 255\n",
+            "P1-plain": b"P1\n3 1\n1 0 1\n"}[kind]
+    assert sniff(data[:16]) == "ppm"
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        mode = img.mode
+        wide = np.asarray(img).astype(np.int64) if mode == "I" else None  # 0..1023 scaled by Pillow to 0..65535
+        reference = np.asarray(img.convert("RGB")) if wide is None else None
+    decoded = decode_rgb(data, FULL)
+    if wide is None:
+        np.testing.assert_array_equal(decoded, reference)
+    else:
+        np.testing.assert_array_equal(decoded[..., 0], (wide * 255 + 32767) // 65535)
+        assert abs(decoded[..., 0].astype(int) - gray.astype(int) * 4 * 255 // 1023).max() <= 1
+    with pytest.raises(DecodeError) as cut:
+        decode_rgb(data[: len(data) // 2] if kind[:2] in ("P6", "P5", "P4") else data[:6], FULL)
+    assert cut.value.kind in ("corrupt", "not-an-image")
+
+
 def _png_chunk(kind: bytes, body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 

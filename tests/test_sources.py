@@ -386,6 +386,20 @@ def test_pictures_of_formats_not_decoded_are_quarantined_saying_so_not_left_out_
     assert info.value.kind == "not-an-image"
 
 
+def test_netpbm_pictures_of_a_folder_source_are_samples(tmp_path, imaging):
+    """GTSRB's .ppm pictures were counted with the notes beside the images: its folders were refused as holding
+    no image, a mixed class kept only its JPEGs, the build saying "ok"."""
+    src = tmp_path / "src"
+    imaging.write_source(src, {"a": 2, "b": 2}, variety=False)
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    for name in ("a/x.ppm", "b/y.PGM"):
+        data = b"P6\n24 20\n255\n" + pixels.tobytes() if name.endswith("ppm") else \
+            b"P5\n24 20\n255\n" + pixels[..., 0].tobytes()
+        (src / name).write_bytes(data)
+    report = build(src, tmp_path / "out")
+    assert report.num_samples == 6 and report.quarantined == [] and report.ignored == 0
+
+
 def test_a_source_of_only_top_level_images_says_why_nothing_is_used(tmp_path, imaging):
     src = tmp_path / "src"
     src.mkdir()
