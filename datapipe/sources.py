@@ -723,6 +723,9 @@ def csv_labels(seen: dict[str, str], named: Iterable[str] = ()) -> tuple[list[st
     return names, [p for p, _ in records], [lab for _, lab in records]
 
 
+_DECIMAL = re.compile(r"[0-9]+\.[0-9]+")  # a number with a decimal point: "2.0", "10.5"
+
+
 def note_numeric_labels(listing: Listing) -> None:
     """Log when a CSV's numeric label is not the class index the cache stores (labels 1..N, or with gaps), with
     the class list the build labels by (the source's, or the one given)."""
@@ -734,6 +737,13 @@ def note_numeric_labels(listing: Listing) -> None:
         log.info("datapipe build: the CSV's numeric labels are numbered in the class list's order from 0, so label "
                  "%s is class %d (the cache holds class indices; cache.classes gives each one's label as written)",
                  show(renumbered[0]), renumbered[1])
+    decimals = [name for name in listing.classes if _DECIMAL.fullmatch(name) and not _is_number(name)]
+    if len(decimals) > 1 and decimals != sorted(decimals, key=float):
+        first = next(i for i, (a, b) in enumerate(zip(decimals, sorted(decimals, key=float), strict=True)) if a != b)
+        log.warning("datapipe build: the CSV's labels %s and the like are numbers written with a decimal point (as "
+                    "pandas writes integer labels it read as floats), which are class names in text order: %s is "
+                    "class %d; write them as whole numbers (numeric order), or give the class list (--classes-from)",
+                    show(decimals[0]), show(decimals[first]), listing.classes.index(decimals[first]))
 
 
 def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:

@@ -400,6 +400,19 @@ def test_netpbm_pictures_of_a_folder_source_are_samples(tmp_path, imaging):
     assert report.num_samples == 6 and report.quarantined == [] and report.ignored == 0
 
 
+def test_labels_that_are_numbers_with_a_decimal_point_are_named_in_the_log(tmp_path, imaging, caplog):
+    """pandas writes integer labels it read as floats as '0.0' .. '11.0': they are names in text order ('10.0' is
+    class 2), which was said nowhere."""
+    names = [f"{i:02d}.jpg" for i in range(12)]
+    _images(tmp_path, names, imaging)
+    (tmp_path / "list.csv").write_text("".join(f"{n},{float(i)}\n" for i, n in enumerate(names)))
+    with caplog.at_level("WARNING", logger="datapipe"):
+        datapipe.build(tmp_path / "list.csv", tmp_path / "out", size=16, cluster=datapipe.Cluster(scheduler="sync"),
+                       progress=False)
+    warned = [r.getMessage() for r in caplog.records if "decimal point" in r.getMessage()]
+    assert len(warned) == 1 and "'10.0' is class 2" in warned[0], warned
+
+
 def test_a_source_of_only_top_level_images_says_why_nothing_is_used(tmp_path, imaging):
     src = tmp_path / "src"
     src.mkdir()
