@@ -762,10 +762,12 @@ def with_classes(listing: Listing, classes: Sequence[str]) -> Listing:
         alike = (f"; {ascii(twins[0][0])} differs from the given {ascii(twins[0][1])} only in how it is written "
                  f"({_UNICODE_FORMS}): "
                  f"{'write the labels in the CSV' if listing.kind == 'csv' else 'rename the folders'} alike" if twins else "")
+        shown_given = ", ".join(repr(c) for c in list(classes)[:3]) + (" ..." if len(classes) > 3 else "")
         raise SourceError(f"{shown(listing.url or str(listing.source or listing.root))}: "
                           f"{len(missing)} of its {len(listing.classes)} classes are not among the {len(classes)} "
-                          f"given ({names}){alike}; give a class list that holds every class of the source (for a "
-                          "validation set: the training cache's, with --classes-from TRAIN_CACHE)")
+                          f"given ({names}; the given are {shown_given}){alike}; give a class list that holds every "
+                          "class of the source, one name a line (for a validation set: the training cache's, with "
+                          "--classes-from TRAIN_CACHE)")
     remap = [index[name] for name in listing.classes]
     labels = [remap[label] if label >= 0 else label for label in listing.labels]
     return dataclasses.replace(listing, classes=list(classes), labels=labels)

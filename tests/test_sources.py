@@ -472,9 +472,14 @@ def test_a_validation_cache_labelled_by_the_training_caches_classes(tmp_path, im
 
 def test_a_class_of_the_source_missing_from_the_list_is_refused(tmp_path, imaging):
     imaging.write_source(tmp_path / "src", {"bee": 1, "emu": 1, "fox": 1}, variety=False)
-    with pytest.raises(SourceError, match=r"2 of its 3 classes are not among the 2 given \('emu', 'fox'\)"):
+    with pytest.raises(SourceError, match=r"2 of its 3 classes are not among the 2 given \('emu', 'fox'; the given "
+                                          r"are 'ant', 'bee'\)"):
         build(tmp_path / "src", tmp_path / "out", classes=["ant", "bee"])
     assert not (tmp_path / "out" / "manifest.json").exists()
+    lines = ["bee the honey bee", "emu the large bird", "fox the red fox"]  # a synset mapping: more than a name
+    with pytest.raises(SourceError, match=r"3 of its 3 classes are not among the 3 given \('bee', 'emu', 'fox'; the "
+                                          r"given are 'bee the honey bee', 'emu the large bird', 'fox the red fox'\)"):
+        build(tmp_path / "src", tmp_path / "out", classes=lines)
 
 
 @pytest.mark.parametrize(("classes", "message"), [("ab", "list of class names"), ([], "list of class names"),
