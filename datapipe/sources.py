@@ -653,8 +653,33 @@ def _scan_csv(csv_path: Path) -> Listing:
 
     seen, dropped, named = csv_first_rows(((rel, label) for rel, label, _ in _csv_rows(csv_path)), refused)
     names, paths, labels = csv_labels(seen, named)
-    return Listing(root=root, kind="csv", classes=names, paths=paths, labels=labels,
-                   stats=[_stat(root / p) for p in paths], dropped=dropped)
+    stats = [_stat(root / p) for p in paths]
+    _note_missing(csv_path, [p for p, st in zip(paths, stats, strict=True) if st == (-1, -1)], len(paths))
+    return Listing(root=root, kind="csv", classes=names, paths=paths, labels=labels, stats=stats, dropped=dropped)
+
+
+def _note_missing(csv_path: Path, missing: list[str], total: int) -> None:
+    """Log, when rows of a CSV name no file, where the first was looked for and, when a file a common slip would
+    have named exists (Windows' backslashes, no extension, a path from the CSV's parent folder), that file: each
+    row is quarantined as unreadable, whose reason names neither."""
+    if not missing:
+        return
+    root = csv_path.parent
+    hint = ""
+    for rel in missing[:20]:
+        tries = [(rel.replace("\\", "/"), "write paths with '/'")] if "\\" in rel else []
+        if not os.path.splitext(rel)[1]:
+            tries += [(rel + ext, "write each file's extension") for ext in (".jpg", ".JPEG", ".jpeg", ".png", ".JPG")]
+        first, _, rest = rel.partition("/")
+        if first == root.name and rest:
+            tries.append((rest, f"write paths from the CSV's folder {shown(str(root))}, not from its parent"))
+        found = next(((alt, why) for alt, why in tries if (root / alt).is_file()), None)
+        if found is not None:
+            hint = f"; {found[0]!r} exists, for the row of {rel!r}: {found[1]}"
+            break
+    log.warning(f"datapipe build: {len(missing):,} of the {total:,} paths of {shown(str(csv_path))} name no file (first: "
+                f"{missing[0]!r}, looked for as {shown(str(root / missing[0]))}: paths are read from the CSV's folder)"
+                f"{hint}; each is quarantined as unreadable")
 
 
 # The reason of a row that repeats an earlier one (same path, same label): its file is used, with that label.

@@ -413,6 +413,24 @@ def test_labels_that_are_numbers_with_a_decimal_point_are_named_in_the_log(tmp_p
     assert len(warned) == 1 and "'10.0' is class 2" in warned[0], warned
 
 
+@pytest.mark.parametrize(("cell", "advice"), [("imgs\\cat\\0.jpg", "write paths with '/'"),
+                                             ("imgs/cat/0", "write each file's extension"),
+                                             ("data/imgs/cat/0.jpg", "write paths from the CSV's folder")],
+                         ids=["backslashes", "no-extension", "from-the-parent"])
+def test_rows_naming_no_file_are_told_where_they_were_looked_for_and_the_file_a_slip_missed(tmp_path, imaging, caplog,
+                                                                                              cell, advice):
+    """Windows paths, Kaggle ids without their extension and paths from the project's root each gave N quarantined
+    rows of 'FileNotFoundError: No such file or directory', naming neither the path looked for nor the file meant."""
+    data = tmp_path / "data"
+    _images(data, ["imgs/cat/0.jpg", "imgs/cat/1.jpg", "imgs/dog/2.jpg"], imaging)
+    (data / "list.csv").write_text(f"{cell},cat\nimgs/cat/1.jpg,cat\nimgs/dog/2.jpg,dog\n")
+    with caplog.at_level("WARNING", logger="datapipe"):
+        datapipe.sources.scan(data / "list.csv")
+    warned = [r.getMessage() for r in caplog.records if "name no file" in r.getMessage()]
+    assert len(warned) == 1 and f"1 of the 3 paths of {data / 'list.csv'} name no file (first: {cell!r}, looked for " \
+        f"as {data / cell}" in warned[0] and "'imgs/cat/0.jpg' exists" in warned[0] and advice in warned[0], warned
+
+
 def test_a_source_of_only_top_level_images_says_why_nothing_is_used(tmp_path, imaging):
     src = tmp_path / "src"
     src.mkdir()
