@@ -405,8 +405,8 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     DATAPIPE_STORE_TIMEOUT). ``client_version``: the build's datapipe version, which this worker's must be (a
     worker that joined after the build checked the others').
     """
-    if client_version is not None and client_version != __version__:
-        raise BuildError(_other_version(_worker_address(), __version__, client_version))
+    if client_version is not None and client_version != _identity():
+        raise BuildError(_other_version(_worker_address(), _identity(), client_version))
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
@@ -1334,20 +1334,106 @@ def _resize_by_torch() -> bool:
     return not native.available()
 
 
-def _warm_up() -> str:
+def _warm_up() -> dict[str, str]:
     """Import and load everything decoding needs, once per process, so that the first file is timed
-    like any other (on a busy machine these one-time costs take seconds). Returns this process's datapipe
-    version (a worker's must be the client's: another could write another format)."""
+    like any other (on a busy machine these one-time costs take seconds). Returns what this process runs
+    (:func:`_what_runs`).
+
+    Raises:
+        BuildError: a library decoding needs is older than datapipe's least (:data:`_NEEDS`), missing, or cannot
+            be loaded: named, with the worker (:func:`_load_problem`).
+    """
+    problem = _load_problem()
+    if problem is not None:
+        raise BuildError(f"{_this_process()} {problem}")
+    return _what_runs()
+
+
+def _warm_up_report() -> dict[str, str | None]:
+    """:func:`_warm_up` on each worker of a cluster (``Client.run``, where a worker cannot name itself): what it
+    runs, and under ``problem`` what keeps it from decoding (None: nothing), for the client to say with its address."""
+    return {**_what_runs(), "problem": _load_problem()}
+
+
+def _load_problem() -> str | None:
+    """Load what decoding needs, once per process (:func:`_warm_up`); what keeps this process from decoding as the
+    build's does, as the end of a sentence naming it, or None."""
     global _warmed
-    import zarr  # noqa: F401
+    if _warmed:
+        return None
+    problems = _library_problems()
+    if problems:
+        return (f"has {'; '.join(problems)}: install the versions datapipe needs (pip install -U 'PACKAGE>=VERSION') "
+                "and rerun")
+    try:
+        import zarr  # noqa: F401
 
-    if _resize_by_torch():
-        import torch  # noqa: F401
-
-    if not _warmed:
+        if _resize_by_torch():
+            import torch  # noqa: F401
         warm_up()
-        _warmed = True
-    return __version__
+    except DatapipeError as exc:
+        return f"could not load datapipe's decoders: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a library that fails to load (built for another numpy), in one line
+        return (f"could not load datapipe's decoders ({type(exc).__name__}: {one_line(exc) or 'no message'}): "
+                "reinstall the failing library for this environment (its numpy, its Python), and rerun")
+    _warmed = True
+    return None
+
+
+def _what_runs() -> dict[str, str]:
+    """This process's datapipe (:func:`_identity`), dask and distributed: what a build's workers must share."""
+    import dask
+    import distributed
+
+    return {"datapipe": _identity(), "dask": dask.__version__, "distributed": distributed.__version__}
+
+
+# The libraries whose versions decide what a worker decodes and writes, and the least version of each (as
+# pyproject.toml requires them): a worker built from another image may hold an older one that pip never checked.
+_NEEDS = {"numpy": "1.26", "Pillow": "10.2", "simplejpeg": "1.7", "zarr": "3.1", "google-crc32c": "1.5"}
+
+
+def _library_problems() -> list[str]:
+    """What this process lacks of :data:`_NEEDS`, one phrase each (``Pillow 9.5.0 (datapipe needs 10.2 or later)``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    problems = []
+    for name, least in _NEEDS.items():
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            problems.append(f"no {name} installed (datapipe needs {least} or later)")
+            continue
+        with contextlib.suppress(InvalidVersion):
+            if Version(have) < Version(least):
+                problems.append(f"{name} {have} (datapipe needs {least} or later)")
+    return problems
+
+
+_IDENTITY: str | None = None
+
+
+def _identity() -> str:
+    """This datapipe as a build's workers must match it: its version, the number of its decode rules
+    (codecs.DECODE_RULES) and a digest of its code (its Python and C sources), which tells two installs of one
+    version apart (``0.1.0, decode rules 3, code 4f1c2a9e``)."""
+    global _IDENTITY
+    if _IDENTITY is None:
+        digest = hashlib.sha256()
+        package = Path(__file__).parent
+        for path in sorted([*package.rglob("*.py"), *package.rglob("*.c")]):
+            digest.update(str(path.relative_to(package)).encode())
+            digest.update(path.read_bytes())
+        _IDENTITY = f"{__version__}, decode rules {DECODE_RULES}, code {digest.hexdigest()[:8]}"
+    return _IDENTITY
+
+
+def _this_process() -> str:
+    """This process in a message: the Dask worker it is (its address), or "this process" (a build's own)."""
+    address = _worker_address()
+    return f"Dask worker {address}" if address != "this worker" else "this process"
 
 
 def _run(plans: list[dict], kwargs: dict, *, cluster: Cluster, progress: bool,
@@ -1592,12 +1678,12 @@ def _loggers_quiet(*names: str) -> Iterator[None]:
 
 
 def _other_version(worker: str, version: str | None, client: str) -> str:
-    """The error of a worker that runs another datapipe (``version``; None: one too old to say) than the build's
-    process (``client``)."""
+    """The error of a worker that runs another datapipe (``version``, see :func:`_identity`; None: one too old to
+    say) than the build's process (``client``)."""
     runs = f"datapipe {version}" if version else "an older datapipe"
-    return (f"Dask worker {worker} runs {runs}, this process {client}: every worker must run this process's "
-            "version, which decides what the cache holds; install it on the workers (or this one's on this "
-            "machine) and rerun")
+    return (f"Dask worker {worker} runs {runs}, this process datapipe {client}: every worker must run this "
+            "process's datapipe, which decides what the cache holds (its format, how each file decodes); install "
+            "it on the workers (or this one's on this machine) and rerun")
 
 
 def _worker_address() -> str:
@@ -1750,7 +1836,7 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
     patience = env_seconds("DATAPIPE_WORKER_TIMEOUT", WORKER_WAIT)
     try:
         # imports on every worker before the clock for shards starts; a worker stopped or frozen never answers
-        versions = client.sync(client._run, _warm_up, callback_timeout=patience)
+        versions = client.sync(client._run, _warm_up_report, callback_timeout=patience)
     except DatapipeError:
         raise
     except TimeoutError:
@@ -1767,11 +1853,24 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
                          f"{one_line(exc) or 'no message'}): every worker needs datapipe and its libraries installed "
                          "(the same version as here) and memory to load them (ulimit -v); fix the workers, or build "
                          "with --scheduler sync") from None
-    other = {address: version for address, version in versions.items() if version != __version__}
+    mine = _what_runs()
+    for address, found in versions.items():
+        if isinstance(found, dict) and found.get("problem"):
+            raise BuildError(f"Dask worker {address} of {cluster_at} {found['problem']}")
+    other = {address: found for address, found in versions.items()
+             if not isinstance(found, dict) or found.get("datapipe") != mine["datapipe"]}
     if other:
-        address, version = next(iter(other.items()))
+        address, found = next(iter(other.items()))
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-        raise BuildError(_other_version(f"{address} of {cluster_at}{more}", version, __version__))
+        theirs = found.get("datapipe") if isinstance(found, dict) else found  # (an older datapipe's: its version)
+        raise BuildError(_other_version(f"{address} of {cluster_at}{more}", theirs, mine["datapipe"]))
+    for library in ("distributed", "dask"):
+        skewed = {address: found[library] for address, found in versions.items() if found.get(library) != mine[library]}
+        if skewed:
+            address, theirs = next(iter(skewed.items()))
+            raise BuildError(f"Dask worker {address} of {cluster_at} runs {library} {theirs}, this process {mine[library]}: "
+                             f"its tasks would not arrive whole; install {library} {mine[library]} on every worker (or "
+                             "the workers' here) and rerun")
     info = client.scheduler_info()
     n_workers = len(info["workers"])
     dashboard = _dashboard(client)
@@ -1794,7 +1893,7 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
     import dask
     from dask.distributed import as_completed
 
-    kwargs = {**kwargs, "client_version": __version__}  # a worker that joins mid-build is checked by its task
+    kwargs = {**kwargs, "client_version": _identity()}  # a worker that joins mid-build is checked by its task
     out_tag = hashlib.sha256(kwargs["output"].encode()).hexdigest()[:8]  # two builds at once stay apart
     keys = [f"{SHARD_TASK}{out_tag}-{p['shard']:06d}-{kwargs['config_hash']}-{p['inputs_hash']}" for p in plans]
     records: dict[int, dict] = {}
@@ -1821,7 +1920,8 @@ def _map_shards(client: Client, plans: list[dict], kwargs: dict, *, progress: bo
                     if type(exc).__name__ in _SCHEDULER_LOST:
                         raise BuildError(f"the build lost its Dask scheduler ({type(exc).__name__}: {one_line(exc)}); "
                                          f"{_shards_kept(len(records), len(plans))}") from None
-                    if isinstance(exc, TypeError) and "client_version" in str(exc):  # a datapipe without the check
+                    if isinstance(exc, TypeError) and "build_shard() got an unexpected keyword argument" in str(exc):
+                        # a datapipe older than one of the task's arguments (the check among them)
                         raise BuildError(_other_version(f"(one of {where})", None, kwargs["client_version"])) from None
                     if type(exc).__name__ != "KilledWorker":
                         raise

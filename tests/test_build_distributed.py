@@ -721,14 +721,21 @@ def test_a_frozen_worker_or_scheduler_ends_the_build_with_one_line_and_the_rerun
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("joins", ["before the build", "mid-build"])
-def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(dist_source, tmp_path, joins):
+@pytest.mark.parametrize("change", ["version", "decode rules"])
+def test_a_worker_running_another_datapipe_is_refused_before_any_shard(dist_source, tmp_path, joins, change):
     """A worker with another datapipe installed built shards silently: another version may write another format
-    into the same cache. The versions are compared when the workers warm up, and by each shard's task (a worker
-    that joins later); the build ends naming the worker."""
+    into the same cache, and another commit of the same version decode files otherwise (the version string never
+    changed: a worker of earlier decode rules wrote a cache of mixed rules, "ok"). What runs is compared when the
+    workers warm up, and by each shard's task (a worker that joins later); the build ends naming the worker."""
     other = tmp_path / "other"
     shutil.copytree(Path(datapipe.__file__).parent, other / "datapipe", ignore=shutil.ignore_patterns("__pycache__"))
-    init = other / "datapipe" / "__init__.py"
-    init.write_text(init.read_text().replace(f'__version__ = "{datapipe.__version__}"', '__version__ = "9.9.9"'))
+    if change == "version":
+        edited, old, new = other / "datapipe" / "__init__.py", f'__version__ = "{datapipe.__version__}"', '__version__ = "9.9.9"'
+    else:
+        rules = datapipe.codecs.DECODE_RULES
+        edited, old, new = other / "datapipe" / "codecs.py", f"DECODE_RULES = {rules}\n", f"DECODE_RULES = {rules - 1}\n"
+    assert old in edited.read_text()
+    edited.write_text(edited.read_text().replace(old, new))
     out = tmp_path / "out"
     with _Cluster(tmp_path) as cluster:
         address = cluster.scheduler()
@@ -743,11 +750,67 @@ def test_a_worker_running_another_datapipe_version_is_refused_before_any_shard(d
             wait_for(lambda: (out / "shards").is_dir() or proc.poll() is not None, 60, "the build to start")
             cluster.worker(address, env={"PYTHONPATH": str(other)})
         line = _ended_with(proc, 120)
-    assert re.fullmatch(rf"datapipe build: error: Dask worker tcp://127\.0\.0\.1:\d+( of {address})? runs datapipe 9\.9\.9, "
-                        rf"this process {re.escape(datapipe.__version__)}: every worker must run this process's "
-                        r"version, which decides what the cache holds; install it on the workers \(or this one's on "
-                        r"this machine\) and rerun", line), line
+    theirs = (r"9\.9\.9, decode rules \d+" if change == "version" else
+              rf"{re.escape(datapipe.__version__)}, decode rules {datapipe.codecs.DECODE_RULES - 1}")
+    assert re.fullmatch(rf"datapipe build: error: Dask worker tcp://127\.0\.0\.1:\d+( of {address})? runs datapipe "
+                        rf"{theirs}, code [0-9a-f]{{8}}, this process datapipe {re.escape(datapipe.__version__)}, decode "
+                        rf"rules {datapipe.codecs.DECODE_RULES}, code [0-9a-f]{{8}}: every worker must run this "
+                        r"process's datapipe, which decides what the cache holds \(its format, how each file decodes\); "
+                        r"install it on the workers \(or this one's on this machine\) and rerun", line), line
     assert not any(out.glob("shards/*.zarr"))  # refused before any shard
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["a worker", "this process"])
+def test_a_decoding_library_older_than_datapipe_needs_is_named_before_any_shard(dist_source, tmp_path, where):
+    """A worker with Pillow 9.5 (below the 10.2 datapipe requires: pip never checked that image) wrote unrotated
+    TIFFs into some shards, "ok"; one with zarr 3.0 ended the build with a raw TypeError. The libraries are checked
+    when a process warms up, and the worker or the process named."""
+    other = tmp_path / "other"
+    shutil.copytree(Path(datapipe.__file__).parent, other / "datapipe", ignore=shutil.ignore_patterns("__pycache__"))
+    builder_py = other / "datapipe" / "builder.py"
+    text = builder_py.read_text()
+    assert '"Pillow": "10.2"' in text
+    builder_py.write_text(text.replace('"Pillow": "10.2"', '"Pillow": "999"'))  # as if the Pillow here were older
+    from PIL import __version__ as pillow
+
+    out = tmp_path / "out"
+    if where == "this process":
+        done = subprocess.run([sys.executable, "-m", "datapipe.cli", "build", str(dist_source), str(out), "--scheduler",
+                               "sync", "--quiet"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(other)})
+        line = done.stderr.strip().splitlines()[-1]
+        assert done.returncode == 2 and line == (f"datapipe build: error: this process has Pillow {pillow} (datapipe "
+                                                 "needs 999 or later): install the versions datapipe needs (pip install "
+                                                 "-U 'PACKAGE>=VERSION') and rerun"), done.stderr
+    else:
+        with _Cluster(tmp_path) as cluster:
+            address = cluster.scheduler()
+            cluster.worker(address, env={"PYTHONPATH": str(other)})
+            from distributed import Client
+
+            with Client(address, timeout="30s") as client:
+                client.wait_for_workers(1, timeout=60)
+            line = _ended_with(_build_cli(dist_source, out, address, {}), 120)
+        assert re.fullmatch(rf"datapipe build: error: Dask worker tcp://127\.0\.0\.1:\d+ of {address} has Pillow "
+                            rf"{re.escape(pillow)} \(datapipe needs 999 or later\): install the versions datapipe needs "
+                            r".* and rerun", line), line
+    assert not any(out.glob("shards/*.zarr"))
+
+
+def test_the_least_versions_checked_are_pyproject_tomls():
+    """The table the workers are checked against is the requirements' (one changed without the other would let an
+    older library through, or refuse a good one)."""
+    import tomllib
+
+    from datapipe import builder
+
+    required = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    least = {}
+    for line in required:
+        name, _, rest = line.partition(">=")
+        least[name.split("[")[0].strip()] = rest.split(",")[0].strip()
+    assert {name: least[name] for name in builder._NEEDS} == builder._NEEDS
 
 
 HOLD_PRELOAD = '''
