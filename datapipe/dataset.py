@@ -791,8 +791,9 @@ class StreamingDataset(IterableDataset):
         Args:
             batches_consumed: batches of the current epoch the training loop has received, counted
                 from the epoch's start in this dataset's batch layout: after a resume, the batches
-                before the resumed position (``state["position"] // (batch_size * world_size)``) plus
-                those received since. Default: what this dataset counted while iterated in the main
+                before the resumed position (``ds.batches_consumed`` right after ``load_state_dict``:
+                ``ceil(state["position"] / (batch_size * world_size))``, an epoch's last batch being short
+                without ``drop_last``) plus those received since. Default: what this dataset counted while iterated in the main
                 process (``num_workers=0``); required when the epoch was read through your own
                 multi-worker DataLoader (its workers cannot report it): without it that raises
                 StateError.

@@ -534,3 +534,20 @@ def test_the_dataset_and_its_loader_give_the_class_names_of_its_labels(index_cac
     assert ds.classes == loader.dataset.classes == list(cache.manifest.classes) and len(ds.classes) == 3
     _, labels, index = next(iter(loader))
     assert [ds.classes[k] for k in labels.tolist()] == [cache.path(i).split("/")[0] for i in index.tolist()]
+
+
+def test_the_batches_before_an_epoch_end_resume_count_its_short_last_batch(index_cache):
+    """The documented count of batches before a resumed position was `position // (batch_size * world_size)`: for a
+    state saved at an epoch's end without drop_last (position = the sample count), one short; a loop that passed it
+    failed at its next checkpoint. It is `ds.batches_consumed` after loading, the ceiling."""
+    assert index_cache.n % B, "the cache must end with a short batch"
+    ds = dataset(index_cache)
+    take(ds, 0)
+    state = ds.state_dict()
+    assert state["position"] == index_cache.n
+    resumed = dataset(index_cache)
+    resumed.load_state_dict(state)
+    assert resumed.batches_consumed == -(-index_cache.n // B) == len(take(dataset(index_cache), 0))
+    assert resumed.state_dict(batches_consumed=resumed.batches_consumed)["position"] == index_cache.n
+    with pytest.raises(StateError, match="batches_consumed"):
+        resumed.state_dict(batches_consumed=index_cache.n // B)
