@@ -21,6 +21,7 @@ import json
 import logging
 import numbers
 import os
+import re
 import shutil
 import signal
 import sys
@@ -1373,6 +1374,8 @@ def _load_problem() -> str | None:
         warm_up()
     except DatapipeError as exc:
         return f"could not load datapipe's decoders: {exc}"
+    except ImportError:  # a dependency not installed: the command line names it (and the client, of a worker)
+        raise
     except Exception as exc:  # noqa: BLE001 - a library that fails to load (built for another numpy), in one line
         return (f"could not load datapipe's decoders ({type(exc).__name__}: {one_line(exc) or 'no message'}): "
                 "reinstall the failing library for this environment (its numpy, its Python), and rerun")
@@ -1397,7 +1400,8 @@ def _library_problems() -> list[str]:
     """What this process lacks of :data:`_NEEDS`, one phrase each (``Pillow 9.5.0 (datapipe needs 10.2 or later)``)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.version import InvalidVersion, Version
+    def release(text: str) -> tuple[int, ...]:  # "10.2.0rc1" -> (10, 2, 0): the numbers a minimum is compared by
+        return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
 
     problems = []
     for name, least in _NEEDS.items():
@@ -1406,9 +1410,8 @@ def _library_problems() -> list[str]:
         except PackageNotFoundError:
             problems.append(f"no {name} installed (datapipe needs {least} or later)")
             continue
-        with contextlib.suppress(InvalidVersion):
-            if Version(have) < Version(least):
-                problems.append(f"{name} {have} (datapipe needs {least} or later)")
+        if release(have) < release(least):
+            problems.append(f"{name} {have} (datapipe needs {least} or later)")
     return problems
 
 
