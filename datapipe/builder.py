@@ -1852,6 +1852,8 @@ def _ready_workers(client: Client, cluster: Cluster) -> tuple[int, str | None]:
         if type(exc).__name__ in _SCHEDULER_LOST:
             raise BuildError(f"the build lost its Dask scheduler at {cluster_at} ({type(exc).__name__}: "
                              f"{one_line(exc)}) before any shard; rerun once it is up") from None
+        if "_warm_up_report" in str(exc):  # a worker's datapipe has no such function: an older one
+            raise BuildError(_other_version(f"(one of {cluster_at})", None, _identity())) from None
         raise BuildError(f"the Dask workers of {cluster_at} could not load datapipe's decoders ({type(exc).__name__}: "
                          f"{one_line(exc) or 'no message'}): every worker needs datapipe and its libraries installed "
                          "(the same version as here) and memory to load them (ulimit -v); fix the workers, or build "

@@ -62,6 +62,9 @@ _MAGIC = (
     (b"II\x00*", "tiff"),  # byte order and magic disagree: Pillow reads these too
     (b"MM*\x00", "tiff"),
 )
+# A Netpbm header's start: P1..P6, then whitespace and comments, then the width's first digit (or a comment running
+# past the 16 bytes sniffed): "P1 is a text" is no picture
+_NETPBM = re.compile(rb"P[1-6](\s|#[^\n]*(\n|$))+([0-9]|$|#)")
 # Pillow's plugin for each sniffed format: a file is only ever opened as what its content says.
 _PILLOW_FORMATS = {"jpeg": "JPEG", "png": "PNG", "gif": "GIF", "bmp": "BMP", "dib": "DIB", "tiff": "TIFF", "webp": "WEBP",
                    "ppm": "PPM"}
@@ -76,8 +79,7 @@ def sniff(head: bytes) -> str | None:
             return name
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "webp"
-    if len(head) >= 3 and head[:1] == b"P" and head[1:2] in (b"1", b"2", b"3", b"4", b"5", b"6") \
-            and head[2:3] in (b" ", b"\t", b"\n", b"\r", b"#"):
+    if _NETPBM.match(head):
         return "ppm"  # Netpbm: PBM, PGM, PPM, plain or raw (GTSRB's pictures)
     if _is_dib(head):
         return "dib"
@@ -1404,13 +1406,19 @@ def _png_metadata_size(kind: bytes, body: bytes, limit: int) -> tuple[int, int]:
     """(bytes a PNG chunk's compressed metadata inflates to, past ``limit`` as ``limit + 1``; bytes of text it adds
     to Pillow's count of text chunks) as Pillow's PngImagePlugin reads them: 0 for what it does not inflate or
     count (another compression method, which it refuses or skips; a chunk of no metadata)."""
-    def inflate(stream: bytes) -> int:
+    def inflate(stream: bytes) -> tuple[int, bytes]:
         inflater = zlib.decompressobj()
         try:
-            size = len(inflater.decompress(stream, limit))
+            data = inflater.decompress(stream, limit)
         except zlib.error:
-            return 0  # Pillow reads such a text as empty (an ICC profile as none)
-        return limit + 1 if inflater.unconsumed_tail else size
+            return 0, b""  # Pillow reads such a text as empty (an ICC profile as none)
+        return (limit + 1, b"") if inflater.unconsumed_tail else (len(data), data)
+
+    def characters(text: bytes) -> int:  # Pillow counts an iTXt's text in characters, and none it cannot decode
+        try:
+            return len(text.decode("utf-8"))
+        except UnicodeDecodeError:
+            return 0
 
     if kind not in (b"iCCP", b"zTXt", b"iTXt", b"tEXt"):
         return 0, 0
@@ -1420,7 +1428,7 @@ def _png_metadata_size(kind: bytes, body: bytes, limit: int) -> tuple[int, int]:
     if kind in (b"iCCP", b"zTXt"):
         if rest[:1] not in (b"\0", b""):
             return 0, 0  # another method: Pillow refuses the file, and so it stays
-        size = inflate(rest[1:])
+        size = inflate(rest[1:])[0]
         return size, (size if kind == b"zTXt" and keyword else 0)
     if len(rest) < 2:
         return 0, 0
@@ -1428,11 +1436,11 @@ def _png_metadata_size(kind: bytes, body: bytes, limit: int) -> tuple[int, int]:
     if len(fields) < 3:
         return 0, 0
     if flag == 0:
-        return 0, len(fields[2])
+        return 0, characters(fields[2])
     if method != 0:
         return 0, 0  # Pillow keeps such a chunk's text unread
-    size = inflate(fields[2])
-    return size, size
+    size, text = inflate(fields[2])
+    return size, characters(text)
 
 
 def _wide_colour_key(img: Image.Image, data: bytes) -> tuple[int, int, int] | None:

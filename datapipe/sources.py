@@ -522,9 +522,10 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
                           f"{first_line[one]} written another way ({_UNICODE_FORMS}), which would make two classes "
                           "that print alike; write the labels alike")
     if len(rows) > 2 and sum(1 for _, label, _ in rows if label == rows[0][1]) == 1 and not _names_file(
-            first_cells[0][0], exists) and _names_file(first_cells[1][0], exists):
-        # a header of a name not in HEADER_NAMES (`ImageId,PredictionString`): its label would be a class of no
-        # sample, numbered among the others, and every class after it would be another label than another cache's
+            first_cells[0][0], exists) and _names_file(first_cells[1][0], exists) \
+            and os.path.splitext(first_cells[0][0].strip())[1].lower() not in LISTED_EXTENSIONS:
+        # a header of a name not in HEADER_NAMES (`Photo,PredictionString`: no image's name): its label would be a
+        # class of no sample, numbered among the others, and every class after it another label than another cache's
         raise SourceError(f"{csv_path}:{rows[0][2]}: the first row ({_clip(first_cells[0])}) looks like a header: its path "
                           f"names no file, the next row's does, and no other row has its label {rows[0][1]!r}, which "
                           "would be a class of no sample and renumber every class after it. If it is a header, name "

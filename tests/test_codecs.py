@@ -257,6 +257,7 @@ def test_netpbm_pictures_decode_as_pillow_reads_them(kind):
             "P3-plain": b"P3\n# a comment\n2 1\n255\n255 0 0  0 0 255\n",
             "P1-plain": b"P1\n3 1\n1 0 1\n"}[kind]
     assert sniff(data[:16]) == "ppm"
+    assert sniff(b"P1 is a text, no picture"[:16]) is None and sniff(b"P5\nhello"[:16]) is None
     with Image.open(io.BytesIO(data)) as img:
         img.load()
         mode = img.mode
