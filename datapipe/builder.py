@@ -16,6 +16,7 @@ import contextvars
 import fcntl
 import gc
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -1394,6 +1395,7 @@ def _what_runs() -> dict[str, str]:
 # The libraries whose versions decide what a worker decodes and writes, and the least version of each (as
 # pyproject.toml requires them): a worker built from another image may hold an older one that pip never checked.
 _NEEDS = {"numpy": "1.26", "Pillow": "10.2", "simplejpeg": "1.7", "zarr": "3.1", "google-crc32c": "1.5"}
+_MODULES = {"Pillow": "PIL", "google-crc32c": "google_crc32c"}  # the module of each that is not named alike
 
 
 def _library_problems() -> list[str]:
@@ -1407,9 +1409,12 @@ def _library_problems() -> list[str]:
     for name, least in _NEEDS.items():
         try:
             have = version(name)
-        except PackageNotFoundError:
-            problems.append(f"no {name} installed (datapipe needs {least} or later)")
-            continue
+        except PackageNotFoundError:  # installed under another name (pillow-simd) or by hand: the module says
+            try:
+                have = str(getattr(importlib.import_module(_MODULES.get(name, name)), "__version__", least))
+            except ImportError:
+                problems.append(f"no {name} installed (datapipe needs {least} or later)")
+                continue
         if release(have) < release(least):
             problems.append(f"{name} {have} (datapipe needs {least} or later)")
     return problems
