@@ -61,7 +61,7 @@ from .errors import (
     refused_error,
 )
 from .files import FileTooLarge, NotRegularFile, describe_mode, file_crc32c, open_for_reading, read_regular
-from .output import lock_holder
+from .output import lock_holder, shard_build_id
 from .records import Manifest, indexed_file_size, parse_json
 from .samples import INDEX_ROW_BYTES, SampleIndex, decode_jpeg
 from .shards import (
@@ -1009,12 +1009,7 @@ class Cache:
             return (f"{foreign[0]}{more} in the shard's folder is no file a build writes: move it out (datapipe never "
                     "deletes what it did not write), then rerun the same `datapipe build` with --verify to rewrite "
                     "the shard")
-        try:
-            build_id = read_shard_metadata(shard_dir).get("build_id")
-        except UnreadableFileError:
-            raise
-        except CacheError:
-            build_id = None
+        build_id = shard_build_id(shard_dir)  # as the build tells its own shard (None: no readable record)
         if shard_dir.is_symlink() or (os.path.lexists(shard_dir) and build_id != (self.build_id or build_id)):
             return MOVE_AWAY
         return None

@@ -283,7 +283,8 @@ def mount_points() -> frozenset[str]:
 def is_mount(path: str | os.PathLike) -> bool:
     """Whether the folder ``path`` (no link itself) is a mount point: of another device, or one of
     :func:`mount_points` (a folder bound from the same file system)."""
-    return os.path.ismount(path) or os.path.realpath(path) in mount_points()
+    path = Path(path)
+    return os.path.ismount(path) or os.path.join(_resolved(path.parent), path.name) in mount_points()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -529,9 +529,8 @@ def csv_rows(text: str, csv_path: str, exists: Callable[[str], bool],
         raise SourceError(f"{csv_path}:{rows[0][2]}: the first row ({_clip(first_cells[0])}) looks like a header: its path "
                           f"names no file, the next row's does, and no other row has its label {rows[0][1]!r}, which "
                           "would be a class of no sample and renumber every class after it. If it is a header, name "
-                          "its first cell 'path' (a "
-                          "header's first cell is one of: path, file, filename, image, id, name, ...); if it is data, "
-                          "put its file in place or remove the row")
+                          "its first cell 'path' (a header's first cell is one of: path, file, filename, image, id, "
+                          "name, ...); if it is data, put its file in place or remove the row")
     note_number_twins(first_line, csv_path)
     note_compatibility_twins(first_line, csv_path)
     return rows
