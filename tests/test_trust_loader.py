@@ -292,19 +292,23 @@ def states(draw, saved: dict):
 
 
 def _is_valid(state, saved: dict) -> bool:
-    """The reference rule, written independently: exactly the saved state's identity, in-range ints."""
+    """The reference rule, written independently: exactly the saved state's identity, in-range ints. A version 2
+    state (an earlier datapipe's) has no ``contents``, and is taken without it (docs/loader.md)."""
     def real_int(v):
         return type(v) is int or (isinstance(v, np.integer) and not isinstance(v, np.bool_))
 
-    if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
+    if not isinstance(state, dict) or not real_int(state.get("version")) or state["version"] not in (2, 3):
+        return False
+    identity = ("config_hash", "build_id", "contents") if state["version"] == 3 else ("config_hash", "build_id")
+    if set(state) != set(STATE_KEYS) - ({"contents"} - set(identity)):
         return False
     if not all(real_int(state[k]) for k in ("version", "epoch", "position", "seed", "num_samples")):
         return False
     shuffle = state["shuffle"]
     if not isinstance(shuffle, (bool, np.bool_)) or bool(shuffle) != saved["shuffle"]:
         return False
-    same = all(isinstance(state[k], str) and state[k] == saved[k] for k in ("config_hash", "build_id", "contents"))
-    return (same and state["version"] == 3 and state["seed"] == saved["seed"] and state["num_samples"] == N
+    same = all(isinstance(state[k], str) and state[k] == saved[k] for k in identity)
+    return (same and state["seed"] == saved["seed"] and state["num_samples"] == N
             and 0 <= state["epoch"] < ORDER_LIMIT and 0 <= state["position"] <= N
             and (state["position"] % B == 0 or state["position"] == N))
 
