@@ -49,6 +49,10 @@ STATE_VERSION = 3
 STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "num_samples", "config_hash", "build_id", "contents")
 # A state of order="shards" also holds these (a state without them is of the global order).
 SHARD_STATE_KEYS = ("order", "window", "nodes")
+# The state a DataLoader worker saves (torchdata's StatefulDataLoader asks each worker for its own) also holds
+# "worker": {these}: which worker of how many, the batches of its share it has yielded since the iteration
+# began at "position", and the batch layout those batches count in.
+WORKER_STATE_KEYS = ("id", "num_workers", "batches", "batch_size", "world_size", "drop_last")
 # partition.epoch_order (and the augmentation seeds) keep the low 32 bits of the seed and the epoch:
 # seeds or epochs 2**32 apart give the same order, so only [0, 2**32) is accepted.
 ORDER_LIMIT = 2**32
@@ -345,6 +349,10 @@ class StreamingDataset(IterableDataset):
         self._published: dict[tuple[int, str] | str, int] = {}  # (epoch, "iteration"), (passes, "pass") or "set_epoch"
         self._passes = 0  # iterations this process read to their end (the loop received the last batch)
         self._keys: deque[str] = deque()
+        # In a DataLoader worker: a worker state loaded (epoch, position, batches of its share yielded), for
+        # its next iteration; and the current iteration's (epoch, position, batches yielded), for state_dict.
+        self._worker_loaded: tuple[int, int, int] | None = None
+        self._worker_progress: tuple[int, int, int] | None = None
 
     @property
     def _shared(self) -> torch.Tensor:
@@ -491,21 +499,22 @@ class StreamingDataset(IterableDataset):
     def _len(self) -> int:
         return self._epoch_batches(self._iter_base if self._running else self.start)
 
-    def plan(self, start: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The current epoch's global order [N] and this rank's batch bounds [n, 2] from ``start``."""
-        order = self.epoch_order()
+    def plan(self, start: int | None = None, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The current epoch's (or ``epoch``'s) global order [N] and this rank's batch bounds [n, 2] from ``start``."""
+        order = self.epoch_order(epoch)
         bounds = part.batch_bounds(len(self.cache), batch_size=self.batch_size, world_size=self.world_size,
                                    rank=self.rank, drop_last=self.drop_last,
                                    start=self.start if start is None else start)
         return order, bounds
 
-    def epoch_order(self) -> np.ndarray:
-        """The current epoch's order of all samples, int64 [N] (rank slicing: :meth:`plan`)."""
+    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
+        """The current epoch's (or ``epoch``'s) order of all samples, int64 [N] (rank slicing: :meth:`plan`)."""
+        epoch = self.epoch if epoch is None else epoch
         if self.order == "shards":
-            return part.shard_order(self.cache.counts, seed=self.seed, epoch=self.epoch, nodes=self.nodes,
+            return part.shard_order(self.cache.counts, seed=self.seed, epoch=epoch, nodes=self.nodes,
                                     window=self.window, batch_size=self.batch_size,
                                     local_world=self.world_size // self.nodes, shuffle=self.shuffle)
-        return part.epoch_order(len(self.cache), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        return part.epoch_order(len(self.cache), seed=self.seed, epoch=epoch, shuffle=self.shuffle)
 
     @property
     def classes(self) -> list[str]:
@@ -592,6 +601,7 @@ class StreamingDataset(IterableDataset):
         """In the main process the iteration begins here, not at its first batch: from ``iter()`` on,
         the state says nothing of it has been received (an iterator kept from before stops counting)."""
         if torch.utils.data.get_worker_info() is not None:
+            self._worker_progress = None  # a new iteration of this worker: its state is where it will begin
             return self._stream(None)
         order, bounds = self.begin_iteration()
         return self._stream((order, bounds, self._iteration))
@@ -601,13 +611,17 @@ class StreamingDataset(IterableDataset):
         None in a DataLoader worker (which plans its share when its first batch is asked for)."""
         worker, num_workers = detect_worker()
         in_worker = begun is None
-        order, bounds, iteration = (*self.plan(), 0) if begun is None else begun
-        mine = part.worker_batches(len(bounds), worker=worker, num_workers=num_workers)
+        epoch, start, skip = self._worker_begin() if in_worker else (self.epoch, self.start, 0)
+        order, bounds, iteration = (*self.plan(start, epoch), 0) if begun is None else begun
+        # a worker resumed from its own state (StatefulDataLoader) goes on after the batches of its share it yielded
+        mine = part.worker_batches(len(bounds), worker=worker, num_workers=num_workers)[skip:]
+        # this epoch as the dataset's state has it (not one a worker's loaded state names), whole or resumed
+        current = epoch == self.epoch
         if in_worker:  # batches go back through shared memory: is there room for them?
             self._shared[2] = 1
-            if worker == 0:
+            if worker == 0 and current:
                 self._check_repeat(stacklevel=3)
-            self._follow(order, bounds, mine, self.start)
+            self._follow(order, bounds, mine, start)
             # the largest batch this worker yields (batch_size may exceed the samples: an evaluation set in one batch)
             rows = max((int(bounds[j][1] - bounds[j][0]) for j in mine), default=0)
             _check_shm(rows * self._sample_bytes(), torch.utils.data.get_worker_info())
@@ -622,12 +636,22 @@ class StreamingDataset(IterableDataset):
                     remote.read(k)
                 if not in_worker:
                     self.note_received(iteration, int(j) + 1)
+                else:  # yielded, as a worker's state_dict (asked for after each batch) says
+                    self._worker_progress = (epoch, start, skip + k + 1)
                 yield batch
-            if in_worker and worker == 0:  # its share read to the end: the loop has (about) the whole epoch
+            if in_worker and worker == 0 and current:  # its share read to the end: the loop has (about) the whole epoch
                 self._read_whole()
         finally:
             if not in_worker:
                 self.end_iteration(iteration)
+
+    def _worker_begin(self) -> tuple[int, int, int]:
+        """A DataLoader worker's iteration begins: (epoch, position, batches of its share to skip): those of the
+        worker state loaded into it (used once), or the dataset's epoch and start."""
+        loaded, self._worker_loaded = self._worker_loaded, None
+        begun = loaded if loaded is not None else (self.epoch, self.start, 0)
+        self._worker_progress = begun
+        return begun
 
     def _read_whole(self) -> None:
         """The current epoch was read to its end (the loop received its last batch, or DataLoader worker 0
@@ -802,15 +826,12 @@ class StreamingDataset(IterableDataset):
             StateError: ``batches_consumed`` is needed and missing, is no integer, is beyond the
                 epoch's batches, or counts fewer batches than lie before the resumed position.
         """
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            return self._worker_state(info, batches_consumed)
         before = self._batches_before()
         count = (f"k = the batches of epoch {self.epoch} the loop has received, counted from the epoch's start"
                  + (f", the {before} before the resumed position included" if before else ""))
-        if torch.utils.data.get_worker_info() is not None:
-            raise StateError(
-                "state_dict() was called in a DataLoader worker process (torchdata's StatefulDataLoader does so "
-                "with num_workers > 0): a worker reads only its share of each epoch, and the state is the loop's; "
-                "save dataset.state_dict(batches_consumed=k) from the training loop with torch's DataLoader, or use "
-                "StatefulDataLoader with num_workers=0, or datapipe.DeviceLoader")
         if batches_consumed is None and int(self._shared[2]):
             raise StateError(
                 "this epoch was read by DataLoader worker processes, which cannot tell this process how "
@@ -840,10 +861,13 @@ class StreamingDataset(IterableDataset):
             position = len(self.cache)
         else:
             position = k * self.batch_size * self.world_size
+        return self._state_of(self.epoch, position)
+
+    def _state_of(self, epoch: int, position: int) -> dict:
         build_id, config_hash = self._identity
         return {
             "version": STATE_VERSION,
-            "epoch": self.epoch,
+            "epoch": epoch,
             "position": position,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -852,6 +876,27 @@ class StreamingDataset(IterableDataset):
             "build_id": build_id,
             "contents": self._contents,
         } | ({"order": self.order, "window": self.window, "nodes": self.nodes} if self.order == "shards" else {})
+
+    def _worker_state(self, info: WorkerInfo, batches_consumed: int | None) -> dict:
+        """The state of this DataLoader worker's share (torchdata's StatefulDataLoader asks each worker for one
+        after each batch it yields and keeps, per worker, the one of the last batch the loop received): the
+        epoch and position its iteration began at and how many batches of its share it has yielded. Loaded
+        into the same worker of a loader with as many workers (:meth:`load_state_dict`), it goes on after them."""
+        if batches_consumed is not None:
+            raise StateError(
+                "state_dict(batches_consumed=k) was called in a DataLoader worker process: a worker yields only its "
+                "share of each epoch, and k counts the batches of the whole loop; call it on the dataset in the "
+                "training loop's process (a worker's own state_dict(), without k, is what torchdata's "
+                "StatefulDataLoader saves)")
+        if self._worker_progress is not None:  # an iteration of this worker has begun
+            epoch, position, batches = self._worker_progress
+        elif self._worker_loaded is not None:  # the state loaded for the next one
+            epoch, position, batches = self._worker_loaded
+        else:
+            epoch, position, batches = self.epoch, self.start, 0
+        return self._state_of(epoch, position) | {"worker": {
+            "id": info.id, "num_workers": info.num_workers, "batches": batches, "batch_size": self.batch_size,
+            "world_size": self.world_size, "drop_last": self.drop_last}}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (seeks: skipped samples are never read).
@@ -868,6 +913,15 @@ class StreamingDataset(IterableDataset):
                 cache, seed or shuffle, or its position cannot be resumed with this batch layout.
             RankMismatchError: torch.distributed contradicts the rank detected at creation.
         """
+        info = torch.utils.data.get_worker_info()
+        if isinstance(state, Mapping) and "worker" in state:
+            self._load_worker_state(state, info)
+            return
+        if info is not None:
+            raise StateError(
+                "load_state_dict() was called in a DataLoader worker process with the state of a training loop: "
+                "a worker reads only its share of each epoch; load it into the dataset in the loop's process "
+                "before iterating (its workers then begin where it says)")
         self._check_ranks()
         epoch, position = self.check_state(state)
         self._shared[3] += 1
@@ -875,6 +929,51 @@ class StreamingDataset(IterableDataset):
         self._shared[1] = position
         self._shared[2] = 0
         self._restart(position)
+
+    def _load_worker_state(self, state: Mapping, info: WorkerInfo | None) -> None:
+        """A DataLoader worker's own state (see :meth:`_worker_state`), loaded into the same worker of a loader
+        with as many workers and the same batch layout: its next iteration reads that epoch from that position,
+        after the batches of its share it had yielded. Nothing changes for the other workers or the loop's
+        process (their states are their own)."""
+        worker = state["worker"]
+        if info is None:
+            saved = (f" {show(worker.get('id'))} of {show(worker.get('num_workers'))}"
+                     if isinstance(worker, Mapping) else "")
+            raise StateError(
+                f"this is the state of DataLoader worker{saved} (torchdata's StatefulDataLoader saves one per "
+                "worker), which says how far that worker read its share of an epoch, not where the loop is: load "
+                "the StatefulDataLoader's own state with its load_state_dict(), which hands each worker its own")
+        if not isinstance(worker, Mapping) or set(worker) != set(WORKER_STATE_KEYS):
+            raise StateError(f"a DataLoader worker's state holds \"worker\": a dict of exactly "
+                             f"{', '.join(WORKER_STATE_KEYS)}; got {show(worker)}: pass the state saved, unchanged")
+        num_workers = check_int(worker["num_workers"], "the worker state's num_workers", 1, error=StateError)
+        if num_workers != info.num_workers:
+            raise StateError(
+                f"this loader state was saved with num_workers={num_workers}, and this DataLoader has "
+                f"num_workers={info.num_workers}: each worker's state says how far it read its own share of the "
+                "epoch, and the shares depend on the number of workers; resume with "
+                f"num_workers={num_workers} (or save and resume with the dataset's own state_dict(batches_consumed=k), "
+                "which any number of workers continues)")
+        worker_id = check_int(worker["id"], "the worker state's id", 0, num_workers - 1, error=StateError)
+        if worker_id != info.id:
+            raise StateError(f"DataLoader worker {info.id} was handed the state of worker {worker_id}: pass the "
+                             "StatefulDataLoader's state as saved, unchanged")
+        layout = {"batch_size": check_int(worker["batch_size"], "the worker state's batch_size", 1, error=StateError),
+                  "world_size": check_int(worker["world_size"], "the worker state's world_size", 1, error=StateError),
+                  "drop_last": check_bool(worker["drop_last"], "the worker state's drop_last", error=StateError)}
+        mine = {"batch_size": self.batch_size, "world_size": self.world_size, "drop_last": self.drop_last}
+        if layout != mine:
+            differ = ", ".join(f"{k}={show(v)} (now {show(mine[k])})" for k, v in layout.items() if v != mine[k])
+            raise StateError(
+                f"this loader state was saved with {differ}: a DataLoader worker's state counts the batches of its "
+                "share in that batch layout; resume with the saved one (or save and resume with the dataset's own "
+                "state_dict(batches_consumed=k), which another batch size or world size continues where the "
+                "position falls on one of its steps)")
+        epoch, position = self.check_state({k: v for k, v in state.items() if k != "worker"})
+        share = len(part.worker_batches(self._epoch_batches(position), worker=info.id, num_workers=num_workers))
+        batches = check_int(worker["batches"], "the worker state's batches", 0, share, error=StateError)
+        self._worker_loaded = (epoch, position, batches)
+        self._worker_progress = None
 
     def check_state(self, state: object) -> tuple[int, int]:
         """Validate a saved state against this dataset; returns its (epoch, position)."""

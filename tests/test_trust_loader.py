@@ -773,19 +773,6 @@ def test_a_process_given_the_dataset_that_starts_workers_first_shares_its_own_st
     assert ds.state_dict()["epoch"] == 0  # no worker of the child's read for the original
 
 
-def test_a_state_asked_of_a_dataloader_worker_says_whose_state_it_is(index_cache):
-    """torchdata's StatefulDataLoader asks each worker's copy for a state of its own: one line says why a
-    worker has none, not the advice to pass batches_consumed to a call the user never made."""
-
-    def ask(_: int) -> None:
-        torch.utils.data.get_worker_info().dataset.state_dict()
-
-    loader = DataLoader(dataset(index_cache), batch_size=None, num_workers=1, worker_init_fn=ask)
-    with pytest.raises(StateError, match=r"state_dict\(\) was called in a DataLoader worker process \(torchdata's "
-                                         r"StatefulDataLoader does so with num_workers > 0\)"):
-        next(iter(loader))
-
-
 def copy_and_move(_: int) -> None:
     """A worker_init_fn that copies its worker's dataset and moves the copy's epoch."""
     import copy
