@@ -96,6 +96,7 @@ from .shards import (
 )
 from .sources import (
     Listing,
+    fs_encoding,
     locale_error,
     note_numeric_labels,
     plan_shards,
@@ -105,7 +106,7 @@ from .sources import (
     valid_utf8,
     with_classes,
 )
-from .text import plural, printable, progress_bar, show
+from .text import message_text, plural, printable, progress_bar, show
 from .writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -289,7 +290,7 @@ class BuildReport:
         return (f"{self.status}: {plural(self.num_samples, 'sample')} in {plural(self.shards_total, 'shard')} "
                 f"({self.shards_built} built, {self.shards_skipped} already done), "
                 f"{describe_quarantine(self.quarantined)}{capped}{self._unused()}, {rate}, "
-                f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {self.output}")
+                f"{self.bytes_per_sample / 1024:,.0f} KiB/sample -> {message_text(str(self.output))}")
 
 
 # ----------------------------------------------------------------------------- the task
@@ -409,6 +410,10 @@ def build_shard(plan: dict, *, root: str, output: str, spec: dict, config_hash: 
     """
     if client_version is not None and client_version != _identity():
         raise BuildError(_other_version(_worker_address(), _identity(), client_version))
+    names = ([] if output_options is not None else [os.fspath(output)]) + \
+        ([] if source_options is not None else [os.fspath(root), *plan["paths"]])
+    if (problem := _names_problem(names)) is not None:
+        raise BuildError(f"{_this_process()} {problem}")
     if output_options is None:
         return _build_shard(plan, root=root, output=output, spec=spec, config_hash=config_hash, build_id=build_id,
                             verify=verify, isolate=isolate, serial=serial, encoding=encoding, quality=quality,
@@ -1132,8 +1137,14 @@ def _log_plan(listing: Listing, plans: list[dict], spec: BuildSpec) -> None:
     refused = f" (and {len(listing.dropped)} refused at the scan)" if listing.dropped else ""  # counted in `scanned` too
     log.info(f"datapipe build: {plural(len(listing), 'file')}{refused} in "
              f"{plural(len(listing.classes), 'class', 'classes')} "
-             f"from {listing.url or listing.root} -> {plural(len(plans), 'shard')} of up to "
+             f"from {message_text(str(_listed_from(listing)))} -> {plural(len(plans), 'shard')} of up to "
              f"{plural(spec.samples_per_shard, 'sample')} at {_describe(spec)}")
+
+
+def _listed_from(listing: Listing) -> str | Path:
+    """What a build's files are listed by, as its plan line names it: the CSV (file or object) or the folder."""
+    csv_file = listing.source if listing.kind == "csv" else None
+    return listing.listed_from or csv_file or listing.url or listing.root
 
 
 def _build_todo(out: Path | remote.RemoteOutput, listing: Listing, plans: list[dict], done: dict[int, dict], kwargs: dict,
@@ -1436,6 +1447,18 @@ def _identity() -> str:
             digest.update(path.read_bytes())
         _IDENTITY = f"{__version__}, decode rules {DECODE_RULES}, code {digest.hexdigest()[:8]}"
     return _IDENTITY
+
+
+def _names_problem(names: list[str]) -> str | None:
+    """Why this process cannot open the build's files by these names, or None. The build found them as UTF-8
+    text; a worker whose locale reads file names otherwise (LC_ALL=C with PYTHONUTF8=0, a Latin-1 locale) would
+    open other bytes than the scan found: a name that is not ASCII would be missing there, or fail to encode,
+    and be quarantined as a bad file (an output folder so named, written elsewhere)."""
+    if fs_encoding() == "utf-8" or (name := next((n for n in names if not n.isascii()), None)) is None:
+        return None
+    return (f"reads file names as {fs_encoding()} (its locale's), not UTF-8, so it would open other files than the "
+            f"build found ({shown(name)}), or none: start it with PYTHONUTF8=1 (or in a UTF-8 locale: LC_ALL=C.UTF-8) "
+            "and rerun")
 
 
 def _this_process() -> str:
@@ -2110,7 +2133,7 @@ class _Isolation:
         """The future of the isolated rebuild of the shard whose task ``key`` killed its worker;
         BuildError when that task was already the isolated one."""
         plan, isolated = self.tasks[key]
-        first, last = plan["paths"][0], plan["paths"][-1]
+        first, last = message_text(plan["paths"][0]), message_text(plan["paths"][-1])
         files = first if first == last else f"one of its {len(plan['paths'])} files, {first} … {last}"
         if isolated:
             raise BuildError(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .environment import environment
 from .errors import DatapipeError, describe_quarantine, thread_start_failed
-from .text import plain_where_unencodable, plural, printable
+from .text import message_text, plain_where_unencodable, plural, printable
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -278,7 +278,7 @@ def _main(argv: list[str] | None) -> int:
                 atexit.register(_stderr_closed)  # run before theirs, registered earlier
             return 1
         except OSError as exc:  # the machine's state (a permission, a disk) where no message of ours says it: one line
-            where = f"{exc.filename}: " if exc.filename else ""
+            where = f"{message_text(str(exc.filename))}: " if exc.filename else ""
             print(f"datapipe {args.command}: error: {where}{exc.strerror or exc} ({type(exc).__name__}); check the "
                   "path, its permissions and its disk, and rerun", file=sys.stderr)
             return 1
@@ -482,7 +482,7 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
                    where: str, stored: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """What ``datapipe info`` prints of a cache, local or in object storage (``stored``: the shapes and
     stored sizes of every sample, when the sample indexes were read)."""
-    print(f"cache      {location}")
+    print(f"cache      {message_text(location)}")
     print(f"format     {m.format} v{m.version} (config {m.config_hash}{', build ' + m.build_id if m.build_id else ''})")
     print(f"samples    {m.num_samples:,} of shape {shape} uint8 in {plural(shards, 'shard')}")
     restart = m.config.get("restart_interval")
@@ -504,13 +504,13 @@ def _print_summary(m: Manifest, location: str, *, shape: str, shards: int, repor
     if isinstance(shown_config.get("classes"), list):  # a class list given to the build: the classes line shows it
         shown_config["classes"] = f"<{plural(len(shown_config['classes']), 'name')}>"
     print(f"config     {printable(json.dumps(shown_config, ensure_ascii=False))}")
-    print(f"source     {printable(str(m.source.root))} ({printable(m.source.kind)})")
+    print(f"source     {message_text(str(m.source.root))} ({message_text(m.source.kind)})")
     print(f"{where:<10} {m.nbytes / 2**20:,.1f} MiB ({m.nbytes / max(m.num_samples, 1) / 1024:,.1f} KiB/sample)")
     if report is not None:
         work = (f"{report.images_per_second:,.0f} img/s on {plural(report.workers, 'worker')}"
                 if report.shards_built != 0 else "no shard built")
         print(f"last build {printable(report.status)}: {describe_quarantine(report.quarantined)}, {work} "
-              f"(every file and reason: {report_at})")
+              f"(every file and reason: {message_text(report_at)})")
 
 
 def _remote_info(args: argparse.Namespace) -> int:
@@ -555,9 +555,10 @@ def _verify(args: argparse.Namespace) -> int:
     problems = cache.verify(progress=True)
     if cache.node_cache_of is not None:
         for line in problems:
-            print(line)
+            print(message_text(line))
         verdict = "OK" if not problems else plural(len(problems), "problem")
-        print(f"{cache.root}: the node-local cache of {cache.node_cache_of}: {cache.verified_shards} of "
+        print(f"{message_text(str(cache.root))}: the node-local cache of {message_text(str(cache.node_cache_of))}: "
+              f"{cache.verified_shards} of "
               f"{plural(len(cache.counts), 'shard')} downloaded, checked against the manifest: {verdict} "
               f"(`datapipe verify {cache.node_cache_of}` checks the cache itself)")
         return 0 if not problems else 1
@@ -567,7 +568,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _verdict(problems: list[str], where: str, shards: int, samples: int, *, output: str) -> int:
     """Print what ``datapipe verify`` found and return its exit status (1 when anything is wrong)."""
     for line in problems:
-        print(line)
+        print(message_text(line))
     from .errors import PERMISSION_ADVICE
     from .shards import MOVE_AWAY
 
@@ -581,7 +582,7 @@ def _verdict(problems: list[str], where: str, shards: int, samples: int, *, outp
         fix = ("fix the permissions of the files named" if refused == len(problems) else
                f"fix the permissions of the files named; {fix}")
     verdict = "OK" if not problems else f"{plural(len(problems), 'problem')}; {fix}"
-    print(f"{where}: {plural(shards, 'shard')}, {plural(samples, 'sample')}: {verdict}")
+    print(f"{message_text(where)}: {plural(shards, 'shard')}, {plural(samples, 'sample')}: {verdict}")
     return 0 if not problems else 1
 
 
@@ -603,11 +604,12 @@ def _sample(args: argparse.Namespace) -> int:
 
     params = {"images": args.images, "classes": args.classes, "seed": args.seed}
     if sample_is_complete(args.output, **params):
-        print(f"{args.output} already holds this sample ({plural(args.images, 'image')} in {plural(args.classes, 'class', 'classes')}, "
+        print(f"{message_text(str(args.output))} already holds this sample ({plural(args.images, 'image')} in "
+              f"{plural(args.classes, 'class', 'classes')}, "
               f"seed {args.seed}): nothing to do")
         return 0
     root = make_sample_dataset(args.output, **params)
-    print(f"wrote {plural(args.images, 'image')} in {plural(args.classes, 'class', 'classes')} to {root}")
+    print(f"wrote {plural(args.images, 'image')} in {plural(args.classes, 'class', 'classes')} to {message_text(str(root))}")
     return 0
 
 
@@ -649,11 +651,11 @@ def _bench(args: argparse.Namespace) -> int:
             unwritten = exc
     print(format_table(result))
     if json_out is not None and unwritten is None:
-        print(f"wrote {json_out}")
+        print(f"wrote {message_text(str(json_out))}")
     if plot_out is not None:
         with _writing("--plot", str(plot_out)):
             written = plot(result, plot_out)
-        print(f"wrote {written}")
+        print(f"wrote {message_text(str(written))}")
     if unwritten is not None:
         raise unwritten
     failed = [s.name for s in result.systems.values() if s.status == "failed"]

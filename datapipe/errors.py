@@ -8,7 +8,7 @@ import threading
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from .text import printable
+from .text import message_text, printable
 
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
@@ -18,7 +18,15 @@ def one_line(exc: BaseException, limit: int = 300) -> str:
 
 
 class DatapipeError(Exception):
-    """Base class of every error raised by datapipe."""
+    """Base class of every error raised by datapipe.
+
+    Its text is one line that any output can carry, whatever the names it quotes hold: control characters
+    (newline, ESC), line separators and bidirectional controls escaped, and a name that is not UTF-8 shown by
+    its bytes (``\\xff``), never as the lone surrogates that a ``print`` of it would fail on.
+    """
+
+    def __str__(self) -> str:
+        return message_text(super().__str__())
 
 
 class SourceError(DatapipeError, FileNotFoundError):

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .errors import SourceError, refused
 from .files import FileTooLarge, NotRegularFile, describe_mode, read_regular
-from .text import printable, show
+from .text import message_text, printable, show
 
 log = logging.getLogger("datapipe.build")
 
@@ -162,8 +162,13 @@ def _stat(path: Path) -> tuple[int, int]:
 
 def shown(name: str) -> str:
     """A path as text that JSON and a one-line message can carry: bytes that are not UTF-8 as ``\\xNN``, control
-    characters escaped (:func:`datapipe.text.printable`)."""
-    return printable(os.fsencode(name).decode("utf-8", "backslashreplace"))
+    characters escaped (:func:`datapipe.text.printable`). (A name this process's locale cannot encode, one it was
+    handed as text, is shown as it is.)"""
+    try:
+        raw = os.fsencode(name)
+    except UnicodeEncodeError:
+        return message_text(name)
+    return printable(raw.decode("utf-8", "backslashreplace"))
 
 
 def fs_encoding() -> str:
@@ -203,7 +208,9 @@ def not_regular(mode: int) -> dict[str, str]:
 
 
 def bad_name(rel: str) -> dict[str, str]:
-    return {"path": shown(rel), "error": "unreadable",
+    """The quarantine entry of a name that is not UTF-8: shown with its bytes escaped (``\\xff``), which another
+    file's real name may read as, so its bytes in hex too (``path_bytes``: ``bytes.fromhex``)."""
+    return {"path": shown(rel), "path_bytes": os.fsencode(rel).hex(), "error": "unreadable",
             "reason": f"the path is not valid UTF-8 ({shown(rel)}); rename the file (or its folder) to build it"}
 
 
@@ -670,6 +677,10 @@ def _note_missing(csv_path: Path, missing: list[str], total: int) -> None:
         tries = [(rel.replace("\\", "/"), "write paths with '/'")] if "\\" in rel else []
         if not os.path.splitext(rel)[1]:
             tries += [(rel + ext, "write each file's extension") for ext in (".jpg", ".JPEG", ".jpeg", ".png", ".JPG")]
+        for form in ("NFC", "NFD"):  # the same text composed otherwise (a CSV written on macOS, files copied from it)
+            if (alt := unicodedata.normalize(form, rel)) != rel:
+                tries.append((alt, f"the file's name is the same text in Unicode {form}: write the CSV's paths as the "
+                                   f"files are named (unicodedata.normalize({form!r}, path))"))
         first, _, rest = rel.partition("/")
         if first == root.name and rest:
             tries.append((rest, f"write paths from the CSV's folder {shown(str(root))}, not from its parent"))

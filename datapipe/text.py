@@ -37,6 +37,16 @@ def printable(text: str) -> str:
     return text.translate(_UNPRINTABLE)
 
 
+def message_text(text: str) -> str:
+    """``text`` as a one-line message any output can carry: what :func:`printable` escapes, and the lone
+    surrogates a name that is not UTF-8 decodes to (``os.fsdecode``), which no encoder writes, as the bytes
+    they stand for (``\\xff``) or their code points (``\\udc12``)."""
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        text = "".join(f"\\x{ord(c) - 0xDC00:02x}" if "\udc80" <= c <= "\udcff"
+                       else f"\\u{ord(c):04x}" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return printable(text)
+
+
 def show(value: object, limit: int = 60) -> str:
     """A short, one-line repr of a value from the user or a file (a hostile one may hold anything)."""
     try:

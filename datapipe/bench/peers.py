@@ -129,6 +129,12 @@ def cache_samples(cache: Cache, source: str | os.PathLike, *, check: int = 8) ->
         raise SourceError(f"--source {src} is not a folder (or a CSV list); pass the source the cache was built from")
     rel = [cache.path(i) for i in range(len(cache))]
     labels = [int(v) for v in cache.labels]
+    from ..sources import locale_error
+
+    # under a locale that reads file names otherwise than UTF-8, a name that is not ASCII is another file's: say so
+    wrong = next((why for p in rel if not p.isascii() and (why := locale_error(p, text=True)) is not None), None)
+    if wrong is not None:
+        raise SourceError(f"--source {src}: the cache's sample {wrong}")
     missing = [p for p in rel if not (root / p).is_file()]
     built_from = cache.manifest.source.root
     if missing:
