@@ -446,8 +446,8 @@ class StreamingDataset(IterableDataset):
         self._running = False
 
     def end_iteration(self, iteration: int) -> None:
-        """Iteration ``iteration`` of this process ended (read to its end, or dropped): ``len()`` is the
-        next one's again."""
+        """Iteration ``iteration`` of this process ended (read to its end, or dropped): what it yields
+        (``_len``) is the next one's again."""
         if iteration == self._iteration:
             self._running = False
 
@@ -488,15 +488,17 @@ class StreamingDataset(IterableDataset):
             self._overlapped = True
 
     def __len__(self) -> int:
-        """Batches this rank yields in the current iteration (the same on every rank): from ``iter()``
-        until that iteration ends, the batches it yields; otherwise those the next iteration yields —
-        after ``load_state_dict`` the rest of the resumed epoch, after ``set_epoch`` to a new epoch
-        all of it."""
+        """Batches of a whole epoch on this rank (the same on every rank), also while a resumed epoch is read:
+        its iteration yields those after the loaded position, ``len() - batches_consumed`` right after
+        ``load_state_dict``. Training frameworks that resume (Lightning, torchdata's StatefulDataLoader) count
+        so: the epoch's batches, those before the saved position taken as read; one given the rest would end
+        the resumed epoch early by as many batches, and every later epoch with it."""
         self._check_ranks()
         self._agree()
-        return self._len()
+        return self._epoch_batches()
 
     def _len(self) -> int:
+        """Batches the current iteration yields (between iterations, the next one): from its position on."""
         return self._epoch_batches(self._iter_base if self._running else self.start)
 
     def plan(self, start: int | None = None, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -905,8 +907,8 @@ class StreamingDataset(IterableDataset):
         belongs to this cache (build, configuration, size), seed and shuffle. The world size and
         batch size may differ from the saved run as long as the saved position falls on a global
         step boundary of the new configuration. Load it on every rank: under torch.distributed a rank
-        that starts the epoch elsewhere than the others is refused (see the class). Until the resumed
-        iteration ends, ``len()`` counts the batches left from the position.
+        that starts the epoch elsewhere than the others is refused (see the class). ``len()`` stays the
+        whole epoch's batches; the resumed iteration yields those from the position on.
 
         Raises:
             StateError: the state is malformed, from another datapipe version, or for another

@@ -250,9 +250,8 @@ class DeviceLoader:
 
     # ----------------------------------------------------------------- public surface
     def __len__(self) -> int:
-        """Batches of the current iteration on this rank (the same on every rank): during an iteration
-        what it yields, between iterations what the next yields — after ``load_state_dict`` the rest of
-        the resumed epoch, after ``set_epoch`` to a new epoch all of it (see ``StreamingDataset.__len__``)."""
+        """Batches of a whole epoch on this rank (the same on every rank), also while a resumed epoch is read,
+        which yields those after the loaded position (see ``StreamingDataset.__len__``)."""
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
@@ -277,6 +276,14 @@ class DeviceLoader:
     def stats(self) -> dict:
         """images/s, batches, and the share of wall time the loop waited for data."""
         return self.meter.stats()
+
+    def __reduce__(self) -> tuple:
+        """Refused in one line: pickle's own error names a lock, not the loader nor what to do."""
+        raise TypeError(
+            "a datapipe.DeviceLoader cannot be pickled or copied: its reader threads, pinned buffers and CUDA "
+            "streams belong to the process that made it. Make it in the process that reads it (under ddp_spawn "
+            "or multiprocessing's spawn, there: e.g. in LightningModule.train_dataloader()), from a "
+            "StreamingDataset, which can be passed to another process")
 
     def close(self) -> None:
         """Stop the reader threads (also done when the loader is garbage-collected). An iteration

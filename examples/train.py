@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     model = small_cnn(len(dataset.cache.classes)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-5)
     step, start_epoch = 0, 0
-    per_epoch = len(loader)  # a whole epoch's batches (after a resume, len() counts those left in it)
+    per_epoch = len(loader)  # a whole epoch's batches (also after a resume, whose epoch yields those left)
     if per_epoch == 0:
         loader.close()
         return fail(f"--batch-size {args.batch_size} is larger than the {len(dataset.cache):,} samples shared by "

@@ -209,7 +209,7 @@ def test_resume_in_a_later_epoch(index_cache):
 def test_the_resumed_position_is_used_once(index_cache, reference):
     ds = dataset(index_cache)
     ds.load_state_dict({**dataset(index_cache).state_dict(), "position": 4 * B})
-    assert len(ds) == len(reference) - 4
+    assert len(ds) == len(reference)  # a whole epoch's batches, also resumed
     assert len(take(ds, 0)) == len(reference) - 4
     assert len(ds) == len(reference)
     assert same_stream(take(ds, 0), reference), "the next iteration of the epoch is whole again"
@@ -305,8 +305,8 @@ def test_the_resumed_position_holds_until_the_epoch_changes_with_workers(index_c
     ds = dataset(index_cache)
     ds.load_state_dict({**ds.state_dict(), "position": 4 * B})
     whole = -(-index_cache.n // B)
-    assert len(take(ds, 2)) == len(ds) == whole - 4
-    assert len(take(ds, 2)) == len(ds) == whole - 4
+    assert len(take(ds, 2)) == whole - 4 and len(ds) == whole
+    assert len(take(ds, 2)) == whole - 4 and len(ds) == whole
     ds.set_epoch(1)
     assert len(take(ds, 2)) == len(ds) == whole
 
@@ -341,9 +341,10 @@ def test_the_counted_batches_include_those_before_the_resume(index_cache):
 
 @pytest.mark.parametrize("how", ["dataset", "dataloader-0", "dataloader-2", "device-0", "device-2"])
 @pytest.mark.parametrize("rank", [0, 2])
-def test_len_is_what_an_iteration_yields_after_a_resume(index_cache, how, rank):
-    """After load_state_dict len() is the rest of the epoch, before and during the resumed iteration, on
-    every rank; once that iteration has ended (and after set_epoch to a new epoch) the whole epoch."""
+def test_len_is_a_whole_epoch_after_a_resume(index_cache, how, rank):
+    """After load_state_dict len() is still the whole epoch's batches, before, during and after the resumed
+    iteration, on every rank, which yields the rest: Lightning (and torchdata) take len() as the epoch's and
+    go on counting from the resumed batch; the rest would end the resumed epoch and every later one early."""
     world = 3
     ds = dataset(index_cache, rank=rank, world_size=world)
     whole = -(-index_cache.n // (B * world))
@@ -355,11 +356,10 @@ def test_len_is_what_an_iteration_yields_after_a_resume(index_cache, how, rank):
     else:
         loader = ds
     try:
-        assert len(loader) == len(ds) == whole - 2
+        assert len(loader) == len(ds) == whole
         lengths = [len(loader) for _ in loader]
-        assert lengths == [whole - 2] * (whole - 2)
-        if how != "dataloader-2":  # worker processes resume every pass of the epoch (documented)
-            assert len(loader) == whole
+        assert lengths == [whole] * (whole - 2)
+        assert len(loader) == whole
         ds.set_epoch(1)
         assert len(loader) == whole == sum(1 for _ in loader)
     finally:
@@ -424,7 +424,7 @@ def test_resume_seeks_without_reading_skipped_samples(index_cache, monkeypatch):
     monkeypatch.setattr(fresh.cache, "read_batch", counting)
     rest = take(fresh, 0)
     assert sum(reads) == index_cache.n - 9 * B == sum(len(b[1]) for b in rest)
-    assert len(reads) == len(rest) == len(ds) - 9
+    assert len(reads) == len(rest) == len(fresh) - 9
 
 
 # ----------------------------------------------------------------------------- damaged caches

@@ -68,6 +68,23 @@ def test_device_loader_train_end_to_end(index_cache):
     assert 0.0 <= stats["wait_share"] <= 1.0 and stats["images_per_s"] > 0
 
 
+def test_a_device_loader_passed_to_another_process_says_so(index_cache):
+    """ddp_spawn pickles what the module holds: a DeviceLoader's threads gave "cannot pickle '_thread.lock'
+    object", naming neither the loader nor the fix. Its dataset still pickles."""
+    import copy
+    import pickle
+
+    loader = datapipe.DeviceLoader(dataset(index_cache), device="cpu", num_workers=1, output="uint8")
+    try:
+        for attempt in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match=r"a datapipe.DeviceLoader cannot be pickled or copied: .* Make it in "
+                                                r"the process that reads it"):
+                attempt(loader)
+        assert pickle.loads(pickle.dumps(loader.dataset)).batch_size == loader.dataset.batch_size
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("preset", ["train", "train+jitter", "eval", "none", "uint8"])
 def test_a_rank_with_an_empty_last_batch(tmp_path_factory, preset):
     """3 samples on 4 ranks in batches of 2: every rank yields one batch, the last rank an empty one."""
@@ -408,7 +425,7 @@ def test_an_iterator_left_behind_raises_once_another_begins_or_the_epoch_changes
         with pytest.raises(IterationSupersededError, match="epoch or position changed"):
             next(fourth)
         assert loader.state_dict()["position"] == 2 * B
-        assert len(list(loader)) == len(loader) - 2
+        assert len(list(loader)) == len(loader) - 2  # len(): the whole epoch, the iteration the rest
     finally:
         loader.close()
 
