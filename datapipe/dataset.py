@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import os
+import time
 import warnings
 import weakref
 from collections import deque
@@ -34,11 +35,22 @@ from .errors import (
     RepeatedEpochWarning,
     StateError,
     check_bool,
+    env_seconds,
 )
 from .fetch import is_url, open_cache
 from .remote import local_path
 from .text import printable, show
-from .world import MAX_WORLD_SIZE, World, detect_ranks, detect_worker, distributed_ranks, first_published, forget
+from .world import (
+    MAX_WORLD_SIZE,
+    World,
+    announce,
+    announced,
+    detect_ranks,
+    detect_worker,
+    distributed_ranks,
+    first_published,
+    forget,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.utils.data._utils.worker import WorkerInfo
@@ -64,6 +76,11 @@ MAX_BATCH_SIZE = 2**42  # a batch per rank (more than any cache holds); × MAX_W
 _SPLIT_DATASETS = itertools.count(1)
 # Position keys a dataset keeps in the process group's store; older ones are removed (two per epoch).
 _KEPT_KEYS = 8
+# The epochs whose "this rank began reading it" key a rank keeps in the store: a rank that ends an epoch looks for
+# every rank's key of that epoch (see StreamingDataset.check_every_rank_began), and one far ahead keeps it for it.
+_KEPT_BEGUN = 32
+# How long a rank that read a whole epoch of a split dataset waits for every other rank to have begun it (seconds).
+RANK_TIMEOUT = 60.0
 
 
 def is_int(value: object) -> TypeGuard[int | np.integer]:
@@ -349,6 +366,7 @@ class StreamingDataset(IterableDataset):
         self._published: dict[tuple[int, str] | str, int] = {}  # (epoch, "iteration"), (passes, "pass") or "set_epoch"
         self._passes = 0  # iterations this process read to their end (the loop received the last batch)
         self._keys: deque[str] = deque()
+        self._begun: deque[str] = deque()  # this rank's "began epoch e" keys in the store (see _agree)
         # In a DataLoader worker: a worker state loaded (epoch, position, batches of its share yielded), for
         # its next iteration; and the current iteration's (epoch, position, batches yielded), for state_dict.
         self._worker_loaded: tuple[int, int, int] | None = None
@@ -395,6 +413,7 @@ class StreamingDataset(IterableDataset):
         self._agreed = False
         self._published = {}
         self._keys = deque()
+        self._begun = deque()
         if self._running or self._consumed:
             try:
                 position = int(self.state_dict()["position"])
@@ -641,6 +660,8 @@ class StreamingDataset(IterableDataset):
                 else:  # yielded, as a worker's state_dict (asked for after each batch) says
                     self._worker_progress = (epoch, start, skip + k + 1)
                 yield batch
+            if not in_worker:  # the loop asked for a batch after the last: every rank must have read its part
+                self.check_every_rank_began(epoch)
             if in_worker and worker == 0 and current:  # its share read to the end: the loop has (about) the whole epoch
                 self._read_whole()
         finally:
@@ -768,6 +789,46 @@ class StreamingDataset(IterableDataset):
             self._keys.append(key)
         while len(self._keys) > _KEPT_KEYS:  # every rank removes the same old keys: a few per dataset at most
             forget(self._keys.popleft())
+        if kind == "iteration" and (began := self._began_key(epoch, self.rank)) not in self._begun:
+            announce(began)
+            self._begun.append(began)
+            while len(self._begun) > _KEPT_BEGUN:
+                forget(self._begun.popleft())
+
+    def _began_key(self, epoch: int, rank: int) -> str:
+        return f"datapipe/dataset-{self._split}/epoch-{epoch}/began-{rank}"
+
+    def check_every_rank_began(self, epoch: int) -> None:
+        """This rank read the whole of ``epoch`` (its iteration in this process ended with its last batch): every
+        other rank must have begun reading it too, or its part of the epoch was never read. A framework that reads
+        the loader on one rank and sends its batches to the others (Hugging Face Accelerate's ``dispatch_batches``,
+        its default for an iterable dataset) reads only that rank's part of a dataset split over ranks. Waits up
+        to DATAPIPE_RANK_TIMEOUT seconds (60) for a rank that lags, never otherwise; checked in the main process
+        under torch.distributed, for a split dataset (``world_size > 1``) whose iteration began here.
+
+        Raises:
+            RankMismatchError: a rank had not begun the epoch when the wait ended, named with what to do.
+        """
+        if not self._split or torch.utils.data.get_worker_info() is not None or distributed_ranks() is None:
+            return
+        keys = [self._began_key(epoch, rank) for rank in range(self.world_size)]
+        refused = [f"datapipe/dataset-{self._split}/refused"]  # a rank that disagreed raised already: said once
+        timeout = env_seconds("DATAPIPE_RANK_TIMEOUT", RANK_TIMEOUT)
+        deadline = time.monotonic() + timeout
+        while (present := announced(keys)) is not None and not all(present) and announced(refused) != [True]:
+            if time.monotonic() >= deadline:
+                missing = [rank for rank, there in enumerate(present) if not there]
+                ranks = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8:,} more" if len(missing) > 8 else "")
+                raise RankMismatchError(
+                    f"{self._which()} is split over {self.world_size} ranks, and this rank ({self.rank}) read all of its "
+                    f"part of epoch {epoch} while rank{'s' if len(missing) > 1 else ''} {ranks} never began reading "
+                    f"{'theirs' if len(missing) > 1 else 'its'} (waited {timeout:g} s): those samples were not read "
+                    "this epoch. A framework that reads the loader on one rank and sends its batches to the others "
+                    "(Hugging Face Accelerate's dispatch_batches, its default for an iterable dataset) reads only "
+                    "that rank's part: give it a datapipe.DeviceLoader (which Accelerate leaves as it is, each rank "
+                    "reading its part), or a dataset not split over ranks (rank=0, world_size=1). A rank that only "
+                    f"lags this far behind: raise DATAPIPE_RANK_TIMEOUT (seconds, {RANK_TIMEOUT:g} by default)")
+            time.sleep(0.2)
 
     def _which(self) -> str:
         return f"StreamingDataset #{self._split} of {show(str(self.cache.root))}"
@@ -783,6 +844,7 @@ class StreamingDataset(IterableDataset):
                   and not (name in ("window", "nodes") and first.get("order") != mine.get("order"))]
         if not differ:
             return
+        announce(f"datapipe/dataset-{self._split}/refused")  # the ranks no longer read alike: see check_every_rank_began
         if "start" in mine:
             raise RankMismatchError(
                 f"the ranks disagree on {self._which()}: its {what} reads epoch {mine['epoch']} from sample "

@@ -125,6 +125,28 @@ def first_published(key: str, mine: Mapping[str, Any]) -> dict | None:
     return first if isinstance(first, dict) else None
 
 
+def announce(key: str) -> None:
+    """Set ``key`` in the default store (that this rank got somewhere), if there is a store."""
+    store = _default_store()
+    if store is None:
+        return
+    with contextlib.suppress(RuntimeError, NotImplementedError, ValueError, OSError):
+        store.set(_scoped(key), "1")
+
+
+def announced(keys: list[str]) -> list[bool] | None:
+    """Which of ``keys`` are in the default store (never waits), or None when there is no store to ask."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        if store.check([_scoped(key) for key in keys]):
+            return [True] * len(keys)
+        return [bool(store.check([_scoped(key)])) for key in keys]
+    except (RuntimeError, NotImplementedError, ValueError, OSError):
+        return None
+
+
 def forget(key: str) -> None:
     """Remove ``key`` from the default store, if it is there (a rank that has not published it yet
     publishes it anew: the check is lost for it, never a false alarm)."""
