@@ -247,7 +247,7 @@ def _main(argv: list[str] | None) -> int:
         except DatapipeError as exc:  # a user's mistake or the machine's state; anything else is a bug
             if argv is None:  # the process ends with this line: nothing from a library's shutdown after it
                 _quiet()
-            print(f"datapipe {args.command}: error: {exc}", file=sys.stderr)
+            print(f"datapipe {args.command}: error: {exc.line()}", file=sys.stderr)
             return getattr(exc, "exit_code", 2)
         except KeyboardInterrupt as exc:
             _quiet()

@@ -43,8 +43,8 @@ from .text import printable, show
 from .world import (
     MAX_WORLD_SIZE,
     World,
+    all_announced,
     announce,
-    announced,
     detect_ranks,
     detect_worker,
     distributed_ranks,
@@ -367,6 +367,7 @@ class StreamingDataset(IterableDataset):
         self._passes = 0  # iterations this process read to their end (the loop received the last batch)
         self._keys: deque[str] = deque()
         self._begun: deque[str] = deque()  # this rank's "began epoch e" keys in the store (see _agree)
+        self._read_epoch: int | None = None  # the epoch this rank last read its part of to the end, if not checked
         # In a DataLoader worker: a worker state loaded (epoch, position, batches of its share yielded), for
         # its next iteration; and the current iteration's (epoch, position, batches yielded), for state_dict.
         self._worker_loaded: tuple[int, int, int] | None = None
@@ -503,6 +504,7 @@ class StreamingDataset(IterableDataset):
             if batches == self._len():
                 self._read_whole()
                 self._passes += 1
+                self._read_epoch = self.epoch  # every rank must have begun it: see _check_every_rank_began
         else:
             self._overlapped = True
 
@@ -636,11 +638,11 @@ class StreamingDataset(IterableDataset):
         order, bounds, iteration = (*self.plan(start, epoch), 0) if begun is None else begun
         # a worker resumed from its own state (StatefulDataLoader) goes on after the batches of its share it yielded
         mine = part.worker_batches(len(bounds), worker=worker, num_workers=num_workers)[skip:]
-        # this epoch as the dataset's state has it (not one a worker's loaded state names), whole or resumed
+        # the dataset's epoch as set (not one a worker's loaded state names: see _load_worker_state)
         current = epoch == self.epoch
         if in_worker:  # batches go back through shared memory: is there room for them?
             self._shared[2] = 1
-            if worker == 0 and current:
+            if worker == 0 and current and not skip and start == self.start:  # (a resumed share is no repeat)
                 self._check_repeat(stacklevel=3)
             self._follow(order, bounds, mine, start)
             # the largest batch this worker yields (batch_size may exceed the samples: an evaluation set in one batch)
@@ -657,11 +659,9 @@ class StreamingDataset(IterableDataset):
                     remote.read(k)
                 if not in_worker:
                     self.note_received(iteration, int(j) + 1)
-                else:  # yielded, as a worker's state_dict (asked for after each batch) says
+                else:  # yielded, as a worker's state_dict (asked for after the batches it yields) says
                     self._worker_progress = (epoch, start, skip + k + 1)
                 yield batch
-            if not in_worker:  # the loop asked for a batch after the last: every rank must have read its part
-                self.check_every_rank_began(epoch)
             if in_worker and worker == 0 and current:  # its share read to the end: the loop has (about) the whole epoch
                 self._read_whole()
         finally:
@@ -789,46 +789,56 @@ class StreamingDataset(IterableDataset):
             self._keys.append(key)
         while len(self._keys) > _KEPT_KEYS:  # every rank removes the same old keys: a few per dataset at most
             forget(self._keys.popleft())
-        if kind == "iteration" and (began := self._began_key(epoch, self.rank)) not in self._begun:
-            announce(began)
-            self._begun.append(began)
-            while len(self._begun) > _KEPT_BEGUN:
-                forget(self._begun.popleft())
+        if kind == "iteration":
+            if (began := self._began_key(epoch, self.rank)) not in self._begun:
+                announce(began)
+                self._begun.append(began)
+                while len(self._begun) > _KEPT_BEGUN:
+                    forget(self._begun.popleft())
+            if self._read_epoch is not None:
+                read, self._read_epoch = self._read_epoch, None
+                self._check_every_rank_began(read)
 
     def _began_key(self, epoch: int, rank: int) -> str:
         return f"datapipe/dataset-{self._split}/epoch-{epoch}/began-{rank}"
 
-    def check_every_rank_began(self, epoch: int) -> None:
-        """This rank read the whole of ``epoch`` (its iteration in this process ended with its last batch): every
-        other rank must have begun reading it too, or its part of the epoch was never read. A framework that reads
-        the loader on one rank and sends its batches to the others (Hugging Face Accelerate's ``dispatch_batches``,
-        its default for an iterable dataset) reads only that rank's part of a dataset split over ranks. Waits up
-        to DATAPIPE_RANK_TIMEOUT seconds (60) for a rank that lags, never otherwise; checked in the main process
-        under torch.distributed, for a split dataset (``world_size > 1``) whose iteration began here.
+    def _check_every_rank_began(self, epoch: int) -> None:
+        """This rank read its whole part of ``epoch`` and begins to read again: every other rank must have begun
+        ``epoch`` by now, or its part was never read. A framework that reads the loader on one rank and sends its
+        batches to the others (Hugging Face Accelerate's ``dispatch_batches``, its default for an iterable
+        dataset) reads only that rank's part of a dataset split over ranks. Checked when the next iteration
+        begins, not at the epoch's end: ranks may take turns (one reads while the others wait at a barrier) or
+        lag without a collective (an evaluation after rank 0 saved a checkpoint), and by its next iteration a
+        rank that reads at all has begun the epoch before. Waits up to DATAPIPE_RANK_TIMEOUT seconds (60) for
+        one that has not, never otherwise.
 
         Raises:
             RankMismatchError: a rank had not begun the epoch when the wait ended, named with what to do.
         """
-        if not self._split or torch.utils.data.get_worker_info() is not None or distributed_ranks() is None:
-            return
         keys = [self._began_key(epoch, rank) for rank in range(self.world_size)]
         refused = [f"datapipe/dataset-{self._split}/refused"]  # a rank that disagreed raised already: said once
         timeout = env_seconds("DATAPIPE_RANK_TIMEOUT", RANK_TIMEOUT)
         deadline = time.monotonic() + timeout
-        while (present := announced(keys)) is not None and not all(present) and announced(refused) != [True]:
+        while True:  # one request per look, whatever the number of ranks
+            if all_announced(keys) in (None, True) or all_announced(refused):
+                return
             if time.monotonic() >= deadline:
-                missing = [rank for rank, there in enumerate(present) if not there]
-                ranks = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8:,} more" if len(missing) > 8 else "")
-                raise RankMismatchError(
-                    f"{self._which()} is split over {self.world_size} ranks, and this rank ({self.rank}) read all of its "
-                    f"part of epoch {epoch} while rank{'s' if len(missing) > 1 else ''} {ranks} never began reading "
-                    f"{'theirs' if len(missing) > 1 else 'its'} (waited {timeout:g} s): those samples were not read "
-                    "this epoch. A framework that reads the loader on one rank and sends its batches to the others "
-                    "(Hugging Face Accelerate's dispatch_batches, its default for an iterable dataset) reads only "
-                    "that rank's part: give it a datapipe.DeviceLoader (which Accelerate leaves as it is, each rank "
-                    "reading its part), or a dataset not split over ranks (rank=0, world_size=1). A rank that only "
-                    f"lags this far behind: raise DATAPIPE_RANK_TIMEOUT (seconds, {RANK_TIMEOUT:g} by default)")
-            time.sleep(0.2)
+                break
+            time.sleep(0.5)
+        missing = [rank for rank, key in enumerate(keys) if all_announced([key]) is False]
+        if not missing:  # begun in the meantime
+            return
+        ranks = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8:,} more" if len(missing) > 8 else "")
+        which = f"ranks {ranks} had" if len(missing) > 1 else f"rank {ranks} had"
+        raise RankMismatchError(
+            f"{self._which()} is split over {self.world_size} ranks: this rank ({self.rank}) read its part of epoch "
+            f"{epoch} to the end and begins to read again, but {which} not begun reading {'theirs' if len(missing) > 1 else 'its'} "
+            f"(waited {timeout:g} s), so those samples were not read. A framework that reads the loader on one "
+            "rank and sends its batches to the others (Hugging Face Accelerate's dispatch_batches, its default "
+            "for an iterable dataset) reads only that rank's part: give it a datapipe.DeviceLoader (which "
+            "Accelerate leaves as it is, each rank reading its part), or a dataset not split over ranks (rank=0, "
+            "world_size=1). A rank that only lags this far behind: raise DATAPIPE_RANK_TIMEOUT (seconds, "
+            f"{RANK_TIMEOUT:g} by default)")
 
     def _which(self) -> str:
         return f"StreamingDataset #{self._split} of {show(str(self.cache.root))}"
@@ -943,7 +953,7 @@ class StreamingDataset(IterableDataset):
 
     def _worker_state(self, info: WorkerInfo, batches_consumed: int | None) -> dict:
         """The state of this DataLoader worker's share (torchdata's StatefulDataLoader asks each worker for one
-        after each batch it yields and keeps, per worker, the one of the last batch the loop received): the
+        after the batches it yields and keeps, per worker, the one of the last batch the loop received): the
         epoch and position its iteration began at and how many batches of its share it has yielded. Loaded
         into the same worker of a loader with as many workers (:meth:`load_state_dict`), it goes on after them."""
         if batches_consumed is not None:
@@ -1036,8 +1046,21 @@ class StreamingDataset(IterableDataset):
         epoch, position = self.check_state({k: v for k, v in state.items() if k != "worker"})
         share = len(part.worker_batches(self._epoch_batches(position), worker=info.id, num_workers=num_workers))
         batches = check_int(worker["batches"], "the worker state's batches", 0, share, error=StateError)
-        self._worker_loaded = (epoch, position, batches)
         self._worker_progress = None
+        # The saved loop's epoch is the one its dataset was set to when its workers began it. A state is saved
+        # as the loader's last iteration left it, also after the loop moved on with set_epoch (before its next
+        # iter()), which no worker saw: the dataset set to a later epoch reads that one whole, as the saved run
+        # would have; one set to an earlier epoch than the state's unfinished one is refused (a set_epoch missing).
+        if epoch < self.epoch or (epoch > self.epoch and batches == share):
+            self._worker_loaded = None
+            return
+        if epoch > self.epoch:
+            raise StateError(
+                f"this loader state resumes epoch {epoch} (DataLoader worker {info.id} had read {batches} of its "
+                f"{share} batches), but the dataset is set to epoch {self.epoch}: call dataset.set_epoch({epoch}) "
+                "before iterating the resumed loader, as the saved run had (set to a later epoch, the loader reads "
+                "that epoch whole)")
+        self._worker_loaded = (epoch, position, batches)
 
     def check_state(self, state: object) -> tuple[int, int]:
         """Validate a saved state against this dataset; returns its (epoch, position)."""
@@ -1131,4 +1154,4 @@ class StreamingDataset(IterableDataset):
     def __repr__(self) -> str:
         return (f"StreamingDataset({str(self.cache.root)!r}, batch_size={self.batch_size}, "
                 f"shuffle={self.shuffle}, seed={self.seed}, rank={self.rank}/{self.world_size}, "
-                f"batches={self._len()})")
+                f"batches={self._epoch_batches()})")

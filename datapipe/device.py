@@ -382,7 +382,6 @@ class DeviceLoader:
             self.meter.finish()  # the loop asked for a batch after the last: its last step is over
             if not self._closed:  # every batch was delivered: a close() after the last one ends nothing
                 self._check_current(gen, iteration)
-                ds.check_every_rank_began(epoch)  # and every rank must have read its part of the epoch
         finally:
             self.meter.finish()  # ended (a break, an error): done with the last batch's step, if not already
             ds.end_iteration(iteration)

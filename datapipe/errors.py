@@ -28,6 +28,12 @@ class DatapipeError(Exception):
     def __str__(self) -> str:
         return message_text(super().__str__())
 
+    def line(self) -> str:
+        """The text for the command line's own error line: control characters escaped as in ``str()``, but a name
+        that is not UTF-8 kept as the lone surrogates it decoded to, which the command line's streams write back
+        as its bytes (see :func:`datapipe.text.plain_where_unencodable`): the name as the user's terminal shows it."""
+        return printable(super().__str__())
+
 
 class SourceError(DatapipeError, FileNotFoundError):
     """The source to build from is missing, empty or unreadable."""

@@ -134,15 +134,14 @@ def announce(key: str) -> None:
         store.set(_scoped(key), "1")
 
 
-def announced(keys: list[str]) -> list[bool] | None:
-    """Which of ``keys`` are in the default store (never waits), or None when there is no store to ask."""
+def all_announced(keys: list[str]) -> bool | None:
+    """Whether every one of ``keys`` is in the default store (one request; never waits), or None when there is no
+    store to ask."""
     store = _default_store()
     if store is None:
         return None
     try:
-        if store.check([_scoped(key) for key in keys]):
-            return [True] * len(keys)
-        return [bool(store.check([_scoped(key)])) for key in keys]
+        return bool(store.check([_scoped(key) for key in keys]))
     except (RuntimeError, NotImplementedError, ValueError, OSError):
         return None
 

@@ -366,10 +366,11 @@ def test_ranks_that_read_a_dataset_differently_are_refused_without_waiting(index
 
 @_reporting
 def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
-    """One rank of runs where a split dataset is read whole on rank 0 while rank 1 never iterates it (as Hugging
-    Face Accelerate's dispatch_batches reads the loader on rank 0 and sends its batches to the others), and of
-    runs that must pass: rank 1 beginning late (no collective between the ranks), an empty part on every rank.
-    What each raised, and how long rank 0 took."""
+    """One rank of runs where a split dataset is read on rank 0 while rank 1 never iterates it (as Hugging Face
+    Accelerate's dispatch_batches reads the loader on rank 0 and sends its batches to the others), two epochs, and
+    of runs that must pass: the ranks taking turns at a barrier, rank 1 reading its part of an evaluation while rank
+    0 is busy longer than the timeout (saving a checkpoint), both reading two epochs. What each raised, and how long
+    rank 0 took."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(key, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DATAPIPE_RANK_TIMEOUT="3")
@@ -388,22 +389,48 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
     def device(ds) -> datapipe.DeviceLoader:
         return datapipe.DeviceLoader(ds, device="cpu", num_workers=1, output="uint8")
 
-    def read(loader) -> int:
+    def epochs(loader, ds, count: int = 2) -> int:
         try:
-            return sum(len(batch[-1]) for batch in loader)
+            read = 0
+            for epoch in range(count):
+                ds.set_epoch(epoch)
+                read += sum(len(batch[-1]) for batch in loader)
+            return read
         finally:
             if isinstance(loader, datapipe.DeviceLoader):
                 loader.close()
 
+    def on_rank_0(wrap) -> None:  # every rank makes the dataset (as every rank runs the same script)
+        ds = make()
+        if rank == 0:
+            epochs(wrap(ds), ds)
+
+    def turns() -> None:  # rank 0 reads its part while rank 1 waits at a barrier, then rank 1; then both, alike
+        ds = make()
+        for turn in range(WORLD):
+            if rank == turn:
+                ds.set_epoch(0)
+                sum(1 for _ in ds)
+            dist.barrier()
+        epochs(ds, ds)
+
+    def evaluation_after_a_save() -> None:  # rank 0 busy past the timeout, rank 1 reads its part meanwhile
+        ds = make()
+        for epoch in range(2):
+            if rank == 0:
+                time.sleep(4)
+            ds.set_epoch(epoch)
+            sum(1 for _ in ds)
+            dist.barrier()  # the metric's all-reduce
+
     runs = {
-        # rank 1 makes the dataset (as every rank runs the same script) but never reads its part: rank 0 says so
-        "dataset on rank 0 only": lambda: read(make()) if rank == 0 else make(),
-        "DataLoader on rank 0 only": lambda: read(DataLoader(make(), batch_size=None)) if rank == 0 else make(),
-        "DeviceLoader on rank 0 only": lambda: read(device(make())) if rank == 0 else make(),
-        # what must pass: rank 1 a second late, both reading; a later epoch read alike; an unsplit set on rank 0
-        "rank 1 late": lambda: (time.sleep(1.0 if rank else 0), read(make()))[1],
-        "every rank, two epochs": lambda: [(ds.set_epoch(e), read(device(ds)))[1] for ds in [make()] for e in (0, 1)],
-        "unsplit on rank 0": lambda: read(make(rank=0, world_size=1)) if rank == 0 else None,
+        "dataset on rank 0 only": lambda: on_rank_0(lambda ds: ds),
+        "DataLoader on rank 0 only": lambda: on_rank_0(lambda ds: DataLoader(ds, batch_size=None)),
+        "DeviceLoader on rank 0 only": lambda: on_rank_0(device),
+        "turns": turns,
+        "evaluation after a save": evaluation_after_a_save,
+        "every rank, two epochs": lambda: [epochs(device(ds), ds) for ds in [make()]],
+        "unsplit on rank 0": lambda: [epochs(ds, ds) for ds in [make(rank=0, world_size=1)]] if rank == 0 else None,
     }
     result: dict = {}
     for name, run in runs.items():
@@ -421,21 +448,22 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
 def test_a_split_dataset_read_on_one_rank_only_is_refused(index_cache, tmp_path):
     """Accelerate's default for an iterable dataset reads the loader on rank 0 and sends its batches to the others:
     rank 1's part of a dataset split over the ranks was never read, every epoch, without a word. The rank that read
-    its whole part raises a RankMismatchError naming the rank that never began and what to do, after waiting
-    DATAPIPE_RANK_TIMEOUT (3 s here) for a rank that lags; ranks that read, late or not, pass."""
+    its whole part raises a RankMismatchError when it begins to read again, naming the rank that never began and
+    what to do, after waiting DATAPIPE_RANK_TIMEOUT (3 s here) for one that lags; ranks that take turns or lag
+    without a collective pass."""
     results = _run_ranks(index_cache.path, tmp_path, target=_one_rank_reads_main)
     for name in ("dataset on rank 0 only", "DataLoader on rank 0 only", "DeviceLoader on rank 0 only"):
         message = results[0][name]
         assert message is not None and message.startswith("RankMismatchError: "), (name, message)
         assert "\n" not in message
-        for words in ("is split over 2 ranks", "this rank (0) read all of its part of epoch 0", "rank 1 never began",
-                      "(waited 3 s)", "dispatch_batches", "datapipe.DeviceLoader", "rank=0, world_size=1",
-                      "DATAPIPE_RANK_TIMEOUT"):
+        for words in ("is split over 2 ranks", "this rank (0) read its part of epoch 0 to the end and begins to read",
+                      "rank 1 had not begun reading its (waited 3 s)", "dispatch_batches", "datapipe.DeviceLoader",
+                      "rank=0, world_size=1", "DATAPIPE_RANK_TIMEOUT"):
             assert words in message, (name, words, message)
         assert results[0][name + " seconds"] >= 3, name
         assert results[1][name] is None, name
-    for name in ("rank 1 late", "every rank, two epochs", "unsplit on rank 0"):
-        assert [r[name] for r in results] == [None] * WORLD, name
+    for name in ("turns", "evaluation after a save", "every rank, two epochs", "unsplit on rank 0"):
+        assert [r[name] for r in results] == [None] * WORLD, (name, [r[name] for r in results])
     assert results[0]["unsplit on rank 0 seconds"] < 3  # nothing to wait for: the dataset is rank 0's own
 
 

@@ -119,10 +119,10 @@ def test_a_resumed_stateful_dataloader_continues_the_stream_exactly(cache, worke
 
 def test_a_resumed_run_is_resumed_again(cache):
     """Saved, resumed, saved again in the resumed part of the epoch and resumed once more: still every sample
-    once, in order. The resumed run that never calls set_epoch reads the epoch its state names."""
+    once, in order."""
     full = uninterrupted(cache, 2)
     first, state = read_then_save(cache, 3, 2, 2)
-    second, state = read_then_save(cache, 4, 2, 2, state=state, set_epoch=False)
+    second, state = read_then_save(cache, 4, 2, 2, state=state)
     third, _ = read_then_save(cache, 1, 2, 2, state=state)
     rest, _ = resume(cache, state, 2, 2)
     assert first + second + rest == full
@@ -268,3 +268,66 @@ def test_workers_states_count_their_own_batches(cache):
     for k in itertools.chain(range(4), (12, 13)):
         _, state = read_then_save(cache, k, 0, 2)
         assert [worker_state(state, w)["worker"]["batches"] for w in (0, 1)] == [(k + 1) // 2, k // 2], k
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("k", [5, 13])
+def test_a_state_saved_after_set_epoch_resumes_the_new_epoch(cache, persistent, k):
+    """A step-based loop reads k batches of epoch 1 (all 13, or 5 and breaks), calls set_epoch(2) and saves before its
+    next iter(): torchdata saves its last iteration as unfinished, which no worker saw moved on. Resumed with
+    set_epoch(2) as the saved run was, the loader reads epoch 2 whole, every batch once (it read nothing, or epoch
+    1's rest). Not in the uninterrupted order: torchdata asks the worker after the last one that yielded first."""
+    ds = dataset(cache)
+    ds.set_epoch(1)
+    stateful = loader(ds, 2, persistent_workers=persistent)
+    it = iter(stateful)
+    for _ in range(k):
+        next(it)
+    ds.set_epoch(2)
+    state = stateful.state_dict()
+    del it, stateful
+    gc.collect()
+    rest, following = resume(cache, state, 2, 2, persistent_workers=persistent)
+    assert sorted(rest) == sorted(uninterrupted(cache, 2))
+    assert following == uninterrupted(cache, 3)
+
+
+def test_a_state_of_a_later_epoch_than_the_dataset_is_refused(cache):
+    """A resumed run that does not set the saved epoch (set_epoch missing, or a smaller one) would read another
+    epoch's order from the start: refused in one line, naming both epochs and the call to make."""
+    _, state = read_then_save(cache, 5, 3, 2)
+    stateful = loader(dataset(cache), 2)
+    stateful.load_state_dict(state)
+    with refused(r"this loader state resumes epoch 3 \(DataLoader worker [01] had read [23] of its [67] batches\), "
+                 r"but the dataset is set to epoch 0: call dataset.set_epoch\(3\)"):
+        next(iter(stateful))
+
+
+def test_a_rollback_in_the_same_run_is_no_repeated_epoch(cache, tmp_path):
+    """A loop that keeps a state, reads the epoch to its end and goes back to the state (a rollback after a loss
+    spike) reads the resumed part as meant: no RepeatedEpochWarning from the workers (as with num_workers=0).
+    Run as a script: a worker's warning goes to its own standard error."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rollback.py"
+    script.write_text(
+        "import datapipe\n"
+        "from torchdata.stateful_dataloader import StatefulDataLoader\n"
+        f"ds = datapipe.StreamingDataset({str(cache)!r}, batch_size={B}, seed=3)\n"
+        "for persistent in (False, True):\n"
+        "    ds.set_epoch(0)  # the second round's repeat of epoch 0 is meant\n"
+        "    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)\n"
+        "    it = iter(loader)\n"
+        "    for _ in range(5):\n"
+        "        next(it)\n"
+        "    saved = loader.state_dict()\n"
+        "    rest = sum(1 for _ in it)\n"
+        "    loader.load_state_dict(saved)\n"
+        "    again = sum(1 for _ in loader)\n"
+        "    assert rest == again == 8, (rest, again)\n"
+        "    del it, loader\n"
+        "print('read')\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and "read" in run.stdout, run.stderr
+    assert "RepeatedEpochWarning" not in run.stderr, run.stderr
