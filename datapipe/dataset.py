@@ -33,6 +33,7 @@ from .errors import (
     DatapipeError,
     RankMismatchError,
     RepeatedEpochWarning,
+    ResumeWarning,
     StateError,
     check_bool,
     env_seconds,
@@ -415,6 +416,7 @@ class StreamingDataset(IterableDataset):
         self._published = {}
         self._keys = deque()
         self._begun = deque()
+        self._read_epoch = None  # a copy's keys are its own: it checks the epochs it reads
         if self._running or self._consumed:
             try:
                 position = int(self.state_dict()["position"])
@@ -790,8 +792,9 @@ class StreamingDataset(IterableDataset):
         while len(self._keys) > _KEPT_KEYS:  # every rank removes the same old keys: a few per dataset at most
             forget(self._keys.popleft())
         if kind == "iteration":
-            if (began := self._began_key(epoch, self.rank)) not in self._begun:
-                announce(began)
+            began = self._began_key(epoch, self.rank)
+            announce(began)  # every time: a process group made anew has a store of its own
+            if began not in self._begun:
                 self._begun.append(began)
                 while len(self._begun) > _KEPT_BEGUN:
                     forget(self._begun.popleft())
@@ -829,16 +832,16 @@ class StreamingDataset(IterableDataset):
         if not missing:  # begun in the meantime
             return
         ranks = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8:,} more" if len(missing) > 8 else "")
-        which = f"ranks {ranks} had" if len(missing) > 1 else f"rank {ranks} had"
+        which, theirs = (f"ranks {ranks} had", "theirs") if len(missing) > 1 else (f"rank {ranks} had", "its")
         raise RankMismatchError(
             f"{self._which()} is split over {self.world_size} ranks: this rank ({self.rank}) read its part of epoch "
-            f"{epoch} to the end and begins to read again, but {which} not begun reading {'theirs' if len(missing) > 1 else 'its'} "
-            f"(waited {timeout:g} s), so those samples were not read. A framework that reads the loader on one "
-            "rank and sends its batches to the others (Hugging Face Accelerate's dispatch_batches, its default "
-            "for an iterable dataset) reads only that rank's part: give it a datapipe.DeviceLoader (which "
-            "Accelerate leaves as it is, each rank reading its part), or a dataset not split over ranks (rank=0, "
-            "world_size=1). A rank that only lags this far behind: raise DATAPIPE_RANK_TIMEOUT (seconds, "
-            f"{RANK_TIMEOUT:g} by default)")
+            f"{epoch} to the end and begins to read again, but {which} not begun reading {theirs} (waited "
+            f"{timeout:g} s), so those samples were not read, unless that rank failed or stopped. A framework that "
+            "reads the loader on one rank and sends its batches to the others (Hugging Face Accelerate's "
+            "dispatch_batches, its default for an iterable dataset) reads only that rank's part: give it a "
+            "datapipe.DeviceLoader (which Accelerate leaves as it is, each rank reading its part), or a dataset not "
+            "split over ranks (rank=0, world_size=1). A rank that only lags this far behind: raise "
+            f"DATAPIPE_RANK_TIMEOUT (seconds, {RANK_TIMEOUT:g} by default)")
 
     def _which(self) -> str:
         return f"StreamingDataset #{self._split} of {show(str(self.cache.root))}"
@@ -1053,6 +1056,12 @@ class StreamingDataset(IterableDataset):
         # would have; one set to an earlier epoch than the state's unfinished one is refused (a set_epoch missing).
         if epoch < self.epoch or (epoch > self.epoch and batches == share):
             self._worker_loaded = None
+            if epoch < self.epoch and batches < share:  # not silent: a rollback that forgot set_epoch lands here too
+                warnings.warn(ResumeWarning(
+                    f"datapipe: the loader state resumes epoch {epoch} (DataLoader worker {info.id} had read {batches} "
+                    f"of its {share} batches), and the dataset is set to epoch {self.epoch}, which is read whole (the "
+                    f"loop moved on with set_epoch after the state was saved); to resume epoch {epoch}, call "
+                    f"dataset.set_epoch({epoch}) before iterating the resumed loader"), stacklevel=2)
             return
         if epoch > self.epoch:
             raise StateError(

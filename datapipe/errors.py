@@ -156,6 +156,11 @@ class RepeatedEpochWarning(UserWarning):
     as before (every epoch of a loop that never calls ``set_epoch`` is epoch 0)."""
 
 
+class ResumeWarning(UserWarning):
+    """A saved loader state that is not resumed: torchdata's StatefulDataLoader handed a worker the state of an
+    unfinished epoch earlier than the one the dataset is set to, whose epoch is then read whole."""
+
+
 class ClassListWarning(UserWarning):
     """Two datasets opened in one process number their classes otherwise: the class list of one is within the
     other's, at other labels (a validation set built without ``--classes-from`` that lacks a class, or a

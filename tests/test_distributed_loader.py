@@ -374,6 +374,8 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(key, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DATAPIPE_RANK_TIMEOUT="3")
+    import copy
+
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -423,6 +425,14 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
             sum(1 for _ in ds)
             dist.barrier()  # the metric's all-reduce
 
+    def copy_after_two_epochs() -> None:  # a copy has a namespace of its own in the store: it checks its own epochs
+        ds = make()
+        epochs(ds, ds)
+        copied = copy.deepcopy(ds)
+        for epoch in (2, 3):
+            copied.set_epoch(epoch)
+            sum(1 for _ in copied)
+
     runs = {
         "dataset on rank 0 only": lambda: on_rank_0(lambda ds: ds),
         "DataLoader on rank 0 only": lambda: on_rank_0(lambda ds: DataLoader(ds, batch_size=None)),
@@ -430,6 +440,7 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
         "turns": turns,
         "evaluation after a save": evaluation_after_a_save,
         "every rank, two epochs": lambda: [epochs(device(ds), ds) for ds in [make()]],
+        "a copy after two epochs": copy_after_two_epochs,
         "unsplit on rank 0": lambda: [epochs(ds, ds) for ds in [make(rank=0, world_size=1)]] if rank == 0 else None,
     }
     result: dict = {}
@@ -462,7 +473,8 @@ def test_a_split_dataset_read_on_one_rank_only_is_refused(index_cache, tmp_path)
             assert words in message, (name, words, message)
         assert results[0][name + " seconds"] >= 3, name
         assert results[1][name] is None, name
-    for name in ("turns", "evaluation after a save", "every rank, two epochs", "unsplit on rank 0"):
+    for name in ("turns", "evaluation after a save", "every rank, two epochs", "a copy after two epochs",
+                 "unsplit on rank 0"):
         assert [r[name] for r in results] == [None] * WORLD, (name, [r[name] for r in results])
     assert results[0]["unsplit on rank 0 seconds"] < 3  # nothing to wait for: the dataset is rank 0's own
 

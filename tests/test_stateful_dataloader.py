@@ -292,6 +292,54 @@ def test_a_state_saved_after_set_epoch_resumes_the_new_epoch(cache, persistent, 
     assert following == uninterrupted(cache, 3)
 
 
+ROLLBACK = """
+import sys
+import datapipe
+from torchdata.stateful_dataloader import StatefulDataLoader
+ds = datapipe.StreamingDataset(sys.argv[1], batch_size=4, seed=3, return_index=True)
+def indices(loader):
+    return [b[-1].tolist() for b in loader]
+ds.set_epoch(1)
+loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+it = iter(loader)
+for _ in range(int(sys.argv[2])):
+    next(it)
+saved = loader.state_dict()
+del it
+ds.set_epoch(2)
+whole = indices(loader)
+print("whole", len(whole), flush=True)
+loader.load_state_dict(saved)  # back to epoch 1, without set_epoch(1)
+assert sorted(indices(loader)) == sorted(whole)
+print("rolled back", flush=True)
+loader.load_state_dict(saved)
+ds.set_epoch(1)
+print("resumed", len(indices(loader)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("k", [5, 13])
+def test_a_rollback_to_an_earlier_epoch_without_its_set_epoch_is_said(cache, tmp_path, k):
+    """A loop keeps a state after k batches of epoch 1, reads on into epoch 2 and loads the state back without
+    set_epoch(1) (or saved after set_epoch(2), before its iter()): with num_workers=0 the state sets the epoch; a
+    worker cannot, and reads the dataset's epoch 2 whole, with a ResumeWarning naming epoch 1 and the call that
+    resumes it; none when epoch 1 was read whole (k=13). With set_epoch(1), epoch 1's rest. Run as a script: a
+    worker's warning goes to its own standard error (under pytest a forked worker records it instead)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rollback.py"
+    script.write_text(ROLLBACK)
+    run = subprocess.run([sys.executable, str(script), str(cache), str(k)], capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["whole", "13", "rolled", "back", "resumed", str(13 - k)], run.stdout
+    warned = "ResumeWarning: datapipe: the loader state resumes epoch 1" in run.stderr
+    assert warned == (k < 13), run.stderr
+    if warned:
+        assert "call dataset.set_epoch(1) before iterating the resumed loader" in run.stderr
+
+
 def test_a_state_of_a_later_epoch_than_the_dataset_is_refused(cache):
     """A resumed run that does not set the saved epoch (set_epoch missing, or a smaller one) would read another
     epoch's order from the start: refused in one line, naming both epochs and the call to make."""
