@@ -1405,12 +1405,12 @@ def _what_runs() -> dict[str, str]:
 
 # The libraries whose versions decide what a worker decodes and writes, and the least version of each (as
 # pyproject.toml requires them): a worker built from another image may hold an older one that pip never checked.
-_NEEDS = {"numpy": "1.26", "Pillow": "10.2", "simplejpeg": "1.7", "zarr": "3.1", "google-crc32c": "1.5"}
+_NEEDS = {"numpy": "1.26", "Pillow": "11.2.1", "simplejpeg": "1.7.3", "zarr": "3.1", "google-crc32c": "1.6"}
 _MODULES = {"Pillow": "PIL", "google-crc32c": "google_crc32c"}  # the module of each that is not named alike
 
 
 def _library_problems() -> list[str]:
-    """What this process lacks of :data:`_NEEDS`, one phrase each (``Pillow 9.5.0 (datapipe needs 10.2 or later)``)."""
+    """What this process lacks of :data:`_NEEDS`, one phrase each (``Pillow 9.5.0 (datapipe needs 11.2.1 or later)``)."""
     from importlib.metadata import PackageNotFoundError, version
 
     def release(text: str) -> tuple[int, ...]:  # "10.2.0rc1" -> (10, 2, 0): the numbers a minimum is compared by

@@ -771,15 +771,15 @@ def test_a_worker_running_another_datapipe_is_refused_before_any_shard(dist_sour
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("where", ["a worker", "this process"])
 def test_a_decoding_library_older_than_datapipe_needs_is_named_before_any_shard(dist_source, tmp_path, where):
-    """A worker with Pillow 9.5 (below the 10.2 datapipe requires: pip never checked that image) wrote unrotated
+    """A worker with Pillow 9.5 (below the version datapipe requires: pip never checked that image) wrote unrotated
     TIFFs into some shards, "ok"; one with zarr 3.0 ended the build with a raw TypeError. The libraries are checked
     when a process warms up, and the worker or the process named."""
     other = tmp_path / "other"
     shutil.copytree(Path(datapipe.__file__).parent, other / "datapipe", ignore=shutil.ignore_patterns("__pycache__"))
     builder_py = other / "datapipe" / "builder.py"
     text = builder_py.read_text()
-    assert '"Pillow": "10.2"' in text
-    builder_py.write_text(text.replace('"Pillow": "10.2"', '"Pillow": "999"'))  # as if the Pillow here were older
+    assert '"Pillow": "11.2.1"' in text
+    builder_py.write_text(text.replace('"Pillow": "11.2.1"', '"Pillow": "999"'))  # as if the Pillow here were older
     from PIL import __version__ as pillow
 
     out = tmp_path / "out"
