@@ -78,7 +78,7 @@ _SPLIT_DATASETS = itertools.count(1)
 # Position keys a dataset keeps in the process group's store; older ones are removed (two per epoch).
 _KEPT_KEYS = 8
 # The epochs whose "this rank began reading it" key a rank keeps in the store: a rank that ends an epoch looks for
-# every rank's key of that epoch (see StreamingDataset.check_every_rank_began), and one far ahead keeps it for it.
+# every rank's key of that epoch (see StreamingDataset._check_every_rank_began), and one far ahead keeps it for it.
 _KEPT_BEGUN = 32
 # How long a rank that read a whole epoch of a split dataset waits for every other rank to have begun it (seconds).
 RANK_TIMEOUT = 60.0
@@ -369,6 +369,7 @@ class StreamingDataset(IterableDataset):
         self._keys: deque[str] = deque()
         self._begun: deque[str] = deque()  # this rank's "began epoch e" keys in the store (see _agree)
         self._read_epoch: int | None = None  # the epoch this rank last read its part of to the end, if not checked
+        self._reading: str | None = None  # the "began" key of the current iteration, announced at its first batch
         # In a DataLoader worker: a worker state loaded (epoch, position, batches of its share yielded), for
         # its next iteration; and the current iteration's (epoch, position, batches yielded), for state_dict.
         self._worker_loaded: tuple[int, int, int] | None = None
@@ -417,6 +418,7 @@ class StreamingDataset(IterableDataset):
         self._keys = deque()
         self._begun = deque()
         self._read_epoch = None  # a copy's keys are its own: it checks the epochs it reads
+        self._reading = None
         if self._running or self._consumed:
             try:
                 position = int(self.state_dict()["position"])
@@ -503,6 +505,8 @@ class StreamingDataset(IterableDataset):
         """
         if iteration == self._iteration:
             self._consumed = batches
+            if self._reading is not None:  # its first batch: this rank reads the epoch (see _agree)
+                self._announce_reading()
             if batches == self._len():
                 self._read_whole()
                 self._passes += 1
@@ -792,15 +796,24 @@ class StreamingDataset(IterableDataset):
         while len(self._keys) > _KEPT_KEYS:  # every rank removes the same old keys: a few per dataset at most
             forget(self._keys.popleft())
         if kind == "iteration":
-            began = self._began_key(epoch, self.rank)
-            announce(began)  # every time: a process group made anew has a store of its own
-            if began not in self._begun:
-                self._begun.append(began)
-                while len(self._begun) > _KEPT_BEGUN:
-                    forget(self._begun.popleft())
+            # This rank reads the epoch once it receives a batch, not at iter(): Accelerate's dispatcher makes the
+            # iterator on every rank and reads it on rank 0 only. An iteration with nothing to read has begun.
+            self._reading = self._began_key(epoch, self.rank)
+            if self._epoch_batches(self.start) == 0:
+                self._announce_reading()
             if self._read_epoch is not None:
                 read, self._read_epoch = self._read_epoch, None
                 self._check_every_rank_began(read)
+
+    def _announce_reading(self) -> None:
+        began, self._reading = self._reading, None
+        if began is None:
+            return
+        announce(began)  # every time: a process group made anew has a store of its own
+        if began not in self._begun:
+            self._begun.append(began)
+            while len(self._begun) > _KEPT_BEGUN:
+                forget(self._begun.popleft())
 
     def _began_key(self, epoch: int, rank: int) -> str:
         return f"datapipe/dataset-{self._split}/epoch-{epoch}/began-{rank}"
@@ -832,7 +845,7 @@ class StreamingDataset(IterableDataset):
         if not missing:  # begun in the meantime
             return
         ranks = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8:,} more" if len(missing) > 8 else "")
-        which, theirs = (f"ranks {ranks} had", "theirs") if len(missing) > 1 else (f"rank {ranks} had", "its")
+        which, theirs = (f"ranks {ranks} had", "their parts") if len(missing) > 1 else (f"rank {ranks} had", "its part")
         raise RankMismatchError(
             f"{self._which()} is split over {self.world_size} ranks: this rank ({self.rank}) read its part of epoch "
             f"{epoch} to the end and begins to read again, but {which} not begun reading {theirs} (waited "
@@ -857,7 +870,7 @@ class StreamingDataset(IterableDataset):
                   and not (name in ("window", "nodes") and first.get("order") != mine.get("order"))]
         if not differ:
             return
-        announce(f"datapipe/dataset-{self._split}/refused")  # the ranks no longer read alike: see check_every_rank_began
+        announce(f"datapipe/dataset-{self._split}/refused")  # the ranks no longer read alike: see _check_every_rank_began
         if "start" in mine:
             raise RankMismatchError(
                 f"the ranks disagree on {self._which()}: its {what} reads epoch {mine['epoch']} from sample "

@@ -402,10 +402,17 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
             if isinstance(loader, datapipe.DeviceLoader):
                 loader.close()
 
-    def on_rank_0(wrap) -> None:  # every rank makes the dataset (as every rank runs the same script)
+    def on_rank_0(wrap) -> None:  # every rank makes the dataset and its iterator (as Accelerate's dispatcher does)
         ds = make()
         if rank == 0:
             epochs(wrap(ds), ds)
+        else:
+            loader = wrap(ds)
+            for epoch in range(2):
+                ds.set_epoch(epoch)
+                iter(loader)  # made, never read
+            if isinstance(loader, datapipe.DeviceLoader):
+                loader.close()
 
     def turns() -> None:  # rank 0 reads its part while rank 1 waits at a barrier, then rank 1; then both, alike
         ds = make()
@@ -468,7 +475,7 @@ def test_a_split_dataset_read_on_one_rank_only_is_refused(index_cache, tmp_path)
         assert message is not None and message.startswith("RankMismatchError: "), (name, message)
         assert "\n" not in message
         for words in ("is split over 2 ranks", "this rank (0) read its part of epoch 0 to the end and begins to read",
-                      "rank 1 had not begun reading its (waited 3 s)", "dispatch_batches", "datapipe.DeviceLoader",
+                      "rank 1 had not begun reading its part (waited 3 s)", "dispatch_batches", "datapipe.DeviceLoader",
                       "rank=0, world_size=1", "DATAPIPE_RANK_TIMEOUT"):
             assert words in message, (name, words, message)
         assert results[0][name + " seconds"] >= 3, name
