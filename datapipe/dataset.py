@@ -453,6 +453,11 @@ class StreamingDataset(IterableDataset):
         epoch = check_int(epoch, "epoch", 0, ORDER_LIMIT - 1)
         self._check_ranks()
         self._shared[3] += 1
+        if int(self._shared[2]) and self._split and distributed_ranks() is not None:
+            # DataLoader workers read the epoch: noted for them (see _check_every_rank_began), as a rank that reads
+            # in this process notes it at its first batch; a worker has no process group to note it in
+            self._reading = self._began_key(self.epoch, self.rank)
+            self._announce_reading()
         if epoch != self.epoch:
             self._shared[1] = 0
             self._shared[2] = 0

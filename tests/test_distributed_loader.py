@@ -432,6 +432,14 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
             sum(1 for _ in ds)
             dist.barrier()  # the metric's all-reduce
 
+    def workers_on_rank_1() -> None:  # rank 1 reads through DataLoader workers, which note nothing themselves
+        ds = make()
+        loader = DataLoader(ds, batch_size=None, num_workers=2 if rank else 0)
+        for epoch in range(3):
+            ds.set_epoch(epoch)
+            sum(1 for _ in loader)
+            dist.barrier()
+
     def copy_after_two_epochs() -> None:  # a copy has a namespace of its own in the store: it checks its own epochs
         ds = make()
         epochs(ds, ds)
@@ -448,6 +456,7 @@ def _one_rank_reads_main(rank: int, port: int, cache: str, out: str) -> dict:
         "evaluation after a save": evaluation_after_a_save,
         "every rank, two epochs": lambda: [epochs(device(ds), ds) for ds in [make()]],
         "a copy after two epochs": copy_after_two_epochs,
+        "DataLoader workers on rank 1 only": workers_on_rank_1,
         "unsplit on rank 0": lambda: [epochs(ds, ds) for ds in [make(rank=0, world_size=1)]] if rank == 0 else None,
     }
     result: dict = {}
@@ -481,7 +490,7 @@ def test_a_split_dataset_read_on_one_rank_only_is_refused(index_cache, tmp_path)
         assert results[0][name + " seconds"] >= 3, name
         assert results[1][name] is None, name
     for name in ("turns", "evaluation after a save", "every rank, two epochs", "a copy after two epochs",
-                 "unsplit on rank 0"):
+                 "DataLoader workers on rank 1 only", "unsplit on rank 0"):
         assert [r[name] for r in results] == [None] * WORLD, (name, [r[name] for r in results])
     assert results[0]["unsplit on rank 0 seconds"] < 3  # nothing to wait for: the dataset is rank 0's own
 
