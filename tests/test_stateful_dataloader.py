@@ -48,11 +48,13 @@ def loader(ds, workers: int, **kwargs) -> StatefulDataLoader:
 def refused(message: str):
     """The first batch raises StateError matching ``message`` (from a worker). A loader whose workers failed to
     start waits 5 s for each to stop when collected (torchdata's shutdown): they are stopped here instead."""
+    before = set(multiprocessing.active_children())
     with pytest.raises(StateError, match=message):
         yield
-    for worker in multiprocessing.active_children():
+    # only the workers started meanwhile (this process may have other children: a cluster of another test)
+    for worker in set(multiprocessing.active_children()) - before:
         worker.terminate()
-        worker.join()
+        worker.join(30)
     gc.collect()
 
 
