@@ -456,8 +456,7 @@ class StreamingDataset(IterableDataset):
         if int(self._shared[2]) and self._split and distributed_ranks() is not None:
             # DataLoader workers read the epoch: noted for them (see _check_every_rank_began), as a rank that reads
             # in this process notes it at its first batch; a worker has no process group to note it in
-            self._reading = self._began_key(self.epoch, self.rank)
-            self._announce_reading()
+            self._announce_began(self._began_key(self.epoch, self.rank))
         if epoch != self.epoch:
             self._shared[1] = 0
             self._shared[2] = 0
@@ -511,7 +510,7 @@ class StreamingDataset(IterableDataset):
         if iteration == self._iteration:
             self._consumed = batches
             if self._reading is not None:  # its first batch: this rank reads the epoch (see _agree)
-                self._announce_reading()
+                self._announce_began(self._reading)
             if batches == self._len():
                 self._read_whole()
                 self._passes += 1
@@ -803,17 +802,18 @@ class StreamingDataset(IterableDataset):
         if kind == "iteration":
             # This rank reads the epoch once it receives a batch, not at iter(): Accelerate's dispatcher makes the
             # iterator on every rank and reads it on rank 0 only. An iteration with nothing to read has begun.
-            self._reading = self._began_key(epoch, self.rank)
+            began = self._began_key(epoch, self.rank)
             if self._epoch_batches(self.start) == 0:
-                self._announce_reading()
+                self._announce_began(began)
+            else:
+                self._reading = began
             if self._read_epoch is not None:
                 read, self._read_epoch = self._read_epoch, None
                 self._check_every_rank_began(read)
 
-    def _announce_reading(self) -> None:
-        began, self._reading = self._reading, None
-        if began is None:
-            return
+    def _announce_began(self, began: str) -> None:
+        """Note ``began`` (this rank reads an epoch: :meth:`_began_key`) in the store; nothing is pending after it."""
+        self._reading = None
         announce(began)  # every time: a process group made anew has a store of its own
         if began not in self._begun:
             self._begun.append(began)
@@ -822,6 +822,10 @@ class StreamingDataset(IterableDataset):
 
     def _began_key(self, epoch: int, rank: int) -> str:
         return f"datapipe/dataset-{self._split}/epoch-{epoch}/began-{rank}"
+
+    def _refused_key(self) -> str:
+        """Set by a rank that raised a RankMismatchError for this dataset: the other ranks name it no more."""
+        return f"datapipe/dataset-{self._split}/refused"
 
     def _check_every_rank_began(self, epoch: int) -> None:
         """This rank read its whole part of ``epoch`` and begins to read again: every other rank must have begun
@@ -837,7 +841,7 @@ class StreamingDataset(IterableDataset):
             RankMismatchError: a rank had not begun the epoch when the wait ended, named with what to do.
         """
         keys = [self._began_key(epoch, rank) for rank in range(self.world_size)]
-        refused = [f"datapipe/dataset-{self._split}/refused"]  # a rank that disagreed raised already: said once
+        refused = [self._refused_key()]  # a rank that disagreed raised already: said once
         timeout = env_seconds("DATAPIPE_RANK_TIMEOUT", RANK_TIMEOUT)
         deadline = time.monotonic() + timeout
         while True:  # one request per look, whatever the number of ranks
@@ -875,7 +879,7 @@ class StreamingDataset(IterableDataset):
                   and not (name in ("window", "nodes") and first.get("order") != mine.get("order"))]
         if not differ:
             return
-        announce(f"datapipe/dataset-{self._split}/refused")  # the ranks no longer read alike: see _check_every_rank_began
+        announce(self._refused_key())  # the ranks no longer read alike: see _check_every_rank_began
         if "start" in mine:
             raise RankMismatchError(
                 f"the ranks disagree on {self._which()}: its {what} reads epoch {mine['epoch']} from sample "
