@@ -1222,33 +1222,42 @@ class Cache:
     def check_sizes(self) -> None:
         """Raise CorruptShardError naming the first shard whose file size differs from the manifest,
         and record every shard file's identity (what later reads check against)."""
-        for s, rec in enumerate(self.manifest.shards):
-            if rec.count == 0:
-                continue  # every file of this shard was quarantined: there is no data file
-            path = self._shard_path(s)
-            try:
-                st = os.stat(path)
-                actual = st.st_size if stat.S_ISREG(st.st_mode) else -2
-            except (FileNotFoundError, NotADirectoryError):
-                actual = -1
-            except OSError as exc:  # there, but not to be looked at (no permission, an I/O error): not damage
-                raise UnreadableFileError(f"shard {rec.name} ({path}) cannot be read ({exc.strerror or exc}); check "
-                                          "the permissions of the cache's files and folders") from None
-            if actual == -1 and self.node_cache_of is not None:
-                raise CacheError(
-                    f"shard {rec.name} ({path}) has not been downloaded: {self.root} is a node-local cache of "
-                    f"{self.node_cache_of}, which downloads shards as they are read; open "
-                    f"StreamingDataset({self.node_cache_of!r}, local_cache={str(self.root.parent)!r}) instead")
-            if actual == -2:  # never removed by a build (it did not write it): moved away by the user first
-                raise CorruptShardError(
-                    f"shard {rec.name} ({path}) is not a regular file but {describe_mode(st.st_mode)}; move it away "
-                    "and rerun the same `datapipe build` to rewrite the shard (datapipe never deletes what it did not "
-                    "write)")
-            if actual != rec.nbytes:
-                what = "missing" if actual == -1 else f"{actual:,} bytes, expected {rec.nbytes:,}"
-                raise CorruptShardError(f"shard {rec.name} ({path}) is {what}: truncated or altered after the build; "
-                                        f"{self._in_the_way(s) or 'rerun the same `datapipe build` to rewrite it'}")
-            self._identities[s] = _identity(st)
+        for s in range(len(self.manifest.shards)):
+            problem = self._size_problem(s)
+            if problem is not None:
+                raise problem
+
+    def _size_problem(self, s: int) -> CacheError | None:
+        """Shard ``s``'s data file against the manifest's size: the error naming it and what to do, or None (its
+        identity then recorded). A shard whose every file was quarantined has no data file."""
+        rec = self.manifest.shards[s]
+        if rec.count == 0:
+            return None
+        path = self._shard_path(s)
+        try:
+            st = os.stat(path)
+            actual = st.st_size if stat.S_ISREG(st.st_mode) else -2
+        except (FileNotFoundError, NotADirectoryError):
+            actual = -1
+        except OSError as exc:  # there, but not to be looked at (no permission, an I/O error): not damage
+            return UnreadableFileError(f"shard {rec.name} ({path}) cannot be read ({exc.strerror or exc}); "
+                                       f"{PERMISSION_ADVICE}")
+        if actual == -1 and self.node_cache_of is not None:
+            return CacheError(
+                f"shard {rec.name} ({path}) has not been downloaded: {self.root} is a node-local cache of "
+                f"{self.node_cache_of}, which downloads shards as they are read; open "
+                f"StreamingDataset({self.node_cache_of!r}, local_cache={str(self.root.parent)!r}) instead")
+        if actual == -2:  # never removed by a build (it did not write it): moved away by the user first
+            return CorruptShardError(
+                f"shard {rec.name} ({path}) is not a regular file but {describe_mode(st.st_mode)}; move it away "
+                "and rerun the same `datapipe build` to rewrite the shard (datapipe never deletes what it did not "
+                "write)")
+        if actual != rec.nbytes:
+            what = "missing" if actual == -1 else f"{actual:,} bytes, expected {rec.nbytes:,}"
+            return CorruptShardError(f"shard {rec.name} ({path}) is {what}: truncated or altered after the build; "
+                                     f"{self._in_the_way(s) or 'rerun the same `datapipe build` to rewrite it'}")
+        self._identities[s] = _identity(st)
+        return None
 
     # ----------------------------------------------------------------- verify
     def verify(self, *, progress: bool = False) -> list[str]:
@@ -1386,7 +1395,9 @@ class Cache:
                 except CacheError as exc:
                     problems.append(str(exc))
                     size = None
-            problems.extend(self._verify_data(s, read_fix="",
+            wrong_size = self._size_problem(s)  # its checksum, of a file of another size, would say no more
+            problems.extend([str(wrong_size)] if wrong_size is not None else
+                            self._verify_data(s, read_fix="",
                                               crc_fix="`datapipe build SOURCE OUTPUT --verify` rewrites it"))
         if size is not None:
             problems.extend(f"{name}: {problem}; `datapipe build SOURCE OUTPUT --verify` rewrites it"

@@ -546,12 +546,10 @@ def _verify(args: argparse.Namespace) -> int:
     if is_url(args.cache):
         return _remote_verify(args)
     _storage_options(args, args.cache)  # refused for a folder
-    from pathlib import Path
+    from .cache import Cache
 
-    from .cache import Cache, node_cache_of
-
-    # a node-local cache holds the shards read so far: the rest are not missing, only not downloaded
-    cache = Cache(args.cache, check_sizes=node_cache_of(Path(args.cache).expanduser().absolute()) is None)
+    # every shard's size is checked by verify itself, which names each one that is wrong (the open names the first)
+    cache = Cache(args.cache, check_sizes=False)
     problems = cache.verify(progress=True)
     if cache.node_cache_of is not None:
         for line in problems:

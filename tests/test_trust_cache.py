@@ -429,6 +429,34 @@ def test_verify_reports_paths_json_that_is_not_a_list_of_paths(cache_dir):
         cache.path(0)
 
 
+def test_verify_names_every_damaged_shard_not_only_the_first_of_a_wrong_size(cache_dir, capsys):
+    """Opening a cache stops at its first shard of the wrong size; verify lists each damaged shard, whatever the
+    damage: cut short, grown, gone, something else in the file's place, or altered at the same size."""
+    layout = datapipe.open(cache_dir).layout
+    data = [images_path(cache_dir / "shards" / f"{s:06d}.zarr", layout) for s in range(6)]
+    with open(data[0], "r+b") as f:
+        f.truncate(data[0].stat().st_size - 10)
+    with open(data[2], "ab") as f:
+        f.write(b"\0" * 7)
+    data[3].unlink()
+    data[4].unlink()
+    os.mkfifo(data[4])  # never waited on
+    raw = bytearray(data[5].read_bytes())
+    raw[5] ^= 0xFF
+    data[5].write_bytes(bytes(raw))
+    with pytest.raises(CorruptShardError, match=r"shard 000000\.zarr .* bytes, expected"):
+        datapipe.open(cache_dir)
+    problems = datapipe.Cache(cache_dir, check_sizes=False).verify()
+    named = {p[:12]: p for p in problems}
+    assert list(named) == ["shard 000000", "shard 000002", "shard 000003", "shard 000004", "shard 000005"], problems
+    assert "bytes, expected" in named["shard 000000"] and "bytes, expected" in named["shard 000002"]
+    assert "is missing" in named["shard 000003"] and "checksum" in named["shard 000005"]
+    assert any("not a regular file" in p for p in problems if p.startswith("shard 000004"))
+    assert cli.main(["verify", str(cache_dir)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[:-1] == problems and f"{len(problems)} problems" in out[-1], out
+
+
 def test_labels_out_of_the_class_range_are_refused(cache_dir):
     from datapipe.files import file_crc32c
 
