@@ -1240,8 +1240,8 @@ class Cache:
         except (FileNotFoundError, NotADirectoryError):
             actual = -1
         except OSError as exc:  # there, but not to be looked at (no permission, an I/O error): not damage
-            return UnreadableFileError(f"shard {rec.name} ({path}) cannot be read ({exc.strerror or exc}); "
-                                       f"{PERMISSION_ADVICE}")
+            return UnreadableFileError(f"shard {rec.name} ({path}) cannot be read ({exc.strerror or exc}); check "
+                                       "the permissions of the cache's files and folders")
         if actual == -1 and self.node_cache_of is not None:
             return CacheError(
                 f"shard {rec.name} ({path}) has not been downloaded: {self.root} is a node-local cache of "
@@ -1279,12 +1279,17 @@ class Cache:
                 if self._verify_step(problems, functools.partial(file_crc32c, path)) not in (None, rec.crc32c):
                     problems.append(f"{key} file {path}: checksum differs from the manifest")
         self.verified_shards = 0
+        if self.node_cache_of is None:  # every shard file's size, before any is read
+            sizes = [self._size_problem(s) for s in range(len(self.manifest.shards))]
+            unreadable = [e for e in sizes if isinstance(e, UnreadableFileError)]
+            if unreadable:  # no damage: a folder that cannot be looked into hides every shard alike
+                raise unreadable[0]
         bar = progress_bar(self.manifest.shards, desc="verify", unit="shard", disable=not shown)
         for s, _ in enumerate(bar):
             if self.node_cache_of is not None:
                 problems.extend(self._verify_downloaded(s))
             else:
-                problems.extend(self._verify_shard(s, labels, paths))
+                problems.extend(self._verify_shard(s, labels, paths, sizes[s]))
                 self.verified_shards += 1
         if self.node_cache_of is None:
             self._check_not_rebuilt_meanwhile(found=bool(problems))
@@ -1367,7 +1372,8 @@ class Cache:
             problems.append(str(exc) if isinstance(exc, CacheError) else f"{exc.filename}: {exc.strerror or exc}")
             return None
 
-    def _verify_shard(self, s: int, labels: np.ndarray | None, paths: list[str] | None) -> list[str]:
+    def _verify_shard(self, s: int, labels: np.ndarray | None, paths: list[str] | None,
+                      wrong_size: CacheError | None) -> list[str]:
         rec = self.manifest.shards[s]
         shard_dir = self.root / SHARDS_DIR / rec.name
         name = f"shard {rec.name}"
@@ -1395,7 +1401,7 @@ class Cache:
                 except CacheError as exc:
                     problems.append(str(exc))
                     size = None
-            wrong_size = self._size_problem(s)  # its checksum, of a file of another size, would say no more
+            # its checksum, of a file of another size, would say no more than its size
             problems.extend([str(wrong_size)] if wrong_size is not None else
                             self._verify_data(s, read_fix="",
                                               crc_fix="`datapipe build SOURCE OUTPUT --verify` rewrites it"))
