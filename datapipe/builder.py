@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import fcntl
 import gc
 import hashlib
@@ -43,8 +44,10 @@ from ._threads import torch_threads
 from .bounded import READ_AGAIN_ADVICE, Watchdog, file_timeout, max_file_bytes, read_file, warm_up
 from .codecs import DECODE_RULES, DecodeSpec, Fit, decode_fitted, plain_int
 from .errors import (
+    FULL_DISK,
     MAX_SECONDS,
     QUARANTINE_KINDS,
+    TOO_LARGE_ADVICE,
     ArgumentError,
     BuildError,
     CacheError,
@@ -68,7 +71,18 @@ from .errors import (
     thread_start_failed,
     unreadable,
 )
-from .files import FileTooLarge, NotRegularFile, atomic_write_text, crc32c, file_crc32c, fsync_dir, holds, read_regular
+from .files import (
+    FileTooLarge,
+    NotRegularFile,
+    atomic_write_bytes,
+    atomic_write_text,
+    crc32c,
+    disk_room,
+    file_crc32c,
+    fsync_dir,
+    holds,
+    read_regular,
+)
 from .output import (
     LOCK_FILE,
     Output,
@@ -80,7 +94,17 @@ from .output import (
     shards_of,
     still_held,
 )
-from .records import INDEX_ROW_BYTES, FileRecord, Manifest, ShardRecord, SourceRecord, layout_of, parse_manifest, read_json
+from .records import (
+    INDEX_ROW_BYTES,
+    SHARD_NAME,
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    SourceRecord,
+    layout_of,
+    parse_manifest,
+    read_json,
+)
 from .shards import (
     GROUP_META,
     SHARDS_DIR,
@@ -1036,7 +1060,24 @@ def _write_errors(out: Path) -> Iterator[None]:
         if isinstance(exc, DatapipeError):
             raise
         where = f": {exc.filename}" if exc.filename else f" while writing {out}"
-        raise OutputWriteError(f"{exc.strerror or exc}{where}; finished shards are kept: fix it and rerun to resume") from exc
+        fix = "fix it"
+        if exc.errno == errno.EFBIG:
+            fix = TOO_LARGE_ADVICE
+        elif exc.errno in FULL_DISK:
+            room = disk_room(out if out.exists() else out.parent)
+            where += f" ({room})" if room else ""
+            fix = "free space there"
+        kept = ("finished shards are kept: {} and rerun to resume" if _finished_shards(out) else
+                "no shard was finished yet: {} and rerun")
+        raise OutputWriteError(f"{exc.strerror or exc}{where}; {kept.format(fix)}") from exc
+
+
+def _finished_shards(out: Path) -> bool:
+    """Whether ``out`` holds a shard a build finished (a folder renamed into place), for a message."""
+    try:
+        return any(SHARD_NAME.fullmatch(entry.name) for entry in os.scandir(out / SHARDS_DIR))
+    except OSError:
+        return False
 
 
 def _build_locked(target: Output, listing: Listing, config: dict, chash: str, spec: BuildSpec, *, cluster: Cluster,
@@ -1735,11 +1776,40 @@ def _cluster_failed(n_workers: int, exc: BaseException) -> str:
     if "temporary directory" in reason:  # tempfile's "No usable temporary directory found in [...]"
         return (f"{failed}: its processes need a writable temporary folder; set TMPDIR to one, or build with "
                 "--scheduler sync")
+    disk = _local_disk_error(exc)
+    if disk is not None:  # its scratch folder (dask-scratch-space) on a full or read-only disk: no limit to raise
+        import dask
+
+        scratch = dask.config.get("temporary-directory", None) or tempfile.gettempdir()
+        if disk.errno in FULL_DISK:
+            room = f", {room}" if (room := disk_room(scratch)) else ""
+            where = f"{scratch}{room}; free space there, or point"
+        else:
+            where = f"{scratch}, which is read-only; point"
+        return (f"{failed}: its processes keep their scratch space in {where} DASK_TEMPORARY_DIRECTORY (or TMPDIR) "
+                "at a writable folder with room, or build with --scheduler sync")
     limits = soft_limits(("open files", "RLIMIT_NOFILE", ""), ("virtual memory", "RLIMIT_AS", " bytes"),
                          ("processes", "RLIMIT_NPROC", ""))
     shown = f" (this process's limits: {', '.join(limits)})" if limits else ""
     return (f"{failed}: the machine may be short of open files, memory or processes{shown}; raise the limit "
             "(ulimit -n, ulimit -v), build with fewer --workers, or with --scheduler sync (no Dask processes)")
+
+
+def _local_disk_error(exc: BaseException) -> OSError | None:
+    """The full disk, quota or read-only file system behind ``exc`` (its causes followed; distributed's
+    "Cluster failed to start" keeps only the text of some: "[Errno 28] No space left on device: '...'")."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in FULL_DISK | {errno.EROFS}:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    found = re.search(r"\[Errno (\d+)\]", one_line(exc) or "")
+    if found and int(found.group(1)) in FULL_DISK | {errno.EROFS}:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    return None
 
 
 @contextlib.contextmanager
@@ -2312,13 +2382,7 @@ def _write_index(out: Path, documents: dict[str, bytes]) -> bool:
     for name, data in documents.items():
         if holds(out / name, data):
             continue
-        if name == mf.LABELS:
-            tmp = out / f".tmp-{mf.LABELS}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, out / name)
-        else:  # paths.json and the manifest: fsynced, then renamed over the old ones
-            atomic_write_text(out / name, data.decode("utf-8"))
+        atomic_write_bytes(out / name, data)  # fsynced, then renamed over the old one
         written = True
     return written
 

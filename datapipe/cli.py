@@ -651,9 +651,14 @@ def _bench(args: argparse.Namespace) -> int:
     if json_out is not None and unwritten is None:
         print(f"wrote {message_text(str(json_out))}")
     if plot_out is not None:
-        with _writing("--plot", str(plot_out)):
-            written = plot(result, plot_out)
-        print(f"wrote {message_text(str(written))}")
+        try:
+            with _writing("--plot", str(plot_out)):
+                written = plot(result, plot_out)
+            print(f"wrote {message_text(str(written))}")
+        except DatapipeError as exc:
+            if unwritten is None:
+                raise
+            unwritten = type(unwritten)(f"{unwritten.args[0]}; and {exc.args[0]}")  # both files in the one line
     if unwritten is not None:
         raise unwritten
     failed = [s.name for s in result.systems.values() if s.status == "failed"]

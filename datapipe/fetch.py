@@ -442,6 +442,9 @@ class ShardFetcher:
             (self.folder / LOCKS).mkdir(parents=True, exist_ok=True)
             _write_marker(self.folder, {"format": "datapipe-local-cache", "url": self.url, "build_id": manifest.build_id})
         except OSError as exc:
+            if exc.errno in FULL_DISK:
+                raise CacheError(f"local_cache {self.local_root}: {exc.strerror or exc} while its folders were made"
+                                 f"{self._full_disk_advice()}") from None
             raise ArgumentError(f"local_cache {self.local_root} cannot be used ({exc.strerror or exc}); pass a "
                                 "writable local folder") from None
         # A read-only or full local_cache fails here (the lock files are opened for writing): one line, not the store's.
@@ -640,11 +643,12 @@ class ShardFetcher:
                           f"only copies of {self.url}, downloaded again as they are needed) and run again")
 
     @contextlib.contextmanager
-    def _local_writes(self, what: str) -> Iterator[None]:
+    def _local_writes(self, what: str, *, doing: str | None = None) -> Iterator[None]:
         """A failure of this machine's disk while ``what`` is made local (see :func:`datapipe.errors.local_os_error`)
         as one line naming ``local_cache``, never as the store's: a full disk is a CacheError saying how much is
         free and that ``cache_limit`` keeps the folder under a size; a read-only or forbidden folder is the
-        ArgumentError that an unwritable ``local_cache`` gets when it is opened."""
+        ArgumentError that an unwritable ``local_cache`` gets when it is opened. ``doing``: what was under way, where
+        it was no download ("making room for ...")."""
         try:
             yield
         except OSError as exc:
@@ -652,24 +656,46 @@ class ShardFetcher:
                 # the node cache's own folders removed (rm -rf local_cache) or replaced by a file while it ran
                 happened = "is in the way (a file where a folder of it belongs)" if exc.errno == errno.EEXIST else \
                     "is gone"
-                raise CacheError(f"local_cache {self.local_root}: {exc.filename} {happened} while {what} was made "
-                                 "local: its folders were removed or replaced while readers used it; leave them to "
-                                 "datapipe (cache_limit bounds its size) and run again") from None
+                raise CacheError(f"local_cache {self.local_root}: {exc.filename} {happened} while "
+                                 f"{doing or what + ' was made local'}: its folders were removed or replaced while "
+                                 "readers used it; leave them to datapipe (cache_limit bounds its size) and run "
+                                 "again") from None
             if not local_os_error(exc):
                 raise
             reason = exc.strerror or one_line(exc)
             if exc.errno == errno.EFBIG:
-                raise CacheError(f"local_cache {self.local_root}: {reason} while {what} was downloaded into it: "
+                raise CacheError(f"local_cache {self.local_root}: {reason} while "
+                                 f"{doing or what + ' was downloaded into it'}: "
                                  f"{TOO_LARGE_ADVICE} or put local_cache on another file system, and run again") from None
             if exc.errno not in FULL_DISK:
                 raise ArgumentError(f"local_cache {self.local_root} cannot be used ({reason}); pass a writable "
                                     "local folder") from None
-            free = f", {mib} free on its disk now" if (mib := free_mib(self.local_root)) else ""
-            limit = ("no cache_limit is set: set one below the space the node may use there (least recently used "
-                     "shards are evicted to stay under it)" if self.limit is None else
-                     f"its cache_limit of {self.limit:,} bytes is more than its disk holds: lower it")
-            raise CacheError(f"local_cache {self.local_root}: {reason} while {what} was downloaded into it{free}; "
-                             f"{limit}, or free space there, and run again") from None
+            raise CacheError(f"local_cache {self.local_root}: {reason} while {doing or what + ' was downloaded into it'}"
+                             f"{self._full_disk_advice()}") from None
+
+    def _full_disk_advice(self) -> str:
+        """Why this node cache's disk filled, and what to do, for the end of a message: its file entries (inodes)
+        used up, no ``cache_limit``, a limit above what the disk holds, or one within it (the shards open for
+        reading, which are never evicted, or other files outgrew the disk)."""
+        try:
+            st = os.statvfs(self.local_root)
+        except OSError:
+            st = None
+        if st is not None and st.f_files and not st.f_favail:
+            return ("; no file entries (inodes) are left on its disk, whatever its free bytes (`df -i` shows them): "
+                    "free some there, or put local_cache on another file system, and run again")
+        free = f", {mib} free on its disk now" if (mib := free_mib(self.local_root)) else ""
+        if self.limit is None:
+            return (f"{free}; no cache_limit is set: set one below the space the node may use there (least recently "
+                    "used shards are evicted to stay under it), or free space there, and run again")
+        held = _scan(self.local_root)[0]
+        if st is None or self.limit > held + st.f_bavail * st.f_frsize:
+            return f"{free}; its cache_limit of {self.limit:,} bytes is more than its disk holds: lower it, or free " \
+                   "space there, and run again"
+        return (f"{free}, {held:,} bytes held by its downloaded shards, though its cache_limit of {self.limit:,} bytes is "
+                "within what the disk holds: the shards open for reading at once (never evicted while they are read) "
+                "or other files there outgrew the disk; free space there, or read fewer shards at once (fewer "
+                "DataLoader workers or ranks on the node, a smaller window), and run again")
 
     def _inside(self, path: object) -> bool:
         """Whether ``path`` (an OSError's file name) lies in this node cache's folder."""
@@ -1175,7 +1201,8 @@ class ShardFetcher:
         # Room is made before each download, so a folder that went over the limit while readers held its
         # shards open (they cannot be evicted) would stay over it for as long as nothing is downloaded —
         # for good once every shard is local. Each plan brings it back under (what is not open).
-        self._make_room(0)
+        with self._local_writes("", doing="making room for the shards to read"):  # its lock file is on the disk
+            self._make_room(0)
 
     def advance(self, position: int) -> None:
         """The reader starts the batch at ``position`` of the plan given to :meth:`follow`."""

@@ -194,6 +194,18 @@ def free_mib(folder: str | os.PathLike) -> str | None:
     return f"{st.f_bavail * st.f_frsize / 2**20:,.1f} MiB"
 
 
+def disk_room(folder: str | os.PathLike) -> str | None:
+    """What is left on the disk of ``folder``, for a message about a full one: "12.3 MiB free on its disk", or that
+    its file entries (inodes) are used up, whatever its free bytes; None where the disk cannot be asked."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    if st.f_files and not st.f_favail:
+        return "no file entries (inodes) are left on its disk, whatever its free bytes (`df -i` shows them)"
+    return f"{free_mib(folder)} free on its disk"
+
+
 def make_dirs(folder: str | os.PathLike) -> None:
     """``mkdir -p``, top down from the deepest folder that exists: one ``mkdir`` per missing level
     (``Path.mkdir(parents=True)`` first fails at every missing level on the way up, and a directory
@@ -290,14 +302,20 @@ def is_mount(path: str | os.PathLike) -> bool:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a temporary name beside ``path``, fsync it and rename it over ``path``:
     a reader sees the old file or the new one, never half of one."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """:func:`atomic_write_text` of bytes: no half-written temporary is left beside ``path`` either (a full disk,
+    a size limit)."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk, a size limit: no half-written temporary is left beside it
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
@@ -318,9 +336,10 @@ def fsync_dir(path: Path) -> None:
 
 # The exact names of what datapipe writes through a temporary name (see TMP_PREFIX): in shards/, a shard's
 # folder being written (ShardWriter: .tmp-000012-1a2b3c4d) or one being replaced (.tmp-stale-000012.zarr-PID);
-# in the output folder, atomic_write_text's files (.tmp-manifest.json.1a2b3c4d) and the labels (.tmp-labels.npy).
+# in the output folder, atomic_write_bytes's files (.tmp-manifest.json.1a2b3c4d, .tmp-labels.npy.1a2b3c4d) and
+# the labels as earlier versions wrote them (.tmp-labels.npy).
 SHARD_TEMPS = re.compile(r"\.tmp-(\d{6,9}-[0-9a-f]{8}|stale-\d{6,9}\.zarr-\d+)")
-OUTPUT_TEMPS = re.compile(r"\.tmp-((manifest|report|build|paths)\.json\.[0-9a-f]{8}|labels\.npy)")
+OUTPUT_TEMPS = re.compile(r"\.tmp-(((manifest|report|build|paths)\.json|labels\.npy)\.[0-9a-f]{8}|labels\.npy)")
 
 
 def remove_stale_temps(folder: Path, names: re.Pattern[str] = SHARD_TEMPS) -> int:

@@ -169,7 +169,12 @@ class ShardWriter:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._join_flusher(raise_error=False)  # the block is failing already
-        if self._file is not None and not self._file.closed:
-            self._file.close()
-        if self.tmp_dir.exists():
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        try:
+            if self._file is not None and not self._file.closed:
+                self._file.close()  # flushes what it buffered: on a full disk, fails again
+        except OSError:
+            if exc is None:
+                raise
+        finally:  # never a half-written shard left on the disk the user is told to free
+            if self.tmp_dir.exists():
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)

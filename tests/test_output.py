@@ -100,7 +100,8 @@ def test_a_killed_runs_temporary_files_are_removed_and_a_users_look_alikes_kept(
 
     shards = built_copy / "shards"
     ours = [built_copy / ".tmp-manifest.json.1a2b3c4d", built_copy / ".tmp-report.json.0f0f0f0f",
-            built_copy / ".tmp-labels.npy", shards / ".tmp-000001-deadbeef", shards / ".tmp-stale-000001.zarr-4242"]
+            built_copy / ".tmp-labels.npy", built_copy / ".tmp-labels.npy.5e5e5e5e", shards / ".tmp-000001-deadbeef",
+            shards / ".tmp-stale-000001.zarr-4242"]
     theirs = [built_copy / ".tmp-notes.txt", built_copy / ".tmp-manifest.json.backup", shards / ".tmp-mine",
               shards / ".tmp-000001-not-hex"]
     name = sorted(p.name for p in shards.iterdir() if p.name.endswith(".zarr"))[0]

@@ -20,6 +20,7 @@ log = logging.getLogger("datapipe.demo")
 
 #: The sample dataset's classes (one class folder each).
 CLASSES = 10
+DEMO_SIZE = 256  # the side of the cache the demo builds
 
 
 def check_demo_args(*, images: object, workers: object) -> None:
@@ -51,7 +52,7 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
     from ..cache import Cache
     from ..dataset import StreamingDataset
     from ..device import DeviceLoader
-    from .sample import make_sample_dataset
+    from .sample import IMAGE_BYTES, _check_room, make_sample_dataset
 
     root = Path(folder).absolute()
     source, cache_dir = root / "images", root / "cache"
@@ -59,6 +60,10 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
     log.info(f"[1/4] sample dataset: {images} ImageNet-like JPEGs (real photographs, recoloured, ~430x340) in {source}")
     t0 = time.perf_counter()
     existing = sum(1 for _ in source.glob("*/*.jpg")) if source.exists() else 0
+    # the images left to write and the cache (256² raw pixels a sample), before either is written
+    cache_bytes = 0 if (cache_dir / "manifest.json").exists() else images * (DEMO_SIZE * DEMO_SIZE * 3 + 64)
+    _check_room(root, images, need=max(0, images - existing) * IMAGE_BYTES + cache_bytes,
+                what=" (the sample and its cache)")
     if existing != images:
         make_sample_dataset(source, images=images, classes=CLASSES, workers=cores)
         log.info(f"      generated in {time.perf_counter() - t0:.1f} s")
@@ -66,7 +71,7 @@ def run_demo(folder: str | os.PathLike = "datapipe-demo", *, images: int = 2000,
         log.info("      already there")
 
     log.info(f"[2/4] build on a Dask LocalCluster -> {cache_dir}")
-    report = build(source, cache_dir, size=256, shard_size=max(50, images // (4 * (workers or cores))),
+    report = build(source, cache_dir, size=DEMO_SIZE, shard_size=max(50, images // (4 * (workers or cores))),
                    cluster=Cluster(workers=workers))
     log.info(f"      {report.summary()}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import platform
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..environment import environment, memory_limit, physical_memory
 from ..errors import FULL_DISK, ArgumentError, CacheError
+from ..files import atomic_write_bytes
 from ..text import one_line, progress_bar, show
 from .timing import settle, timed_pass, timeit
 
@@ -948,6 +950,9 @@ def plot(result: BenchResult, path: str | os.PathLike[str]) -> Path:
     fig.suptitle(f"{result.machine['cpu']} · {result.machine['cores']} cores · GPU: {result.machine['gpu'] or 'none'}",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, format=path.suffix.lower().lstrip("."))
+    chart = io.BytesIO()
+    fig.savefig(chart, dpi=110, format=path.suffix.lower().lstrip("."))
     plt.close(fig)
+    # never a half-written chart in place of the file, nor of the chart that was there (a full disk)
+    atomic_write_bytes(path.resolve(), chart.getvalue())  # through a link, as --json
     return path

@@ -180,8 +180,9 @@ def make_sample_dataset(
 IMAGE_BYTES = 100 * 1024
 
 
-def _check_room(root: Path, images: int) -> None:
-    """Refuse, before writing, a sample that cannot fit on its disk (``images=10**12`` wrote until the disk was full)."""
+def _check_room(root: Path, images: int, *, need: int | None = None, what: str = "") -> None:
+    """Refuse, before writing, a sample that cannot fit on its disk (``images=10**12`` wrote until the disk was full):
+    ``images`` to write, or ``need`` bytes for ``what`` (the demo's sample and cache) of that many."""
     from ..errors import ArgumentError
 
     folder = root.absolute()
@@ -191,11 +192,11 @@ def _check_room(root: Path, images: int) -> None:
         st = os.statvfs(folder)
     except OSError:
         return
-    need, free = images * IMAGE_BYTES, st.f_bavail * st.f_frsize
+    need, free = images * IMAGE_BYTES if need is None else need, st.f_bavail * st.f_frsize
     if need > free:
         unit, scale = ("GiB", 2**30) if free >= 2**30 else ("MiB", 2**20)  # free < need: the smaller shows
-        raise ArgumentError(f"--images {images:,} needs about {need / scale:,.1f} {unit}, and the disk of {folder} has "
-                            f"{free / scale:,.1f} {unit} free; lower --images or choose another folder")
+        raise ArgumentError(f"--images {images:,} needs about {need / scale:,.1f} {unit}{what}, and the disk of "
+                            f"{folder} has {free / scale:,.1f} {unit} free; lower --images or choose another folder")
 
 
 def _check_params(*, images: object, classes: object, seed: object, workers: object) -> None:
