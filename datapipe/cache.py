@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import heapq
 import io
 import itertools
 import operator
@@ -172,6 +173,7 @@ class _ShardFiles:
             entry = self._open.get(shard)
             if entry is not None:  # another thread opened it meanwhile
                 fresh.close()
+                self._open.move_to_end(shard)
                 entry.users += 1
                 entry.used = next(self._clock)
                 return entry
@@ -194,17 +196,27 @@ class _ShardFiles:
     def _evict(self) -> None:
         """Close this cache's least recently used idle files beyond its limit, then the process's beyond its
         budget, whichever cache holds them (called under the lock)."""
+        # Each cache's files are in the order they were last used (acquire moves a file to the end), so the least
+        # recently used idle ones are found from the front: a shard opened costs no walk over every open file.
         if len(self._open) > self.limit:
-            for shard in [s for s, e in self._open.items() if not e.users][: len(self._open) - self.limit]:
+            for shard, _ in list(itertools.islice(self._idle(), len(self._open) - self.limit)):
                 self._open.pop(shard).close()
         if _ShardFiles.budget is None:
             _ShardFiles.budget = _fd_limit()
-        live = list(self._live)
+        live = list(self._live) if len(self._live) > 1 else [self]  # most processes read one cache
         over = sum(len(files._open) for files in live) - _ShardFiles.budget
         if over > 0:
-            idle = sorted((e.used, id(files), s, files) for files in live for s, e in files._open.items() if not e.users)
-            for _, _, shard, files in idle[:over]:
+            oldest = heapq.merge(*(files._idle_stamped() for files in live))
+            for _, _, shard, files in list(itertools.islice(oldest, over)):
                 files._open.pop(shard).close()
+
+    def _idle(self) -> Iterator[tuple[int, _Shard]]:
+        """This cache's open files that no reader uses now, least recently used first."""
+        return ((s, e) for s, e in self._open.items() if not e.users)
+
+    def _idle_stamped(self) -> Iterator[tuple[int, int, int, _ShardFiles]]:
+        """:meth:`_idle` as (last use, id, shard, self), to merge with other caches' in order of last use."""
+        return ((e.used, id(self), s, self) for s, e in self._idle())
 
     def close(self) -> None:
         """Close every file; one a reader thread is using now is closed when it releases it."""
@@ -350,6 +362,7 @@ class Cache:
         # opened as a folder, a node-local cache holds the shards read so far (and no zarr.json)
         self.node_cache_of: str | None = node_cache_of(self.root) if remote is None else None
         self.verified_shards = 0  # by the last verify(): every shard, or a node-local cache's downloaded ones
+        self._data_paths: dict[int, Path] = {}  # shard -> its data file (_shard_path)
         if check_bool(check_sizes, "check_sizes") and remote is None:
             self.check_sizes()
         self._init_readers()
@@ -364,7 +377,11 @@ class Cache:
         self._paths: list[str] | None = None
         # memory maps only under the SIGBUS guard; positioned reads otherwise
         self.mapped: bool = native.guard_available()
-        self._map_ranges: dict[int, tuple[int, int]] = {}  # shard -> (address, length) of its latest map
+        # the address ranges of the shards' latest maps, to name the shard of a faulting address (shard_error):
+        # their starts in order, start -> (end, shard), and shard -> start
+        self._map_starts: list[int] = []
+        self._map_ranges: dict[int, tuple[int, int]] = {}
+        self._map_of: dict[int, int] = {}
         self._indexes: dict[int, SampleIndex] = {}  # shard -> its checked sample index (indexed layout)
         self._shapes: np.ndarray | None = None
         self._nbytes: np.ndarray | None = None
@@ -380,13 +397,14 @@ class Cache:
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_indexes", "_index_lock", "_map_lock",
-                    "_shapes", "_nbytes", "_range", "_shard_files"):
+        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_map_starts", "_map_of", "_data_paths", "_indexes",
+                    "_index_lock", "_map_lock", "_shapes", "_nbytes", "_range", "_shard_files"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._data_paths = {}
         self._init_readers()
 
     def close(self) -> None:
@@ -964,15 +982,18 @@ class Cache:
     def shard_error(self, exc: MappedReadError) -> CorruptShardError:
         """The error naming the shard whose map a guarded read faulted in (``exc.address``)."""
         with self._map_lock:
-            ranges = list(self._map_ranges.items())
-        for s, (address, length) in ranges:
-            if address <= exc.address < address + length:
-                return CorruptShardError(self._shard_changed(s, "ends early"))
+            i = bisect.bisect_right(self._map_starts, exc.address) - 1
+            end, shard = self._map_ranges[self._map_starts[i]] if i >= 0 else (0, -1)
+        if exc.address < end:
+            return CorruptShardError(self._shard_changed(shard, "ends early"))
         return exc
 
     # ----------------------------------------------------------------- shard files
     def _shard_path(self, shard: int) -> Path:
-        return images_path(self.root / SHARDS_DIR / self.shard_names[shard], self.layout)
+        path = self._data_paths.get(shard)  # made once: a shuffled epoch over many shards opens them again and again
+        if path is None:
+            path = self._data_paths[shard] = images_path(self.root / SHARDS_DIR / self.shard_names[shard], self.layout)
+        return path
 
     def _index_path(self, shard: int) -> Path:
         return index_path(self.root / SHARDS_DIR / self.shard_names[shard])
@@ -1207,12 +1228,21 @@ class Cache:
         shard another thread opened at the same time is closed, and names no shard."""
         if entry.mapping is None:
             return
-        mapping = entry.mapping
-        with self._map_lock:  # forget maps of other shards that were unmapped from this address range
-            for s, (address, length) in list(self._map_ranges.items()):
-                if address < mapping.address + mapping.length and mapping.address < address + length:
-                    del self._map_ranges[s]
-            self._map_ranges[shard] = (mapping.address, mapping.length)
+        address, end = entry.mapping.address, entry.mapping.address + entry.mapping.length
+        with self._map_lock:  # forget this shard's earlier map, and maps that were unmapped from this address range
+            starts, ranges, latest = self._map_starts, self._map_ranges, self._map_of
+            earlier = latest.pop(shard, None)
+            if earlier is not None and ranges.get(earlier, (0, -1))[1] == shard:
+                del ranges[earlier]
+                starts.pop(bisect.bisect_left(starts, earlier))
+            i = bisect.bisect_left(starts, end)  # the ranges kept never overlap: sorted by start, they are by end too
+            while i > 0 and ranges[starts[i - 1]][0] > address:
+                i -= 1
+                _, gone = ranges.pop(starts.pop(i))
+                latest.pop(gone, None)  # a shard has one range kept: this one
+            starts.insert(i, address)
+            ranges[address] = (end, shard)
+            latest[shard] = address
 
     def _check_fd(self, shard: int, fd: int) -> None:
         """The open file is still the one seen at open: same size and modification time."""

@@ -80,7 +80,16 @@ from .errors import (
     local_os_error,
     one_line,
 )
-from .files import atomic_write_text, crc32c, crc32c_range, file_crc32c, free_mib, link_on_the_way, make_dirs
+from .files import (
+    atomic_write_text,
+    crc32c,
+    crc32c_range,
+    few_entries,
+    file_crc32c,
+    free_mib,
+    link_on_the_way,
+    make_dirs,
+)
 from .records import INDEX_ROW_BYTES, MANIFEST, Manifest, parse_json, parse_manifest
 from .remote import connect, is_s3fs, past_the_end
 from .shards import SHARDS_DIR, images_path, index_path
@@ -681,9 +690,9 @@ class ShardFetcher:
             st = os.statvfs(self.local_root)
         except OSError:
             st = None
-        if st is not None and st.f_files and not st.f_favail:
-            return ("; no file entries (inodes) are left on its disk, whatever its free bytes (`df -i` shows them): "
-                    "free some there, or put local_cache on another file system, and run again")
+        if st is not None and few_entries(st) and st.f_bavail * st.f_frsize >= 2**20:
+            return (f"; {st.f_favail:,} file entries (inodes) are left on its disk, whatever its free bytes (`df -i` "
+                    "shows them): free some there, or put local_cache on another file system, and run again")
         free = f", {mib} free on its disk now" if (mib := free_mib(self.local_root)) else ""
         if self.limit is None:
             return (f"{free}; no cache_limit is set: set one below the space the node may use there (least recently "

@@ -194,15 +194,21 @@ def free_mib(folder: str | os.PathLike) -> str | None:
     return f"{st.f_bavail * st.f_frsize / 2**20:,.1f} MiB"
 
 
+def few_entries(st: os.statvfs_result) -> bool:
+    """Whether a disk is (nearly) out of file entries (inodes), whatever its free bytes: a write that failed for
+    want of one removed what it had begun before this is asked, which gave a few back."""
+    return bool(st.f_files) and st.f_favail <= max(1024, st.f_files // 100)
+
+
 def disk_room(folder: str | os.PathLike) -> str | None:
-    """What is left on the disk of ``folder``, for a message about a full one: "12.3 MiB free on its disk", or that
-    its file entries (inodes) are used up, whatever its free bytes; None where the disk cannot be asked."""
+    """What is left on the disk of ``folder``, for a message about a full one: "12.3 MiB free on its disk", with
+    the file entries (inodes) left where they are few; None where the disk cannot be asked."""
     try:
         st = os.statvfs(folder)
     except OSError:
         return None
-    if st.f_files and not st.f_favail:
-        return "no file entries (inodes) are left on its disk, whatever its free bytes (`df -i` shows them)"
+    if few_entries(st):
+        return f"{free_mib(folder)} and {st.f_favail:,} file entries (inodes) free on its disk (`df -i` shows them)"
     return f"{free_mib(folder)} free on its disk"
 
 

@@ -61,8 +61,12 @@ class ShardWriter:
 
     def __enter__(self) -> ShardWriter:
         data = images_path(self.tmp_dir, self.layout)
-        data.parent.mkdir(parents=True)
-        self._file = open(data, "wb")  # closed in commit/__exit__
+        try:
+            data.parent.mkdir(parents=True)
+            self._file = open(data, "wb")  # closed in commit/__exit__
+        except BaseException:  # no file entries left, a full disk: __exit__ is not called for a failed __enter__
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            raise
         return self
 
     def add(self, image: np.ndarray, label: int, path: str) -> None:

@@ -842,6 +842,86 @@ def test_a_full_local_disk_is_a_local_error_naming_the_folder_not_the_store(s3, 
     assert not [p for p in (tmp_path / "lc").rglob("*") if fetch.PART in p.name]
 
 
+@pytest.mark.parametrize(("disk", "limit", "advice"), [
+    ("few entries", 10**9, r"; 7 file entries \(inodes\) are left on its disk, whatever its free bytes \(`df -i` shows "
+                           r"them\): free some there, or put local_cache on another file system"),
+    ("small", 10**9, r", 0.4 MiB free on its disk now; its cache_limit of 1,000,000,000 bytes is more than its disk holds: "
+                     r"lower it"),
+    ("large", 10**4, r", 3,906.2 MiB free on its disk now, [\d,]+ bytes held by its downloaded shards, though its cache_limit of "
+                     r"10,000 bytes is within what the disk holds: the shards open for reading at once .* or other files "
+                     r"there outgrew the disk; free space there, or read fewer shards at once"),
+])
+def test_a_full_node_cache_disk_is_told_apart_from_a_limit_set_too_high(s3, built, tmp_path, monkeypatch, disk, limit,
+                                                                        advice):
+    """Every full disk under a cache_limit was "its cache_limit is more than its disk holds: lower it": also a disk
+    out of file entries (inodes), and a limit well within the disk, which the shards open for reading (never
+    evicted) or other files outgrew, where lowering it changes nothing."""
+    import errno
+    import types
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, cache_limit=limit)
+    blocks = {"few entries": 10**6, "small": 100, "large": 10**6}[disk]  # of 4 KiB: 4 GB, or 400 KB, free
+    statvfs = types.SimpleNamespace(f_bavail=blocks, f_frsize=4096, f_files=10**6, f_favail=7 if disk == "few entries"
+                                    else 10**5)
+    monkeypatch.setattr(fetch.os, "statvfs", lambda _: statvfs)
+
+    async def full(fs, rpath, lpath, progress):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fetch, "_s3_get", full)
+    with pytest.raises(CacheError, match=rf"local_cache {tmp_path / 'lc'}: No space left on device while shard 000000\.zarr "
+                                         rf"was downloaded into it{advice}"):
+        next(iter(ds))
+
+
+def test_a_node_cache_disk_full_at_its_eviction_lock_is_a_cache_error(s3, built, tmp_path, monkeypatch):
+    """Making room before a plan opens the eviction's lock file on the node's disk: out of file entries there, the
+    iteration ended in a raw OSError traceback."""
+    import errno
+
+    url = upload(s3, built["fixed"])
+    ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, cache_limit=10**9)
+    real = fetch._open_step_lock
+
+    def no_entry_left(path):
+        if path.endswith(fetch.EVICT_LOCK):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(path)
+
+    monkeypatch.setattr(fetch, "_open_step_lock", no_entry_left)
+    with pytest.raises(CacheError, match=rf"local_cache {tmp_path / 'lc'}: No space left on device while making room "
+                                         "for the shards to read"):
+        next(iter(ds))
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True,
+                    timeout=60).returncode != 0, reason="needs unshare -rm (a user and mount namespace) for a tmpfs")
+def test_a_node_cache_on_a_disk_full_before_it_is_opened_is_a_full_disk_not_an_unwritable_folder(s3, built, tmp_path):
+    """The disk a previous job filled: opening said "cannot be used (No space left on device); pass a writable local
+    folder" (an ArgumentError), where the folder is writable and the disk is full."""
+    url = upload(s3, built["fixed"])
+    script = textwrap.dedent("""
+        import json, sys
+        import datapipe
+        try:
+            datapipe.StreamingDataset(sys.argv[1], local_cache=sys.argv[2], storage_options=json.loads(sys.argv[3]),
+                                      batch_size=8, timeout=30)
+        except datapipe.errors.DatapipeError as exc:
+            print(type(exc).__name__, exc)
+    """)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$1" && '
+                           '(head -c 1000000 /dev/zero > "$1/another-job"; exec "$2" -c "$3" "$4" "$1/lc" "$5")', "sh",
+                           str(mnt), sys.executable, script, url, json.dumps(s3.storage_options)],
+                          capture_output=True, text=True, env={**os.environ, **s3.env}, timeout=120)
+    kind, _, message = proc.stdout.strip().partition(" ")
+    assert kind == "CacheError", proc.stdout + proc.stderr[-2000:]
+    assert message.startswith(f"local_cache {mnt}/lc: No space left on device while its folders were made, 0.0 MiB "
+                              "free on its disk now; no cache_limit is set"), message
+
+
 def test_a_file_size_limit_on_the_node_cache_is_a_local_error_at_once(s3, built, tmp_path):
     """A real RLIMIT_FSIZE (`ulimit -f`) below a shard's size: the download fails with EFBIG, which is this machine's
     limit, not the store's failure: one CacheError naming local_cache and the limit, with no retry until the timeout,

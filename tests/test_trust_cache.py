@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import datapipe
-from datapipe import cli
+from datapipe import cli, native
 from datapipe.errors import CacheError, CorruptShardError, DatapipeError
 from datapipe.records import config_hash, is_datapipe_output, read_build_record
 from datapipe.shards import images_path, shard_labels_path
@@ -760,6 +760,59 @@ def test_caches_open_in_one_process_share_one_budget_of_open_shard_files(built, 
                 assert sum(len(c._files) for c in caches) <= 4
                 assert len(os.listdir("/proc/self/fd")) <= base + 4
     assert sum(len(c._files) for c in caches) == 4
+
+
+def test_the_least_recently_used_idle_shard_files_are_closed_first_across_caches(built, tmp_path, monkeypatch):
+    """Eviction finds the least recently used files from the front of each cache's order (a walk over every open
+    file per shard opened made a shuffled epoch over thousands of shards 4 times slower): the order it closes in
+    is still the least recently used first, within a cache and across the caches sharing the budget."""
+    from datapipe.cache import _ShardFiles
+
+    monkeypatch.setattr(_ShardFiles, "budget", 4)
+    a, b = (datapipe.open(shutil.copytree(built, tmp_path / name)) for name in "ab")
+
+    def read(cache, shard):
+        cache[shard * SHARD]
+
+    def open_shards():
+        return sorted(a._files._open), sorted(b._files._open)
+
+    for cache, shard in [(a, 0), (a, 1), (a, 2), (b, 0)]:
+        read(cache, shard)
+    assert open_shards() == ([0, 1, 2], [0])
+    read(a, 0)  # used again: now the most recent of a's
+    read(b, 1)  # one over the budget: a's shard 1 is the least recently used of all
+    assert open_shards() == ([0, 2], [0, 1])
+    a._files.limit = 2  # a's own limit: its least recently used goes first (2, read before 0 was read again)
+    read(a, 3)
+    assert open_shards() == ([0, 3], [0, 1])
+    read(b, 0)
+    read(b, 2)  # a's 0 is the least recent of all now (read before b's 1 and a's 3)
+    assert open_shards() == ([3], [0, 1, 2])
+
+
+@pytest.mark.skipif(not native.guard_available(), reason="memory maps are used under the SIGBUS guard only")
+def test_a_fault_in_any_open_shards_map_is_named_by_that_shard_after_maps_came_and_went(built, monkeypatch):
+    """The shard a faulting address belongs to is looked up among the maps' ranges kept in address order (a walk
+    over every range per shard opened was one of the costs of a shuffled epoch over thousands of shards): after
+    many maps made and unmapped (addresses reused), each open shard's first, middle and last byte name it, and an
+    address in no map names none."""
+    from datapipe.cache import _ShardFiles
+    from datapipe.errors import MappedReadError
+
+    monkeypatch.setattr(_ShardFiles, "budget", 3)
+    cache = datapipe.open(built)
+    for k in np.random.default_rng(0).integers(0, N, 200).tolist():
+        cache[k]
+        for shard, entry in list(cache._files._open.items()):
+            m = entry.mapping
+            for address in (m.address, m.address + m.length // 2, m.address + m.length - 1):
+                named = cache.shard_error(MappedReadError("fault", address))
+                assert f"shard {shard:06d}.zarr" in str(named), (shard, str(named))
+    assert len(cache._map_ranges) == len(cache._map_starts) == len(cache._map_of) <= len(cache.counts)
+    assert cache._map_starts == sorted(cache._map_starts)
+    lone = MappedReadError("fault", 8)
+    assert cache.shard_error(lone) is lone
 
 
 EMFILE_SCRIPT = r"""
