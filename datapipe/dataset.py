@@ -500,12 +500,28 @@ class StreamingDataset(IterableDataset):
         """The epoch's batches ahead of where the current iteration began (in this batch layout)."""
         return self._epoch_batches() - self._epoch_batches(self._iter_base)
 
+    def receipt(self) -> tuple:
+        """What :meth:`note_received` changes, as it is now: handed to :meth:`take_back` when the batch noted never
+        reached the loop."""
+        return (self._iteration, self._consumed, self._passes, self._read_epoch, int(self._shared[4]),
+                int(self._shared[5]))
+
+    def take_back(self, receipt: tuple) -> None:
+        """The batch noted as received after ``receipt`` (:meth:`receipt`) never reached the loop: an exception (a
+        Ctrl-C, a handler of SIGTERM) was raised after it was counted, before it was handed over. Left counted, a
+        state saved then would be one batch ahead of the loop, and a resume from it would skip that batch."""
+        iteration, consumed, passes, read_epoch, shared4, shared5 = receipt
+        if iteration == self._iteration:  # (no newer iteration can begin between the two, in one step of the loop)
+            self._consumed, self._passes, self._read_epoch = consumed, passes, read_epoch
+            self._shared[4], self._shared[5] = shared4, shared5
+
     def note_received(self, iteration: int, batches: int) -> None:
         """Record that the loop has received the first ``batches`` batches of iteration ``iteration``.
 
         Only the current iteration moves the state: a batch of an earlier one (an iterator kept
         after a newer one began, or after set_epoch/load_state_dict) is not counted, and makes
-        ``state_dict()`` refuse to guess which of them the training loop follows.
+        ``state_dict()`` refuse to guess which of them the training loop follows. A caller counts a batch right
+        before it hands it over, and takes the count back (:meth:`take_back`) when that fails.
         """
         if iteration == self._iteration:
             self._consumed = batches
@@ -667,11 +683,21 @@ class StreamingDataset(IterableDataset):
                 batch = self._read(order[begin:end], shared=in_worker)
                 if remote is not None:
                     remote.read(k)
-                if not in_worker:
-                    self.note_received(iteration, int(j) + 1)
-                else:  # yielded, as a worker's state_dict (asked for after the batches it yields) says
+                if in_worker:  # yielded, as a worker's state_dict (asked for after the batches it yields) says
                     self._worker_progress = (epoch, start, skip + k + 1)
-                yield batch
+                    yield batch
+                    continue
+                receipt = None
+                try:  # counted as the loop's when handed over, and only then (see take_back)
+                    receipt = self.receipt()
+                    self.note_received(iteration, int(j) + 1)
+                    yield batch
+                except GeneratorExit:  # closed at the yield (a break): the loop had the batch
+                    raise
+                except BaseException:
+                    if receipt is not None:
+                        self.take_back(receipt)
+                    raise
             if in_worker and worker == 0 and current:  # its share read to the end: the loop has (about) the whole epoch
                 self._read_whole()
         finally:

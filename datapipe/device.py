@@ -344,41 +344,51 @@ class DeviceLoader:
         held: _Slot | None = None
         try:
             for j in range(n):
-                with self._step:
-                    self._check_current(gen, iteration)
-                    if held is not None:  # the previous raw uint8 batch is released when the next is asked for
-                        self._give_back(held)
-                        held = None
-                    started = self.meter.begin()
-                    while submitted < n and self._free:
-                        begin, end = bounds[submitted]
-                        self._submit(gen, submitted, order[begin:end], self._free.pop(),
-                                     _seed_for(ds.seed, epoch, begin))
-                        submitted += 1
-                    try:
-                        (slot, batch, seed), waited = self._wait(gen, j, started)
-                    except BaseException as exc:  # a timeout the loop may catch, a reader's error: it waited all the same
-                        self.meter.add_wait(time.perf_counter() - started)
-                        self._explain_out_of_memory(exc)
-                        raise
-                    try:
-                        if self.cuda:
-                            batch = self._on_device(slot, batch, seed)
-                        elif not self._reader_transforms:  # a generic module: here, in order, one at a time
-                            t = time.perf_counter()
-                            batch = self._transform(batch, seed)
-                            waited += time.perf_counter() - t  # the loop's time on data, like a wait
-                    except (MemoryError, RuntimeError) as exc:
-                        self._explain_out_of_memory(exc)
-                        raise
-                    if not self.cuda:
-                        if self.output == "uint8":
-                            held, slot.held = slot, True
-                        else:
-                            self._release(slot)
-                    ds.note_received(iteration, j + 1)
-                    self.meter.record(started, waited, int(batch[1].shape[0]))
-                yield batch
+                receipt = None  # counted as the loop's when handed over, and only then (see StreamingDataset.take_back)
+                try:
+                    with self._step:
+                        self._check_current(gen, iteration)
+                        if held is not None:  # the previous raw uint8 batch is released when the next is asked for
+                            self._give_back(held)
+                            held = None
+                        started = self.meter.begin()
+                        while submitted < n and self._free:
+                            begin, end = bounds[submitted]
+                            self._submit(gen, submitted, order[begin:end], self._free.pop(),
+                                         _seed_for(ds.seed, epoch, begin))
+                            submitted += 1
+                        try:
+                            (slot, batch, seed), waited = self._wait(gen, j, started)
+                        except BaseException as exc:  # a timeout the loop may catch, a reader's error: it waited all the same
+                            self.meter.add_wait(time.perf_counter() - started)
+                            self._explain_out_of_memory(exc)
+                            raise
+                        try:
+                            if self.cuda:
+                                batch = self._on_device(slot, batch, seed)
+                            elif not self._reader_transforms:  # a generic module: here, in order, one at a time
+                                t = time.perf_counter()
+                                batch = self._transform(batch, seed)
+                                waited += time.perf_counter() - t  # the loop's time on data, like a wait
+                        except (MemoryError, RuntimeError) as exc:
+                            self._explain_out_of_memory(exc)
+                            raise
+                        if not self.cuda:
+                            if self.output == "uint8":
+                                held, slot.held = slot, True
+                            else:
+                                self._release(slot)
+                        receipt = ds.receipt()
+                        ds.note_received(iteration, j + 1)
+                        self.meter.record(started, waited, int(batch[1].shape[0]))
+                    yield batch
+                except GeneratorExit:  # closed at the yield (a break): the loop had the batch
+                    raise
+                except BaseException:
+                    if receipt is not None:
+                        with self._step:
+                            ds.take_back(receipt)
+                    raise
             self.meter.finish()  # the loop asked for a batch after the last: its last step is over
             if not self._closed:  # every batch was delivered: a close() after the last one ends nothing
                 self._check_current(gen, iteration)

@@ -222,6 +222,76 @@ def test_numpy_integers_are_integers(index_cache, saved):
     assert ds.epoch == 5 and ds.start == 3 * B
 
 
+def _interrupt_before_handover(how: str, ds: datapipe.StreamingDataset, at: int):
+    """Make a KeyboardInterrupt land after batch ``at`` (1-based) is counted as the loop's, before the loop has it:
+    raised by note_received once it counted it (a signal handler run inside it), or at the line ``yield batch``
+    itself (where a handler runs when a signal arrives just before the yield, placed with a trace function)."""
+    import sys
+
+    from datapipe import dataset as dataset_module
+    from datapipe import device as device_module
+
+    if how == "inside the count":
+        real = ds.note_received
+
+        def note_received(iteration, batches):
+            real(iteration, batches)
+            if batches == at:
+                raise KeyboardInterrupt("Ctrl-C")
+
+        ds.note_received = note_received
+        return None
+    codes = {dataset_module.StreamingDataset._stream.__code__, device_module.DeviceLoader._batches.__code__}
+    lines = {}
+    for code in codes:
+        import inspect
+
+        source, first = inspect.getsourcelines(code)
+        lines[code] = {first + i for i, text in enumerate(source) if text.strip() == "yield batch"}
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno in lines[frame.f_code]:
+            seen[0] += 1
+            if seen[0] == at:
+                sys.settrace(None)
+                raise KeyboardInterrupt("Ctrl-C")
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code in codes else None)
+    return sys.settrace
+
+
+@pytest.mark.parametrize("how", ["inside the count", "at the yield"])
+@pytest.mark.parametrize("loader", ["DeviceLoader, 2 readers", "DeviceLoader, no reader", "DataLoader"])
+def test_an_interrupt_before_a_batch_is_handed_over_leaves_the_state_at_what_the_loop_received(index_cache, how,
+                                                                                                  loader):
+    """A Ctrl-C (or a SIGTERM handler's sys.exit) landing after the loader counted a batch as the loop's but before
+    the loop had it: the state said one batch more than the loop received, and a resume skipped that batch."""
+    ds = dataset(index_cache, shuffle=True)
+    ds.set_epoch(3)
+    if loader == "DataLoader":
+        it_of = DataLoader(ds, batch_size=None)
+    else:
+        it_of = datapipe.DeviceLoader(ds, device="cpu", output="uint8", num_workers=2 if "2" in loader else 0)
+    received: list[int] = []
+    stop = _interrupt_before_handover(how, ds, at=3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for batch in it_of:
+                received += batch[2].tolist()
+    finally:
+        if stop is not None:
+            stop(None)
+    assert len(received) == 2 * B
+    state = ds.state_dict()
+    assert state["position"] == 2 * B, state
+    resumed = dataset(index_cache, shuffle=True)
+    resumed.load_state_dict(state)
+    rest = [i for batch in iter(resumed) for i in batch[2].tolist()]
+    assert sorted(received + rest) == list(range(N))  # every sample of the epoch once, none skipped
+
+
 def test_the_end_of_an_epoch_resumes_to_an_empty_remainder(index_cache, saved):
     ds = dataset(index_cache)
     ds.load_state_dict({**saved, "position": N})
