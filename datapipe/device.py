@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._threads import renew_after_fork
 from .augment import BatchAugment, BatchFn, Convert, EvalAugment, TrainAugment
 from .dataset import StreamingDataset, check_int
 from .environment import memory_limit
@@ -247,6 +248,7 @@ class DeviceLoader:
         if self.cuda:
             self._copy_stream = torch.cuda.Stream(device=self.device)
         _LIVE.add(self)  # its reader threads are stopped at interpreter exit
+        renew_after_fork(self, "_after_fork")
 
     # ----------------------------------------------------------------- public surface
     def __len__(self) -> int:
@@ -498,6 +500,24 @@ class DeviceLoader:
             if ready is not None:
                 torch.set_num_threads(before)  # also when this thread still has it: the default is what changed
         self._started = True
+
+    def _after_fork(self) -> None:
+        """In a child made by fork: none of the parent's reader threads are here, so jobs queued for them would be
+        waited on for ``timeout``, and a lock one of them held at the fork stays held. The child starts afresh:
+        new locks, queue and host buffers (a parent's batch in one is the parent's), its own readers started by
+        its first iteration."""
+        self._cond = threading.Condition()
+        self._step = threading.RLock()
+        self._jobs = queue.SimpleQueue()
+        self._threads = []
+        self._results = {}
+        self._slots, self._free = [], []
+        self._busy = 0
+        self._started = False
+        self._generation += 1  # an iteration of the parent's, carried over in a generator, stops at its next step
+        self._pool = _OutputPool(self._pool.capacity)
+        self._decode_streams = threading.local()
+        self.meter.after_fork()
 
     def _new_slot(self) -> _Slot:
         """One host buffer of the ring (pinned on CUDA)."""

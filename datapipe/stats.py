@@ -34,6 +34,10 @@ class StallMeter:
         self._lock = threading.Lock()
         self.reset()
 
+    def after_fork(self) -> None:
+        """In a child made by fork: a lock held by a thread of the parent at the fork stays held; made anew."""
+        self._lock = threading.Lock()
+
     def reset(self) -> None:
         with self._lock:
             self.batches = 0

@@ -590,6 +590,52 @@ def test_two_threads_iterating_one_loader_never_get_wrong_or_repeated_samples(in
     assert len(finished) >= 40  # one of the two, at least, read its epoch whole every time
 
 
+@pytest.mark.parametrize("when", ["after an epoch", "in the middle of one", "while its locks are held"])
+def test_a_device_loader_used_in_a_child_forked_after_it_began_reads_there(index_cache, when):
+    """A DeviceLoader that had started its reader threads, used in a child made by fork (os.fork, multiprocessing's
+    fork context, a launcher forking its ranks): fork copies no thread, but the loader counted itself started, so
+    the child queued its jobs for readers that were not there and waited `timeout` (300 s), then blamed slow
+    storage. The child now starts its own readers; the parent's loader reads on."""
+    import os
+
+    ds = dataset(index_cache, shuffle=True)
+    loader = datapipe.DeviceLoader(ds, device="cpu", output="uint8", num_workers=2, timeout=60)
+    running = iter(loader)
+    next(running)
+    if when == "after an epoch":
+        for _ in running:
+            pass
+    held = when == "while its locks are held"
+    if held:  # as if a reader thread of the parent were inside them at the fork
+        loader._cond.acquire()
+        loader._step.acquire()
+        loader.meter._lock.acquire()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            loader.set_epoch(7)
+            seen = [i for batch in loader for i in batch[2].tolist()]
+            code = 0 if sorted(seen) == list(range(index_cache.n)) else 2
+        finally:
+            os._exit(code)
+    if held:
+        loader.meter._lock.release()
+        loader._step.release()
+        loader._cond.release()
+    deadline = time.monotonic() + 60
+    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not done[0]:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waits for readers that are not there")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    loader.set_epoch(8)  # the parent's loader, and its readers, as they were
+    assert sorted(i for batch in loader for i in batch[2].tolist()) == list(range(index_cache.n))
+    loader.close()
+
+
 def test_a_child_forked_while_reader_threads_hold_the_cache_locks_reads(index_cache):
     """A DataLoader worker forked (the default start method on Linux) while a reader thread of the parent held a
     cache's lock (it opens and closes shards under it, often, when a cache has more shards than the open-file
