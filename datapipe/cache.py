@@ -377,11 +377,12 @@ class Cache:
         self._paths: list[str] | None = None
         # memory maps only under the SIGBUS guard; positioned reads otherwise
         self.mapped: bool = native.guard_available()
-        # the address ranges of the shards' latest maps, to name the shard of a faulting address (shard_error):
-        # their starts in order, start -> (end, shard), and shard -> start
+        # the address ranges of the shards' maps, to name the shard of a faulting address (shard_error): their
+        # starts in order, and start -> (end, shard, the map); a shard reopened while views of its earlier map
+        # live has two. Ranges of maps since unmapped go when a new map takes their addresses, or at a sweep.
         self._map_starts: list[int] = []
-        self._map_ranges: dict[int, tuple[int, int]] = {}
-        self._map_of: dict[int, int] = {}
+        self._map_ranges: dict[int, tuple[int, int, weakref.ref]] = {}
+        self._map_sweep = 64  # ranges kept before those of maps unmapped are swept
         self._indexes: dict[int, SampleIndex] = {}  # shard -> its checked sample index (indexed layout)
         self._shapes: np.ndarray | None = None
         self._nbytes: np.ndarray | None = None
@@ -397,7 +398,7 @@ class Cache:
     # -- pickling: only the small description travels to DataLoader workers
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_map_starts", "_map_of", "_data_paths", "_indexes",
+        for key in ("_files", "_lock", "_labels", "_paths", "mapped", "_map_ranges", "_map_starts", "_map_sweep", "_data_paths", "_indexes",
                     "_index_lock", "_map_lock", "_shapes", "_nbytes", "_range", "_shard_files"):
             state.pop(key, None)
         return state
@@ -983,7 +984,7 @@ class Cache:
         """The error naming the shard whose map a guarded read faulted in (``exc.address``)."""
         with self._map_lock:
             i = bisect.bisect_right(self._map_starts, exc.address) - 1
-            end, shard = self._map_ranges[self._map_starts[i]] if i >= 0 else (0, -1)
+            end, shard, _ = self._map_ranges[self._map_starts[i]] if i >= 0 else (0, -1, None)
         if exc.address < end:
             return CorruptShardError(self._shard_changed(shard, "ends early"))
         return exc
@@ -1229,20 +1230,19 @@ class Cache:
         if entry.mapping is None:
             return
         address, end = entry.mapping.address, entry.mapping.address + entry.mapping.length
-        with self._map_lock:  # forget this shard's earlier map, and maps that were unmapped from this address range
-            starts, ranges, latest = self._map_starts, self._map_ranges, self._map_of
-            earlier = latest.pop(shard, None)
-            if earlier is not None and ranges.get(earlier, (0, -1))[1] == shard:
-                del ranges[earlier]
-                starts.pop(bisect.bisect_left(starts, earlier))
+        with self._map_lock:
+            starts, ranges = self._map_starts, self._map_ranges
             i = bisect.bisect_left(starts, end)  # the ranges kept never overlap: sorted by start, they are by end too
-            while i > 0 and ranges[starts[i - 1]][0] > address:
+            while i > 0 and ranges[starts[i - 1]][0] > address:  # maps unmapped from this address range
                 i -= 1
-                _, gone = ranges.pop(starts.pop(i))
-                latest.pop(gone, None)  # a shard has one range kept: this one
+                del ranges[starts.pop(i)]
             starts.insert(i, address)
-            ranges[address] = (end, shard)
-            latest[shard] = address
+            ranges[address] = (end, shard, weakref.ref(entry.mapping))
+            if len(starts) > self._map_sweep:  # maps unmapped whose addresses no new map took: forgotten
+                starts[:] = [a for a in starts if ranges[a][2]() is not None]
+                for a in [a for a, kept in ranges.items() if kept[2]() is None]:
+                    del ranges[a]
+                self._map_sweep = max(64, 2 * len(starts))
 
     def _check_fd(self, shard: int, fd: int) -> None:
         """The open file is still the one seen at open: same size and modification time."""

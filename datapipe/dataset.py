@@ -521,7 +521,8 @@ class StreamingDataset(IterableDataset):
         Only the current iteration moves the state: a batch of an earlier one (an iterator kept
         after a newer one began, or after set_epoch/load_state_dict) is not counted, and makes
         ``state_dict()`` refuse to guess which of them the training loop follows. A caller counts a batch right
-        before it hands it over, and takes the count back (:meth:`take_back`) when that fails.
+        before it hands it over, and takes the count back (:meth:`take_back`) when that fails (a plain DataLoader
+        in the main process takes the batch, then collates and pins it: a failure there is not seen here).
         """
         if iteration == self._iteration:
             self._consumed = batches

@@ -223,6 +223,7 @@ class DeviceLoader:
         self._busy = 0  # jobs reader threads are handling now (counted by the readers themselves)
         self._closed = False
         self._started = False
+        self._forked_at = 0  # the generation a forked child began with (_after_fork): older iterations are the parent's
         self._pool = _OutputPool(self._num_slots() + 2)
         # On the CPU the readers also augment — unless the augmentation is a generic module, whose
         # random state is torch's global generator: that runs in the loop's thread, batch by batch.
@@ -429,6 +430,10 @@ class DeviceLoader:
         if self._closed:
             raise RuntimeError("datapipe: this DeviceLoader was closed (close()) while an iteration ran; "
                                "create a new one to read on")
+        if self._generation != gen and gen < self._forked_at:
+            raise IterationSupersededError(
+                "datapipe: this iteration of the DeviceLoader began in the parent process, before this one was forked "
+                "from it (its reader threads are not here); begin a new one in this process (for batch in loader)")
         if self._generation != gen:
             raise IterationSupersededError(
                 "datapipe: this DeviceLoader was iterated again (iter(loader)) while this iteration ran, and only the "
@@ -515,6 +520,7 @@ class DeviceLoader:
         self._busy = 0
         self._started = False
         self._generation += 1  # an iteration of the parent's, carried over in a generator, stops at its next step
+        self._forked_at = self._generation  # ... saying so (see _check_current)
         self._pool = _OutputPool(self._pool.capacity)
         self._decode_streams = threading.local()
         self.meter.after_fork()

@@ -195,9 +195,13 @@ def free_mib(folder: str | os.PathLike) -> str | None:
 
 
 def few_entries(st: os.statvfs_result) -> bool:
-    """Whether a disk is (nearly) out of file entries (inodes), whatever its free bytes: a write that failed for
-    want of one removed what it had begun before this is asked, which gave a few back."""
-    return bool(st.f_files) and st.f_favail <= max(1024, st.f_files // 100)
+    """Whether a disk is (nearly) out of file entries (inodes) rather than bytes: few left (a write that failed for
+    want of one removed what it had begun before this is asked, which gave a few back), and a smaller share of them
+    than of its bytes (XFS makes inodes as they are needed and counts those its free bytes could hold: a disk out
+    of bytes is out of inodes there too)."""
+    if not st.f_files or st.f_favail > max(1024, st.f_files // 100):
+        return False
+    return not st.f_blocks or st.f_favail / st.f_files < st.f_bavail / st.f_blocks
 
 
 def disk_room(folder: str | os.PathLike) -> str | None:

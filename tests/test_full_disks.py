@@ -234,3 +234,20 @@ def test_the_index_files_are_written_whole_or_not_at_all(source, tmp_path):
     rerun = datapipe.build(source, out, size=SIZE, shard_size=SHARD, cluster=datapipe.Cluster(scheduler="sync"),
                            progress=False)
     assert rerun.shards_built == 0 and json.loads((out / "manifest.json").read_text())["shards"] == manifest["shards"]
+
+
+def test_file_entries_are_blamed_only_when_scarcer_than_bytes():
+    """XFS makes inodes as they are needed and reports as free those its free bytes could hold: a disk out of
+    bytes shows few free inodes too, and was said to be out of file entries, "whatever its free bytes"."""
+    import os
+
+    from datapipe.files import few_entries
+
+    def disk(blocks, free_blocks, files, free_files):
+        return os.statvfs_result((4096, 4096, blocks, free_blocks, free_blocks, files, free_files, free_files, 0, 255))
+
+    xfs_out_of_bytes = disk(10**8, 1024, 2_000_000 + 8192, 100 + 8192)  # 4 MiB free, 8 inodes a free block
+    assert not few_entries(xfs_out_of_bytes)
+    assert few_entries(disk(10**8, 10**7, 2_000_000, 100))  # ext4 out of inodes, 40 GB free
+    assert not few_entries(disk(10**8, 10**7, 2_000_000, 500_000))  # plenty of both
+    assert not few_entries(disk(10**8, 0, 0, 0))  # a file system that counts no inodes

@@ -862,8 +862,8 @@ def test_a_full_node_cache_disk_is_told_apart_from_a_limit_set_too_high(s3, buil
     url = upload(s3, built["fixed"])
     ds = open_remote(s3, url, tmp_path / "lc", shuffle=False, prefetch=0, cache_limit=limit)
     blocks = {"few entries": 10**6, "small": 100, "large": 10**6}[disk]  # of 4 KiB: 4 GB, or 400 KB, free
-    statvfs = types.SimpleNamespace(f_bavail=blocks, f_frsize=4096, f_files=10**6, f_favail=7 if disk == "few entries"
-                                    else 10**5)
+    statvfs = types.SimpleNamespace(f_bavail=blocks, f_blocks=2 * 10**6, f_frsize=4096, f_files=10**6,
+                                    f_favail=7 if disk == "few entries" else 10**5)
     monkeypatch.setattr(fetch.os, "statvfs", lambda _: statvfs)
 
     async def full(fs, rpath, lpath, progress):

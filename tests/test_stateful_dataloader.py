@@ -51,11 +51,19 @@ def refused(message: str):
     before = set(multiprocessing.active_children())
     with pytest.raises(StateError, match=message):
         yield
-    # only the workers started meanwhile (this process may have other children: a cluster of another test)
-    for worker in set(multiprocessing.active_children()) - before:
-        worker.terminate()
-        worker.join(30)
-    gc.collect()
+    # only the workers started meanwhile (this process may have other children: a cluster of another test); torch's
+    # SIGCHLD handler, still watching them for the loader's iterator, would take their ending for a crash and raise
+    # in this thread: it is set aside while they are stopped
+    import signal
+
+    watching = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        for worker in set(multiprocessing.active_children()) - before:
+            worker.terminate()
+            worker.join(30)
+        gc.collect()
+    finally:
+        signal.signal(signal.SIGCHLD, watching)
 
 
 def indices(batches) -> list[list[int]]:
