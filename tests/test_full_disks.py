@@ -40,6 +40,17 @@ def in_namespace(script: str, *args: str, timeout: float = 300) -> subprocess.Co
                           timeout=timeout, env={**os.environ, "PY": sys.executable}, stdin=subprocess.DEVNULL)
 
 
+def build_on_a_small_disk(script: str, source: Path, tmp_path: Path) -> Path:
+    """Run ``script`` in a namespace of its own with ``$1`` the source, ``$2`` an empty folder to mount a tmpfs on
+    and ``$3`` a folder outside it for what the script keeps (returned)."""
+    mnt, kept = tmp_path / "mnt", tmp_path / "kept"
+    mnt.mkdir()
+    kept.mkdir()
+    done = in_namespace(script, str(source), str(mnt), str(kept))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return kept
+
+
 def file_size_limit(size: int):
     """A preexec_fn: this process may write no file past ``size`` bytes (EFBIG)."""
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -74,7 +85,6 @@ def test_a_build_that_fills_its_disk_leaves_no_half_written_file_and_a_rerun_res
     close flushed into the full disk again and raised before the folder was removed), on the disk the user is
     told to free. Now nothing half-written is left, the line says how much is free, and once there is room the
     rerun builds only the missing shards into the cache a clean build writes."""
-    kept = tmp_path / "kept"
     script = f"""
         mount -t tmpfs -o size=400k tmpfs "$2" || exit 90
         {BUILD} > "$3/first.log" 2>&1; echo $? > "$3/first.rc"
@@ -84,11 +94,7 @@ def test_a_build_that_fills_its_disk_leaves_no_half_written_file_and_a_rerun_res
         {BUILD} > "$3/second.log" 2>&1; echo $? > "$3/second.rc"
         cp -a "$2/out" "$3/out"
     """
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    kept.mkdir()
-    done = in_namespace(script, str(source), str(mnt), str(kept))
-    assert done.returncode == 0, done.stderr[-2000:]
+    kept = build_on_a_small_disk(script, source, tmp_path)
     first = (kept / "first.log").read_text()
     line = last_line(first)
     assert (kept / "first.rc").read_text().strip() == "1", first[-2000:]
@@ -117,11 +123,7 @@ def test_a_build_whose_disk_has_no_file_entries_left_says_so(source, tmp_path):
         {BUILD} > "$3/log" 2>&1; echo $? > "$3/rc"
         find "$2" -name '.tmp-*' > "$3/leftovers"
     """
-    mnt, kept = tmp_path / "mnt", tmp_path / "kept"
-    mnt.mkdir()
-    kept.mkdir()
-    done = in_namespace(script, str(source), str(mnt), str(kept))
-    assert done.returncode == 0, done.stderr[-2000:]
+    kept = build_on_a_small_disk(script, source, tmp_path)
     log = (kept / "log").read_text()
     line = last_line(log)
     assert (kept / "rc").read_text().strip() == "1", log[-2000:]
