@@ -362,10 +362,10 @@ class Cache:
         # opened as a folder, a node-local cache holds the shards read so far (and no zarr.json)
         self.node_cache_of: str | None = node_cache_of(self.root) if remote is None else None
         self.verified_shards = 0  # by the last verify(): every shard, or a node-local cache's downloaded ones
-        self._data_paths: dict[int, Path] = {}  # shard -> its data file (_shard_path)
-        if check_bool(check_sizes, "check_sizes") and remote is None:
-            self.check_sizes()
+        check = check_bool(check_sizes, "check_sizes") and remote is None
         self._init_readers()
+        if check:
+            self.check_sizes()
 
     def _init_readers(self) -> None:
         self._files = _ShardFiles(_fd_limit() if self.remote is None else min(_fd_limit(), self.remote.max_open))
@@ -383,6 +383,7 @@ class Cache:
         self._map_starts: list[int] = []
         self._map_ranges: dict[int, tuple[int, int, weakref.ref]] = {}
         self._map_sweep = 64  # ranges kept before those of maps unmapped are swept
+        self._data_paths: dict[int, Path] = {}  # shard -> its data file (_shard_path)
         self._indexes: dict[int, SampleIndex] = {}  # shard -> its checked sample index (indexed layout)
         self._shapes: np.ndarray | None = None
         self._nbytes: np.ndarray | None = None
@@ -405,7 +406,6 @@ class Cache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._data_paths = {}
         self._init_readers()
 
     def close(self) -> None:

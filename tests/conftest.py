@@ -27,6 +27,28 @@ import datapipe
 # together, which sets its own.
 os.environ.setdefault("DATAPIPE_REMOTE_LOCK_SETTLE", "0.2")
 
+# ----------------------------------------------------------------------------- the machine's limits
+
+
+def file_size_limit(size: int):
+    """A preexec_fn: this process may write no file past ``size`` bytes (EFBIG, as a full disk gives ENOSPC)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def _mounts_allowed() -> bool:
+    import subprocess
+
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True, timeout=60).returncode == 0
+
+
+# A test that mounts (a small tmpfs, a bind mount) in a user and mount namespace of its own, where an ordinary user
+# may: skipped where the machine allows no such namespace.
+needs_mounts = pytest.mark.skipif(not _mounts_allowed(), reason="needs unshare -rm (a user and mount namespace) to "
+                                  "mount")
+
 # ----------------------------------------------------------------------------- pixels and bytes
 
 

@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import file_size_limit, needs_mounts
 
 import datapipe
 from datapipe.testing import index_map, make_index_dataset
 
 N, SIZE, SHARD = 60, 64, 10  # 6 shards of 10 samples, 123 KB each
-
-
-def _mounts_allowed() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-rm", "true"], capture_output=True, timeout=60).returncode == 0
-
-
-needs_mounts = pytest.mark.skipif(not _mounts_allowed(), reason="needs unshare -rm (a user and mount namespace) to "
-                                  "mount a small tmpfs")
 
 
 def in_namespace(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -49,11 +39,6 @@ def build_on_a_small_disk(script: str, source: Path, tmp_path: Path) -> Path:
     done = in_namespace(script, str(source), str(mnt), str(kept))
     assert done.returncode == 0, done.stderr[-2000:]
     return kept
-
-
-def file_size_limit(size: int):
-    """A preexec_fn: this process may write no file past ``size`` bytes (EFBIG)."""
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 def last_line(text: str) -> str:

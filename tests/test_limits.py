@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import file_size_limit
 
 import datapipe
 from datapipe.errors import OutOfThreadsError
@@ -118,11 +119,6 @@ def test_a_device_loader_that_cannot_start_its_readers_says_so(source, tmp_path,
         next(iter(loader))
     monkeypatch.setattr(threading.Thread, "start", real)
     assert sum(len(labels) for _, labels in loader) == len(source[1])  # nothing left half started
-
-
-def file_size_limit(size: int):
-    """A preexec_fn: this process may write no file past ``size`` bytes (EFBIG, as a full disk gives ENOSPC)."""
-    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
 @pytest.mark.parametrize("output", ["new", "an empty folder of the user's"])

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_mounts
 from s3_server import requires_s3
 
 import datapipe
@@ -895,8 +896,7 @@ def test_a_node_cache_disk_full_at_its_eviction_lock_is_a_cache_error(s3, built,
         next(iter(ds))
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True,
-                    timeout=60).returncode != 0, reason="needs unshare -rm (a user and mount namespace) for a tmpfs")
+@needs_mounts
 def test_a_node_cache_on_a_disk_full_before_it_is_opened_is_a_full_disk_not_an_unwritable_folder(s3, built, tmp_path):
     """The disk a previous job filled: opening said "cannot be used (No space left on device); pass a writable local
     folder" (an ArgumentError), where the folder is writable and the disk is full."""

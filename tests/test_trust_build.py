@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from build_fixtures import build_log
+from conftest import needs_mounts
 
 import datapipe
 import datapipe.builder as builder
@@ -433,12 +434,7 @@ def test_force_refuses_a_shard_it_could_not_replace_before_it_removes_anything(s
     assert build(small, out, size=SIZE + 8, force=True).shards_built == 3 and datapipe.open(out).verify() == []
 
 
-def _bind_mounts_allowed() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-rm", "true"], capture_output=True, timeout=60).returncode == 0
-
-
-@pytest.mark.skipif(not _bind_mounts_allowed(), reason="needs unshare -rm (a user and mount namespace) to bind-mount")
+@needs_mounts
 @pytest.mark.parametrize("mounted", ["images folder", "shard folder"])
 def test_force_never_deletes_through_a_folder_bind_mounted_into_a_shard(small, tmp_path, imaging, mounted):
     """A shard's images/ (or the shard folder itself) moved to another disk and bind-mounted back: --force walked

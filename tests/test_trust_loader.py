@@ -226,6 +226,7 @@ def _interrupt_before_handover(how: str, ds: datapipe.StreamingDataset, at: int)
     """Make a KeyboardInterrupt land after batch ``at`` (1-based) is counted as the loop's, before the loop has it:
     raised by note_received once it counted it (a signal handler run inside it), or at the line ``yield batch``
     itself (where a handler runs when a signal arrives just before the yield, placed with a trace function)."""
+    import inspect
     import sys
 
     from datapipe import dataset as dataset_module
@@ -244,8 +245,6 @@ def _interrupt_before_handover(how: str, ds: datapipe.StreamingDataset, at: int)
     codes = {dataset_module.StreamingDataset._stream.__code__, device_module.DeviceLoader._batches.__code__}
     lines = {}
     for code in codes:
-        import inspect
-
         source, first = inspect.getsourcelines(code)
         lines[code] = {first + i for i, text in enumerate(source) if text.strip() == "yield batch"}
     seen = [0]
